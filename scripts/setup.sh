@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Installs everything kvtier's demo and tests need, idempotently:
+#   - Debian packages (redis-server) when missing,
+#   - a local venv (.venv) with kvtier and its dev dependencies, re-installed only
+#     when pyproject.toml changes,
+#   - the real Kubernetes control plane (kube-apiserver, kube-controller-manager,
+#     etcd, kubectl, helm), built or unpacked once into a versioned cache outside git.
+# A second run is a no-op that takes a few seconds.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+export KVTIER_CACHE=${KVTIER_CACHE:-$HOME/.cache/kvtier}
+mkdir -p "$KVTIER_CACHE"
+log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+# --- Debian packages -------------------------------------------------------------
+need_apt=()
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  log "installing Debian packages: ${need_apt[*]}"
+  if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+# The Debian package starts a system redis on 6379; kvtier's tests start their own.
+
+# --- Python venv -------------------------------------------------------------------
+py=${PYTHON:-python3}
+stamp=.venv/.kvtier-installed
+want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv"
+  "$py" -m venv .venv
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  log "installing kvtier and dependencies into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
+
+# --- Kubernetes control plane, kubectl, helm ----------------------------------------
+if [ "${KVTIER_SKIP_CONTROLPLANE:-0}" != 1 ]; then
+  bash hack/controlplane.sh
+fi
+log "ready"
