@@ -1,0 +1,239 @@
+"""The sidecar's configuration: one pydantic model, rendered by the operator into a
+ConfigMap and read by `kvtier-sidecar --config FILE`.
+
+File format: YAML or JSON (a JSON document is valid YAML), one mapping whose keys are
+the fields of `SidecarConfig` below; every field has a default, so `{}` is a valid
+file. Example::
+
+    model:
+      model_id: llama-3-70b
+      weights_version: sha256:9f2c...      # exact digest; env KVTIER_WEIGHTS_VERSION wins
+      layers: 80
+      kv_heads: 8
+      head_dim: 128
+      dtype_bytes: 2
+    block_size: 16
+    dram_capacity_bytes: 8589934592
+    redis_url: redis://kvtier-redis:6379/0
+    peer_secret_file: /var/run/kvtier/peer-secret
+    platform_prefixes: [[128000, 882, 25]]
+
+The downward API supplies the pod's identity through the environment: POD_NAME,
+POD_NAMESPACE, POD_IP and KVTIER_WEIGHTS_VERSION override the file (see `from_env`).
+
+Fields marked reloadable in `RELOADABLE_FIELDS` take effect when the file changes; the
+others shape the arena and the listeners and need a restart (a changed value is
+logged and ignored, never applied half-way).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# The design's block size: 16 tokens per block (DESIGN.md, rule 3).
+DEFAULT_BLOCK_SIZE = 16
+# 1 GiB of host DRAM: small enough for a laptop demo; production sets hundreds of GiB.
+DEFAULT_DRAM_CAPACITY_BYTES = 1 << 30
+# A peer fetch that has not finished in this time is slower than recomputing it.
+DEFAULT_PEER_TIMEOUT_S = 2.0
+# Index entries outlive a typical eviction horizon; stale ones only cost a wasted fetch.
+DEFAULT_INDEX_TTL_S = 600
+# Prometheus series per metric stay bounded: top-N tenants get a label, the rest "other".
+DEFAULT_METRICS_TOP_TENANTS = 20
+
+RELOADABLE_FIELDS = frozenset({
+    "log_level",
+    "peer_timeout_s",
+    "peer_connect_timeout_s",
+    "index_ttl_s",
+    "index_lookup_timeout_s",
+    "metrics_top_tenants",
+    "platform_prefixes",
+    "platform_tenant",
+    "min_sightings",
+    "model",
+})
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
+
+
+class ModelShape(BaseModel):
+    """The served model's identity (the key root) and KV shape (the block size in bytes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_id: str = "reference-tiny"
+    weights_version: str = "dev"
+    kv_dtype: str = "float32"
+    rope_config_hash: str = "rope-default"
+    attn_impl_id: str = "sdpa"
+    layers: int = Field(2, ge=1, le=1024)
+    kv_heads: int = Field(2, ge=1, le=1024)
+    head_dim: int = Field(16, ge=1, le=4096)
+    dtype_bytes: int = Field(4, ge=1, le=8)
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+class SidecarConfig(BaseModel):
+    """Everything one sidecar needs; see the module docstring for the file format."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pod_name: str = "kvtier-local"
+    pod_namespace: str = "default"
+    pod_ip: str = "127.0.0.1"
+
+    model: ModelShape = ModelShape()
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, le=4096)
+    dram_capacity_bytes: int = Field(DEFAULT_DRAM_CAPACITY_BYTES, ge=1)
+    min_sightings: int = Field(2, ge=1, le=16)
+
+    http_port: int = Field(8081, ge=0, le=65535)
+    peer_port: int = Field(8082, ge=0, le=65535)
+    engine_socket: str = ""  # empty: derived from pod identity under the runtime dir
+
+    redis_url: str | None = None
+    index_ttl_s: int = Field(DEFAULT_INDEX_TTL_S, ge=1)
+    index_lookup_timeout_s: float = Field(0.05, gt=0)
+    index_key_prefix: str = "kvt"
+
+    peer_secret_file: str | None = None
+    peer_max_concurrency: int = Field(8, ge=1, le=1024)
+    peer_timeout_s: float = Field(DEFAULT_PEER_TIMEOUT_S, gt=0)
+    peer_connect_timeout_s: float = Field(0.25, gt=0)
+
+    platform_tenant: str = "platform"
+    platform_prefixes: list[list[int]] = Field(default_factory=list)
+
+    metrics_top_tenants: int = Field(DEFAULT_METRICS_TOP_TENANTS, ge=1, le=1000)
+    log_level: str = "INFO"
+
+    @field_validator("pod_name", "pod_namespace")
+    @classmethod
+    def _dns_like(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(f"{v!r} is not a valid pod name/namespace (letters, digits, . _ -)")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        up = v.upper()
+        if up not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError(f"log_level {v!r}: use DEBUG, INFO, WARNING or ERROR")
+        return up
+
+    @field_validator("platform_prefixes")
+    @classmethod
+    def _token_ids(cls, v: list[list[int]]) -> list[list[int]]:
+        for prefix in v:
+            if not prefix or any(not (0 <= t < 2**32) for t in prefix):
+                raise ValueError("platform_prefixes: each prefix is a non-empty list of uint32 token ids")
+        return v
+
+    @model_validator(mode="after")
+    def _arena_holds_a_block(self) -> "SidecarConfig":
+        if self.dram_capacity_bytes < self.block_bytes:
+            raise ValueError(
+                f"dram_capacity_bytes={self.dram_capacity_bytes} is smaller than one block "
+                f"({self.block_bytes} bytes): raise it or shrink the model shape"
+            )
+        return self
+
+    @property
+    def block_bytes(self) -> int:
+        return self.model.kv_bytes_per_token() * self.block_size
+
+    @property
+    def slots(self) -> int:
+        return self.dram_capacity_bytes // self.block_bytes
+
+    @property
+    def shm_name(self) -> str:
+        """POSIX shared-memory name, unique per (namespace, pod) so sidecars sharing a
+        host never collide; short because macOS caps names at 31 bytes."""
+        digest = hashlib.blake2b(f"{self.pod_namespace}/{self.pod_name}".encode(), digest_size=8).hexdigest()
+        return f"kvt-{digest}"
+
+    def engine_socket_path(self) -> str:
+        if self.engine_socket:
+            return self.engine_socket
+        runtime = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+        return str(Path(runtime) / f"kvtier-{self.shm_name}.sock")
+
+    def peer_secret(self) -> bytes | None:
+        """The shared secret, read from the mounted file on each call so a rotated
+        secret takes effect; None when peers are unauthenticated (tests only)."""
+        if not self.peer_secret_file:
+            return None
+        return Path(self.peer_secret_file).read_bytes().strip()
+
+
+ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "POD_NAME": ("pod_name",),
+    "POD_NAMESPACE": ("pod_namespace",),
+    "POD_IP": ("pod_ip",),
+    "KVTIER_WEIGHTS_VERSION": ("model", "weights_version"),
+    "KVTIER_REDIS_URL": ("redis_url",),
+}
+
+
+def from_mapping(data: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> SidecarConfig:
+    """Validate a parsed file, with downward-API environment variables applied on top."""
+    merged: dict[str, Any] = json.loads(json.dumps(dict(data or {})))
+    for var, path in ENV_OVERRIDES.items():
+        value = (env or {}).get(var)
+        if not value:
+            continue
+        node = merged
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return SidecarConfig.model_validate(merged)
+
+
+def parse_text(text: str) -> dict[str, Any]:
+    import yaml
+
+    data = yaml.safe_load(text) if text.strip() else {}
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError("sidecar config must be a mapping of field names to values")
+    return data
+
+
+def load(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None = None) -> SidecarConfig:
+    """Read and validate the config file (None: defaults), environment applied on top."""
+    data = parse_text(Path(path).read_text()) if path else {}
+    return from_mapping(data, os.environ if env is None else env)
+
+
+def reload_diff(old: SidecarConfig, new: SidecarConfig) -> tuple[dict[str, Any], list[str]]:
+    """Split the fields that changed into (applicable now, needing a restart)."""
+    applicable: dict[str, Any] = {}
+    restart: list[str] = []
+    for name in SidecarConfig.model_fields:
+        before, after = getattr(old, name), getattr(new, name)
+        if before == after:
+            continue
+        if name in RELOADABLE_FIELDS:
+            applicable[name] = after
+        else:
+            restart.append(name)
+    return applicable, restart
+
+
+def dump_yaml(config: SidecarConfig) -> str:
+    """The file the operator writes into the ConfigMap."""
+    import yaml
+
+    return yaml.safe_dump(config.model_dump(mode="json", exclude={"pod_name", "pod_namespace", "pod_ip"}), sort_keys=False)
