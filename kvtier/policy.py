@@ -1,0 +1,556 @@
+"""The `KVCachePolicy` resource: pydantic models for its spec and status.
+
+One model, one source. `kvtier crd` generates the CustomResourceDefinition's schema
+from these classes, the operator parses every object it reads with them, and the
+cross-field rules are declared once (`CelRule`: a CEL expression for the apiserver
+beside the same predicate in Python), so a policy the apiserver accepts is a policy
+the operator can parse, and a mistake is named with the same message in both places.
+
+Field names are snake_case in Python and camelCase on the wire (Kubernetes style);
+both spellings are accepted on input.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Callable, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "kvtier.io"
+VERSION = "v1alpha1"
+KIND = "KVCachePolicy"
+PLURAL = "kvcachepolicies"
+SINGULAR = "kvcachepolicy"
+SHORT_NAMES = ("kvcp",)
+
+# The design's block size (DESIGN.md rule 3): 16 tokens per block.
+DEFAULT_BLOCK_SIZE = 16
+# Store on the second sighting (DESIGN.md rule 8).
+DEFAULT_MIN_SIGHTINGS = 2
+# Evictions/s above 0.9 x stores/s, sustained, is thrash (DESIGN.md rule 8).
+DEFAULT_THRASH_RATIO = 0.9
+# k = 3 rendezvous homes: 44 replicas then hold ~136 tenants each, which fits (DESIGN.md).
+DEFAULT_HOMES = 3
+# KV occupancy is a cliff above ~85-95%: spill before it (DESIGN.md).
+DEFAULT_SPILL_OCCUPANCY = 0.85
+# A home spills only when it is also this much above the fleet mean: a uniformly busy
+# fleet gains nothing from spilling, and the margin keeps spill sticky.
+DEFAULT_BALANCE_FACTOR = 1.25
+# Default rollout: one canary pod, then 10%, 50%, 100% (DESIGN.md "Rollout").
+DEFAULT_CANARY_PODS = 1
+DEFAULT_ROLLOUT_STEPS = (10, 50, 100)
+# New-version pods must recover to this fraction of the old baseline hit rate ...
+DEFAULT_RECOVERY_THRESHOLD = 0.8
+# ... within this window (DESIGN.md: default 30 min) ...
+DEFAULT_RECOVERY_WINDOW = "30m"
+# ... judged on at least this many lookups, so a quiet canary is not failed on noise.
+DEFAULT_RECOVERY_MIN_LOOKUPS = 1000
+# Media bandwidths, GB/s (DESIGN.md "The numbers"): DRAM over PCIe5 x16, RDMA/200GbE,
+# local NVMe.
+DEFAULT_DRAM_GBPS = 64.0
+DEFAULT_RDMA_GBPS = 25.0
+DEFAULT_NVME_GBPS = 7.0
+
+# Bytes per element of each KV dtype.
+KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+# Bounds that keep CEL cost estimates finite and objects small.
+_MAX_NAME = 253
+_MAX_STEPS = 10
+_MAX_SHARED_PREFIXES = 64
+_MAX_PREFIX_TOKENS = 8192
+_MAX_CONDITIONS = 16
+_MAX_HISTORY = 32
+
+WEIGHTS_DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
+DURATION_PATTERN = r"^([0-9]+h)?([0-9]+m)?([0-9]+s)?$"
+REDIS_URL_PATTERN = r"^(redis|rediss|unix)://.+$"
+LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+
+@dataclass(frozen=True, slots=True)
+class CelRule:
+    """A cross-field rule, stated once: CEL for the apiserver, Python for the operator.
+
+    `holds` receives the validated model and must agree with `cel` on every input the
+    schema admits; tests apply the invalid examples to the real apiserver and to the
+    models and check both reject them with `message`.
+    """
+
+    cel: str
+    message: str
+    holds: Callable[[Any], bool]
+
+    def schema(self) -> dict[str, str]:
+        return {"rule": self.cel, "message": self.message}
+
+
+class _Wire(BaseModel):
+    """Base for every part of the resource: camelCase on the wire, strict keys, and
+    `CEL_RULES` both emitted into the schema and enforced on parse."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        json_schema_extra=lambda schema, cls: _emit_rules(schema, cls),
+    )
+    CEL_RULES: ClassVar[tuple[CelRule, ...]] = ()
+
+    @model_validator(mode="after")
+    def _cel_rules_hold(self) -> "_Wire":
+        for rule in self.CEL_RULES:
+            if not rule.holds(self):
+                raise ValueError(rule.message)
+        return self
+
+    def wire(self) -> dict[str, Any]:
+        """The camelCase JSON form, as stored in Kubernetes."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def _emit_rules(schema: dict[str, Any], cls: type) -> None:
+    rules = [rule.schema() for rule in cls.__dict__.get("CEL_RULES", ())]
+    if rules:
+        schema["x-kubernetes-validations"] = rules
+
+
+def _section(cls: type[BaseModel]) -> Any:
+    """An optional sub-object that defaults to `{}`, so the apiserver fills its defaults."""
+    return Field(default_factory=cls, json_schema_extra={"default": {}})
+
+
+def _name(**kw: Any) -> Any:
+    return Field(min_length=1, max_length=_MAX_NAME, **kw)
+
+
+# --- selector ------------------------------------------------------------------------
+
+
+class LabelSelectorRequirement(_Wire):
+    """One `matchExpressions` term of a Kubernetes label selector."""
+
+    key: str = _name(pattern=LABEL_KEY_PATTERN)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = Field(default_factory=list, max_length=64)
+
+    CEL_RULES = (
+        CelRule(
+            "(self.operator in ['In', 'NotIn']) == (has(self.values) && size(self.values) > 0)",
+            "matchExpressions: operators In and NotIn need values; Exists and DoesNotExist take none",
+            lambda s: (s.operator in ("In", "NotIn")) == bool(s.values),
+        ),
+    )
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        present = self.key in labels
+        if self.operator == "Exists":
+            return present
+        if self.operator == "DoesNotExist":
+            return not present
+        inside = present and labels[self.key] in self.values
+        return inside if self.operator == "In" else not inside
+
+
+class LabelSelector(_Wire):
+    """The serving pods of one model, in the policy's namespace. Must not be empty:
+    an empty selector would inject the sidecar into every pod of the namespace."""
+
+    match_labels: dict[str, str] = Field(default_factory=dict)
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list, max_length=16)
+
+    CEL_RULES = (
+        CelRule(
+            "(has(self.matchLabels) && size(self.matchLabels) > 0) || "
+            "(has(self.matchExpressions) && size(self.matchExpressions) > 0)",
+            "selector must name at least one label (matchLabels or matchExpressions); "
+            "an empty selector would select every pod in the namespace",
+            lambda s: bool(s.match_labels or s.match_expressions),
+        ),
+    )
+
+    def matches(self, labels: dict[str, str] | None) -> bool:
+        labels = labels or {}
+        if any(labels.get(k) != v for k, v in self.match_labels.items()):
+            return False
+        return all(term.matches(labels) for term in self.match_expressions)
+
+
+class WorkloadRef(_Wire):
+    """The serving workload the rollout drives (StatefulSet partition, or a Deployment
+    by a stable/canary pair)."""
+
+    kind: Literal["StatefulSet", "Deployment"]
+    name: str = _name()
+
+
+# --- model and hardware ----------------------------------------------------------------
+
+
+class ModelShape(_Wire):
+    """The dimensions that decide KV bytes per token and recompute FLOPs per token."""
+
+    layers: int = Field(ge=1, le=1024)
+    kv_heads: int = Field(ge=1, le=1024)
+    head_dim: int = Field(ge=1, le=4096)
+    params: float = Field(gt=0, description="total parameters (e.g. 70e9)")
+    active_params: float | None = Field(
+        default=None, gt=0, description="parameters active per token (MoE); defaults to params"
+    )
+
+    CEL_RULES = (
+        CelRule(
+            "!has(self.activeParams) || self.activeParams <= self.params",
+            "model.shape.activeParams cannot exceed model.shape.params",
+            lambda s: s.active_params is None or s.active_params <= s.params,
+        ),
+    )
+
+
+class ModelSpec(_Wire):
+    """The served model: its cache key root and its shape (explicit, or a preset)."""
+
+    id: str = _name()
+    weights_version: str = Field(
+        max_length=80,
+        pattern=WEIGHTS_DIGEST_PATTERN,
+        description="exact digest of the weights (sha256:<64 hex>); never a tag, "
+        "because the cache key must change whenever the weights do",
+    )
+    kv_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp16"
+    rope_config_hash: str = Field("rope-default", min_length=1, max_length=128)
+    attn_impl: str = Field("default", min_length=1, max_length=128)
+    preset: str | None = Field(default=None, min_length=1, max_length=64)
+    shape: ModelShape | None = None
+
+    CEL_RULES = (
+        CelRule(
+            "has(self.preset) != has(self.shape)",
+            "model: give exactly one of preset or shape",
+            lambda s: (s.preset is None) != (s.shape is None),
+        ),
+    )
+
+    @property
+    def dtype_bytes(self) -> int:
+        return KV_DTYPE_BYTES[self.kv_dtype]
+
+
+class Media(_Wire):
+    """Achievable fetch bandwidth of each medium, GB/s, per fetch."""
+
+    dram_gbps: float = Field(DEFAULT_DRAM_GBPS, gt=0)
+    rdma_gbps: float = Field(DEFAULT_RDMA_GBPS, gt=0)
+    nvme_gbps: float = Field(DEFAULT_NVME_GBPS, gt=0)
+
+
+class Hardware(_Wire):
+    """The GPUs recompute runs on: a preset, or dense TFLOP/s per GPU (never the 2:4
+    sparsity figure), and the tensor-parallel degree."""
+
+    gpu_preset: str | None = Field(default=None, min_length=1, max_length=64)
+    dense_tflops_per_gpu: float | None = Field(default=None, gt=0, le=100000)
+    tp: int = Field(1, ge=1, le=64)
+    media: Media = _section(Media)
+
+    CEL_RULES = (
+        CelRule(
+            "has(self.gpuPreset) != has(self.denseTflopsPerGpu)",
+            "hardware: give exactly one of gpuPreset or denseTflopsPerGpu",
+            lambda s: (s.gpu_preset is None) != (s.dense_tflops_per_gpu is None),
+        ),
+    )
+
+
+# --- tiers, admission, affinity ----------------------------------------------------------
+
+
+class DramTier(_Wire):
+    capacity: str = Field("1Gi", max_length=32, pattern=QUANTITY_PATTERN, description="e.g. 64Gi")
+
+
+class PeerTier(_Wire):
+    enabled: bool = True
+
+
+class NvmeTier(_Wire):
+    """`off`; `shadow`: the sidecar measures real NVMe bandwidth and reports it without
+    serving from it; `on`: serve from NVMe (batch traffic only)."""
+
+    mode: Literal["off", "shadow", "on"] = "off"
+
+
+class Tiers(_Wire):
+    dram: DramTier = _section(DramTier)
+    peer: PeerTier = _section(PeerTier)
+    nvme: NvmeTier = _section(NvmeTier)
+
+
+class Admission(_Wire):
+    min_sightings: int = Field(DEFAULT_MIN_SIGHTINGS, ge=1, le=16)
+    thrash_ratio: float = Field(DEFAULT_THRASH_RATIO, gt=0, le=1)
+
+
+class Affinity(_Wire):
+    homes: int = Field(DEFAULT_HOMES, ge=1, le=16, description="rendezvous homes per tenant (k)")
+    spill_occupancy: float = Field(DEFAULT_SPILL_OCCUPANCY, gt=0, lt=1)
+    balance_factor: float = Field(DEFAULT_BALANCE_FACTOR, ge=1, le=10)
+
+
+# --- rollout -----------------------------------------------------------------------------
+
+
+class PrometheusSource(_Wire):
+    url: str = Field(min_length=1, max_length=2048, pattern=r"^https?://.+$")
+    query: str = Field(min_length=1, max_length=4096)
+
+
+class Recovery(_Wire):
+    """When a rollout step counts as recovered: new-version pods' hit rate back to
+    `threshold` x the old baseline within `window`, over at least `minLookups`."""
+
+    threshold: float = Field(DEFAULT_RECOVERY_THRESHOLD, gt=0, le=1)
+    window: str = Field(DEFAULT_RECOVERY_WINDOW, min_length=2, max_length=16, pattern=DURATION_PATTERN)
+    min_lookups: int = Field(DEFAULT_RECOVERY_MIN_LOOKUPS, ge=1)
+    source: Literal["sidecar", "prometheus"] = "sidecar"
+    prometheus: PrometheusSource | None = None
+
+    CEL_RULES = (
+        CelRule(
+            "(self.source == 'prometheus') == has(self.prometheus)",
+            "rollout.recovery: source prometheus needs prometheus {url, query}, and only it takes one",
+            lambda s: (s.source == "prometheus") == (s.prometheus is not None),
+        ),
+    )
+
+    @property
+    def window_s(self) -> int:
+        return parse_duration_s(self.window)
+
+
+class Rollout(_Wire):
+    """Weights-version rollout: `canaryPods` new-version pods first, then `steps`
+    (percent of the fleet, strictly increasing, ending at 100)."""
+
+    canary_pods: int = Field(DEFAULT_CANARY_PODS, ge=0, le=1000)
+    steps: list[int] = Field(
+        default_factory=lambda: list(DEFAULT_ROLLOUT_STEPS),
+        min_length=1,
+        max_length=_MAX_STEPS,
+        json_schema_extra={
+            "items": {"type": "integer", "minimum": 1, "maximum": 100},
+            "default": list(DEFAULT_ROLLOUT_STEPS),
+        },
+    )
+    recovery: Recovery = _section(Recovery)
+    on_failure: Literal["rollback", "pause"] = "rollback"
+
+    CEL_RULES = (
+        CelRule(
+            "self.steps.isSorted() && self.steps.all(s, self.steps.filter(t, t == s).size() == 1) "
+            "&& self.steps[size(self.steps) - 1] == 100",
+            "rollout.steps must be strictly increasing percentages ending at 100, e.g. [10, 50, 100]",
+            lambda s: all(a < b for a, b in zip(s.steps, s.steps[1:])) and s.steps[-1] == 100,
+        ),
+    )
+
+
+# --- redis and shared prefixes --------------------------------------------------------------
+
+
+class SecretKeyRef(_Wire):
+    name: str = _name()
+    key: str = Field("url", min_length=1, max_length=_MAX_NAME)
+
+
+class RedisSpec(_Wire):
+    """Where the global block index lives: a URL, or a Secret holding one."""
+
+    url: str | None = Field(default=None, max_length=2048, pattern=REDIS_URL_PATTERN)
+    secret_ref: SecretKeyRef | None = None
+
+    CEL_RULES = (
+        CelRule(
+            "has(self.url) != has(self.secretRef)",
+            "redis: give exactly one of url or secretRef",
+            lambda s: (s.url is None) != (s.secret_ref is None),
+        ),
+    )
+
+
+class SharedPrefix(_Wire):
+    """A platform-owned prefix (e.g. the platform's own system prompt) that may be
+    shared across tenants (DESIGN.md rule 7); every other prefix stays per tenant."""
+
+    name: str = Field(min_length=1, max_length=63)
+    token_ids: list[int] = Field(
+        min_length=1,
+        max_length=_MAX_PREFIX_TOKENS,
+        json_schema_extra={"items": {"type": "integer", "minimum": 0, "maximum": 4294967295}},
+    )
+
+
+# --- spec ----------------------------------------------------------------------------------
+
+
+class KVCachePolicySpec(_Wire):
+    """What the operator keeps true for the pods `selector` picks."""
+
+    selector: LabelSelector
+    workload_ref: WorkloadRef | None = None
+    model: ModelSpec
+    hardware: Hardware
+    traffic_class: Literal["interactive", "batch"] = "interactive"
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, le=1024)
+    tiers: Tiers = _section(Tiers)
+    admission: Admission = _section(Admission)
+    affinity: Affinity = _section(Affinity)
+    rollout: Rollout = _section(Rollout)
+    redis: RedisSpec | None = None
+    shared_prefixes: list[SharedPrefix] = Field(
+        default_factory=list,
+        max_length=_MAX_SHARED_PREFIXES,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+
+    CEL_RULES = (
+        CelRule(
+            "self.trafficClass == 'batch' || self.tiers.nvme.mode != 'on'",
+            "tiers.nvme.mode 'on' is for trafficClass batch only: interactive traffic would "
+            "wait on a fetch slower than recomputing; use 'shadow' to measure NVMe instead",
+            lambda s: s.traffic_class == "batch" or s.tiers.nvme.mode != "on",
+        ),
+        CelRule(
+            "self.rollout.canaryPods > 0 || self.rollout.steps[0] < 100 || size(self.rollout.steps) > 1",
+            "rollout: a single 100% step with no canary pods is not gradual; add canaryPods or earlier steps",
+            lambda s: s.rollout.canary_pods > 0 or s.rollout.steps[0] < 100 or len(s.rollout.steps) > 1,
+        ),
+    )
+
+
+# --- status --------------------------------------------------------------------------------
+
+
+class Condition(_Wire):
+    """The Kubernetes Condition shape (metav1.Condition)."""
+
+    type: str = Field(min_length=1, max_length=316)
+    status: Literal["True", "False", "Unknown"]
+    observed_generation: int | None = Field(default=None, ge=0)
+    last_transition_time: datetime
+    reason: str = Field(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = Field("", max_length=32768)
+
+
+class TierVerdict(_Wire):
+    """One medium against the break-even bandwidth: does fetching beat recomputing?"""
+
+    tier: Literal["dram", "peer", "nvme"]
+    bandwidth_gbps: float
+    break_even_gbps: float
+    ratio: float = Field(description="bandwidth / break-even; >= 1 helps latency")
+    verdict: Literal["serve", "shadow", "refused", "off"]
+    reason: str = ""
+    measured_gbps: float | None = Field(default=None, description="shadow mode: measured by the sidecars")
+
+
+class RolloutRecord(_Wire):
+    """One finished or abandoned step of a rollout, for `status.rollout.history`."""
+
+    version: str = Field(max_length=80)
+    step: int
+    outcome: Literal["recovered", "rolledBack", "paused", "completed"]
+    hit_rate: float | None = None
+    time: datetime
+    message: str = ""
+
+
+class RolloutStatus(_Wire):
+    """Where a weights-version rollout stands; the operator resumes from it."""
+
+    target_version: str | None = Field(default=None, max_length=80)
+    step: int = 0
+    canary_percent: int = Field(0, ge=0, le=100)
+    baseline_hit_rate: float | None = None
+    current_hit_rate: float | None = None
+    step_started_at: datetime | None = None
+    expected_cold_prefill_tokens_per_s: float | None = None
+    history: list[RolloutRecord] = Field(default_factory=list, max_length=_MAX_HISTORY)
+
+
+class KVCachePolicyStatus(_Wire):
+    """What the operator observed and decided. Everything it needs to resume after a
+    restart lives here or in `kvtier.io/` annotations."""
+
+    observed_generation: int | None = None
+    phase: Literal["Pending", "Ready", "Degraded", "RollingOut", "Paused", "RolledBack"] | None = None
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=_MAX_CONDITIONS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    version: str | None = Field(default=None, max_length=80, description="weights version the fleet serves")
+    member_count: int | None = None
+    members: list[str] = Field(default_factory=list, description="ready member pods (name=ip)")
+    epoch: int | None = Field(default=None, description="affinity table epoch last published")
+    moved_tenants: int | None = Field(default=None, description="tenants whose homes changed at the last epoch")
+    known_tenants: int | None = None
+    fleet_hit_rate: float | None = None
+    affinity_config_map: str | None = None
+    sidecar_config_map: str | None = None
+    sidecar_config_hash: str | None = None
+    tiers: list[TierVerdict] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["tier"]},
+    )
+    rollout: RolloutStatus | None = None
+
+
+class KVCachePolicy(_Wire):
+    """The whole object as the operator reads it (metadata kept as a plain mapping)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: str = f"{GROUP}/{VERSION}"
+    kind: Literal["KVCachePolicy"] = KIND
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: KVCachePolicySpec
+    status: KVCachePolicyStatus | None = None
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+_DURATION_RE = re.compile(DURATION_PATTERN)
+_QUANTITY_SUFFIX = {
+    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
+}
+
+
+def parse_duration_s(text: str) -> int:
+    """'30m' -> 1800; '1h30m' -> 5400. ValueError for anything else."""
+    m = _DURATION_RE.match(text)
+    if not text or not m or not any(m.groups()):
+        raise ValueError(f"duration {text!r}: use hours/minutes/seconds like 30m or 1h30m")
+    total = 0
+    for group, unit_s in zip(m.groups(), (3600, 60, 1)):
+        if group:
+            total += int(group[:-1]) * unit_s
+    return total
+
+
+def parse_quantity_bytes(text: str) -> int:
+    """'64Gi' -> 68719476736 (Kubernetes quantity, binary or decimal suffix)."""
+    m = re.match(r"^([0-9]+(?:\.[0-9]+)?)([A-Za-z]*)$", text)
+    if not m or m.group(2) not in _QUANTITY_SUFFIX:
+        raise ValueError(f"quantity {text!r}: use a number with an optional suffix like 64Gi or 500M")
+    return int(float(m.group(1)) * _QUANTITY_SUFFIX[m.group(2)])
+
+
+def parse_policy(body: dict[str, Any]) -> KVCachePolicy:
+    """Parse a KVCachePolicy as read from the apiserver (or a YAML file)."""
+    return KVCachePolicy.model_validate(body)
