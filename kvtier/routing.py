@@ -1,0 +1,115 @@
+"""Which replica serves a tenant's request: its first cool home, else a sticky spill.
+
+`pick` walks the tenant's rendezvous order (its k homes first, then the rest of
+the fleet) and takes the first member that is not hot:
+
+    hot(m)  = occupancy(m) > spillOccupancy  AND  occupancy(m) > balanceFactor x fleet mean
+    cool(m) = occupancy(m) < spillOccupancy - hysteresis
+              OR occupancy(m) < balanceFactor x fleet mean - hysteresis
+
+Preferring the FIRST home (not the least loaded one) concentrates a tenant's
+prefixes on one replica, which is where its hit rate comes from; the other homes
+take over deterministically when it runs hot, and they are where the operator
+warms a tenant's prefixes on a membership change. Past the homes the request
+spills: every router computes the same order, so spill is deterministic.
+
+Spill is sticky: with a `SpillState`, a tenant that moved off a better-ranked
+member returns to it only once that member is cool, not merely not-hot, so a
+home hovering at the threshold does not flap its tenants back and forth.
+Members with no occupancy report are treated as empty and left out of the mean.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvtier.affinity import AffinityTable
+
+
+@dataclass(slots=True, frozen=True)
+class Pick:
+    """Where a request goes. `rank` is the member's position in the tenant's
+    rendezvous order (0 = first home); `spilled` means it is not one of the homes."""
+
+    member: str
+    rank: int
+    spilled: bool
+    epoch: int
+
+
+@dataclass(slots=True)
+class SpillState:
+    """Per-router memory of tenants routed off their first choice.
+
+    Maps tenant -> member it was moved to, and the table epoch that decision was
+    made under; a new epoch forgets it (the tenant's order has changed anyway).
+    """
+
+    moved_to: dict[str, str] = field(default_factory=dict)
+    epoch: int = -1
+
+    def spilled_tenants(self) -> dict[str, str]:
+        return dict(self.moved_to)
+
+
+def pick(
+    tenant: str,
+    table: AffinityTable,
+    occupancy: Mapping[str, float],
+    state: SpillState | None = None,
+) -> Pick:
+    """Choose the member for one request of `tenant` (see module doc for the rule).
+
+    Raises ValueError if the table has no members: there is nowhere to route.
+    """
+    order = table.order_for(tenant)
+    if not order:
+        raise ValueError("affinity table has no members: nowhere to route")
+    if state is not None and state.epoch != table.epoch:
+        state.moved_to.clear()
+        state.epoch = table.epoch
+    gate = _Gate(table, occupancy)
+    sticky = state.moved_to.get(tenant) if state is not None else None
+    sticky_rank = order.index(sticky) if sticky in order else None
+
+    chosen = _walk(order, gate, sticky_rank)
+    if state is not None:
+        if chosen == 0:
+            state.moved_to.pop(tenant, None)
+        else:
+            state.moved_to[tenant] = order[chosen]
+    return Pick(order[chosen], chosen, chosen >= table.homes, table.epoch)
+
+
+def _walk(order: list[str], gate: _Gate, sticky_rank: int | None) -> int:
+    """Rank of the first acceptable member: cool if it ranks above the sticky
+    choice, merely not hot otherwise. If stickiness rules out everyone, drop it."""
+    for rank, member in enumerate(order):
+        better_than_sticky = sticky_rank is not None and rank < sticky_rank
+        if gate.cool(member) if better_than_sticky else not gate.hot(member):
+            return rank
+    # Not every member can be above balanceFactor x the mean, so this finds one.
+    return next((rank for rank, m in enumerate(order) if not gate.hot(m)), 0)
+
+
+class _Gate:
+    """The hot / cool tests for one routing decision (one fleet-mean computation)."""
+
+    __slots__ = ("_occ", "_spill", "_low", "_balance_hot", "_balance_low")
+
+    def __init__(self, table: AffinityTable, occupancy: Mapping[str, float]):
+        reported = [float(occupancy[m]) for m in table.members if m in occupancy]
+        mean = sum(reported) / len(reported) if reported else 0.0
+        self._occ = occupancy
+        self._spill = table.spill_occupancy
+        self._low = table.spill_occupancy - table.hysteresis
+        self._balance_hot = table.balance_factor * mean
+        self._balance_low = self._balance_hot - table.hysteresis
+
+    def hot(self, member: str) -> bool:
+        occ = float(self._occ.get(member, 0.0))
+        return occ > self._spill and occ > self._balance_hot
+
+    def cool(self, member: str) -> bool:
+        occ = float(self._occ.get(member, 0.0))
+        return occ < self._low or occ < self._balance_low

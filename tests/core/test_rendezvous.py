@@ -1,0 +1,106 @@
+"""Weighted rendezvous hashing: determinism, weight proportionality, minimal movement."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvtier import rendezvous
+
+FLEET = {f"pod-{i}": 1.0 for i in range(8)}
+
+
+def test_hashes_and_order_are_pinned_golden_values():
+    # Pinned: a change here silently re-homes every tenant in every fleet.
+    assert rendezvous.tenant_hash("acme") == 0xBA1727AF1EC4E523
+    assert rendezvous.member_hash("pod-0") == 0x4D07EE6CC5AF4A52
+    assert rendezvous.ranking("acme", FLEET) == [
+        "pod-4", "pod-0", "pod-5", "pod-6", "pod-2", "pod-7", "pod-3", "pod-1",
+    ]
+    assert rendezvous.ranking("globex", FLEET)[:3] == ["pod-0", "pod-3", "pod-1"]
+    assert rendezvous.top_k("initech", FLEET, 3) == ["pod-6", "pod-5", "pod-3"]
+    score = rendezvous.score_matrix(
+        np.array([rendezvous.tenant_hash("acme")], dtype=np.uint64),
+        rendezvous.member_hashes(["pod-0"]),
+        np.array([1.0]),
+    )[0, 0]
+    assert score == pytest.approx(4.650749182652225, rel=1e-12)
+
+
+def test_order_is_identical_in_a_fresh_process_with_another_hash_seed():
+    code = "from kvtier import rendezvous as r; print(r.ranking('acme', {f'pod-{i}': 1.0 for i in range(8)}))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={"PYTHONHASHSEED": "12345"},
+    ).stdout.strip()
+    assert out == repr(rendezvous.ranking("acme", FLEET))
+
+
+def test_order_does_not_depend_on_mapping_insertion_order():
+    reversed_fleet = dict(reversed(list(FLEET.items())))
+    for tenant in ("acme", "globex", "t-17"):
+        assert rendezvous.ranking(tenant, reversed_fleet) == rendezvous.ranking(tenant, FLEET)
+
+
+def test_vectorised_top_k_agrees_with_the_scalar_ranking():
+    tenants = [f"tenant-{i}" for i in range(300)]
+    members = {f"m{i}": float(1 + i % 3) for i in range(40)}
+    names = sorted(members)
+    homes, scores = rendezvous.top_k_many(
+        rendezvous.tenant_hashes(tenants), rendezvous.member_hashes(names),
+        np.array([members[n] for n in names]), 4,
+    )
+    assert homes.shape == (300, 4)
+    assert np.all(np.diff(scores, axis=1) <= 0), "homes must come best first"
+    for i, t in enumerate(tenants):
+        assert [names[j] for j in homes[i]] == rendezvous.top_k(t, members, 4)
+
+
+def test_first_home_share_is_proportional_to_weight():
+    members = {"small": 1.0, "medium": 2.0, "large": 3.0}
+    names = sorted(members)
+    tenants = [f"tenant-{i}" for i in range(60_000)]
+    homes, _ = rendezvous.top_k_many(
+        rendezvous.tenant_hashes(tenants), rendezvous.member_hashes(names),
+        np.array([members[n] for n in names]), 1,
+    )
+    share = np.bincount(homes[:, 0], minlength=3) / len(tenants)
+    for name, weight in members.items():
+        assert share[names.index(name)] == pytest.approx(weight / 6.0, abs=0.01)
+
+
+def test_adding_a_member_only_takes_tenants_it_now_heads_or_joins():
+    tenants = [f"tenant-{i}" for i in range(2000)]
+    before = {t: rendezvous.top_k(t, FLEET, 3) for t in tenants}
+    grown = dict(FLEET, **{"pod-new": 1.0})
+    for t in tenants:
+        after = rendezvous.top_k(t, grown, 3)
+        if "pod-new" not in after:
+            assert after == before[t]
+        else:  # the newcomer slots in; the others keep their relative order
+            assert [m for m in after if m != "pod-new"] == before[t][: 2]
+
+
+def test_top_k_with_fewer_members_than_k_returns_every_member():
+    assert sorted(rendezvous.top_k("acme", {"a": 1.0, "b": 1.0}, 3)) == ["a", "b"]
+
+
+@pytest.mark.parametrize("weights", [{"a": 0.0}, {"a": -1.0}, {"a": float("nan")}, {"a": float("inf")}])
+def test_non_positive_or_non_finite_weights_are_rejected(weights):
+    with pytest.raises(ValueError, match="weights must be finite and > 0"):
+        rendezvous.ranking("acme", weights)
+
+
+@pytest.mark.parametrize("k", [0, -1, 1.5])
+def test_k_below_one_is_rejected(k):
+    with pytest.raises(ValueError, match="k \\(homes per tenant\\)"):
+        rendezvous.top_k("acme", FLEET, k)
+
+
+def test_empty_names_are_rejected():
+    with pytest.raises(ValueError, match="tenant name"):
+        rendezvous.tenant_hash("")
+    with pytest.raises(ValueError, match="member name"):
+        rendezvous.member_hash("")
