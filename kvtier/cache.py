@@ -1,0 +1,644 @@
+"""`LocalCache`: the prefix index plus a fixed-capacity block store, in one process.
+
+The engine-facing API (names fixed by the design):
+
+    hit = cache.lookup(root, token_ids)      # Hit(matched_tokens, blocks, tier) | Miss()
+    cache.materialize(hit, dst)              # one copy per contiguous slot run
+    cache.store(root, token_ids, kv_blocks)  # queued, best effort, admission applies
+    cache.release(hit)                       # unpin when the request finishes
+
+and what the sidecar and the simulator build on:
+
+* `arena=`: any writable buffer (a shared-memory mmap, say) holding the slots; block
+  `slot` lives at `block_offset(slot)`. Default: a private numpy array.
+  `metadata_only=True`: no arena at all; `store(..., kv_blocks=None)` is accepted and
+  the real index/admission/eviction code runs at simulator speed.
+* Zero-copy writers: `reserve(root, token_ids)` admits and allocates slots for the
+  not-yet-cached blocks -> write each block at `reservation.offsets[i]` ->
+  `commit(reservation)` (or `abort`).
+* `drain(budget_s)` / `flush()` apply queued stores; `stats(tenant)`;
+  `invalidate(predicate_on_root)`; `hottest_prefixes(tenant, max_bytes)` for warm-up.
+
+Queued stores are applied in small time-bounded slices by whoever calls `store` or
+`drain` (never by a background thread that would hold the GIL against lookups);
+`lookup` never applies stores. The cache is thread-safe (one lock); block copies in
+`materialize` and in applying a store run outside the lock, on pinned or reserved slots.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from kvtier.admission import (
+    DEFAULT_MIN_SIGHTINGS,
+    HOT_SIGHTINGS,
+    Admission,
+    CountMinSketch,
+    Placement,
+    StoreQueue,
+    ThrashDetector,
+    placement,
+)
+from kvtier.blockpool import BlockPool, slot_runs
+from kvtier.eviction import DEFAULT_HALF_LIFE_S, DecayedFrequencyPolicy
+from kvtier.keys import (
+    DEFAULT_BLOCK_SIZE,
+    TOKEN_DTYPE,
+    BlockHash,
+    KeyRoot,
+    as_token_array,
+    chain_hashes,
+    check_block_size,
+)
+from kvtier.radix import Match, Node, PrefixIndex
+
+TIER_DRAM = "dram"
+TIER_PINNED = "pinned"
+TIERS = (TIER_PINNED, TIER_DRAM)
+
+DEFAULT_QUEUE_CAPACITY = 256
+"""Pending stores; each holds a reference to its KV until applied, so keep it modest."""
+
+DEFAULT_DRAIN_BUDGET_S = 0.0005
+"""Each `store` call applies queued stores for at most ~0.5 ms (at least one)."""
+
+PINNED_FRACTION = 0.10
+"""At most a tenth of the capacity may be hot (pinned tier): hot prefixes must not
+starve the DRAM tier that absorbs everything else."""
+
+PIN_MAX_FRACTION = 0.02
+"""One prefix may be pinned only if it is small: at most 2% of the capacity."""
+
+
+@dataclass(slots=True, eq=False)
+class Hit:
+    """A pinned prefix match. `blocks[i]` is the slot of prompt block i.
+
+    `matched_tokens` is a multiple of the block size and, unless the lookup was made
+    with `allow_full=True`, strictly less than the prompt length. Release it exactly
+    once with `LocalCache.release`.
+    """
+
+    matched_tokens: int
+    blocks: list[int]
+    tier: str
+    root: KeyRoot
+    _node: Node = field(repr=False)
+    _owner: Any = field(repr=False)
+    released: bool = False
+
+    def __bool__(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """Nothing usable is cached: prefill everything."""
+
+    matched_tokens: int = 0
+    blocks: tuple = ()
+    tier: str = "none"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """Slots allocated for prompt blocks [first_block, first_block + len(slots)).
+
+    Write block `first_block + i` (canonical layout, `block_bytes` long) at byte offset
+    `offsets[i]` of the arena, then `commit`; or `abort`. Until then nothing can hit
+    these blocks and nothing can evict the cached prefix they extend.
+    """
+
+    root: KeyRoot
+    token_ids: np.ndarray
+    first_block: int
+    slots: list[int]
+    offsets: list[int]
+    tier: str
+    _hashes: list[BlockHash] = field(repr=False)
+    _parent: Node | None = field(repr=False)
+    _owner: Any = field(repr=False)
+    done: bool = False
+    cancelled: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(slots=True)
+class _PendingStore:
+    root: KeyRoot
+    token_ids: np.ndarray
+    end_block: int
+    kv: np.ndarray | None
+    sightings: int
+
+
+@dataclass(slots=True)
+class _TenantCounters:
+    lookups: int = 0
+    hits: int = 0
+    prompt_tokens: int = 0
+    matched_tokens: int = 0
+    stored_blocks: int = 0
+    tier_hits: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """A snapshot of the cache; per-tenant when asked for a tenant.
+
+    Lookup, hit, token, stored and byte figures are the tenant's own when `tenant` is
+    set; admission, thrash and queue state are cache-wide either way.
+    """
+
+    tenant: str | None
+    lookups: int
+    hits: int
+    misses: int
+    hit_rate: float
+    prompt_tokens: int
+    matched_tokens: int
+    token_hit_rate: float
+    stored_blocks: int
+    blocks_used: int
+    bytes_used: int
+    capacity_bytes: int
+    evictions: int
+    tier_hits: dict[str, int]
+    pinned_bytes: int
+    admission_bar: int
+    min_sightings: int
+    admission_admits: int
+    admission_rejects: int
+    thrashing: bool
+    thrash_events: int
+    queue_depth: int
+    queue_capacity: int
+    queue_drops: int
+    stores_enqueued: int
+    stores_applied: int
+    invalidated_blocks: int
+    reserved_blocks: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+
+
+class LocalCache:
+    """Prefix index + fixed-capacity block store (see the module docstring)."""
+
+    def __init__(self, capacity_bytes: int, block_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 min_sightings: int = DEFAULT_MIN_SIGHTINGS, arena: Any = None, *,
+                 metadata_only: bool = False, clock: Callable[[], float] | None = None,
+                 queue_capacity: int = DEFAULT_QUEUE_CAPACITY,
+                 drain_budget_s: float = DEFAULT_DRAIN_BUDGET_S,
+                 half_life_s: float = DEFAULT_HALF_LIFE_S, hot_sightings: int = HOT_SIGHTINGS,
+                 pinned_fraction: float = PINNED_FRACTION, pin_max_bytes: int | None = None,
+                 sketch: CountMinSketch | None = None, thrash: ThrashDetector | None = None) -> None:
+        for name, v in (("capacity_bytes", capacity_bytes), ("block_bytes", block_bytes)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if capacity_bytes < block_bytes:
+            raise ValueError(f"capacity_bytes ({capacity_bytes}) must hold at least one block of {block_bytes} bytes")
+        if drain_budget_s < 0 or not 0 <= pinned_fraction <= 1:
+            raise ValueError("drain_budget_s must be >= 0 and pinned_fraction in [0, 1]")
+        self.block_size = check_block_size(block_size)
+        self.block_bytes = int(block_bytes)
+        self.num_slots = int(capacity_bytes) // self.block_bytes
+        self.capacity_bytes = self.num_slots * self.block_bytes
+        self.metadata_only = metadata_only
+        self.clock = clock or time.monotonic
+        self.drain_budget_s = drain_budget_s
+        self.hot_sightings = hot_sightings
+        self.pinned_budget_blocks = int(self.num_slots * pinned_fraction)
+        self.pin_max_bytes = (int(self.capacity_bytes * PIN_MAX_FRACTION)
+                              if pin_max_bytes is None else int(pin_max_bytes))
+        self._arena = self._make_arena(arena)
+        self._pool = BlockPool(self.num_slots)
+        self._index = PrefixIndex(self.block_size, DecayedFrequencyPolicy(half_life_s), self.clock)
+        self._admission = Admission(min_sightings, sketch=sketch, thrash=thrash)
+        self._queue: StoreQueue[_PendingStore] = StoreQueue(queue_capacity)
+        self._lock = threading.RLock()
+        self._reservations: dict[int, Reservation] = {}
+        self._tenants: dict[str, _TenantCounters] = {}
+        self._evictions = 0
+        self._tenant_evictions: dict[str, int] = {}
+        self._stores_enqueued = 0
+        self._stores_applied = 0
+        self._invalidated_blocks = 0
+        self._reserved_blocks = 0
+
+    # ------------------------------------------------------------------ engine API
+
+    def lookup(self, root: KeyRoot, token_ids: Any, *, allow_full: bool = False) -> Hit | Miss:
+        """Longest cached block-aligned prefix of the prompt, pinned until `release`.
+
+        At least one token is always left to compute: a hit covering the whole prompt
+        gives back its last block. `allow_full=True` lifts that cap for callers that
+        are not engines (peer serving, warm-up). Every lookup counts one sighting of
+        the prompt's uncached blocks for admission.
+        """
+        tokens = as_token_array(token_ids)
+        tb = tokens.tobytes()
+        n_full = len(tokens) // self.block_size
+        limit = n_full if allow_full else (len(tokens) - 1) // self.block_size
+        with self._lock:
+            m = self._index.match(root, tb, n_full)
+            self._sight(root, tb, m, n_full)
+            counters = self._tenant(root.tenant)
+            counters.lookups += 1
+            counters.prompt_tokens += len(tokens)
+            matched = min(m.cached_blocks, limit)
+            if matched == 0:
+                return Miss()
+            node = self._index.pin(self._index.truncate(m, matched))
+            if not node.hot:
+                self._maybe_promote(node, matched)
+            tier = TIER_PINNED if node.hot else TIER_DRAM
+            counters.hits += 1
+            counters.matched_tokens += matched * self.block_size
+            counters.tier_hits[tier] += 1
+            return Hit(matched * self.block_size, self._index.slots_to(node), tier, root, node, self)
+
+    def materialize(self, hit: Hit, dst: Any) -> int:
+        """Copy the hit's blocks, in prompt order, into the start of `dst`.
+
+        `dst` is any writable buffer (bytearray, mmap, C-contiguous ndarray) of at
+        least `len(hit.blocks) * block_bytes` bytes. Each contiguous slot run is one
+        copy. Returns the bytes written.
+        """
+        self._check_hit(hit)
+        if self._arena is None:
+            raise RuntimeError("materialize needs a payload arena; this cache is metadata_only")
+        out = _writable_bytes(dst, "dst")
+        bb = self.block_bytes
+        need = len(hit.blocks) * bb
+        if out.nbytes < need:
+            raise ValueError(f"dst holds {out.nbytes} bytes; the hit needs {need}")
+        arena = self._arena
+        for i, s, k in slot_runs(hit.blocks):
+            out[i * bb:(i + k) * bb] = arena[s * bb:(s + k) * bb]
+        return need
+
+    def store(self, root: KeyRoot, token_ids: Any, kv_blocks: Any = None) -> bool:
+        """Offer the KV of every full block of the prompt to the cache.
+
+        `kv_blocks` holds those blocks back to back in the canonical layout
+        (`(len(token_ids) // block_size) * block_bytes` bytes; None only when
+        metadata_only). It is referenced, not copied, until the store is applied: do
+        not overwrite it afterwards. Admission decides which leading blocks earn a
+        slot; the store is queued by value and applied later (here, in a slice of at
+        most `drain_budget_s`, or by `drain`/`flush`). Returns whether it was queued.
+        """
+        tokens = as_token_array(token_ids)
+        n_full = len(tokens) // self.block_size
+        kv = self._check_payload(kv_blocks, n_full)
+        if n_full == 0:
+            return False
+        tb = tokens.tobytes()
+        with self._lock:
+            m = self._index.match(root, tb, n_full)
+            first = m.cached_blocks
+            if first == n_full:
+                return False
+            hashes = chain_hashes(m.last_hash() or root.digest(), tb, self.block_size, first)
+            admitted, sightings = self._admission.admitted_blocks(hashes)
+            if admitted == 0:
+                return False
+            end = first + admitted
+            pending = _PendingStore(root, tokens, end, kv, sightings)
+            dropped = self._queue.push(end * self.block_size * sightings, pending)
+            self._stores_enqueued += 1
+        if self.drain_budget_s > 0:
+            self.drain(self.drain_budget_s)
+        return dropped is not pending
+
+    def release(self, hit: Hit | Miss) -> None:
+        """Unpin a hit when its request finishes. Releasing a Miss does nothing;
+        releasing a hit twice is a ValueError."""
+        if isinstance(hit, Miss):
+            return
+        with self._lock:
+            self._check_hit(hit)
+            hit.released = True
+            self._pool.give_back(self._index.unpin(hit._node))
+
+    # ------------------------------------------------------------------ zero-copy path
+
+    def reserve(self, root: KeyRoot, token_ids: Any, *, force: bool = False) -> Reservation | None:
+        """Admit and allocate slots for the prompt's not-yet-cached full blocks.
+
+        Returns None when admission refuses, everything is already cached, or no slot
+        can be freed. `force=True` skips admission (warm-up of prefixes known to be
+        hot). The caller writes the blocks into the arena and then `commit`s.
+        """
+        tokens = as_token_array(token_ids)
+        n_full = len(tokens) // self.block_size
+        tb = tokens.tobytes()
+        with self._lock:
+            m = self._index.match(root, tb, n_full)
+            first = m.cached_blocks
+            if first == n_full:
+                return None
+            if force:
+                end, sightings = n_full, self._admission.bar
+            else:
+                hashes = chain_hashes(m.last_hash() or root.digest(), tb, self.block_size, first)
+                admitted, sightings = self._admission.admitted_blocks(hashes)
+                if admitted == 0:
+                    return None
+                end = first + admitted
+            return self._reserve_from(m, root, tokens, end, sightings)
+
+    def commit(self, res: Reservation) -> int:
+        """Publish a reservation's blocks to the index. Returns blocks added (blocks
+        someone else cached meanwhile keep their copy; ours are freed)."""
+        with self._lock:
+            self._check_reservation(res)
+            self._end_reservation(res)
+            if res.cancelled:
+                self._pool.give_back(res.slots)
+                return 0
+            unused, _ = self._index.insert(res.root, res.token_ids.tobytes(), res.first_block,
+                                           res.slots, res._hashes, hot=res.tier == TIER_PINNED)
+            self._pool.give_back(unused)
+            added = len(res.slots) - len(unused)
+            self._tenant(res.root.tenant).stored_blocks += added
+            self._admission.record(self.clock(), stored_blocks=added)
+            return added
+
+    def abort(self, res: Reservation) -> None:
+        """Give a reservation's slots back without publishing anything."""
+        with self._lock:
+            self._check_reservation(res)
+            self._end_reservation(res)
+            self._pool.give_back(res.slots)
+
+    def block_offset(self, slot: int) -> int:
+        """Byte offset of `slot` in the arena."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
+        return slot * self.block_bytes
+
+    @property
+    def arena(self) -> np.ndarray | None:
+        """The slots as a flat uint8 array (None when metadata_only)."""
+        return self._arena
+
+    # ------------------------------------------------------------------ queue
+
+    def drain(self, budget_s: float | None = None) -> int:
+        """Apply queued stores, most valuable first, for about `budget_s` seconds
+        (at least one; None = until empty). Returns how many were applied."""
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        applied = 0
+        while True:
+            with self._lock:
+                pending = self._queue.pop()
+                res = self._prepare(pending) if pending is not None else None
+            if pending is None:
+                return applied
+            if res is not None:
+                if pending.kv is not None:
+                    self._write(res, pending.kv)
+                self.commit(res)
+            applied += 1
+            with self._lock:
+                self._stores_applied += 1
+            if deadline is not None and time.perf_counter() >= deadline:
+                return applied
+
+    def flush(self) -> int:
+        """Apply every queued store now (tests, shutdown)."""
+        return self.drain(None)
+
+    # ------------------------------------------------------------------ control
+
+    def invalidate(self, predicate: Callable[[KeyRoot], bool]) -> int:
+        """Drop every tree whose key root satisfies `predicate`; returns blocks dropped.
+
+        Queued stores and open reservations for those roots are cancelled. Blocks a
+        reader still holds stay intact until released, but nothing can hit them.
+        """
+        with self._lock:
+            dropped, freed = self._index.drop_roots(predicate)
+            self._pool.give_back(freed)
+            self._queue.remove_if(lambda p: predicate(p.root))
+            for res in self._reservations.values():
+                if predicate(res.root):
+                    res.cancelled = True
+            self._invalidated_blocks += dropped
+            return dropped
+
+    def hottest_prefixes(self, tenant: str, max_bytes: int) -> list[tuple[KeyRoot, np.ndarray]]:
+        """The tenant's most valuable cached prefixes, hottest first, within max_bytes.
+
+        Each entry is (key root, token ids of a whole-block prefix). Blocks shared by
+        several prefixes are counted once; a prefix covered by a longer chosen one is
+        not listed. Feed them to a peer's `reserve(..., force=True)` to warm it.
+        """
+        with self._lock:
+            now = self.clock()
+            freq = self._index.policy.frequency
+            nodes = sorted(self._index.iter_nodes(lambda r: r.tenant == tenant),
+                           key=lambda n: (-freq(n.freq, now), -n.end_block))
+            covered: set[int] = set()
+            chosen: list[Node] = []
+            budget_blocks = max_bytes // self.block_bytes
+            for n in nodes:
+                path = self._index.path(n)
+                new = sum(len(p.slots) for p in path if id(p) not in covered)
+                if new == 0 or new > budget_blocks:
+                    continue
+                budget_blocks -= new
+                covered.update(id(p) for p in path)
+                chosen.append(n)
+            inner = {id(p) for n in chosen for p in self._index.path(n)[:-1]}
+            return [(n.root, np.frombuffer(self._index.prefix_tokens(n), dtype=TOKEN_DTYPE).copy())
+                    for n in chosen if id(n) not in inner]
+
+    def stats(self, tenant: str | None = None) -> CacheStats:
+        with self._lock:
+            if tenant is None:
+                c = _TenantCounters()
+                for t in self._tenants.values():
+                    c.lookups += t.lookups
+                    c.hits += t.hits
+                    c.prompt_tokens += t.prompt_tokens
+                    c.matched_tokens += t.matched_tokens
+                    c.stored_blocks += t.stored_blocks
+                    for k, v in t.tier_hits.items():
+                        c.tier_hits[k] += v
+                blocks, evictions = self._index.num_blocks, self._evictions
+            else:
+                c = self._tenants.get(tenant, _TenantCounters())
+                blocks = self._index.tenant_blocks.get(tenant, 0)
+                evictions = self._index.tenant_evictions.get(tenant, 0)
+            a = self._admission
+            return CacheStats(
+                tenant=tenant, lookups=c.lookups, hits=c.hits, misses=c.lookups - c.hits,
+                hit_rate=c.hits / c.lookups if c.lookups else 0.0,
+                prompt_tokens=c.prompt_tokens, matched_tokens=c.matched_tokens,
+                token_hit_rate=c.matched_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+                stored_blocks=c.stored_blocks, blocks_used=blocks, bytes_used=blocks * self.block_bytes,
+                capacity_bytes=self.capacity_bytes, evictions=evictions, tier_hits=dict(c.tier_hits),
+                pinned_bytes=self._index.hot_blocks * self.block_bytes,
+                admission_bar=a.bar, min_sightings=a.min_sightings, admission_admits=a.admits,
+                admission_rejects=a.rejects, thrashing=a.thrash.thrashing, thrash_events=a.thrash.events,
+                queue_depth=len(self._queue), queue_capacity=self._queue.capacity,
+                queue_drops=self._queue.drops, stores_enqueued=self._stores_enqueued,
+                stores_applied=self._stores_applied, invalidated_blocks=self._invalidated_blocks,
+                reserved_blocks=self._reserved_blocks)
+
+    # ------------------------------------------------------------------ internals
+
+    def _make_arena(self, arena: Any) -> np.ndarray | None:
+        size = self.num_slots * self.block_bytes
+        if self.metadata_only:
+            if arena is not None:
+                raise ValueError("metadata_only caches take no arena")
+            return None
+        if arena is None:
+            return np.zeros(size, dtype=np.uint8)
+        view = _writable_bytes(arena, "arena")
+        if view.nbytes < size:
+            raise ValueError(f"arena holds {view.nbytes} bytes; {self.num_slots} slots need {size}")
+        return view[:size]
+
+    def _tenant(self, tenant: str) -> _TenantCounters:
+        c = self._tenants.get(tenant)
+        if c is None:
+            c = self._tenants[tenant] = _TenantCounters()
+        return c
+
+    def _sight(self, root: KeyRoot, tb: bytes, m: Match, n_full: int) -> None:
+        if m.cached_blocks < n_full:
+            parent = m.last_hash() or root.digest()
+            self._admission.sight(chain_hashes(parent, tb, self.block_size, m.cached_blocks))
+
+    def _maybe_promote(self, node: Node, matched_blocks: int) -> None:
+        """Small and hot -> pinned tier, inferred from the node's decayed hit count."""
+        sightings = int(self._index.policy.frequency(node.freq, self.clock()))
+        prefix_bytes = matched_blocks * self.block_bytes
+        if placement(sightings, prefix_bytes, self._admission.bar, self.pin_max_bytes,
+                     self.hot_sightings) is not Placement.PINNED:
+            return
+        new_hot = sum(len(p.slots) for p in self._index.path(node) if not p.hot)
+        if self._index.hot_blocks + new_hot <= self.pinned_budget_blocks:
+            self._index.mark_hot(node)
+
+    def _prepare(self, p: _PendingStore) -> Reservation | None:
+        """Turn a queued store into a reservation against the index as it is now."""
+        tb = p.token_ids.tobytes()
+        m = self._index.match(p.root, tb, p.end_block)
+        if m.cached_blocks >= p.end_block:
+            return None
+        return self._reserve_from(m, p.root, p.token_ids, p.end_block, p.sightings)
+
+    def _reserve_from(self, m: Match, root: KeyRoot, tokens: np.ndarray, end: int,
+                      sightings: int) -> Reservation | None:
+        first = m.cached_blocks
+        tb = tokens.tobytes()
+        parent_hash = m.last_hash() or root.digest()
+        parent = self._index.pin(m, touch=False) if first > 0 else None
+        slots = self._allocate(end - first)
+        if not slots:
+            if parent is not None:
+                self._pool.give_back(self._index.unpin(parent))
+            return None
+        hashes = chain_hashes(parent_hash, tb, self.block_size, first, len(slots))
+        where = placement(sightings, end * self.block_bytes, self._admission.bar,
+                          self.pin_max_bytes, self.hot_sightings)
+        fits_hot = self._index.hot_blocks + end <= self.pinned_budget_blocks
+        tier = TIER_PINNED if where is Placement.PINNED and fits_hot else TIER_DRAM
+        res = Reservation(root, tokens, first, slots, [s * self.block_bytes for s in slots], tier,
+                          hashes, parent, self)
+        self._reservations[id(res)] = res
+        self._reserved_blocks += len(slots)
+        return res
+
+    def _allocate(self, n: int) -> list[int]:
+        """Up to n slots: free ones first, then evicted ones (evicting only now, so
+        released blocks stay hittable until their memory is needed)."""
+        slots = self._pool.take(n)
+        if len(slots) < n:
+            freed = self._index.evict(n - len(slots))
+            if freed:
+                self._evictions += len(freed)
+                self._pool.give_back(freed)
+                slots.extend(self._pool.take(n - len(slots)))
+                self._admission.record(self.clock(), evicted_blocks=len(freed))
+        slots.sort()
+        return slots
+
+    def _write(self, res: Reservation, kv: np.ndarray) -> None:
+        bb = self.block_bytes
+        src = kv[res.first_block * bb:(res.first_block + len(res.slots)) * bb]
+        assert self._arena is not None
+        for i, s, k in slot_runs(res.slots):
+            self._arena[s * bb:(s + k) * bb] = src[i * bb:(i + k) * bb]
+
+    def _end_reservation(self, res: Reservation) -> None:
+        res.done = True
+        self._reservations.pop(id(res), None)
+        self._reserved_blocks -= len(res.slots)
+        if res._parent is not None:
+            self._pool.give_back(self._index.unpin(res._parent))
+
+    def _check_hit(self, hit: Any) -> None:
+        if not isinstance(hit, Hit) or hit._owner is not self:
+            raise ValueError("not a Hit from this cache")
+        if hit.released:
+            raise ValueError("hit already released: its blocks may have been reused")
+
+    def _check_reservation(self, res: Any) -> None:
+        if not isinstance(res, Reservation) or res._owner is not self:
+            raise ValueError("not a Reservation from this cache")
+        if res.done:
+            raise ValueError("reservation already committed or aborted")
+
+    def _check_payload(self, kv_blocks: Any, n_full: int) -> np.ndarray | None:
+        if kv_blocks is None:
+            if self.metadata_only:
+                return None
+            raise ValueError("kv_blocks is required unless the cache is metadata_only")
+        if self.metadata_only:
+            return None
+        if isinstance(kv_blocks, np.ndarray):
+            if not kv_blocks.flags.c_contiguous:
+                raise ValueError("kv_blocks must be C-contiguous")
+            flat = kv_blocks.reshape(-1).view(np.uint8)
+        else:
+            try:
+                flat = np.frombuffer(kv_blocks, dtype=np.uint8)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"kv_blocks must be a bytes-like object or ndarray: {exc}") from None
+        want = n_full * self.block_bytes
+        if flat.nbytes != want:
+            raise ValueError(f"kv_blocks has {flat.nbytes} bytes; {n_full} full blocks of "
+                             f"{self.block_bytes} bytes need {want}")
+        return flat
+
+
+def _writable_bytes(buf: Any, name: str) -> np.ndarray:
+    """A flat writable uint8 view of `buf`, or ValueError."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous or not buf.flags.writeable:
+            raise ValueError(f"{name} must be a writable C-contiguous array")
+        return buf.reshape(-1).view(np.uint8)
+    try:
+        view = np.frombuffer(buf, dtype=np.uint8)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be a writable buffer: {exc}") from None
+    if not view.flags.writeable:
+        raise ValueError(f"{name} must be writable")
+    return view

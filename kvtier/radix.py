@@ -1,0 +1,440 @@
+"""The local prefix index: a radix tree over token ids, one tree per key root.
+
+Each edge holds a whole number of blocks (tokens in the canonical little-endian
+uint32 encoding) plus, per block, the slot holding its KV and its chained hash.
+Matching compares TOKENS, never hashes (rule 4): a child is found by the exact bytes
+of its first block and the rest of the edge is compared token for token, so two
+prompts whose hashes collide still get only their own KV.
+
+Invariants, kept where state changes:
+
+* Pins: `pins` of a node = number of live holders (hits, reservations) whose path runs
+  through it. Pinning walks from a node to its root and increments every node; an
+  unpin walks the same way. Splitting an edge gives the new head the tail's pin count,
+  so an unpin that walks up from the tail still decrements exactly what was pinned.
+* Eviction takes only unpinned leaves, and only from the tail of the edge: tails go
+  before heads, a parent becomes a leaf (evictable) when its last child goes. The
+  order among evictable leaves is the `DecayedFrequencyPolicy` score (hot nodes last).
+* Byte accounting: `num_blocks` = blocks reachable from live roots; `dead_blocks` =
+  blocks of invalidated nodes still pinned by a reader. Every block ever inserted is
+  in exactly one of: the index, a dead pinned node, or returned to the caller.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from kvtier.eviction import DecayedFrequencyPolicy, FrequencyState
+from kvtier.keys import BlockHash, KeyRoot, check_block_size
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """One edge of the tree: a run of blocks after `parent`'s last block.
+
+    The root sentinel of a tree has no blocks and no parent. `start_block` is the
+    index, in the prompt, of this edge's first block.
+    """
+
+    root: KeyRoot
+    parent: Node | None
+    tokens: bytes
+    slots: list[int]
+    hashes: list[BlockHash]
+    start_block: int
+    children: dict[bytes, Node] = field(default_factory=dict)
+    pins: int = 0
+    freq: FrequencyState = field(default_factory=FrequencyState)
+    last_access_s: float = 0.0
+    hot: bool = False
+    alive: bool = True
+    version: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.slots)
+
+    @property
+    def end_block(self) -> int:
+        return self.start_block + len(self.slots)
+
+
+@dataclass(slots=True)
+class Match:
+    """Where a prompt's walk ended: `node` with its first `within` blocks matched.
+
+    `cached_blocks` = blocks of the prompt present in the index from block 0 on.
+    """
+
+    node: Node | None
+    within: int
+    cached_blocks: int
+
+    def last_hash(self) -> bytes | None:
+        """Hash of the last matched block, or None when nothing matched."""
+        if self.node is None or self.within == 0:
+            return None
+        return self.node.hashes[self.within - 1]
+
+
+class PrefixIndex:
+    """Token radix trees per key root, with pins and leaf-first eviction.
+
+    The index owns no memory: callers hand it slot ids on `insert` and get slot ids
+    back from `evict`, `unpin` (of an invalidated node) and `drop_roots`.
+    """
+
+    def __init__(self, block_size: int, policy: DecayedFrequencyPolicy | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
+        import time
+
+        self.block_size = check_block_size(block_size)
+        self.block_token_bytes = 4 * self.block_size
+        self.policy = policy or DecayedFrequencyPolicy()
+        self.clock = clock or time.monotonic
+        self._roots: dict[KeyRoot, Node] = {}
+        self._heap: list[tuple[int, float, float, int, int, Node]] = []
+        self._seq = itertools.count()
+        self.num_blocks = 0
+        self.dead_blocks = 0
+        self.hot_blocks = 0
+        self.num_nodes = 0
+        self.tenant_blocks: dict[str, int] = {}
+        self.tenant_evictions: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ matching
+
+    def match(self, root: KeyRoot, token_bytes: bytes, limit_blocks: int) -> Match:
+        """Longest cached prefix of the prompt, in whole blocks, up to `limit_blocks`.
+
+        Pure: never changes the tree. `token_bytes` is the canonical prompt encoding.
+        """
+        node = self._roots.get(root)
+        if node is None:
+            return Match(None, 0, 0)
+        step = self.block_token_bytes
+        limit_blocks = min(limit_blocks, len(token_bytes) // step)
+        pos = 0
+        within = 0
+        while pos < limit_blocks:
+            child = node.children.get(token_bytes[pos * step:(pos + 1) * step])
+            if child is None:
+                break
+            n = min(len(child.slots), limit_blocks - pos)
+            if token_bytes[pos * step:(pos + n) * step] == child.tokens[:n * step]:
+                k = n
+            else:
+                k = _equal_prefix_blocks(child.tokens, token_bytes, pos * step, n, self.block_size)
+            node, within, pos = child, k, pos + k
+            if k < len(child.slots):
+                break
+        return Match(node, within, pos)
+
+    def truncate(self, m: Match, blocks: int) -> Match:
+        """The same walk cut back to its first `blocks` blocks (<= m.cached_blocks)."""
+        node, within, cached = m.node, m.within, m.cached_blocks
+        if blocks >= cached:
+            return m
+        while node is not None and node.start_block >= blocks and node.parent is not None:
+            node = node.parent
+        if node is None or node.parent is None:
+            return Match(node, 0, 0)
+        return Match(node, blocks - node.start_block, blocks)
+
+    # ------------------------------------------------------------------ pins
+
+    def pin(self, m: Match, touch: bool = True) -> Node:
+        """Pin the matched path (splitting the last edge at the match) and return the
+        deepest pinned node; `slots_to(node)` lists the matched slots."""
+        node = m.node
+        if node is None:
+            raise RuntimeError("cannot pin an empty match")
+        if 0 < m.within < len(node.slots):
+            node = self._split(node, m.within)
+        now = self.clock()
+        n: Node | None = node
+        while n is not None:
+            n.pins += 1
+            if touch and n.parent is not None:
+                self.policy.touch(n.freq, now)
+                n.last_access_s = now
+                n.version += 1
+            n = n.parent
+        return node
+
+    def unpin(self, node: Node) -> list[int]:
+        """Undo one `pin` that returned `node`. Returns slots that are now free
+        (blocks of invalidated nodes whose last reader just left)."""
+        freed: list[int] = []
+        n: Node | None = node
+        while n is not None:
+            if n.pins <= 0:
+                raise RuntimeError("unpin without a matching pin")
+            n.pins -= 1
+            if n.pins == 0:
+                if not n.alive:
+                    freed.extend(n.slots)
+                    self.dead_blocks -= len(n.slots)
+                    n.slots = []
+                elif not n.children and n.parent is not None:
+                    self._push(n)
+                elif n.parent is None and not n.children:
+                    self._drop_empty_root(n)
+            n = n.parent
+        return freed
+
+    @staticmethod
+    def slots_to(node: Node) -> list[int]:
+        """Slots of every block from the root to the end of `node`, in prompt order."""
+        parts: list[list[int]] = []
+        n: Node | None = node
+        while n is not None and n.parent is not None:
+            parts.append(n.slots)
+            n = n.parent
+        out: list[int] = []
+        for p in reversed(parts):
+            out.extend(p)
+        return out
+
+    @staticmethod
+    def path(node: Node) -> list[Node]:
+        """Nodes from the first edge under the root down to `node`."""
+        out: list[Node] = []
+        n: Node | None = node
+        while n is not None and n.parent is not None:
+            out.append(n)
+            n = n.parent
+        out.reverse()
+        return out
+
+    # ------------------------------------------------------------------ insertion
+
+    def insert(self, root: KeyRoot, token_bytes: bytes, first_block: int,
+               slots: list[int], hashes: list[BlockHash], hot: bool = False) -> tuple[list[int], Node | None]:
+        """Attach blocks [first_block, first_block + len(slots)) of the prompt.
+
+        Blocks already present (inserted meanwhile by someone else) keep their old
+        slots; the corresponding new slots are returned as unused. If the prefix before
+        `first_block` is no longer cached, nothing is inserted and every slot comes
+        back. Returns (unused_slots, deepest node holding the prompt's blocks or None).
+        """
+        if len(hashes) != len(slots):
+            raise RuntimeError("insert needs one hash per slot")
+        end = first_block + len(slots)
+        if root not in self._roots:
+            if first_block != 0:
+                return list(slots), None
+            self._roots[root] = Node(root, None, b"", [], [], 0)
+        m = self.match(root, token_bytes, end)
+        pos = m.cached_blocks
+        if pos < first_block:
+            return list(slots), None
+        used_from = pos - first_block
+        unused = list(slots[:used_from])
+        node = m.node
+        assert node is not None
+        if 0 < m.within < len(node.slots):
+            node = self._split(node, m.within)
+        if pos == end:
+            return unused, node
+        step = self.block_token_bytes
+        now = self.clock()
+        new = Node(root, node, token_bytes[pos * step:end * step], list(slots[used_from:]),
+                   list(hashes[used_from:]), pos, hot=hot, last_access_s=now)
+        self.policy.touch(new.freq, now)
+        node.children[new.tokens[:step]] = new
+        self._count(new, +1)
+        self._push(new)
+        return unused, new
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free up to `num_blocks` blocks from unpinned leaves, lowest score first,
+        each leaf from its tail. Returns the freed slots (fewer if all else is pinned)."""
+        freed: list[int] = []
+        while len(freed) < num_blocks:
+            victim = self._pop_victim()
+            if victim is None:
+                break
+            freed.extend(self._trim_tail(victim, num_blocks - len(freed)))
+        return freed
+
+    def evictable_order(self) -> Iterator[Node]:
+        """Current evictable leaves, in eviction order (for tests and diagnostics)."""
+        leaves = [n for n in self.iter_nodes() if self._evictable(n)]
+        leaves.sort(key=self._key)
+        return iter(leaves)
+
+    def _pop_victim(self) -> Node | None:
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            node, version = entry[5], entry[4]
+            if not self._evictable(node):
+                continue
+            if version != node.version:
+                self._push(node)  # stale key: requeue with its current score
+                continue
+            return node
+        return None
+
+    def _trim_tail(self, node: Node, max_blocks: int) -> list[int]:
+        k = min(max_blocks, len(node.slots))
+        keep = len(node.slots) - k
+        child_key = node.tokens[:self.block_token_bytes]
+        freed = node.slots[keep:]
+        node.slots = node.slots[:keep]
+        node.hashes = node.hashes[:keep]
+        node.tokens = node.tokens[:keep * self.block_token_bytes]
+        self._count_blocks(node, -k)
+        t = node.root.tenant
+        self.tenant_evictions[t] = self.tenant_evictions.get(t, 0) + k
+        if keep:
+            self._push(node)
+            return freed
+        parent = node.parent
+        assert parent is not None
+        del parent.children[child_key]
+        node.alive = False
+        self.num_nodes -= 1
+        if not parent.children and parent.pins == 0:
+            if parent.parent is None:
+                self._drop_empty_root(parent)
+            else:
+                self._push(parent)
+        return freed
+
+    # ------------------------------------------------------------------ invalidation
+
+    def drop_roots(self, predicate: Callable[[KeyRoot], bool]) -> tuple[int, list[int]]:
+        """Remove every tree whose root satisfies `predicate`.
+
+        Nothing can hit a dropped tree again. Unpinned blocks' slots come back at
+        once; pinned ones come back from `unpin` when their last reader leaves.
+        Returns (blocks dropped from the index, slots free now).
+        """
+        doomed = [r for r in self._roots if predicate(r)]
+        dropped, freed = 0, []
+        for r in doomed:
+            sentinel = self._roots.pop(r)
+            stack = [sentinel]
+            while stack:
+                n = stack.pop()
+                stack.extend(n.children.values())
+                n.alive = False
+                if n.parent is None:
+                    continue
+                dropped += len(n.slots)
+                self._count_blocks(n, -len(n.slots))
+                self.num_nodes -= 1
+                if n.pins == 0:
+                    freed.extend(n.slots)
+                    n.slots = []
+                else:
+                    self.dead_blocks += len(n.slots)
+        return dropped, freed
+
+    # ------------------------------------------------------------------ hot tier
+
+    def mark_hot(self, node: Node) -> int:
+        """Mark `node` and its ancestors hot (evicted after every ordinary node).
+        Returns the number of blocks that became hot."""
+        added = 0
+        for n in self.path(node):
+            if not n.hot:
+                n.hot = True
+                n.version += 1
+                added += len(n.slots)
+                self.hot_blocks += len(n.slots)
+        return added
+
+    # ------------------------------------------------------------------ inspection
+
+    def roots(self) -> list[KeyRoot]:
+        return list(self._roots)
+
+    def iter_nodes(self, predicate: Callable[[KeyRoot], bool] | None = None) -> Iterator[Node]:
+        """Every non-sentinel node of the trees whose root satisfies `predicate`."""
+        for r, sentinel in list(self._roots.items()):
+            if predicate is not None and not predicate(r):
+                continue
+            stack = list(sentinel.children.values())
+            while stack:
+                n = stack.pop()
+                yield n
+                stack.extend(n.children.values())
+
+    @staticmethod
+    def prefix_tokens(node: Node) -> bytes:
+        """Canonical token bytes from block 0 to the end of `node`."""
+        return b"".join(n.tokens for n in PrefixIndex.path(node))
+
+    # ------------------------------------------------------------------ internals
+
+    def _split(self, node: Node, k: int) -> Node:
+        """Split `node` after its first k blocks; returns the new head.
+
+        The head takes the tail's place under the parent and inherits its pins,
+        frequency and hotness, so pin counts and byte totals are unchanged.
+        """
+        step = self.block_token_bytes
+        parent = node.parent
+        assert parent is not None and 0 < k < len(node.slots)
+        head = Node(node.root, parent, node.tokens[:k * step], node.slots[:k], node.hashes[:k],
+                    node.start_block, pins=node.pins,
+                    freq=FrequencyState(node.freq.freq, node.freq.t_s),
+                    last_access_s=node.last_access_s, hot=node.hot)
+        parent.children[head.tokens[:step]] = head
+        node.tokens = node.tokens[k * step:]
+        node.slots = node.slots[k:]
+        node.hashes = node.hashes[k:]
+        node.start_block += k
+        node.parent = head
+        head.children[node.tokens[:step]] = node
+        self.num_nodes += 1
+        return head
+
+    def _evictable(self, n: Node) -> bool:
+        return n.alive and n.pins == 0 and not n.children and n.parent is not None and bool(n.slots)
+
+    def _key(self, n: Node) -> tuple[int, float, float]:
+        return (1 if n.hot else 0, self.policy.score(n.freq), n.last_access_s)
+
+    def _push(self, n: Node) -> None:
+        hot, score, last = self._key(n)
+        heapq.heappush(self._heap, (hot, score, last, next(self._seq), n.version, n))
+        if len(self._heap) > 4 * self.num_nodes + 1024:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        self._heap = [(*self._key(n), next(self._seq), n.version, n)
+                      for n in self.iter_nodes() if self._evictable(n)]
+        heapq.heapify(self._heap)
+
+    def _drop_empty_root(self, sentinel: Node) -> None:
+        if self._roots.get(sentinel.root) is sentinel and not sentinel.children and sentinel.pins == 0:
+            del self._roots[sentinel.root]
+            sentinel.alive = False
+
+    def _count(self, n: Node, sign: int) -> None:
+        self.num_nodes += sign
+        self._count_blocks(n, sign * len(n.slots))
+
+    def _count_blocks(self, n: Node, delta: int) -> None:
+        self.num_blocks += delta
+        if n.hot:
+            self.hot_blocks += delta
+        t = n.root.tenant
+        self.tenant_blocks[t] = self.tenant_blocks.get(t, 0) + delta
+
+
+def _equal_prefix_blocks(edge: bytes, prompt: bytes, offset: int, n: int, block_size: int) -> int:
+    """How many of the first n blocks of `edge` equal the prompt's blocks at `offset`."""
+    a = np.frombuffer(edge, dtype=np.uint32, count=n * block_size).reshape(n, block_size)
+    b = np.frombuffer(prompt, dtype=np.uint32, count=n * block_size, offset=offset).reshape(n, block_size)
+    differs = (a != b).any(axis=1)
+    return int(differs.argmax()) if differs.any() else n
