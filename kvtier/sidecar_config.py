@@ -56,7 +56,6 @@ RELOADABLE_FIELDS = frozenset({
     "metrics_top_tenants",
     "platform_prefixes",
     "platform_tenant",
-    "min_sightings",
     "model",
 })
 
@@ -98,9 +97,11 @@ class SidecarConfig(BaseModel):
 
     http_port: int = Field(8081, ge=0, le=65535)
     peer_port: int = Field(8082, ge=0, le=65535)
+    peer_advertise: str = ""  # host:port peers dial; empty: pod_ip:peer_port
     engine_socket: str = ""  # empty: derived from pod identity under the runtime dir
 
-    redis_url: str | None = None
+    redis_url: str | None = None  # None: no global index, the peer tier is off
+    redis_cluster: bool = False  # True: talk to a Redis Cluster through the cluster client
     index_ttl_s: int = Field(DEFAULT_INDEX_TTL_S, ge=1)
     index_lookup_timeout_s: float = Field(0.05, gt=0)
     index_key_prefix: str = "kvt"

@@ -1,0 +1,293 @@
+"""The engine-side library: talk to the local sidecar, copy KV straight out of shared memory.
+
+    client = SidecarClient("/tmp/kvtier-....sock")
+    hit = client.lookup(root, token_ids)            # Hit | Miss, never raises for faults
+    if hit: client.materialize(hit, dst)            # block runs copied out of the arena
+    client.release(hit)                             # when the request finishes
+    client.store(root, token_ids, kv_blocks)        # best effort; admission applies
+
+Faults (sidecar gone, restarted, slow, arena unmapped) are misses: every public call
+catches them, drops the connection and reconnects on a later call (at most once per
+RECONNECT_BACKOFF_S), mapping the new sidecar's arena. Bad input from the engine
+(wrong token ids, a destination too small) raises ValueError: that is a caller bug.
+
+Several engine processes (one per TP rank) may share one sidecar: `materialize(...,
+tp, rank)` takes the rank's kv heads (h % tp == rank, as kvtier.layout) of each canonical
+block, and `store(..., tp=tp, rank=rank)` writes the rank's heads; the sidecar commits
+the blocks once every rank has written its part.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier.keys import KeyRoot, as_token_array
+
+from .arena import Arena, ArenaError, contiguous_runs
+from .engine_proto import FRAME, EngineOp, FrameError, decode_header, encode, split_body
+
+# How long a dead sidecar is left alone before the next reconnect attempt.
+RECONNECT_BACKOFF_S = 0.5
+# Longer than the sidecar's peer timeout: a lookup may include a peer fetch.
+DEFAULT_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class Hit:
+    """`matched_tokens` leading tokens are cached in arena `blocks` (one slot per block),
+    pinned until `release`. Truthy, unlike `Miss`."""
+
+    matched_tokens: int
+    blocks: list[int]
+    tier: str
+    hit_id: int
+    arena: Arena = field(repr=False)
+    generation: int = 0
+
+    def __bool__(self) -> bool:
+        return True
+
+
+@dataclass(slots=True)
+class Miss:
+    reason: str = "miss"
+    matched_tokens: int = 0
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def root_payload(root: KeyRoot) -> dict:
+    return {"tenant": root.tenant, "model_id": root.model_id, "weights_version": root.weights_version,
+            "kv_dtype": root.kv_dtype, "rope_config_hash": root.rope_config_hash,
+            "attn_impl_id": root.attn_impl_id}
+
+
+class SidecarUnavailable(ConnectionError):
+    pass
+
+
+class SidecarClient:
+    """One engine process's connection; thread-safe (one request in flight at a time)."""
+
+    def __init__(self, socket_path: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._next_id = 1
+        self._retry_at = 0.0
+        self.arena: Arena | None = None
+        self.info: dict = {}
+        self.generation = 0
+        self.faults = 0
+
+    # -- connection ---------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        if time.monotonic() < self._retry_at:
+            raise SidecarUnavailable("sidecar unavailable (backing off)")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            self._retry_at = time.monotonic() + RECONNECT_BACKOFF_S
+            raise
+        self._sock = sock
+        info, _ = self._call_locked(EngineOp.HELLO, {})
+        if self.arena is None or info.get("instance") != self.info.get("instance"):
+            # A new sidecar: map its arena. The old mapping stays alive for hits that
+            # still reference it (their bytes were pinned when they were handed out).
+            self.arena = Arena.attach(info["shm_name"], info["arena_bytes"], info["block_bytes"])
+            self.generation += 1
+        self.info = info
+
+    def _drop(self) -> None:
+        self.faults += 1
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock = None
+        self._retry_at = time.monotonic() + RECONNECT_BACKOFF_S
+
+    def _call_locked(self, op: EngineOp, payload: dict, tail=None) -> tuple[dict, np.ndarray]:
+        if self._sock is None:
+            self._connect()
+        sock = self._sock
+        rid = self._next_id
+        self._next_id = (self._next_id + 1) & 0xFFFFFFFF
+        sock.sendall(encode(op, rid, payload, tail))
+        header = _recv_exact(sock, FRAME.size)
+        body_len, rop, rrid, json_len = decode_header(header)
+        rest = _recv_exact(sock, body_len - 4)
+        if rop != op or rrid != rid:
+            raise FrameError("answer does not match the request")
+        answer, tail_out = split_body(rest, json_len)
+        if "error" in answer:
+            raise ValueError(f"sidecar refused {op.name}: {answer['error']}")
+        return answer, tail_out
+
+    def _call(self, op: EngineOp, payload: dict, tail=None) -> tuple[dict, np.ndarray] | None:
+        """One request; None on any fault (the connection is dropped for a later retry)."""
+        with self._lock:
+            try:
+                return self._call_locked(op, payload, tail)
+            except ValueError:
+                raise
+            except (OSError, ConnectionError, FrameError, ArenaError, KeyError, TypeError):
+                self._drop()
+                return None
+
+    def connect(self) -> bool:
+        """Connect now (optional; calls connect lazily). True when connected."""
+        with self._lock:
+            if self._sock is not None:
+                return True
+            try:
+                self._connect()
+                return True
+            except (OSError, ConnectionError, FrameError, ArenaError, KeyError, TypeError, ValueError):
+                self._drop()
+                return False
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    # -- engine API ---------------------------------------------------------------------
+
+    def lookup(self, root: KeyRoot, token_ids) -> Hit | Miss:
+        tokens = as_token_array(token_ids)
+        got = self._call(EngineOp.LOOKUP, {"root": root_payload(root)}, tokens)
+        if got is None:
+            return Miss("sidecar unavailable")
+        answer, slots = got
+        if not answer.get("hit"):
+            return Miss(answer.get("reason", "miss"))
+        return Hit(int(answer["matched_tokens"]), [int(s) for s in slots], answer["tier"],
+                   int(answer["hit"]), self.arena, self.generation)
+
+    def release(self, hit: Hit | Miss) -> None:
+        if not isinstance(hit, Hit) or hit.generation != self.generation:
+            return  # a miss, or a hit from a sidecar that is gone (its pins went with it)
+        self._call(EngineOp.RELEASE, {"hit": hit.hit_id})
+
+    def materialize(self, hit: Hit, dst: np.ndarray, tp: int = 1, rank: int = 0) -> int:
+        """Copy the hit's blocks into `dst` (uint8-viewable, C-contiguous, at least
+        len(blocks) * block bytes of this rank's shard); returns bytes copied.
+
+        tp == 1 copies each contiguous slot run with one copy; tp > 1 takes this rank's
+        kv heads of each canonical block."""
+        if not isinstance(hit, Hit):
+            raise ValueError("materialize needs a Hit")
+        out = _as_bytes(dst)
+        arena = hit.arena
+        bb = arena.block_bytes
+        if tp == 1:
+            need = len(hit.blocks) * bb
+            if out.size < need:
+                raise ValueError(f"dst holds {out.size} bytes, the hit needs {need}")
+            for first, slot, count in contiguous_runs(hit.blocks):
+                np.copyto(out[first * bb : (first + count) * bb], arena.slot_array(slot, count))
+            return need
+        shape = self._block_shape()
+        shard_bytes = bb // tp
+        need = len(hit.blocks) * shard_bytes
+        if out.size < need:
+            raise ValueError(f"dst holds {out.size} bytes, the rank's shard needs {need}")
+        dtype = np.dtype(self.info["dtype"])
+        for i, slot in enumerate(hit.blocks):
+            block = arena.slot_array(slot).view(dtype).reshape(shape)
+            shard = shard_view(block, tp, rank)
+            out[i * shard_bytes : (i + 1) * shard_bytes] = np.ascontiguousarray(shard).view(np.uint8).reshape(-1)
+        return need
+
+    def _block_shape(self) -> tuple[int, ...]:
+        return tuple(self.info["block_shape"])
+
+    def store(self, root: KeyRoot, token_ids, kv_blocks: np.ndarray, tp: int = 1, rank: int = 0) -> bool:
+        """Offer the prompt's full blocks to the cache; True when they were committed.
+
+        `kv_blocks` holds block i's canonical bytes at [i] (tp == 1), or this rank's
+        heads of each block (tp > 1). Declined by admission, a full arena or a fault:
+        False, nothing written. Never raises for a fault."""
+        tokens = as_token_array(token_ids)
+        got = self._call(EngineOp.STORE_BEGIN, {"root": root_payload(root), "tp": tp, "rank": rank}, tokens)
+        if got is None:
+            return False
+        answer, slots = got
+        ticket = int(answer.get("ticket", 0))
+        if not ticket:
+            return False
+        arena = self.arena
+        src = _as_bytes(kv_blocks)
+        first_block = int(answer.get("first_block", 0))
+        try:
+            self._write_slots(arena, [int(s) for s in slots], first_block, src, tp, rank)
+        except (ValueError, ArenaError):
+            self._call(EngineOp.STORE_ABORT, {"ticket": ticket})
+            raise
+        got = self._call(EngineOp.STORE_COMMIT, {"ticket": ticket, "rank": rank})
+        return bool(got and got[0].get("committed"))
+
+    def _write_slots(self, arena: Arena, slots: list[int], first_block: int, src: np.ndarray, tp: int, rank: int) -> None:
+        """Block first_block + i of the prompt goes into slots[i] (the sidecar only
+        hands out slots for blocks it does not hold yet)."""
+        bb = arena.block_bytes
+        if tp == 1:
+            src = src[first_block * bb :]
+            need = len(slots) * bb
+            if src.size < need:
+                raise ValueError(f"kv_blocks hold {src.size} bytes, {len(slots)} blocks need {need}")
+            for first, slot, count in contiguous_runs(slots):
+                np.copyto(arena.slot_array(slot, count), src[first * bb : (first + count) * bb])
+            return
+        shape = self._block_shape()
+        dtype = np.dtype(self.info["dtype"])
+        shard_bytes = bb // tp
+        src = src[first_block * shard_bytes :]
+        if src.size < len(slots) * shard_bytes:
+            raise ValueError("kv_blocks hold fewer bytes than this rank's shard of the blocks")
+        for i, slot in enumerate(slots):
+            block = arena.slot_array(slot).view(dtype).reshape(shape)
+            target = shard_view(block, tp, rank)
+            target[...] = src[i * shard_bytes : (i + 1) * shard_bytes].view(dtype).reshape(target.shape)
+
+
+def shard_view(block: np.ndarray, tp: int, rank: int) -> np.ndarray:
+    """Rank `rank`'s kv heads (h % tp == rank) of one canonical block
+    [layer][K|V][kv_head][token][head_dim], as a view (writable when the block is).
+    The same selection as kvtier.layout.shard_for_rank, kept as a view so a store can
+    write through it into the arena slot."""
+    if tp < 1 or not 0 <= rank < tp or block.shape[2] % tp:
+        raise ValueError(f"tp={tp} rank={rank} does not divide {block.shape[2]} kv heads")
+    return block[:, :, rank::tp]
+
+
+def _as_bytes(a) -> np.ndarray:
+    arr = np.asarray(a) if not isinstance(a, np.ndarray) else a
+    if not arr.flags.c_contiguous:
+        raise ValueError("buffer must be C-contiguous")
+    return arr.reshape(-1).view(np.uint8)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("sidecar closed the connection")
+        got += k
+    return bytes(buf)

@@ -1,0 +1,134 @@
+"""The DRAM tier: the core `LocalCache` indexing slots of the shared-memory arena.
+
+A thin adapter: it owns the arena and the cache, and gives the rest of the sidecar
+the handful of calls it needs (engine lookups, reservations a peer fetch or an engine
+fills, peer-side pinning, warm-up listing) in the sidecar's terms. The cache itself is
+thread-safe; peer-server threads and the event loop share it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.cache import Hit, LocalCache, Reservation
+from kvtier.keys import KeyRoot
+
+from .arena import Arena
+
+__all__ = ["DramTier", "TierHit", "Reservation"]
+
+
+@dataclass(slots=True)
+class TierHit:
+    matched_tokens: int
+    slots: list[int]
+    handle: Hit
+
+    def __bool__(self) -> bool:
+        return self.matched_tokens > 0
+
+
+class DramTier:
+    """Implements `peer_tcp.PeerSource` too: peers are served from the same slots."""
+
+    def __init__(self, arena: Arena, block_size: int, min_sightings: int, kv_heads: int) -> None:
+        self.arena = arena
+        self.block_bytes = arena.block_bytes
+        self.block_size = block_size
+        self.kv_heads = kv_heads
+        self.cache = LocalCache(arena.slots * arena.block_bytes, arena.block_bytes, block_size,
+                                min_sightings=min_sightings, arena=arena.array)
+
+    # -- engine side --------------------------------------------------------------------
+
+    def lookup(self, root: KeyRoot, tokens: np.ndarray, count: bool = True) -> TierHit | None:
+        """Pinned longest prefix (never the whole prompt). `count` is advisory: the
+        core counts every lookup; re-lookups after a peer fetch are counted again."""
+        hit = self.cache.lookup(root, tokens)
+        if not hit:
+            return None
+        return TierHit(hit.matched_tokens, list(hit.blocks), hit)
+
+    def release(self, handle: Hit) -> None:
+        self.cache.release(handle)
+
+    def reserve(self, root: KeyRoot, tokens: np.ndarray, first_block: int | None, n_blocks: int | None,
+                admit: bool) -> Reservation | None:
+        """Slots for the uncached blocks of `tokens` (up to first_block + n_blocks when
+        given). With `first_block` set, a reservation that does not start exactly
+        there (the index changed meanwhile) is given back: the caller's blocks would
+        land in the wrong places."""
+        if first_block is not None and n_blocks is not None:
+            tokens = tokens[: (first_block + n_blocks) * self.block_size]
+        res = self.cache.reserve(root, tokens, force=not admit)
+        if res is None:
+            return None
+        if first_block is not None and res.first_block != first_block:
+            self.cache.abort(res)
+            return None
+        return res
+
+    def commit(self, res: Reservation, verified_blocks: int) -> int:
+        """Publish the first `verified_blocks` blocks of the reservation; never more.
+
+        The core commits whole reservations, so a partial one is re-reserved at the
+        verified length and its bytes copied over (the fault path only)."""
+        if verified_blocks >= len(res.slots):
+            return self.cache.commit(res)
+        if verified_blocks <= 0:
+            self.cache.abort(res)
+            return 0
+        saved = [self.slot_array(s).copy() for s in res.slots[:verified_blocks]]
+        root, tokens, first = res.root, res.token_ids, res.first_block
+        self.cache.abort(res)
+        again = self.reserve(root, tokens, first, verified_blocks, admit=False)
+        if again is None:
+            return 0
+        for block, slot in zip(saved, again.slots):
+            self.slot_array(slot)[:] = block
+        if len(again.slots) < verified_blocks:
+            self.cache.abort(again)
+            return 0
+        return self.cache.commit(again)
+
+    def abort(self, res: Reservation) -> None:
+        if not res.done:
+            self.cache.abort(res)
+
+    # -- peer side ----------------------------------------------------------------------
+
+    def pin_for_peer(self, root: KeyRoot, token_ids: np.ndarray, max_blocks: int) -> tuple[int, list[int], object] | None:
+        tokens = token_ids[: max_blocks * self.block_size]
+        if len(tokens) < self.block_size:
+            return None
+        hit = self.cache.lookup(root, tokens, allow_full=True)
+        if not hit:
+            return None
+        return hit.matched_tokens, list(hit.blocks), hit
+
+    def unpin(self, handle: object) -> None:
+        self.cache.release(handle)  # type: ignore[arg-type]
+
+    def slot_view(self, slot: int, count: int = 1) -> memoryview:
+        return self.arena.slot_view(slot, count)
+
+    def slot_array(self, slot: int, count: int = 1) -> np.ndarray:
+        return self.arena.slot_array(slot, count)
+
+    def hot_prefixes(self, tenant: str, max_bytes: int) -> list[tuple[KeyRoot, np.ndarray]]:
+        return self.cache.hottest_prefixes(tenant, max_bytes)
+
+    # -- control ------------------------------------------------------------------------
+
+    def invalidate(self, predicate) -> int:
+        return self.cache.invalidate(predicate)
+
+    def stats(self, tenant: str | None) -> dict:
+        return self.cache.stats(tenant).as_dict()
+
+    def occupancy(self) -> dict[str, float]:
+        s = self.cache.stats(None)
+        return {"bytes_used": s.bytes_used, "capacity_bytes": s.capacity_bytes, "evictions": s.evictions,
+                "reserved_blocks": s.reserved_blocks, "admission_bar": s.admission_bar,
+                "thrashing": float(s.thrashing)}

@@ -1,0 +1,72 @@
+"""The engine socket's bytes (Unix domain socket, one sidecar, many engine processes).
+
+Every message, both directions:
+
+    body_len u32 | op u8 | request_id u32 | json_len u32 | JSON | tail
+
+`tail` is raw little-endian uint32: token ids in LOOKUP and STORE_BEGIN requests,
+slot ids in their answers. KV bytes never cross this socket: the engine copies them
+out of (or into) the shared-memory arena named in the HELLO answer.
+
+    HELLO        {}                                   -> {arena..., instance}
+    LOOKUP       {root}            + tokens           -> {hit, matched_tokens, tier} + slots
+    RELEASE      {hit}                                -> {}
+    STORE_BEGIN  {root, tp, rank}  + tokens           -> {ticket, n_blocks} + slots (ticket 0: declined)
+    STORE_COMMIT {ticket, rank}                       -> {committed}
+    STORE_ABORT  {ticket}                             -> {}
+
+An answer carrying {"error": ...} is a refused request (bad input); the connection
+stays usable.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from enum import IntEnum
+
+import numpy as np
+
+FRAME = struct.Struct("<IBII")  # body_len (json_len field + json + tail), op, request_id, json_len
+# A 1M-token prompt's ids plus its JSON; anything larger is a broken or hostile client.
+MAX_BODY_BYTES = 8 << 20
+
+
+class EngineOp(IntEnum):
+    HELLO = 1
+    LOOKUP = 2
+    RELEASE = 3
+    STORE_BEGIN = 4
+    STORE_COMMIT = 5
+    STORE_ABORT = 6
+
+
+class FrameError(ValueError):
+    """Bytes that are not an engine-protocol frame."""
+
+
+def encode(op: int, request_id: int, payload: dict, tail: np.ndarray | bytes | None = None) -> bytes:
+    head = json.dumps(payload, separators=(",", ":")).encode()
+    tail_bytes = b"" if tail is None else (tail if isinstance(tail, bytes) else np.ascontiguousarray(tail, dtype="<u4").tobytes())
+    return FRAME.pack(4 + len(head) + len(tail_bytes), op, request_id, len(head)) + head + tail_bytes
+
+
+def decode_header(raw: bytes) -> tuple[int, int, int, int]:
+    """(body_len, op, request_id, json_len); body_len counts json_len's own 4 bytes."""
+    body_len, op, request_id, json_len = FRAME.unpack(raw)
+    if body_len > MAX_BODY_BYTES or json_len + 4 > body_len:
+        raise FrameError(f"frame lengths out of range (body {body_len}, json {json_len})")
+    return body_len, op, request_id, json_len
+
+
+def split_body(rest: bytes, json_len: int) -> tuple[dict, np.ndarray]:
+    """Parse the JSON and the uint32 tail that follow a header."""
+    try:
+        payload = json.loads(rest[:json_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FrameError(f"bad JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise FrameError("payload must be a JSON object")
+    tail = rest[json_len:]
+    if len(tail) % 4:
+        raise FrameError("tail is not a whole number of uint32")
+    return payload, np.frombuffer(tail, dtype="<u4")

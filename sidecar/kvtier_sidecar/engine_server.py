@@ -1,0 +1,149 @@
+"""The engine socket: an asyncio Unix-socket server speaking `engine_proto`.
+
+Each connection is one engine process. Its pinned hits and open store tickets are
+remembered per connection and released when it goes away, so a crashed engine never
+leaks pins (which would make blocks unevictable) or reserved slots.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+
+import numpy as np
+from pydantic import ValidationError
+
+from kvtier.keys import KeyRoot
+
+from .engine_proto import FRAME, EngineOp, FrameError, decode_header, encode, split_body
+from .wire import WireRoot
+
+log = logging.getLogger("kvtier.sidecar.engine")
+
+# Parsed key roots by their JSON text: engines send the same few roots again and again.
+ROOT_CACHE_SIZE = 4096
+
+
+class EngineServer:
+    def __init__(self, service, path: str, hello: dict) -> None:
+        self.service = service
+        self.path = path
+        self.hello = hello
+        self._server: asyncio.AbstractServer | None = None
+        self._roots: dict[str, KeyRoot] = {}
+        self.connections = 0
+        self.bad_frames = 0
+
+    async def start(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=1 << 20)
+        os.chmod(self.path, 0o660)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _root(self, raw) -> KeyRoot:
+        key = repr(raw)
+        root = self._roots.get(key)
+        if root is None:
+            if not isinstance(raw, dict):
+                raise ValueError("root must be an object with the key-root fields")
+            w = WireRoot.model_validate(raw)
+            root = KeyRoot(w.tenant, w.model_id, w.weights_version, w.kv_dtype, w.rope_config_hash, w.attn_impl_id)
+            if len(self._roots) >= ROOT_CACHE_SIZE:
+                self._roots.clear()
+            self._roots[key] = root
+        return root
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        hits: set[int] = set()
+        tickets: set[int] = set()
+        try:
+            while True:
+                try:
+                    header = await reader.readexactly(FRAME.size)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                try:
+                    body_len, op, rid, json_len = decode_header(header)
+                except (FrameError, struct.error):
+                    self.bad_frames += 1
+                    return  # framing is lost: the only safe answer is to hang up
+                rest = await reader.readexactly(body_len - 4)
+                try:
+                    payload, tail = split_body(rest, json_len)
+                    answer, out_tail = await self._handle(op, payload, tail, hits, tickets)
+                except (FrameError, ValueError, ValidationError, KeyError, TypeError) as exc:
+                    self.bad_frames += 1
+                    answer, out_tail = {"error": _message(exc)}, None
+                writer.write(encode(op, rid, answer, out_tail))
+                if writer.transport.get_write_buffer_size() > (1 << 20):
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # the engine hung up, or the sidecar is shutting down
+        except Exception:  # one broken engine connection must not take the sidecar down
+            log.exception("engine connection failed")
+        finally:
+            self.service.release_all(hits, tickets)
+            writer.close()
+
+    async def _handle(self, op: int, payload: dict, tail: np.ndarray, hits: set[int], tickets: set[int]):
+        svc = self.service
+        if op == EngineOp.LOOKUP:
+            root = self._root(payload["root"])
+            tokens = _tokens(tail)
+            answer = await svc.lookup(root, tokens)
+            if answer is None:
+                return {"hit": 0}, None
+            hits.add(answer.hit_id)
+            return {"hit": answer.hit_id, "matched_tokens": answer.matched_tokens, "tier": answer.tier}, np.asarray(answer.slots, dtype="<u4")
+        if op == EngineOp.RELEASE:
+            hit_id = int(payload["hit"])
+            hits.discard(hit_id)
+            svc.release(hit_id)
+            return {}, None
+        if op == EngineOp.STORE_BEGIN:
+            root = self._root(payload["root"])
+            tp, rank = int(payload.get("tp", 1)), int(payload.get("rank", 0))
+            ticket, first_block, slots = svc.store_begin(root, _tokens(tail), tp, rank)
+            if ticket:
+                tickets.add(ticket)
+            return {"ticket": ticket, "first_block": first_block}, np.asarray(slots, dtype="<u4")
+        if op == EngineOp.STORE_COMMIT:
+            ticket = int(payload["ticket"])
+            tickets.discard(ticket)
+            return {"committed": svc.store_commit(ticket, int(payload.get("rank", 0)))}, None
+        if op == EngineOp.STORE_ABORT:
+            ticket = int(payload["ticket"])
+            tickets.discard(ticket)
+            svc.store_abort(ticket)
+            return {}, None
+        if op == EngineOp.HELLO:
+            return {**self.hello, "instance": svc.instance}, None
+        raise ValueError(f"unknown op {op}")
+
+
+def _tokens(tail: np.ndarray) -> np.ndarray:
+    if tail.size == 0:
+        raise ValueError("token ids missing")
+    return tail.astype(np.uint32)
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, ValidationError):
+        return "invalid key root: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
+    if isinstance(exc, KeyError):
+        return f"missing field {exc}"
+    return str(exc) or exc.__class__.__name__

@@ -1,0 +1,273 @@
+"""The global index in Redis: which hosts hold which chained block hashes.
+
+Key schema (all keys of one key root share a hash tag, so one Lua call can read them
+all on a single Redis Cluster shard):
+
+    {prefix}:{<root tag>}:<block hash hex>   HASH  host -> expiry (unix s); key TTL
+    {prefix}:members                          ZSET  host -> heartbeat expiry (unix s)
+
+`longest_prefix` sends every block hash of the prompt in ONE round trip (EVALSHA);
+the script walks the chain from block 0 and keeps the hosts that hold every block so
+far, so the answer is the longest prefix one host holds. Per-host expiries live in
+the hash fields because one host refreshing a key must not keep another's stale entry
+alive. The index is a hint: a stale entry costs a fetch that comes back short, never
+wrong KV (the peer matches by tokens).
+
+Faults never reach the caller: while Redis is unreachable lookups answer "nothing"
+at once (a circuit breaker with backoff) and registrations wait in a bounded queue
+until it returns.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError, RedisError
+
+log = logging.getLogger("kvtier.sidecar.index")
+
+# Registrations buffered while Redis is away; beyond this the oldest are dropped
+# (they are hints, and the next store of a hot prefix registers it again).
+MAX_PENDING_REGISTRATIONS = 10_000
+# Hashes per pipeline flush: 125 blocks is one 2,000-token prompt.
+FLUSH_BATCH_BLOCKS = 4_000
+# Remembered registrations to withdraw at shutdown; beyond this, TTL cleans up.
+MAX_REMEMBERED_KEYS = 1_000_000
+# Backoff after a Redis failure before the next attempt (doubles to the max).
+BACKOFF_MIN_S = 0.25
+BACKOFF_MAX_S = 5.0
+HEARTBEAT_S = 2.0
+# A member is live while its heartbeat is younger than this.
+MEMBER_TTL_S = 3 * HEARTBEAT_S
+
+LONGEST_PREFIX_LUA = """
+local now = tonumber(ARGV[1])
+local me = ARGV[2]
+local cand = nil
+local best = 0
+for i, key in ipairs(KEYS) do
+  local flat = redis.call('HGETALL', key)
+  local present = {}
+  local any = false
+  for j = 1, #flat, 2 do
+    local host = flat[j]
+    if host ~= me and tonumber(flat[j + 1]) >= now and (cand == nil or cand[host]) then
+      present[host] = true
+      any = true
+    end
+  end
+  if not any then break end
+  cand = present
+  best = i
+end
+local out = {best}
+if cand then
+  for host, _ in pairs(cand) do table.insert(out, host) end
+end
+return out
+"""
+
+
+@dataclass(slots=True)
+class IndexAnswer:
+    """`matched_blocks` leading blocks of the prompt are held by each of `hosts`."""
+
+    matched_blocks: int
+    hosts: list[str]
+
+
+class GlobalIndex:
+    def __init__(self, url: str, host: str, prefix: str = "kvt", ttl_s: int = 600,
+                 timeout_s: float = 0.05, cluster: bool = False) -> None:
+        self.host = host
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        kwargs = dict(socket_timeout=max(timeout_s, 0.5), socket_connect_timeout=0.5,
+                      retry_on_timeout=False)
+        if cluster:
+            self.redis = aioredis.RedisCluster.from_url(url, **kwargs)
+        else:
+            self.redis = aioredis.Redis.from_url(url, **kwargs)
+        self._sha: str | None = None
+        self._pending: collections.deque[tuple[str, list[str]]] = collections.deque(maxlen=MAX_PENDING_REGISTRATIONS)
+        self._remembered: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._wake = asyncio.Event()
+        self._down_until = 0.0
+        self._backoff_s = BACKOFF_MIN_S
+        self._members: set[str] = set()
+        self._tasks: list[asyncio.Task] = []
+        self.stats = collections.Counter()
+
+    # -- keys ---------------------------------------------------------------------------
+
+    def block_key(self, root_tag: str, block_hash_hex: str) -> str:
+        return f"{self.prefix}:{{{root_tag}}}:{block_hash_hex}"
+
+    @property
+    def members_key(self) -> str:
+        return f"{self.prefix}:members"
+
+    # -- health -------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.stats[f"{what}_errors"] += 1
+        self._down_until = time.monotonic() + self._backoff_s
+        log.warning("redis %s failed (%s); index off for %.2fs", what, exc.__class__.__name__, self._backoff_s)
+        self._backoff_s = min(BACKOFF_MAX_S, self._backoff_s * 2)
+
+    def _succeeded(self) -> None:
+        self._backoff_s = BACKOFF_MIN_S
+
+    # -- lookup -------------------------------------------------------------------------
+
+    async def longest_prefix(self, root_tag: str, block_hashes_hex: list[str]) -> IndexAnswer | None:
+        """Longest prefix of `block_hashes_hex` some live peer holds, in one round trip;
+        None when nobody does or the index is unavailable (a miss, never an error)."""
+        if not block_hashes_hex or not self.available:
+            return None
+        keys = [self.block_key(root_tag, h) for h in block_hashes_hex]
+        try:
+            raw = await asyncio.wait_for(self._eval(keys), self.timeout_s)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self._failed("lookup", exc)
+            return None
+        self._succeeded()
+        self.stats["lookups"] += 1
+        matched = int(raw[0])
+        hosts = [h.decode() if isinstance(h, bytes) else str(h) for h in raw[1:]]
+        if self._members:
+            hosts = [h for h in hosts if h in self._members]
+        if matched == 0 or not hosts:
+            return None
+        random.shuffle(hosts)
+        return IndexAnswer(matched, hosts)
+
+    async def _eval(self, keys: list[str]) -> list:
+        args = [int(time.time()), self.host]
+        if self._sha is None:
+            self._sha = await self.redis.script_load(LONGEST_PREFIX_LUA)
+        try:
+            return await self.redis.evalsha(self._sha, len(keys), *keys, *args)
+        except NoScriptError:  # Redis restarted and lost its script cache
+            self._sha = await self.redis.script_load(LONGEST_PREFIX_LUA)
+            return await self.redis.evalsha(self._sha, len(keys), *keys, *args)
+
+    # -- registration -------------------------------------------------------------------
+
+    def register(self, root_tag: str, block_hashes_hex: Iterable[str]) -> None:
+        """Queue a registration; never blocks, never raises."""
+        self._pending.append((root_tag, list(block_hashes_hex)))
+        self._wake.set()
+
+    async def flush(self) -> bool:
+        """Write the queued registrations (pipelined); False when Redis is away."""
+        while self._pending:
+            if not self.available:
+                return False
+            batch: list[tuple[str, list[str]]] = []
+            size = 0
+            while self._pending and size < FLUSH_BATCH_BLOCKS:
+                item = self._pending.popleft()
+                batch.append(item)
+                size += len(item[1])
+            try:
+                await self._write(batch)
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                self._pending.extendleft(reversed(batch))
+                self._failed("register", exc)
+                return False
+            self._succeeded()
+        return True
+
+    async def _write(self, batch: list[tuple[str, list[str]]]) -> None:
+        expiry = int(time.time()) + self.ttl_s
+        pipe = self.redis.pipeline(transaction=False)
+        for tag, hashes in batch:
+            for h in hashes:
+                key = self.block_key(tag, h)
+                pipe.hset(key, self.host, expiry)
+                pipe.expire(key, self.ttl_s)
+                self._remember(key)
+        await pipe.execute()
+        self.stats["registered_blocks"] += sum(len(h) for _, h in batch)
+
+    def _remember(self, key: str) -> None:
+        self._remembered[key] = None
+        self._remembered.move_to_end(key)
+        if len(self._remembered) > MAX_REMEMBERED_KEYS:
+            self._remembered.popitem(last=False)
+
+    @property
+    def pending(self) -> int:
+        return sum(len(h) for _, h in self._pending)
+
+    # -- membership ---------------------------------------------------------------------
+
+    async def heartbeat(self) -> None:
+        if not self.available:
+            return
+        try:
+            now = time.time()
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zadd(self.members_key, {self.host: now + MEMBER_TTL_S})
+            pipe.zremrangebyscore(self.members_key, "-inf", now)
+            pipe.zrangebyscore(self.members_key, now, "+inf")
+            _, _, members = await pipe.execute()
+            self._members = {m.decode() if isinstance(m, bytes) else m for m in members}
+            self._succeeded()
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self._failed("heartbeat", exc)
+
+    def forget_member(self, host: str) -> None:
+        """A peer that failed a fetch is skipped until its next heartbeat refresh."""
+        self._members.discard(host)
+
+    async def run(self) -> None:
+        """Background loop: flush registrations as they come, heartbeat periodically."""
+        next_beat = 0.0
+        while True:
+            if time.monotonic() >= next_beat:
+                await self.heartbeat()
+                next_beat = time.monotonic() + HEARTBEAT_S
+            if self._pending and self.available:
+                await self.flush()
+            self._wake.clear()
+            wait = max(0.01, min(next_beat - time.monotonic(), self._down_until - time.monotonic() if self._pending else HEARTBEAT_S))
+            try:
+                await asyncio.wait_for(self._wake.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+
+    async def deregister(self) -> None:
+        """Graceful shutdown: leave the member set and withdraw remembered entries."""
+        try:
+            await asyncio.wait_for(self._deregister(), 2.0)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            log.warning("deregister failed (%s); entries expire by TTL", exc.__class__.__name__)
+
+    async def _deregister(self) -> None:
+        await self.redis.zrem(self.members_key, self.host)
+        keys = list(self._remembered)
+        for start in range(0, len(keys), FLUSH_BATCH_BLOCKS):
+            pipe = self.redis.pipeline(transaction=False)
+            for key in keys[start : start + FLUSH_BATCH_BLOCKS]:
+                pipe.hdel(key, self.host)
+            await pipe.execute()
+        self._remembered.clear()
+
+    async def close(self) -> None:
+        try:
+            await self.redis.aclose()
+        except Exception:  # closing a broken connection must not mask shutdown
+            pass

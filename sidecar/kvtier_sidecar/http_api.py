@@ -1,0 +1,122 @@
+"""The HTTP control API (aiohttp): stats, invalidation, warm-up, metrics, probes.
+
+    GET  /cache/stats?tenant=T   per-tenant (or whole-cache) hit rates, tiers, bytes
+    POST /cache/invalidate       {"model_version": V}            -> 202, dropped in background
+    POST /cache/warm             {"tenant", "from_peer", "max_bytes"} -> 202, pulled in background
+    GET  /metrics                Prometheus text, top-N tenants + "other"
+    GET  /healthz, /readyz
+
+Bodies are pydantic models; anything malformed is a 4xx with a message saying what
+was wrong. Handlers are thin: the work is in `service.Sidecar`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+log = logging.getLogger("kvtier.sidecar.http")
+
+MAX_BODY_BYTES = 64 << 10
+_PEER_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,255}:\d{1,5}$")
+
+
+class InvalidateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_version: str = Field(min_length=1, max_length=256)
+
+
+class WarmRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(min_length=1, max_length=256)
+    from_peer: str = Field(min_length=3, max_length=300)
+    max_bytes: int = Field(gt=0)
+
+    def model_post_init(self, _ctx) -> None:
+        if not _PEER_RE.match(self.from_peer):
+            raise ValueError("from_peer must be host:port")
+
+
+def _bad(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel | web.Response:
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        return _bad(f"body larger than {MAX_BODY_BYTES} bytes", 413)
+    raw = await request.content.read(MAX_BODY_BYTES + 1)
+    if len(raw) > MAX_BODY_BYTES:
+        return _bad(f"body larger than {MAX_BODY_BYTES} bytes", 413)
+    try:
+        data = json.loads(raw or b"null")
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return _bad(f"body is not JSON: {exc}")
+    if not isinstance(data, dict):
+        return _bad("body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except (ValidationError, ValueError) as exc:
+        errors = exc.errors(include_url=False) if isinstance(exc, ValidationError) else [{"msg": str(exc)}]
+        fields = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())) or 'body'}: {e['msg']}" for e in errors)
+        return _bad(f"invalid request: {fields}", 422)
+
+
+def make_app(service) -> web.Application:
+    async def stats(request: web.Request) -> web.Response:
+        tenant = request.query.get("tenant")
+        if tenant is not None and not (0 < len(tenant) <= 256):
+            return _bad("tenant must be 1-256 characters")
+        return web.json_response(service.stats(tenant))
+
+    async def invalidate(request: web.Request) -> web.Response:
+        body = await _body(request, InvalidateRequest)
+        if isinstance(body, web.Response):
+            return body
+        job = service.invalidate_version(body.model_version)
+        return web.json_response({"accepted": True, "model_version": body.model_version, "job": job}, status=202)
+
+    async def warm(request: web.Request) -> web.Response:
+        body = await _body(request, WarmRequest)
+        if isinstance(body, web.Response):
+            return body
+        job = service.warm(body.tenant, body.from_peer, body.max_bytes)
+        return web.json_response({"accepted": True, "job": job}, status=202)
+
+    async def jobs(request: web.Request) -> web.Response:
+        return web.json_response(service.jobs())
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=service.metrics_text(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Prometheus-Format": "0.0.4"})
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def readyz(request: web.Request) -> web.Response:
+        ready, why = service.readiness()
+        return web.json_response({"ready": ready, "detail": why}, status=200 if ready else 503)
+
+    @web.middleware
+    async def never_crash(request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except Exception:  # a bug answers 500 for that request; the server keeps serving
+            log.exception("http handler failed", extra={"path": request.path})
+            return _bad("internal error", 500)
+
+    app = web.Application(middlewares=[never_crash], client_max_size=MAX_BODY_BYTES)
+    app.router.add_get("/cache/stats", stats)
+    app.router.add_post("/cache/invalidate", invalidate)
+    app.router.add_post("/cache/warm", warm)
+    app.router.add_get("/cache/jobs", jobs)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app

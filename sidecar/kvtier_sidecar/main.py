@@ -1,0 +1,194 @@
+"""`kvtier-sidecar`: assemble the tiers and the listeners, serve until SIGTERM.
+
+    kvtier-sidecar --config /etc/kvtier/sidecar.yaml [--ready-file PATH]
+
+Start-up order: arena -> DRAM tier -> peer server -> global index -> engine socket ->
+HTTP. `--ready-file` receives a JSON object with the bound addresses once everything
+listens (tests and the fleet use port 0 and read it). SIGTERM/SIGINT: stop taking
+requests, deregister from the global index, unlink the socket and the arena.
+Exit status 2 names the bad flag or config field.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from kvtier import sidecar_config as cfgmod
+from kvtier.sidecar_config import SidecarConfig
+
+from . import logs
+from .arena import Arena, ArenaError
+from .dram import DramTier
+from .engine_server import EngineServer
+from .global_index import GlobalIndex
+from .http_api import make_app
+from .peer_tcp import PeerServer, TcpTransport
+from .service import Sidecar
+
+log = logging.getLogger("kvtier.sidecar")
+
+CONFIG_POLL_S = 1.0
+TICKET_SWEEP_S = 1.0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvtier-sidecar", description="kvtier per-pod cache sidecar")
+    p.add_argument("--config", help="YAML/JSON config file (see kvtier.sidecar_config); default: built-in defaults")
+    p.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
+    return p.parse_args(argv)
+
+
+def hello_for(config: SidecarConfig, arena: Arena) -> dict:
+    m = config.model
+    return {"shm_name": arena.name, "arena_bytes": arena.size, "block_bytes": arena.block_bytes,
+            "block_size": config.block_size, "slots": arena.slots, "dtype": f"u{m.dtype_bytes}",
+            "block_shape": [m.layers, 2, m.kv_heads, config.block_size, m.head_dim], "kv_heads": m.kv_heads}
+
+
+class SidecarProcess:
+    def __init__(self, config: SidecarConfig, config_path: str | None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self._config_stamp = self._stamp()
+        self._stop = asyncio.Event()
+
+    def _stamp(self) -> tuple | None:
+        if not self.config_path:
+            return None
+        try:
+            st = os.stat(self.config_path)
+            return (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            return None
+
+    async def run(self, ready_file: str | None) -> None:
+        c = self.config
+        self.arena = Arena.create(c.shm_name, c.slots, c.block_bytes)
+        try:
+            await self._run(ready_file)
+        finally:
+            self.arena.close()
+
+    async def _run(self, ready_file: str | None) -> None:
+        c = self.config
+        tier = DramTier(self.arena, c.block_size, c.min_sightings, c.model.kv_heads)
+        secret = c.peer_secret()
+        self.peer_server = PeerServer(tier, c.pod_ip, c.peer_port, secret, c.peer_max_concurrency, c.peer_timeout_s).start()
+        advertise = c.peer_advertise or self.peer_server.address
+        self.index = None
+        if c.redis_url:
+            self.index = GlobalIndex(c.redis_url, advertise, c.index_key_prefix, c.index_ttl_s,
+                                     c.index_lookup_timeout_s, c.redis_cluster)
+        self.transport = TcpTransport(self.config.peer_secret, c.peer_connect_timeout_s, c.peer_timeout_s)
+        self.service = Sidecar(c, tier, self.index, self.transport, instance=uuid.uuid4().hex)
+        self.service.bind_loop(asyncio.get_running_loop())
+        socket_path = c.engine_socket_path()
+        engine = EngineServer(self.service, socket_path, hello_for(c, self.arena))
+        await engine.start()
+        runner = web.AppRunner(make_app(self.service), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, c.pod_ip, c.http_port)
+        await site.start()
+        http_port = runner.addresses[0][1]
+        background = [asyncio.create_task(self._watch_config()), asyncio.create_task(self._sweep())]
+        if self.index is not None:
+            background.append(asyncio.create_task(self.index.run()))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        ready = {"pid": os.getpid(), "http": f"{c.pod_ip}:{http_port}", "peer": advertise,
+                 "peer_bound": self.peer_server.address, "engine_socket": socket_path, "shm_name": self.arena.name,
+                 "instance": self.service.instance}
+        if ready_file:
+            tmp = Path(ready_file + ".tmp")
+            tmp.write_text(json.dumps(ready))
+            tmp.replace(ready_file)
+        log.info("sidecar serving", extra=ready)
+        await self._stop.wait()
+        log.info("sidecar shutting down")
+        await engine.close()
+        self.peer_server.close()
+        for task in background:
+            task.cancel()
+        if self.index is not None:
+            await self.index.flush()
+            await self.index.deregister()
+            await self.index.close()
+        await runner.cleanup()
+        self.service.close()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(TICKET_SWEEP_S)
+            self.service.expire_tickets()
+
+    async def _watch_config(self) -> None:
+        """Apply a changed config file without touching the cache; a bad file is
+        logged and ignored (the running config stays)."""
+        while True:
+            await asyncio.sleep(CONFIG_POLL_S)
+            stamp = self._stamp()
+            if stamp == self._config_stamp:
+                continue
+            self._config_stamp = stamp
+            try:
+                new = cfgmod.load(self.config_path)
+            except (OSError, ValueError, ValidationError) as exc:
+                log.warning("config reload rejected; keeping the running config", extra={"error": str(exc)})
+                continue
+            self.reload(new)
+
+    def reload(self, new: SidecarConfig) -> None:
+        applicable, restart = cfgmod.reload_diff(self.config, new)
+        if "model" in applicable and _shape(new) != _shape(self.config):
+            applicable.pop("model")
+            restart.append("model (shape)")
+        merged = self.config.model_copy(update=applicable)
+        self.config = merged
+        self.service.apply_config(merged)
+        self.peer_server.set_secret(merged.peer_secret())
+        if "log_level" in applicable:
+            logs.set_level(merged.log_level)
+        log.info("config reloaded", extra={"applied": sorted(applicable), "needs_restart": restart})
+
+
+def _shape(c: SidecarConfig) -> tuple:
+    m = c.model
+    return (m.layers, m.kv_heads, m.head_dim, m.dtype_bytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = cfgmod.load(args.config)
+        config.peer_secret()
+    except FileNotFoundError as exc:
+        print(f"kvtier-sidecar: --config / peer_secret_file: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, ValidationError) as exc:
+        print(f"kvtier-sidecar: --config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(config.log_level, pod=config.pod_name, namespace=config.pod_namespace)
+    try:
+        asyncio.run(SidecarProcess(config, args.config).run(args.ready_file))
+    except ArenaError as exc:
+        log.error(str(exc))
+        return 1
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

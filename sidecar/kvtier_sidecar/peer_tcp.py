@@ -1,0 +1,308 @@
+"""The peer tier over TCP: a threaded server streaming block runs out of the arena,
+and the client that receives them straight into reserved arena slots.
+
+Threads, not asyncio, on purpose: `socket.sendall` of an arena memoryview and
+`recv_into` an arena slot release the GIL and copy once in the kernel, which is what
+keeps a fetch near raw loopback throughput (asyncio's stream buffers add a copy).
+Concurrency is bounded by a semaphore; a peer over the bound gets BUSY at once.
+Every socket operation has a deadline. Framing lives in `wire`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Protocol
+
+import numpy as np
+import xxhash
+
+from kvtier.keys import KeyRoot
+
+from . import wire
+from .transport import FetchOutcome, FetchSink, HotPrefixes
+
+log = logging.getLogger("kvtier.sidecar.peer")
+
+# Socket buffers big enough to keep a multi-MiB run in flight while the receiver hashes.
+SOCKET_BUFFER_BYTES = 8 << 20
+
+
+class PeerSource(Protocol):
+    """What the server needs from the local tier."""
+
+    block_bytes: int
+    block_size: int
+
+    def pin_for_peer(self, root: KeyRoot, token_ids: np.ndarray, max_blocks: int) -> tuple[int, list[int], object] | None:
+        """Match by tokens and pin: (matched_tokens, slots of every matched block, handle)."""
+    def unpin(self, handle: object) -> None: ...
+    def slot_view(self, slot: int, count: int) -> memoryview: ...
+    def hot_prefixes(self, tenant: str, max_bytes: int) -> list[tuple[KeyRoot, np.ndarray]]: ...
+
+
+def root_to_wire(root: KeyRoot) -> wire.WireRoot:
+    return wire.WireRoot(tenant=root.tenant, model_id=root.model_id, weights_version=root.weights_version,
+                         kv_dtype=root.kv_dtype, rope_config_hash=root.rope_config_hash,
+                         attn_impl_id=root.attn_impl_id)
+
+
+def root_from_wire(w: wire.WireRoot) -> KeyRoot:
+    return KeyRoot(w.tenant, w.model_id, w.weights_version, w.kv_dtype, w.rope_config_hash, w.attn_impl_id)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+        except OSError:
+            pass
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    total = len(view)
+    while got < total:
+        k = sock.recv_into(view[got:], total - got)
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+
+
+class PeerServer:
+    """Serves FETCH and HOT to authenticated peers, one thread per connection."""
+
+    def __init__(self, source: PeerSource, host: str, port: int, secret: bytes | None,
+                 max_concurrency: int = 8, timeout_s: float = 2.0) -> None:
+        self.source = source
+        self.secret = secret or b""
+        self.timeout_s = timeout_s
+        self._slots = threading.BoundedSemaphore(max_concurrency)
+        self._sock = socket.create_server((host, port), reuse_port=False, backlog=128)
+        self.address = "%s:%d" % self._sock.getsockname()[:2]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="peer-accept", daemon=True)
+        self.counters = {"connections": 0, "fetches": 0, "bytes_sent": 0, "busy": 0, "unauthorized": 0, "bad_requests": 0}
+
+    def start(self) -> "PeerServer":
+        self._thread.start()
+        return self
+
+    def set_secret(self, secret: bytes | None) -> None:
+        self.secret = secret or b""
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.counters["connections"] += 1
+            if not self._slots.acquire(blocking=False):
+                self.counters["busy"] += 1
+                threading.Thread(target=self._refuse_busy, args=(conn,), daemon=True).start()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="peer-conn", daemon=True).start()
+
+    def _refuse_busy(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self.timeout_s)
+            conn.sendall(wire.HELLO_MAGIC + bytes(wire.NONCE_BYTES))
+            conn.sendall(wire.encode_response(wire.Status.BUSY, {"error": "peer at its concurrency limit"}))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            _tune(conn)
+            conn.settimeout(self.timeout_s)
+            nonce = os.urandom(wire.NONCE_BYTES)
+            conn.sendall(wire.HELLO_MAGIC + nonce)
+            if not wire.auth_ok(self.secret, nonce, recv_exact(conn, wire.AUTH_BYTES)):
+                self.counters["unauthorized"] += 1
+                conn.sendall(wire.encode_response(wire.Status.UNAUTHORIZED, {"error": "bad peer credentials"}))
+                return
+            while not self._stop.is_set():
+                try:
+                    head = recv_exact(conn, wire.REQUEST.size)
+                except (ConnectionError, socket.timeout):
+                    return
+                op, length = wire.decode_request_header(head)
+                body = recv_exact(conn, length)
+                if op is wire.Op.FETCH:
+                    self._fetch(conn, body)
+                else:
+                    self._hot(conn, body)
+        except wire.ProtocolError as exc:
+            self.counters["bad_requests"] += 1
+            try:
+                conn.sendall(wire.encode_response(wire.Status.BAD_REQUEST, {"error": str(exc)}))
+            except OSError:
+                pass
+        except (OSError, ConnectionError):
+            pass  # the other side went away or stalled: nothing to clean but the socket
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("peer connection failed")
+        finally:
+            conn.close()
+            self._slots.release()
+
+    def _fetch(self, conn: socket.socket, body: bytes) -> None:
+        request, tokens = wire.decode_fetch(body)
+        src = self.source
+        if request.block_bytes != src.block_bytes or request.block_size != src.block_size:
+            raise wire.ProtocolError(
+                f"shape mismatch: block of {request.block_size} tokens/{request.block_bytes} bytes, "
+                f"this peer serves {src.block_size}/{src.block_bytes}")
+        if tokens.size == 0:
+            raise wire.ProtocolError("fetch without token ids")
+        pinned = src.pin_for_peer(root_from_wire(request.root), tokens, request.max_blocks)
+        if pinned is None:
+            conn.sendall(wire.encode_response(wire.Status.MISS, wire.FetchHeader(matched_tokens=0, n_blocks=0, block_bytes=src.block_bytes)))
+            return
+        matched, slots, handle = pinned
+        slots = slots[request.skip_blocks :]
+        try:
+            if not slots:
+                conn.sendall(wire.encode_response(wire.Status.MISS, wire.FetchHeader(matched_tokens=matched, n_blocks=0, block_bytes=src.block_bytes)))
+                return
+            self.counters["fetches"] += 1
+            header = wire.FetchHeader(matched_tokens=matched, n_blocks=len(slots), block_bytes=src.block_bytes)
+            conn.sendall(wire.encode_response(wire.Status.OK, header))
+            self._stream(conn, slots)
+        finally:
+            src.unpin(handle)
+
+    def _stream(self, conn: socket.socket, slots: list[int]) -> None:
+        from .arena import contiguous_runs
+
+        per_chunk = wire.chunk_blocks(self.source.block_bytes)
+        for first, slot, count in contiguous_runs(slots):
+            for off in range(0, count, per_chunk):
+                n = min(per_chunk, count - off)
+                view = self.source.slot_view(slot + off, n)
+                conn.sendall(wire.encode_run_header(first + off, n, wire.checksum(view)))
+                conn.sendall(view)
+                self.counters["bytes_sent"] += len(view)
+
+    def _hot(self, conn: socket.socket, body: bytes) -> None:
+        try:
+            request = wire.HotRequest.model_validate_json(body)
+        except ValueError:
+            raise wire.ProtocolError("bad hot-prefixes request") from None
+        found = self.source.hot_prefixes(request.tenant, request.max_bytes)
+        response = wire.HotResponse(prefixes=[
+            wire.HotPrefix(root=root_to_wire(root), tokens=[int(t) for t in tokens]) for root, tokens in found
+        ])
+        conn.sendall(wire.encode_response(wire.Status.OK, response))
+
+
+class TcpTransport:
+    """Client side. A connection per call: fetches are few and large, and a fresh
+    connection never inherits a half-read stream from a failed transfer."""
+
+    def __init__(self, secret_fn, connect_timeout_s: float = 0.25, timeout_s: float = 2.0) -> None:
+        self._secret_fn = secret_fn
+        self.connect_timeout_s = connect_timeout_s
+        self.timeout_s = timeout_s
+
+    def _connect(self, peer: str, deadline: float) -> socket.socket:
+        host, _, port = peer.rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=self.connect_timeout_s)
+        try:
+            _tune(sock)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            hello = recv_exact(sock, len(wire.HELLO_MAGIC) + wire.NONCE_BYTES)
+            if hello[:4] != wire.HELLO_MAGIC:
+                raise wire.ProtocolError("peer did not greet with the kvtier peer protocol")
+            sock.sendall(wire.auth_tag(self._secret_fn() or b"", hello[4:]))
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    def fetch(self, peer: str, root: KeyRoot, token_ids: np.ndarray, block_size: int,
+              block_bytes: int, sink: FetchSink, max_blocks: int, skip_blocks: int = 0) -> FetchOutcome:
+        """Blocks [skip_blocks, matched) of the prompt into `sink`; never raises."""
+        outcome = FetchOutcome()
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            sock = self._connect(peer, deadline)
+        except (OSError, wire.ProtocolError, ValueError) as exc:
+            outcome.error = f"connect: {exc.__class__.__name__}"
+            return outcome
+        try:
+            request = wire.FetchRequest(root=root_to_wire(root), block_bytes=block_bytes,
+                                        block_size=block_size, max_blocks=max_blocks,
+                                        skip_blocks=skip_blocks)
+            sock.sendall(wire.encode_fetch(request, token_ids))
+            status, length = wire.decode_response_header(recv_exact(sock, wire.RESPONSE.size))
+            body = recv_exact(sock, length)
+            if status is not wire.Status.OK:
+                outcome.error = None if status is wire.Status.MISS else status.name.lower()
+                return outcome
+            header = wire.FetchHeader.model_validate_json(body)
+            if header.block_bytes != block_bytes or header.n_blocks > max_blocks:
+                outcome.error = "peer answered with the wrong shape"
+                return outcome
+            outcome.announced_blocks = header.n_blocks
+            views = sink.reserve(header.n_blocks) if header.n_blocks else None
+            if not views:
+                outcome.error = "no room to receive"
+                return outcome
+            self._receive(sock, views, deadline, outcome)
+        except (OSError, ConnectionError, wire.ProtocolError, ValueError) as exc:
+            outcome.error = f"{exc.__class__.__name__}"
+        finally:
+            sock.close()
+        return outcome
+
+    def _receive(self, sock: socket.socket, views: list[memoryview], deadline: float, outcome: FetchOutcome) -> None:
+        """Receive run chunks in order straight into `views`; stop at the first bad one."""
+        while outcome.verified_blocks < len(views):
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            first, count, digest = wire.decode_run_header(recv_exact(sock, wire.RUN.size))
+            if first != outcome.verified_blocks or count < 1 or first + count > len(views):
+                raise wire.ProtocolError("run out of order")
+            hasher = xxhash.xxh3_64()
+            for view in views[first : first + count]:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                recv_into_exact(sock, view)
+                hasher.update(view)
+                outcome.bytes_received += len(view)
+            if hasher.intdigest() != digest:
+                outcome.error = "checksum mismatch"
+                return
+            outcome.verified_blocks += count
+
+    def hot_prefixes(self, peer: str, tenant: str, max_bytes: int) -> HotPrefixes:
+        deadline = time.monotonic() + self.timeout_s
+        sock = self._connect(peer, deadline)
+        try:
+            sock.sendall(wire.encode_request(wire.Op.HOT, wire.HotRequest(tenant=tenant, max_bytes=max_bytes).model_dump_json().encode()))
+            status, length = wire.decode_response_header(recv_exact(sock, wire.RESPONSE.size))
+            body = recv_exact(sock, length)
+            if status is not wire.Status.OK:
+                raise ConnectionError(f"peer answered {status.name}")
+            response = wire.HotResponse.model_validate_json(body)
+            return HotPrefixes([(root_from_wire(p.root), np.asarray(p.tokens, dtype=np.uint32)) for p in response.prefixes])
+        finally:
+            sock.close()

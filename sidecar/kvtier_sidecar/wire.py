@@ -1,0 +1,196 @@
+"""The peer protocol's bytes: handshake, request and response frames, run frames.
+
+Pure encoding and decoding; the sockets live in `peer_tcp`. One connection:
+
+    server -> client   HELLO    b"KVP1" | nonce[16]
+    client -> server   AUTH     hmac_sha256(secret, nonce | b"kvtier-peer-v1")[32]
+    client -> server   REQUEST  b"KVRQ" | op u8 | body_len u32 | body
+    server -> client   RESPONSE b"KVRS" | status u8 | body_len u32 | body(JSON)
+    server -> client   RUN*     b"KVRN" | first_block u32 | n_blocks u32 | xxh3_64 u64 | bytes
+
+A FETCH body is `json_len u32 | FetchRequest JSON | token ids (little-endian uint32)`.
+The response announces `n_blocks`; RUN frames follow in block order until they add up.
+Each run carries its own checksum, so a receiver keeps every run verified before a
+corruption or a cut connection: a partial answer is still a correct answer.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import struct
+from enum import IntEnum
+
+import numpy as np
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field
+
+HELLO_MAGIC = b"KVP1"
+NONCE_BYTES = 16
+AUTH_BYTES = 32
+AUTH_CONTEXT = b"kvtier-peer-v1"
+REQUEST = struct.Struct("<4sBI")
+REQUEST_MAGIC = b"KVRQ"
+RESPONSE = struct.Struct("<4sBI")
+RESPONSE_MAGIC = b"KVRS"
+RUN = struct.Struct("<4sIIQ")
+RUN_MAGIC = b"KVRN"
+# 2M tokens of ids plus headers: larger than any real prompt, small enough that a
+# malicious length cannot make the server allocate much.
+MAX_REQUEST_BYTES = 8 << 20
+MAX_RESPONSE_JSON_BYTES = 16 << 20
+# A run is cut into chunks of at most this many bytes: each chunk is verified on its
+# own (finer-grained partial answers) and hashing overlaps with the kernel's buffering.
+RUN_CHUNK_BYTES = 4 << 20
+
+
+class Op(IntEnum):
+    FETCH = 1
+    HOT = 2
+
+
+class Status(IntEnum):
+    OK = 0
+    MISS = 1
+    BAD_REQUEST = 2
+    BUSY = 3
+    UNAUTHORIZED = 4
+
+
+class ProtocolError(ValueError):
+    """The other side sent bytes that are not this protocol."""
+
+
+class WireRoot(BaseModel):
+    """A key root on the wire; the same fields as `kvtier.keys.KeyRoot`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tenant: str = Field(min_length=1, max_length=256)
+    model_id: str = Field(min_length=1, max_length=256)
+    weights_version: str = Field(min_length=1, max_length=256)
+    kv_dtype: str = Field(min_length=1, max_length=64)
+    rope_config_hash: str = Field(min_length=1, max_length=256)
+    attn_impl_id: str = Field(min_length=1, max_length=256)
+
+
+class FetchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    root: WireRoot
+    block_bytes: int = Field(ge=1)
+    block_size: int = Field(ge=1)
+    max_blocks: int = Field(ge=0, default=1 << 30)
+    skip_blocks: int = Field(ge=0, default=0)  # leading blocks the requester already holds
+
+
+class FetchHeader(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    matched_tokens: int = Field(ge=0)
+    n_blocks: int = Field(ge=0)
+    block_bytes: int = Field(ge=1)
+
+
+class HotRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(min_length=1, max_length=256)
+    max_bytes: int = Field(ge=0)
+
+
+class HotPrefix(BaseModel):
+    root: WireRoot
+    tokens: list[int]
+
+
+class HotResponse(BaseModel):
+    prefixes: list[HotPrefix]
+
+
+class ErrorBody(BaseModel):
+    error: str
+
+
+def auth_tag(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, nonce + AUTH_CONTEXT, hashlib.sha256).digest()
+
+
+def auth_ok(secret: bytes, nonce: bytes, tag: bytes) -> bool:
+    return hmac.compare_digest(auth_tag(secret, nonce), tag)
+
+
+def encode_request(op: Op, body: bytes) -> bytes:
+    return REQUEST.pack(REQUEST_MAGIC, int(op), len(body)) + body
+
+
+def decode_request_header(raw: bytes) -> tuple[Op, int]:
+    magic, op, length = REQUEST.unpack(raw)
+    if magic != REQUEST_MAGIC:
+        raise ProtocolError("bad request magic")
+    try:
+        parsed = Op(op)
+    except ValueError:
+        raise ProtocolError(f"unknown op {op}") from None
+    if length > MAX_REQUEST_BYTES:
+        raise ProtocolError(f"request of {length} bytes exceeds {MAX_REQUEST_BYTES}")
+    return parsed, length
+
+
+def encode_fetch(request: FetchRequest, token_ids: np.ndarray) -> bytes:
+    head = request.model_dump_json().encode()
+    tokens = np.ascontiguousarray(token_ids, dtype="<u4").tobytes()
+    return encode_request(Op.FETCH, struct.pack("<I", len(head)) + head + tokens)
+
+
+def decode_fetch(body: bytes) -> tuple[FetchRequest, np.ndarray]:
+    if len(body) < 4:
+        raise ProtocolError("fetch body too short")
+    (head_len,) = struct.unpack_from("<I", body)
+    if head_len > len(body) - 4:
+        raise ProtocolError("fetch header length exceeds body")
+    try:
+        request = FetchRequest.model_validate_json(body[4 : 4 + head_len])
+    except ValueError as exc:
+        raise ProtocolError(f"bad fetch request: {exc.__class__.__name__}") from None
+    tail = body[4 + head_len :]
+    if len(tail) % 4:
+        raise ProtocolError("token ids are not a whole number of uint32")
+    return request, np.frombuffer(tail, dtype="<u4").astype(np.uint32)
+
+
+def encode_response(status: Status, payload: BaseModel | dict) -> bytes:
+    body = payload.model_dump_json().encode() if isinstance(payload, BaseModel) else json.dumps(payload).encode()
+    return RESPONSE.pack(RESPONSE_MAGIC, int(status), len(body)) + body
+
+
+def decode_response_header(raw: bytes) -> tuple[Status, int]:
+    magic, status, length = RESPONSE.unpack(raw)
+    if magic != RESPONSE_MAGIC:
+        raise ProtocolError("bad response magic")
+    if length > MAX_RESPONSE_JSON_BYTES:
+        raise ProtocolError("response header too large")
+    try:
+        return Status(status), length
+    except ValueError:
+        raise ProtocolError(f"unknown status {status}") from None
+
+
+def checksum(data: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def encode_run_header(first_block: int, n_blocks: int, digest: int) -> bytes:
+    return RUN.pack(RUN_MAGIC, first_block, n_blocks, digest)
+
+
+def decode_run_header(raw: bytes) -> tuple[int, int, int]:
+    magic, first, count, digest = RUN.unpack(raw)
+    if magic != RUN_MAGIC:
+        raise ProtocolError("bad run magic")
+    return first, count, digest
+
+
+def chunk_blocks(block_bytes: int) -> int:
+    """Blocks per run chunk: RUN_CHUNK_BYTES worth, at least one."""
+    return max(1, RUN_CHUNK_BYTES // block_bytes)
