@@ -19,6 +19,8 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from kvtier import presets
+
 GROUP = "kvtier.io"
 VERSION = "v1alpha1"
 KIND = "KVCachePolicy"
@@ -39,6 +41,11 @@ DEFAULT_SPILL_OCCUPANCY = 0.85
 # A home spills only when it is also this much above the fleet mean: a uniformly busy
 # fleet gains nothing from spilling, and the margin keeps spill sticky.
 DEFAULT_BALANCE_FACTOR = 1.25
+# Warm-up per moved tenant: a few thousand blocks of its hottest prefixes (at 320 KiB
+# per token a 2,000-token prefix is 625 MiB, so 1 GiB covers a 70B tenant's top prefix).
+DEFAULT_WARM_MAX_BYTES = "1Gi"
+# A new epoch waits at most this long for warm-ups: membership changes must not stall.
+DEFAULT_WARM_TIMEOUT = "30s"
 # Default rollout: one canary pod, then 10%, 50%, 100% (DESIGN.md "Rollout").
 DEFAULT_CANARY_PODS = 1
 DEFAULT_ROLLOUT_STEPS = (10, 50, 100)
@@ -53,6 +60,10 @@ DEFAULT_RECOVERY_MIN_LOOKUPS = 1000
 DEFAULT_DRAM_GBPS = 64.0
 DEFAULT_RDMA_GBPS = 25.0
 DEFAULT_NVME_GBPS = 7.0
+
+# Presets are the break-even calculator's (kvtier.presets): the CRD's enums follow them.
+ModelPreset = Literal[tuple(presets.MODELS)]  # type: ignore[valid-type]
+GpuPreset = Literal[tuple(presets.GPUS)]  # type: ignore[valid-type]
 
 # Bytes per element of each KV dtype.
 KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -224,7 +235,7 @@ class ModelSpec(_Wire):
     kv_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp16"
     rope_config_hash: str = Field("rope-default", min_length=1, max_length=128)
     attn_impl: str = Field("default", min_length=1, max_length=128)
-    preset: str | None = Field(default=None, min_length=1, max_length=64)
+    preset: ModelPreset | None = Field(default=None, description="a named shape from kvtier.presets")
     shape: ModelShape | None = None
 
     CEL_RULES = (
@@ -252,7 +263,7 @@ class Hardware(_Wire):
     """The GPUs recompute runs on: a preset, or dense TFLOP/s per GPU (never the 2:4
     sparsity figure), and the tensor-parallel degree."""
 
-    gpu_preset: str | None = Field(default=None, min_length=1, max_length=64)
+    gpu_preset: GpuPreset | None = Field(default=None, description="dense BF16 TFLOP/s from kvtier.presets")
     dense_tflops_per_gpu: float | None = Field(default=None, gt=0, le=100000)
     tp: int = Field(1, ge=1, le=64)
     media: Media = _section(Media)
@@ -296,9 +307,23 @@ class Admission(_Wire):
 
 
 class Affinity(_Wire):
+    """Rendezvous homes and spill; and the warm-up that precedes each new epoch: every
+    moved tenant's hottest prefixes, at most `warmMaxBytes` each, copied to its new homes
+    from its old ones, all within `warmTimeout` (then the epoch is published anyway)."""
+
     homes: int = Field(DEFAULT_HOMES, ge=1, le=16, description="rendezvous homes per tenant (k)")
     spill_occupancy: float = Field(DEFAULT_SPILL_OCCUPANCY, gt=0, lt=1)
     balance_factor: float = Field(DEFAULT_BALANCE_FACTOR, ge=1, le=10)
+    warm_max_bytes: str = Field(DEFAULT_WARM_MAX_BYTES, max_length=32, pattern=QUANTITY_PATTERN)
+    warm_timeout: str = Field(DEFAULT_WARM_TIMEOUT, min_length=2, max_length=16, pattern=DURATION_PATTERN)
+
+    @property
+    def warm_max_bytes_int(self) -> int:
+        return parse_quantity_bytes(self.warm_max_bytes)
+
+    @property
+    def warm_timeout_s(self) -> int:
+        return parse_duration_s(self.warm_timeout)
 
 
 # --- rollout -----------------------------------------------------------------------------

@@ -92,6 +92,6 @@ def test_quantities_parse_to_bytes(text, nbytes):
 
 def test_weights_version_must_be_an_exact_digest():
     good = "sha256:" + "ab" * 32
-    assert policy.ModelSpec(id="m", weights_version=good, preset="x").weights_version == good
+    assert policy.ModelSpec(id="m", weights_version=good, preset="llama-3-70b").weights_version == good
     with pytest.raises(ValidationError):
-        policy.ModelSpec(id="m", weights_version="sha256:" + "AB" * 32, preset="x")
+        policy.ModelSpec(id="m", weights_version="sha256:" + "AB" * 32, preset="llama-3-70b")

@@ -1,0 +1,171 @@
+"""kopf handlers: thin. Parse, call `reconcile`/`injection`, write, raise kopf errors.
+
+    startup              settings (finalizer, annotation storage, watch timeouts,
+                         webhook server), clients into memo
+    policies_by_namespace, pods_by_namespace
+                         indexes: what the webhook and the membership loop read
+    spec_changed         create / update(spec) / resume: sidecar ConfigMap, verdicts
+    membership_loop      daemon per policy: members -> epoch (woken by pod events)
+    pod_changed          pod events wake the loops of their namespace's policies
+    inject_sidecar       mutating admission webhook for pod CREATE
+    policy_deleted       finalizer: Redis key and ConfigMaps
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+
+from kvtier import policy
+
+from kvtier_operator import injection, names, publish, reconcile
+from kvtier_operator.kube import Kube
+from kvtier_operator.membership import PodView, pod_view
+from kvtier_operator.options import (
+    WATCH_CLIENT_TIMEOUT_S, WATCH_CONNECT_TIMEOUT_S, WATCH_SERVER_TIMEOUT_S, OperatorOptions,
+)
+from kvtier_operator.sidecar_client import SidecarClient
+
+POLICY = (policy.GROUP, policy.VERSION, policy.PLURAL)
+log = logging.getLogger("kvtier.operator")
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    options = OperatorOptions.from_env()
+    settings.persistence.finalizer = names.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=names.PREFIX, key="last-handled-configuration")
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S
+    settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_S
+    settings.watching.connect_timeout = WATCH_CONNECT_TIMEOUT_S
+    # Least privilege: no cluster-wide CRD/namespace watching, no peering objects.
+    settings.scanning.disabled = True
+    settings.peering.standalone = True
+    # kopf's own INFO chatter stays in the log; Events are the ones we post on purpose.
+    settings.posting.level = logging.WARNING
+    if options.webhook_host:
+        settings.admission.server = kopf.WebhookServer(
+            addr=options.webhook_host, port=options.webhook_port, host=options.webhook_host,
+            certfile=options.webhook_cert, pkeyfile=options.webhook_key,
+        )
+    memo.options = options
+    memo.kube = Kube.from_environment()
+    memo.sidecars = SidecarClient.create()
+    memo.triggers = {}  # (namespace, name) -> asyncio.Event, one per membership loop
+    memo.locks = {}  # (namespace, name) -> asyncio.Lock: one status writer at a time
+    memo.states = {}  # (namespace, name) -> reconcile.PolicyState
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    await memo.sidecars.close()
+    memo.kube.close()
+
+
+@kopf.index(*POLICY)
+def policies_by_namespace(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict[str, tuple[str, dict]]:
+    return {namespace: (name, dict(spec))}
+
+
+@kopf.index("", "v1", "pods")
+def pods_by_namespace(namespace: str, body: kopf.Body, **_: Any) -> dict[str, PodView]:
+    return {namespace: pod_view(body)}
+
+
+def _lock(memo: kopf.Memo, key: tuple[str, str]) -> asyncio.Lock:
+    return memo.locks.setdefault(key, asyncio.Lock())
+
+
+def _poster(body: dict[str, Any]):
+    def post(type_: str, reason: str, message: str) -> None:
+        kopf.event(body, type=type_, reason=reason, message=message)
+    return post
+
+
+@kopf.on.resume(*POLICY)
+@kopf.on.create(*POLICY)
+@kopf.on.update(*POLICY, field="spec")
+async def spec_changed(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    key = (namespace, name)
+    async with _lock(memo, key):
+        body = await memo.kube.read_policy(namespace, name)
+        if body is None:
+            return
+        fields = await reconcile.reconcile_spec(memo.kube, body, _poster(body))
+        await memo.kube.patch_status(namespace, name, fields)
+    trigger = memo.triggers.get(key)
+    if trigger is not None:
+        trigger.set()
+
+
+@kopf.daemon(*POLICY, cancellation_timeout=5.0)
+async def membership_loop(
+    name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped,
+    pods_by_namespace: kopf.Index, **_: Any,
+) -> None:
+    key = (namespace, name)
+    trigger = memo.triggers.setdefault(key, asyncio.Event())
+    state = memo.states.setdefault(key, reconcile.PolicyState())
+    options: OperatorOptions = memo.options
+    try:
+        while not stopped:
+            trigger.clear()
+            views = list(pods_by_namespace.get(namespace, []))
+            try:
+                async with _lock(memo, key):
+                    await reconcile.reconcile_membership(
+                        memo.kube, memo.sidecars, namespace, name, views, state,
+                        lambda t, r, m: kopf.event(body, type=t, reason=r, message=m),
+                    )
+            except Exception:  # keep the loop alive: the next trigger or resync retries
+                log.exception("membership reconcile of %s/%s failed; retrying", namespace, name)
+                await asyncio.sleep(1.0)
+            try:
+                await asyncio.wait_for(trigger.wait(), timeout=options.resync_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            await asyncio.sleep(options.debounce_s)  # let a burst of pod events settle
+    finally:
+        memo.triggers.pop(key, None)
+
+
+@kopf.on.event("", "v1", "pods")
+def pod_changed(namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    for (ns, _name), trigger in list(memo.triggers.items()):
+        if ns == namespace:
+            trigger.set()
+
+
+@kopf.on.mutate("", "v1", "pods", operations=["CREATE"], id="inject-sidecar", ignore_failures=True)
+def inject_sidecar(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, policies_by_namespace: kopf.Index, **_: Any
+) -> None:
+    namespace = body.metadata.namespace
+    candidates: dict[str, policy.KVCachePolicySpec] = {}
+    for name, raw in policies_by_namespace.get(namespace, []):
+        try:
+            candidates[name] = policy.KVCachePolicySpec.model_validate(raw)
+        except ValueError:
+            continue  # an invalid policy selects nothing
+    chosen = injection.selecting_policy(dict(body), [(n, s.selector) for n, s in candidates.items()])
+    if chosen is None:
+        return
+    options: OperatorOptions = memo.options
+    result = injection.inject(dict(body), chosen, candidates[chosen], injection.SidecarImage(image=options.sidecar_image))
+    if result is not None:
+        patch["metadata"] = result["metadata"]
+        patch["spec"] = result["spec"]
+
+
+@kopf.on.delete(*POLICY)
+async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
+    url = (spec.get("redis") or {}).get("url")
+    if url:
+        await publish.delete_redis(url, namespace, name)
+    for cm in (names.sidecar_config_map(name), names.affinity_config_map(name)):
+        await memo.kube.delete_config_map(namespace, cm)
+    memo.states.pop((namespace, name), None)

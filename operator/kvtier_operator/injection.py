@@ -1,0 +1,142 @@
+"""What the mutating webhook adds to a pod a policy selects. Pure and idempotent:
+`inject(pod, ...)` returns the merge patch to apply, or None when there is nothing to
+do (not selected, opted out, or already injected).
+
+Added to the pod:
+
+    containers  + kvtier-sidecar   (`kvtier-sidecar --config /etc/kvtier/sidecar.yaml`,
+                                    downward-API env, HTTP/peer ports, /readyz probe)
+    volumes     + kvtier-config    (the policy's sidecar ConfigMap)
+                + kvtier-shm       (memory-backed emptyDir: the DRAM arena, mapped by the
+                                    engine, so a local hit is a copy with no socket)
+                + kvtier-run       (emptyDir: the engine socket)
+    every existing container mounts kvtier-shm at /dev/shm and kvtier-run at
+    /var/run/kvtier, unless it already mounts something there
+    metadata.annotations[kvtier.io/injected-by] = <policy name>
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier import policy
+from kvtier.sidecar_config import SidecarConfig
+
+from kvtier_operator import names
+
+# Memory-backed volume headroom over the arena: the allocator's and Python's own pages.
+SHM_HEADROOM_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarImage:
+    """How to run the sidecar: the operator's flags, not the policy's business."""
+
+    image: str = "ghcr.io/kvtier/kvtier:0.1.0"
+    command: tuple[str, ...] = ("kvtier-sidecar",)
+    pull_policy: str = "IfNotPresent"
+    resources: dict[str, Any] = field(default_factory=dict)
+
+
+def selecting_policy(
+    pod: dict[str, Any], policies: list[tuple[str, policy.LabelSelector]]
+) -> str | None:
+    """The policy (by name) whose selector picks the pod; the first by name on overlap,
+    so the choice is deterministic."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if labels.get(names.OPT_OUT_LABEL) == "false":
+        return None
+    for name, selector in sorted(policies, key=lambda p: p[0]):
+        if selector.matches(labels):
+            return name
+    return None
+
+
+def inject(
+    pod: dict[str, Any],
+    policy_name: str,
+    spec: policy.KVCachePolicySpec,
+    image: SidecarImage,
+) -> dict[str, Any] | None:
+    """The merge patch (metadata + spec lists replaced whole) that injects the sidecar."""
+    meta = pod.get("metadata") or {}
+    pod_spec = pod.get("spec") or {}
+    containers = pod_spec.get("containers") or []
+    if (meta.get("annotations") or {}).get(names.INJECTED_ANNOTATION) or any(
+        c.get("name") == names.SIDECAR_CONTAINER for c in containers
+    ):
+        return None
+    sidecar_cfg = SidecarConfig()  # ports only; the real config is in the ConfigMap
+    new_containers = [_with_shared_mounts(c) for c in containers] + [
+        _sidecar_container(policy_name, spec, image, sidecar_cfg)
+    ]
+    volumes = list(pod_spec.get("volumes") or [])
+    taken = {v.get("name") for v in volumes}
+    volumes += [v for v in _volumes(policy_name, spec) if v["name"] not in taken]
+    return {
+        "metadata": {"annotations": {names.INJECTED_ANNOTATION: policy_name}},
+        "spec": {"containers": new_containers, "volumes": volumes},
+    }
+
+
+def _with_shared_mounts(container: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(container)
+    mounts = out.setdefault("volumeMounts", [])
+    paths = {m.get("mountPath") for m in mounts}
+    for volume, path in ((names.SHM_VOLUME, names.SHM_MOUNT_PATH), (names.RUN_VOLUME, names.RUN_MOUNT_PATH)):
+        if path not in paths:
+            mounts.append({"name": volume, "mountPath": path})
+    return out
+
+
+def _volumes(policy_name: str, spec: policy.KVCachePolicySpec) -> list[dict[str, Any]]:
+    arena_bytes = policy.parse_quantity_bytes(spec.tiers.dram.capacity)
+    return [
+        {"name": names.CONFIG_VOLUME, "configMap": {"name": names.sidecar_config_map(policy_name)}},
+        {"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(arena_bytes + SHM_HEADROOM_BYTES)}},
+        {"name": names.RUN_VOLUME, "emptyDir": {}},
+    ]
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _env(spec: policy.KVCachePolicySpec) -> list[dict[str, Any]]:
+    env = [
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("POD_IP", "status.podIP"),
+        _field_env("KVTIER_WEIGHTS_VERSION", f"metadata.annotations['{names.WEIGHTS_VERSION_ANNOTATION}']"),
+        {"name": "XDG_RUNTIME_DIR", "value": names.RUN_MOUNT_PATH},
+    ]
+    if spec.redis and spec.redis.secret_ref:
+        ref = spec.redis.secret_ref
+        env.append({"name": "KVTIER_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return env
+
+
+def _sidecar_container(
+    policy_name: str, spec: policy.KVCachePolicySpec, image: SidecarImage, cfg: SidecarConfig
+) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": names.SIDECAR_CONTAINER,
+        "image": image.image,
+        "imagePullPolicy": image.pull_policy,
+        "command": [*image.command, "--config", f"{names.CONFIG_MOUNT_PATH}/{names.CONFIG_KEY}"],
+        "env": _env(spec),
+        "ports": [
+            {"name": "kvtier-http", "containerPort": cfg.http_port, "protocol": "TCP"},
+            {"name": "kvtier-peer", "containerPort": cfg.peer_port, "protocol": "TCP"},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": cfg.http_port}, "periodSeconds": 5},
+        "volumeMounts": [
+            {"name": names.CONFIG_VOLUME, "mountPath": names.CONFIG_MOUNT_PATH, "readOnly": True},
+            {"name": names.SHM_VOLUME, "mountPath": names.SHM_MOUNT_PATH},
+            {"name": names.RUN_VOLUME, "mountPath": names.RUN_MOUNT_PATH},
+        ],
+    }
+    if image.resources:
+        container["resources"] = image.resources
+    return container

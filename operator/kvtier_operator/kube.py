@@ -1,0 +1,102 @@
+"""The operator's Kubernetes I/O beyond what kopf does for it: ConfigMaps, the
+policy's status and annotations. The official client is synchronous, so each call runs
+in a worker thread; every function here is one request (or a read-then-write)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import kubernetes
+from kubernetes.client.rest import ApiException
+
+from kvtier import policy
+
+
+@dataclass(slots=True)
+class Kube:
+    """Clients created once in `on.startup`, kept in kopf's memo."""
+
+    core: kubernetes.client.CoreV1Api
+    custom: kubernetes.client.CustomObjectsApi
+
+    @classmethod
+    def from_environment(cls) -> "Kube":
+        try:
+            kubernetes.config.load_incluster_config()
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config()
+        api = kubernetes.client.ApiClient()
+        return cls(kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api))
+
+    def close(self) -> None:
+        self.core.api_client.close()
+
+    # --- ConfigMaps ---------------------------------------------------------------
+
+    async def read_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            cm = await asyncio.to_thread(self.core.read_namespaced_config_map, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return self.core.api_client.sanitize_for_serialization(cm)
+
+    async def apply_config_map(self, body: dict[str, Any]) -> bool:
+        """Create the ConfigMap, or patch it if its data or annotations differ.
+        Returns True when something was written."""
+        meta = body["metadata"]
+        current = await self.read_config_map(meta["namespace"], meta["name"])
+        if current is None:
+            await asyncio.to_thread(self.core.create_namespaced_config_map, meta["namespace"], body)
+            return True
+        same_data = (current.get("data") or {}) == body.get("data", {})
+        cur_ann = (current.get("metadata") or {}).get("annotations") or {}
+        same_ann = all(cur_ann.get(k) == v for k, v in (meta.get("annotations") or {}).items())
+        if same_data and same_ann:
+            return False
+        patch = {"metadata": {"annotations": meta.get("annotations", {}), "labels": meta.get("labels", {})},
+                 "data": body.get("data", {})}
+        await asyncio.to_thread(self.core.patch_namespaced_config_map, meta["name"], meta["namespace"], patch)
+        return True
+
+    async def delete_config_map(self, namespace: str, name: str) -> None:
+        try:
+            await asyncio.to_thread(self.core.delete_namespaced_config_map, name, namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    # --- the policy -----------------------------------------------------------------
+
+    async def read_policy(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await asyncio.to_thread(
+                self.custom.get_namespaced_custom_object,
+                policy.GROUP, policy.VERSION, namespace, policy.PLURAL, name,
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        await asyncio.to_thread(
+            self.custom.patch_namespaced_custom_object_status,
+            policy.GROUP, policy.VERSION, namespace, policy.PLURAL, name, {"status": status},
+        )
+
+    async def patch_annotations(self, namespace: str, name: str, annotations: dict[str, str | None]) -> None:
+        await asyncio.to_thread(
+            self.custom.patch_namespaced_custom_object,
+            policy.GROUP, policy.VERSION, namespace, policy.PLURAL, name,
+            {"metadata": {"annotations": annotations}},
+        )
+
+    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        import base64
+
+        secret = await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace)
+        raw = (secret.data or {}).get(key)
+        return base64.b64decode(raw).decode() if raw else None

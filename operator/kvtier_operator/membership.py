@@ -1,0 +1,88 @@
+"""Who serves: the ready pods a policy selects, as the operator's pod index sees them.
+
+The index (`handlers.pods_by_namespace`) keeps one `PodView` per pod; a policy's
+members are the views in its namespace that its selector picks, that are Ready, have
+an IP, and are not being deleted. Pure: the handler passes the index's contents.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, NewType
+
+from kvtier import policy
+from kvtier.sidecar_config import SidecarConfig
+
+MemberName = NewType("MemberName", str)
+
+# Default home weight: replicas are assumed equal unless a pod says otherwise.
+DEFAULT_WEIGHT = 1.0
+WEIGHT_ANNOTATION = "kvtier.io/weight"
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """The few fields of a pod that membership depends on (what the index stores)."""
+
+    name: str
+    labels: tuple[tuple[str, str], ...]
+    ip: str | None
+    ready: bool
+    deleting: bool
+    weight: float
+
+    def selected_by(self, selector: policy.LabelSelector) -> bool:
+        return selector.matches(dict(self.labels))
+
+    @property
+    def serving(self) -> bool:
+        return self.ready and bool(self.ip) and not self.deleting
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    name: MemberName
+    ip: str
+    weight: float
+
+    def http_url(self, port: int = SidecarConfig.model_fields["http_port"].default) -> str:
+        return f"http://{self.ip}:{port}"
+
+    def peer_address(self, port: int = SidecarConfig.model_fields["peer_port"].default) -> str:
+        return f"{self.ip}:{port}"
+
+
+def pod_view(body: Mapping[str, Any]) -> PodView:
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+    try:
+        weight = float((meta.get("annotations") or {}).get(WEIGHT_ANNOTATION, DEFAULT_WEIGHT))
+    except ValueError:
+        weight = DEFAULT_WEIGHT
+    if not weight > 0:
+        weight = DEFAULT_WEIGHT
+    return PodView(
+        name=meta.get("name", ""),
+        labels=tuple(sorted((meta.get("labels") or {}).items())),
+        ip=status.get("podIP") or None,
+        ready=ready and status.get("phase") == "Running",
+        deleting=bool(meta.get("deletionTimestamp")),
+        weight=weight,
+    )
+
+
+def members(views: Iterable[PodView], selector: policy.LabelSelector) -> dict[MemberName, Member]:
+    """The serving members, by pod name (the affinity table's member names)."""
+    out = {
+        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight)
+        for v in views
+        if v.serving and v.selected_by(selector)
+    }
+    return dict(sorted(out.items()))
+
+
+def weights(members_: Mapping[MemberName, Member]) -> dict[str, float]:
+    return {name: m.weight for name, m in members_.items()}

@@ -1,0 +1,42 @@
+"""Every name the operator puts on cluster objects: one place, one prefix (`kvtier.io/`)."""
+from __future__ import annotations
+
+from kvtier import policy
+
+PREFIX = policy.GROUP  # "kvtier.io": our finalizer, annotations and labels
+FINALIZER = f"{PREFIX}/finalizer"
+
+# On pods the webhook injected into: which policy did it, so a second pass is a no-op.
+INJECTED_ANNOTATION = f"{PREFIX}/injected-by"
+# Downward API source of the pod's weights version (set by the rollout on the template).
+WEIGHTS_VERSION_ANNOTATION = f"{PREFIX}/weights-version"
+# Pods opt out of injection with this label set to "true".
+OPT_OUT_LABEL = f"{PREFIX}/inject"
+# Owner-policy label on the ConfigMaps the operator renders.
+POLICY_LABEL = f"{PREFIX}/policy"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+# Warm-up journal on the policy: the epoch being prepared and which warm-ups are done,
+# so a restarted operator neither repeats them nor skips them.
+PENDING_EPOCH_ANNOTATION = f"{PREFIX}/pending-epoch"
+
+SIDECAR_CONTAINER = "kvtier-sidecar"
+CONFIG_VOLUME = "kvtier-config"
+SHM_VOLUME = "kvtier-shm"
+RUN_VOLUME = "kvtier-run"
+CONFIG_MOUNT_PATH = "/etc/kvtier"
+CONFIG_KEY = "sidecar.yaml"
+SHM_MOUNT_PATH = "/dev/shm"
+RUN_MOUNT_PATH = "/var/run/kvtier"
+AFFINITY_KEY = "table.json"
+ADDRESSES_KEY = "addresses.json"
+# Redis keys routers read (a hint like everything in Redis: the ConfigMap is the record).
+REDIS_AFFINITY_KEY = "kvt:affinity:{namespace}:{name}"
+REDIS_AFFINITY_CHANNEL = "kvt:affinity"
+
+
+def sidecar_config_map(policy_name: str) -> str:
+    return f"{policy_name}-kvtier-sidecar"
+
+
+def affinity_config_map(policy_name: str) -> str:
+    return f"{policy_name}-kvtier-affinity"

@@ -1,0 +1,55 @@
+"""The operator's own settings (not a policy's): flags of `kvtier-operator`, passed to
+the kopf handlers through the environment so `kopf run` and tests see the same."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ENV_PREFIX = "KVTIER_OPERATOR_"
+# Watches are re-established at least this often, so a silently dropped connection
+# (a load balancer's idle timeout) cannot starve the operator of events.
+WATCH_SERVER_TIMEOUT_S = 120
+WATCH_CLIENT_TIMEOUT_S = 150
+WATCH_CONNECT_TIMEOUT_S = 10
+# A membership loop re-checks even without a pod event: level-based safety net.
+RESYNC_INTERVAL_S = 60.0
+# Pod events arriving this close together are planned as one epoch.
+DEBOUNCE_S = 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorOptions:
+    sidecar_image: str = "ghcr.io/kvtier/kvtier:0.1.0"
+    webhook_host: str | None = None  # None: no webhook server (injection off)
+    webhook_port: int = 9443
+    webhook_cert: str | None = None
+    webhook_key: str | None = None
+    resync_interval_s: float = RESYNC_INTERVAL_S
+    debounce_s: float = DEBOUNCE_S
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "OperatorOptions":
+        env = dict(os.environ if env is None else env)
+        get = lambda key, default=None: env.get(ENV_PREFIX + key, default)  # noqa: E731
+        return cls(
+            sidecar_image=get("SIDECAR_IMAGE", cls.sidecar_image),
+            webhook_host=get("WEBHOOK_HOST"),
+            webhook_port=int(get("WEBHOOK_PORT", cls.webhook_port)),
+            webhook_cert=get("WEBHOOK_CERT"),
+            webhook_key=get("WEBHOOK_KEY"),
+            resync_interval_s=float(get("RESYNC_INTERVAL_S", cls.resync_interval_s)),
+            debounce_s=float(get("DEBOUNCE_S", cls.debounce_s)),
+        )
+
+    def to_env(self) -> dict[str, str]:
+        out = {
+            "SIDECAR_IMAGE": self.sidecar_image,
+            "WEBHOOK_PORT": str(self.webhook_port),
+            "RESYNC_INTERVAL_S": str(self.resync_interval_s),
+            "DEBOUNCE_S": str(self.debounce_s),
+        }
+        for key, value in (("WEBHOOK_HOST", self.webhook_host), ("WEBHOOK_CERT", self.webhook_cert),
+                           ("WEBHOOK_KEY", self.webhook_key)):
+            if value:
+                out[key] = value
+        return {ENV_PREFIX + k: v for k, v in out.items()}

@@ -1,0 +1,216 @@
+"""The two reconcilers the handlers call, kept out of the kopf decorators so each step
+reads top to bottom:
+
+- `reconcile_spec`: sidecar ConfigMap + tier verdicts + conditions (create/update/resume)
+- `reconcile_membership`: members -> plan -> warm-ups -> publish -> status + Event
+
+Both are idempotent: run twice on the same world they write nothing the second time.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import kopf
+
+from kvtier import policy
+from kvtier.affinity import AffinityTable, Assignment, load_imbalance, plan_membership_change
+
+from kvtier_operator import conditions, economics, membership, names, publish, sidecar_render, warmup
+from kvtier_operator.kube import Kube
+from kvtier_operator.sidecar_client import SidecarClient
+
+log = logging.getLogger("kvtier.operator")
+
+# Rollout phases belong to the rollout controller; membership never overwrites them.
+_ROLLOUT_PHASES = {"RollingOut", "Paused", "RolledBack"}
+EventFn = Callable[[str, str, str], None]  # (type, reason, message)
+
+
+@dataclass(slots=True)
+class PolicyState:
+    """In-memory, per policy: the last assignment (a planner speed-up only; losing it
+    on restart costs one full recompute, never a wrong plan)."""
+
+    assignment: Assignment | None = None
+    last_members: dict[str, membership.Member] = field(default_factory=dict)
+
+
+def _status(body: dict[str, Any]) -> policy.KVCachePolicyStatus:
+    try:
+        return policy.KVCachePolicyStatus.model_validate(body.get("status") or {})
+    except ValueError:
+        return policy.KVCachePolicyStatus()
+
+
+async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn) -> dict[str, Any]:
+    """Render the sidecar config and the tier verdicts. Returns the status fields to set."""
+    meta = body["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+    try:
+        spec = policy.KVCachePolicySpec.model_validate(body.get("spec") or {})
+    except ValueError as exc:
+        raise kopf.PermanentError(f"spec is invalid: {exc}") from exc
+    old = _status(body)
+
+    rendered = sidecar_render.render(spec)
+    cm = sidecar_render.config_map(name, namespace, rendered)
+    kopf.adopt(cm, owner=body)
+    await kube.apply_config_map(cm)
+
+    tiers, observed = economics.verdicts(spec, _measured_nvme(old))
+    before = {v.tier: v.verdict for v in old.tiers}
+    after = {v.tier: v.verdict for v in tiers}
+    if before != after:
+        changes = ", ".join(f"{t} {before.get(t, '-')}->{v}" for t, v in after.items() if before.get(t) != v)
+        event("Normal", "TierVerdict", f"{changes} (break-even {tiers[0].break_even_gbps:.2f} GB/s)")
+    observed.append(conditions.Observation("SidecarConfigRendered", "True", "Rendered",
+                                           f"ConfigMap {cm['metadata']['name']} digest {rendered.digest}"))
+    fields: dict[str, Any] = {
+        "observedGeneration": generation,
+        "sidecarConfigMap": cm["metadata"]["name"],
+        "sidecarConfigHash": rendered.digest,
+        "tiers": [v.wire() for v in tiers],
+        "conditions": [c.wire() for c in conditions.merge(old.conditions, observed, generation)],
+    }
+    if old.version is None:
+        fields["version"] = spec.model.weights_version
+    if old.phase is None:
+        fields["phase"] = "Pending"
+    return fields
+
+
+def _measured_nvme(status: policy.KVCachePolicyStatus) -> float | None:
+    return next((v.measured_gbps for v in status.tiers if v.tier == "nvme" and v.measured_gbps), None)
+
+
+async def reconcile_membership(
+    kube: Kube,
+    sidecars: SidecarClient,
+    namespace: str,
+    name: str,
+    views: list[membership.PodView],
+    state: PolicyState,
+    event: EventFn,
+) -> None:
+    """Bring the published affinity table in line with the ready members (see module doc)."""
+    body = await kube.read_policy(namespace, name)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return
+    spec = policy.KVCachePolicySpec.model_validate(body["spec"])
+    old_status = _status(body)
+    members = membership.members(views, spec.selector)
+    published_cm = await kube.read_config_map(namespace, names.affinity_config_map(name))
+    published = publish.read_table(published_cm)
+    base = published or _empty_table(spec, old_status.epoch or 0)
+    base = _with_knobs(base, spec)
+
+    stats = await sidecars.fleet_stats(members)
+    tenants = sorted(set(stats.tenants))
+    plan = plan_membership_change(
+        base, membership.weights(members), tenants, current=state.assignment, homes=spec.affinity.homes
+    )
+    state.assignment = plan.assignment
+    knobs_changed = published is not None and _knobs(published) != _knobs(base)
+    table = plan.table if plan.changed else base
+    if knobs_changed and not plan.changed:
+        table = base.model_copy(update={"epoch": base.epoch + 1})
+    new_epoch = published is None or plan.changed or knobs_changed
+
+    if new_epoch:
+        await _warm_then_publish(kube, sidecars, body, spec, members, plan, table)
+    elif published_cm and _addresses_stale(published_cm, members):
+        await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
+
+    fields = _membership_status(name, old_status, members, table, plan, stats, new_epoch)
+    fields["conditions"] = [c.wire() for c in conditions.merge(old_status.conditions, [
+        conditions.Observation("AffinityPublished", "True", "Published",
+                               f"epoch {table.epoch}, {len(members)} members, {len(tenants)} known tenants"),
+    ], body["metadata"].get("generation"))]
+    await kube.patch_status(namespace, name, fields)
+    if new_epoch or (old_status.epoch or 0) < table.epoch:
+        event("Normal", "EpochChanged", _epoch_message(table, plan, len(tenants)))
+    state.last_members = members
+
+
+async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table) -> None:
+    """Warm moved tenants on their new homes, journaled, then publish the new epoch."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    digest = warmup.members_digest(members)
+    journal = warmup.PendingEpoch.from_json((meta.get("annotations") or {}).get(names.PENDING_EPOCH_ANNOTATION))
+    if journal is None or not journal.matches(table.epoch, digest):
+        journal = warmup.PendingEpoch(table.epoch, digest)
+    warm_plan = warmup.plan(plan.moves, members, spec.affinity.warm_max_bytes_int)
+    todo = journal.remaining(warm_plan.requests)
+    if todo:
+        await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: journal.to_json()})
+        journal.done |= await sidecars.warm_all(todo, members, spec.affinity.warm_timeout_s)
+        await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: journal.to_json()})
+        log.info("epoch %s: %d/%d warm-ups done, %d tenants cold", table.epoch,
+                 len(journal.done), len(warm_plan.requests), len(warm_plan.cold_tenants))
+    await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
+    if spec.redis and spec.redis.url:
+        await publish.publish_redis(spec.redis.url, namespace, name, table, members)
+    await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
+
+
+def _membership_status(name, old, members, table, plan, stats, new_epoch) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "memberCount": len(members),
+        "members": [f"{n}={m.ip}" for n, m in members.items()],
+        "epoch": table.epoch,
+        "affinityConfigMap": names.affinity_config_map(name),
+        "knownTenants": len(stats.tenants),
+    }
+    if new_epoch:
+        fields["movedTenants"] = len(plan.moves) if plan.changed else 0
+    if stats.hit_rate is not None:
+        fields["fleetHitRate"] = round(stats.hit_rate, 4)
+    if old.phase not in _ROLLOUT_PHASES:
+        fields["phase"] = "Ready" if members else "Pending"
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _epoch_message(table: AffinityTable, plan, known: int) -> str:
+    parts = [f"epoch {table.epoch}: {len(table.members)} members"]
+    if plan.joined:
+        parts.append(f"joined {', '.join(plan.joined)}")
+    if plan.left:
+        parts.append(f"left {', '.join(plan.left)}")
+    parts.append(f"{len(plan.moves)} of {known} known tenants moved")
+    if plan.assignment.tenants and table.members:
+        parts.append(f"max/mean home load {load_imbalance(plan.assignment, table):.2f}")
+    return "; ".join(parts)
+
+
+def _empty_table(spec: policy.KVCachePolicySpec, epoch: int) -> AffinityTable:
+    return AffinityTable(epoch=epoch, members={}, homes=spec.affinity.homes,
+                         spill_occupancy=spec.affinity.spill_occupancy, balance_factor=spec.affinity.balance_factor)
+
+
+def _knobs(table: AffinityTable) -> tuple[float, float]:
+    return (table.spill_occupancy, table.balance_factor)
+
+
+def _with_knobs(table: AffinityTable, spec: policy.KVCachePolicySpec) -> AffinityTable:
+    want = {"spill_occupancy": spec.affinity.spill_occupancy, "balance_factor": spec.affinity.balance_factor}
+    if _knobs(table) == (want["spill_occupancy"], want["balance_factor"]):
+        return table
+    return table.model_copy(update=want)
+
+
+def _addresses_stale(cm: dict[str, Any], members: dict[str, membership.Member]) -> bool:
+    import json
+
+    try:
+        current = json.loads((cm.get("data") or {}).get(names.ADDRESSES_KEY, "{}"))
+    except ValueError:
+        return True
+    return current != publish.addresses(members)
+
+
+def _adopted(body: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
+    kopf.adopt(body, owner=owner)
+    return body

@@ -1,0 +1,147 @@
+"""The operator's calls to the sidecars' HTTP control API: stats (known tenants, hit
+rate) and warm-ups. Every fault — a sidecar down, slow, or answering garbage — is a
+missing answer, never an exception: it costs a cold tenant, not a stuck operator."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from kvtier_operator.membership import Member
+from kvtier_operator.warmup import WarmRequest
+
+log = logging.getLogger("kvtier.operator.sidecars")
+
+# Stats are small and sidecars are local to the cluster: a slow answer is a sick sidecar.
+STATS_TIMEOUT_S = 3.0
+# Warm-ups in flight at once, fleet-wide, and per target sidecar: the warm-up must not
+# take the peer links away from live traffic.
+MAX_WARMS_IN_FLIGHT = 16
+MAX_WARMS_PER_TARGET = 2
+JOB_POLL_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarStats:
+    member: str
+    lookups: int
+    hits: int
+    tenants: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetStats:
+    per_member: tuple[SidecarStats, ...]
+
+    @property
+    def tenants(self) -> list[str]:
+        return sorted({t for s in self.per_member for t in s.tenants})
+
+    @property
+    def hit_rate(self) -> float | None:
+        lookups = sum(s.lookups for s in self.per_member)
+        return sum(s.hits for s in self.per_member) / lookups if lookups else None
+
+
+def parse_stats(member: str, body: Mapping[str, Any]) -> SidecarStats:
+    """Reads the fields the operator needs from `GET /cache/stats`; tolerant of extras."""
+    tenants = body.get("tenants")
+    if tenants is None:
+        tenants = (body.get("cache") or {}).get("tenants", [])
+    if isinstance(tenants, Mapping):
+        tenants = list(tenants)
+    return SidecarStats(
+        member=member,
+        lookups=int(body.get("lookups", 0) or 0),
+        hits=int(body.get("hits", 0) or 0),
+        tenants=tuple(sorted(str(t) for t in tenants or [])),
+    )
+
+
+class SidecarClient:
+    """One aiohttp session for the operator's lifetime (created in `on.startup`)."""
+
+    def __init__(self, session: aiohttp.ClientSession):
+        self._session = session
+
+    @classmethod
+    def create(cls) -> "SidecarClient":
+        return cls(aiohttp.ClientSession())
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def fleet_stats(self, members: Mapping[str, Member]) -> FleetStats:
+        answers = await asyncio.gather(*(self._stats(m) for m in members.values()))
+        return FleetStats(tuple(a for a in answers if a is not None))
+
+    async def _stats(self, member: Member) -> SidecarStats | None:
+        try:
+            async with self._session.get(
+                f"{member.http_url()}/cache/stats", timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                return parse_stats(member.name, await resp.json())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            log.info("no stats from %s: %s", member.name, exc)
+            return None
+
+    async def warm_all(
+        self, requests: Iterable[WarmRequest], members: Mapping[str, Member], timeout_s: float
+    ) -> set[str]:
+        """Run the warm-ups (bounded concurrency) until done or `timeout_s` passes;
+        returns the keys of those that finished."""
+        deadline = time.monotonic() + timeout_s
+        fleet = asyncio.Semaphore(MAX_WARMS_IN_FLIGHT)
+        per_target: dict[str, asyncio.Semaphore] = {}
+        done: set[str] = set()
+
+        async def one(req: WarmRequest) -> None:
+            target = per_target.setdefault(req.target, asyncio.Semaphore(MAX_WARMS_PER_TARGET))
+            async with fleet, target:
+                if await self._warm(req, members, deadline):
+                    done.add(req.key)
+
+        tasks = [asyncio.create_task(one(r)) for r in requests]
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return done
+
+    async def _warm(self, req: WarmRequest, members: Mapping[str, Member], deadline: float) -> bool:
+        target, source = members.get(req.target), members.get(req.source)
+        if target is None or source is None:
+            return False
+        body = {"tenant": req.tenant, "from_peer": source.peer_address(), "max_bytes": req.max_bytes}
+        try:
+            remaining = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
+            async with self._session.post(f"{target.http_url()}/cache/warm", json=body, timeout=remaining) as resp:
+                if resp.status not in (200, 202):
+                    log.warning("warm %s on %s refused: %s %s", req.tenant, req.target, resp.status, await resp.text())
+                    return False
+                job = (await resp.json()).get("job")
+            return await self._wait_job(target, job, deadline) if job else True
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            log.info("warm %s on %s failed: %s", req.tenant, req.target, exc)
+            return False
+
+    async def _wait_job(self, target: Member, job: str, deadline: float) -> bool:
+        """Warm-ups run in the background on the sidecar: wait for the job to finish."""
+        while time.monotonic() < deadline:
+            timeout = aiohttp.ClientTimeout(total=max(0.1, min(STATS_TIMEOUT_S, deadline - time.monotonic())))
+            async with self._session.get(f"{target.http_url()}/cache/jobs", timeout=timeout) as resp:
+                state = ((await resp.json()).get(job) or {}).get("state") if resp.status == 200 else None
+            if state == "done":
+                return True
+            if state == "failed":
+                return False
+            await asyncio.sleep(JOB_POLL_INTERVAL_S)
+        return False

@@ -1,0 +1,64 @@
+"""The per-policy sidecar configuration: `KVCachePolicySpec` -> `SidecarConfig` ->
+ConfigMap. Pure; the handler writes the result only when its digest changed."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier import policy
+from kvtier.sidecar_config import ModelShape as SidecarModel
+from kvtier.sidecar_config import SidecarConfig, dump_yaml
+
+from kvtier_operator import names
+from kvtier_operator.economics import resolved_shape
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedConfig:
+    text: str
+    digest: str  # sha256 of `text`, recorded in status and on the ConfigMap
+
+
+def sidecar_config(spec: policy.KVCachePolicySpec) -> SidecarConfig:
+    """The sidecar's view of a policy. Pod identity (name, IP) comes from the downward
+    API at run time; a `redis.secretRef` is injected as KVTIER_REDIS_URL, not written here."""
+    shape = resolved_shape(spec.model)
+    return SidecarConfig(
+        model=SidecarModel(
+            model_id=spec.model.id,
+            weights_version=spec.model.weights_version,
+            kv_dtype=spec.model.kv_dtype,
+            rope_config_hash=spec.model.rope_config_hash,
+            attn_impl_id=spec.model.attn_impl,
+            layers=shape.layers,
+            kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            dtype_bytes=spec.model.dtype_bytes,
+        ),
+        block_size=spec.block_size,
+        dram_capacity_bytes=policy.parse_quantity_bytes(spec.tiers.dram.capacity),
+        min_sightings=spec.admission.min_sightings,
+        redis_url=spec.redis.url if spec.redis else None,
+        platform_prefixes=[p.token_ids for p in spec.shared_prefixes],
+    )
+
+
+def render(spec: policy.KVCachePolicySpec) -> RenderedConfig:
+    text = dump_yaml(sidecar_config(spec))
+    return RenderedConfig(text, hashlib.sha256(text.encode()).hexdigest()[:16])
+
+
+def config_map(name: str, namespace: str, rendered: RenderedConfig) -> dict[str, Any]:
+    """The ConfigMap body (owner reference added by the handler)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": names.sidecar_config_map(name),
+            "namespace": namespace,
+            "labels": {names.POLICY_LABEL: name, names.COMPONENT_LABEL: "sidecar-config"},
+            "annotations": {f"{names.PREFIX}/config-digest": rendered.digest},
+        },
+        "data": {names.CONFIG_KEY: rendered.text},
+    }

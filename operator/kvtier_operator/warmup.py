@@ -1,0 +1,94 @@
+"""Which warm-ups precede a new affinity epoch, and how far a resumed operator got.
+
+For every moved tenant, each home it gained is asked to warm the tenant's hottest
+prefixes from an old home that is still serving (its best-ranked one): the new home
+then has the blocks before any router sends it the tenant's traffic. A tenant whose
+old homes are all gone has nowhere to warm from; it starts cold (counted, not hidden).
+
+Bounded: at most `max_bytes_per_tenant` per request and the whole phase within the
+policy's warm timeout (the I/O side enforces time). Pure.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvtier.affinity import TenantMove
+
+from kvtier_operator.membership import Member
+
+
+@dataclass(frozen=True, slots=True)
+class WarmRequest:
+    """POST /cache/warm on `target`: copy `tenant`'s hottest prefixes from `source`."""
+
+    tenant: str
+    target: str
+    source: str
+    max_bytes: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.tenant}@{self.target}"
+
+
+@dataclass(frozen=True, slots=True)
+class WarmPlan:
+    requests: tuple[WarmRequest, ...]
+    cold_tenants: tuple[str, ...]  # moved, but no surviving old home to warm from
+
+
+def plan(moves: Iterable[TenantMove], members: Mapping[str, Member], max_bytes_per_tenant: int) -> WarmPlan:
+    requests: list[WarmRequest] = []
+    cold: list[str] = []
+    for move in moves:
+        sources = [m for m in move.old_homes if m in members]
+        targets = [m for m in move.gained if m in members]
+        if not targets:
+            continue
+        if not sources:
+            cold.append(move.tenant)
+            continue
+        requests += [WarmRequest(move.tenant, t, sources[0], max_bytes_per_tenant) for t in targets]
+    return WarmPlan(tuple(requests), tuple(cold))
+
+
+def members_digest(members: Mapping[str, Member]) -> str:
+    """Names the member set a pending epoch was planned for (weights and IPs included)."""
+    canon = json.dumps({n: [m.ip, m.weight] for n, m in sorted(members.items())}, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+@dataclass(slots=True)
+class PendingEpoch:
+    """The warm-up journal kept in the policy's `kvtier.io/pending-epoch` annotation.
+
+    Written before the first warm-up of an epoch and after each batch, cleared when the
+    epoch is published. A restarted operator that plans the same epoch for the same
+    members skips the warm-ups listed in `done`; any other plan starts a fresh journal.
+    """
+
+    epoch: int
+    members: str
+    done: set[str] = field(default_factory=set)
+
+    def to_json(self) -> str:
+        return json.dumps({"epoch": self.epoch, "members": self.members, "done": sorted(self.done)})
+
+    @classmethod
+    def from_json(cls, text: str | None) -> "PendingEpoch | None":
+        if not text:
+            return None
+        try:
+            raw = json.loads(text)
+            return cls(int(raw["epoch"]), str(raw["members"]), set(raw.get("done", [])))
+        except (ValueError, KeyError, TypeError):
+            return None  # a mangled journal only costs repeating warm-ups
+
+    def matches(self, epoch: int, digest: str) -> bool:
+        return self.epoch == epoch and self.members == digest
+
+    def remaining(self, requests: Iterable[WarmRequest]) -> list[WarmRequest]:
+        return [r for r in requests if r.key not in self.done]
