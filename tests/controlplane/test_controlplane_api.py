@@ -120,3 +120,16 @@ def test_python_client_sees_the_same_cluster(api_client, namespace: str) -> None
 
     names = [n.metadata.name for n in client.CoreV1Api(api_client).list_namespace().items]
     assert namespace in names and "kube-system" in names
+
+
+def test_helm_installs_a_chart_into_the_test_namespace(helm, kubectl: Kubectl, tmp_path) -> None:
+    chart = tmp_path / "tiny"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: tiny\nversion: 0.1.0\nkubeVersion: '>=1.33.0-0'\n")
+    (chart / "values.yaml").write_text("blockSize: 16\n")
+    (chart / "templates" / "cm.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-cfg\n"
+        "data:\n  block_size: {{ .Values.blockSize | quote }}\n")
+    helm.install("r1", chart, values={"blockSize": 32})
+    assert kubectl.get_json("configmap", "r1-cfg")["data"] == {"block_size": "32"}
+    assert "r1" in helm.run("list", "--short").stdout.split()
