@@ -130,9 +130,10 @@ def _emit_rules(schema: dict[str, Any], cls: type) -> None:
         schema["x-kubernetes-validations"] = rules
 
 
-def _section(cls: type[BaseModel]) -> Any:
-    """An optional sub-object that defaults to `{}`, so the apiserver fills its defaults."""
-    return Field(default_factory=cls, json_schema_extra={"default": {}})
+def _section(cls: type["_Wire"]) -> Any:
+    """An optional sub-object whose default is its fully defaulted form (the apiserver
+    checks a default against the CEL rules as written, without defaulting inside it)."""
+    return Field(default_factory=cls, json_schema_extra=lambda schema: schema.update(default=cls().wire()))
 
 
 def _name(**kw: Any) -> Any:

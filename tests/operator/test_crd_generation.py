@@ -75,9 +75,11 @@ def test_crd_identity_columns_and_status_subresource():
     assert "observedGeneration" in status
 
 
-def test_nested_sections_default_to_empty_objects_so_the_apiserver_fills_them():
+def test_nested_sections_default_to_their_fully_defaulted_form():
     spec = crd.openapi_schema()["properties"]["spec"]["properties"]
-    for section in ("tiers", "admission", "affinity", "rollout"):
-        assert spec[section]["default"] == {}
+    for section, model in (("tiers", policy.Tiers), ("admission", policy.Admission),
+                           ("affinity", policy.Affinity), ("rollout", policy.Rollout)):
+        assert spec[section]["default"] == model().wire()
+    assert spec["rollout"]["default"]["recovery"]["source"] == "sidecar"
     assert spec["affinity"]["properties"]["spillOccupancy"]["default"] == 0.85
     assert spec["rollout"]["properties"]["steps"]["default"] == [10, 50, 100]
