@@ -439,6 +439,15 @@ class LocalCache:
             self._invalidated_blocks += dropped
             return dropped
 
+    def evict(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` unpinned blocks now (memory pressure from outside,
+        tests). Returns how many were freed; they are no longer hittable."""
+        with self._lock:
+            freed = self._index.evict(num_blocks)
+            self._evictions += len(freed)
+            self._pool.give_back(freed)
+            return len(freed)
+
     def hottest_prefixes(self, tenant: str, max_bytes: int) -> list[tuple[KeyRoot, np.ndarray]]:
         """The tenant's most valuable cached prefixes, hottest first, within max_bytes.
 

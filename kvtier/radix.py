@@ -286,7 +286,7 @@ class PrefixIndex:
         k = min(max_blocks, len(node.slots))
         keep = len(node.slots) - k
         child_key = node.tokens[:self.block_token_bytes]
-        freed = node.slots[keep:]
+        freed = node.slots[keep:][::-1]  # tail first
         node.slots = node.slots[:keep]
         node.hashes = node.hashes[:keep]
         node.tokens = node.tokens[:keep * self.block_token_bytes]
