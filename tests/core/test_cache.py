@@ -1,0 +1,491 @@
+"""LocalCache: the engine-facing API, admission at the store, placement, the arena."""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+import kvtier.cache as cache_mod
+from kvtier.cache import Hit, LocalCache, Miss
+from kvtier.keys import KeyRoot
+
+B = 16
+BB = 64  # bytes per block: small, so payloads are cheap to check
+ROOT = KeyRoot("acme", "m", "w1", "fp16", "rope", "flash")
+OTHER_TENANT = KeyRoot("globex", "m", "w1", "fp16", "rope", "flash")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(blocks: int = 64, **kw) -> LocalCache:
+    kw.setdefault("drain_budget_s", 0)
+    return LocalCache(blocks * BB, BB, block_size=B, **kw)
+
+
+def kv(tokens: np.ndarray, salt: int = 0) -> np.ndarray:
+    """One BB-byte block per full block, each filled with a value naming the block."""
+    n = len(tokens) // B
+    out = np.empty((n, BB), dtype=np.uint8)
+    for i in range(n):
+        out[i] = (int(tokens[(i + 1) * B - 1]) + 7 * i + salt) % 251
+    return out
+
+
+def warm(cache: LocalCache, root: KeyRoot, tokens: np.ndarray, salt: int = 0) -> None:
+    """Two sightings then a store, as two requests of an engine would do."""
+    for _ in range(cache._admission.bar):
+        cache.release(cache.lookup(root, tokens))
+    cache.store(root, tokens, kv(tokens, salt))
+    cache.flush()
+
+
+def read(cache: LocalCache, hit: Hit) -> np.ndarray:
+    dst = np.zeros(len(hit.blocks) * BB, dtype=np.uint8)
+    cache.materialize(hit, dst)
+    return dst.reshape(-1, BB)
+
+
+def test_full_prompt_hit_gives_back_its_last_block():
+    c = make()
+    t = np.arange(64, dtype=np.uint32)
+    warm(c, ROOT, t)
+    hit = c.lookup(ROOT, t)
+    assert hit.matched_tokens == 48  # 4 blocks cached, one given back so logits exist
+    c.release(hit)
+    longer = np.arange(65, dtype=np.uint32)
+    hit = c.lookup(ROOT, longer)
+    assert hit.matched_tokens == 64
+    c.release(hit)
+    hit = c.lookup(ROOT, t, allow_full=True)
+    assert hit.matched_tokens == 64
+    c.release(hit)
+
+
+def test_hit_is_block_aligned_1507_token_prompt_matches_1504():
+    c = make(200)
+    warm(c, ROOT, np.arange(2000, dtype=np.uint32))
+    hit = c.lookup(ROOT, np.arange(1507))
+    assert hit.matched_tokens == 1504 and len(hit.blocks) == 94
+    c.release(hit)
+
+
+def test_materialize_returns_exactly_the_stored_blocks():
+    c = make()
+    t = np.arange(100, dtype=np.uint32)
+    warm(c, ROOT, t)
+    hit = c.lookup(ROOT, t)
+    assert np.array_equal(read(c, hit), kv(t)[:len(hit.blocks)])
+
+
+def test_store_is_admitted_from_the_second_sighting():
+    c = make()
+    t = np.arange(64, dtype=np.uint32)
+    assert not c.lookup(ROOT, t)                     # sighting 1
+    assert c.store(ROOT, t, kv(t)) is False          # one-shot: not admitted
+    c.flush()
+    assert not c.lookup(ROOT, t)                     # sighting 2 (still a miss)
+    assert c.store(ROOT, t, kv(t)) is True
+    c.flush()
+    assert c.lookup(ROOT, t).matched_tokens == 48
+    s = c.stats()
+    assert s.admission_rejects == 1 and s.admission_admits == 1
+
+
+def test_only_the_prefix_seen_twice_is_stored():
+    c = make()
+    system = np.arange(48, dtype=np.uint32)
+    q1 = np.concatenate([system, np.arange(1000, 1032, dtype=np.uint32)])
+    q2 = np.concatenate([system, np.arange(2000, 2032, dtype=np.uint32)])
+    c.lookup(ROOT, q1)
+    c.lookup(ROOT, q2)
+    c.store(ROOT, q2, kv(q2))
+    c.flush()
+    assert c.stats().blocks_used == 3  # the shared 3-block system prompt, not q2's tail
+    q3 = np.concatenate([system, np.arange(3000, 3032, dtype=np.uint32)])
+    assert c.lookup(ROOT, q3).matched_tokens == 48
+
+
+def test_min_sightings_is_a_knob():
+    c = make(min_sightings=3)
+    t = np.arange(64, dtype=np.uint32)
+    for _ in range(2):
+        c.lookup(ROOT, t)
+    assert c.store(ROOT, t, kv(t)) is False
+    c.lookup(ROOT, t)
+    assert c.store(ROOT, t, kv(t)) is True
+
+
+def test_released_blocks_stay_hittable_until_their_slots_are_reused():
+    c = make(blocks=4)
+    a = np.arange(80, dtype=np.uint32)        # 5 full blocks: 4 fit
+    warm(c, ROOT, a[:64])
+    c.release(c.lookup(ROOT, a))
+    for _ in range(3):                        # released, no pressure: still hittable
+        hit = c.lookup(ROOT, a)
+        assert hit.matched_tokens == 64
+        c.release(hit)
+    b = np.arange(5000, 5064, dtype=np.uint32)
+    warm(c, ROOT, b)                          # needs the slots: now A is reused
+    assert c.lookup(ROOT, a).matched_tokens == 0
+    assert c.stats().evictions == 4
+
+
+def test_pinned_hit_survives_pressure_and_keeps_its_bytes():
+    c = make(blocks=4)
+    a = np.arange(80, dtype=np.uint32)
+    warm(c, ROOT, a[:64])
+    hit = c.lookup(ROOT, a)
+    before = read(c, hit).copy()
+    warm(c, ROOT, np.arange(5000, 5064, dtype=np.uint32))  # no free slot: store gives up
+    assert np.array_equal(read(c, hit), before)
+    assert c.stats().evictions == 0
+    c.release(hit)
+
+
+def test_materialize_copies_each_contiguous_run_once(monkeypatch):
+    c = make(blocks=16)
+    x = np.arange(5000, 5064, dtype=np.uint32)
+    warm(c, ROOT, x)                                  # slots 0-3
+    c.invalidate(lambda r: True)                      # free 0-3 again
+    warm(c, ROOT, np.arange(7000, 7032, dtype=np.uint32))  # slots 0-1
+    t = np.arange(128, dtype=np.uint32)
+    warm(c, ROOT, t)                                  # 8 blocks: slots 2..9, one run
+    hit = c.lookup(ROOT, np.arange(129, dtype=np.uint32))
+    assert hit.blocks == list(range(2, 10))
+
+    reads = []
+
+    class Spy(np.ndarray):
+        def __getitem__(self, key):
+            reads.append(key)
+            return np.ndarray.__getitem__(self, key)
+
+    monkeypatch.setattr(c, "_arena", c._arena.view(Spy))
+    data = read(c, hit)
+    assert len(reads) == 1
+    assert np.array_equal(data, kv(t))
+
+
+def test_materialize_handles_fragmented_runs_in_order():
+    c = make(blocks=8)
+    warm(c, ROOT, np.arange(9000, 9032, dtype=np.uint32))      # slots 0-1
+    warm(c, ROOT, np.arange(8000, 8016, dtype=np.uint32))      # slot 2
+    c.invalidate(lambda r: True)
+    warm(c, OTHER_TENANT, np.arange(9000, 9016, dtype=np.uint32))  # slot 0
+    c.invalidate(lambda r: r.tenant == "acme")
+    warm(c, OTHER_TENANT, np.arange(9100, 9116, dtype=np.uint32))  # slot 1
+    t = np.arange(96, dtype=np.uint32)
+    warm(c, ROOT, t)   # blocks land on slots 2..7 (sorted)
+    hit = c.lookup(ROOT, np.arange(97))
+    assert np.array_equal(read(c, hit), kv(t))
+
+
+def test_a_forced_hash_collision_never_yields_wrong_kv(monkeypatch):
+    monkeypatch.setattr(cache_mod, "chain_hashes",
+                        lambda parent, tb, bs, first=0, num=None:
+                        [b"\x00" * 16] * ((len(tb) // (4 * bs) - first) if num is None else num))
+    c = make()
+    a = np.arange(64, dtype=np.uint32)
+    b = np.arange(64, dtype=np.uint32)[::-1].copy()
+    for t, salt in ((a, 1), (b, 2)):
+        res = c.reserve(ROOT, t, force=True)
+        for i, off in enumerate(res.offsets):
+            c.arena[off:off + BB] = kv(t, salt)[res.first_block + i]
+        c.commit(res)
+    for t, salt in ((a, 1), (b, 2)):
+        hit = c.lookup(ROOT, np.append(t, 1))
+        assert np.array_equal(read(c, hit), kv(t, salt))
+        c.release(hit)
+    assert not c.lookup(ROOT, np.arange(1, 65))
+
+
+def test_other_tenants_never_hit_and_stats_are_per_tenant():
+    c = make()
+    t = np.arange(64, dtype=np.uint32)
+    warm(c, ROOT, t)
+    c.release(c.lookup(ROOT, t))
+    assert not c.lookup(OTHER_TENANT, t)
+    mine, theirs = c.stats("acme"), c.stats("globex")
+    assert mine.hits == 1 and mine.bytes_used == 4 * BB and mine.tier_hits["dram"] == 1
+    assert theirs.hits == 0 and theirs.lookups == 1 and theirs.bytes_used == 0
+    assert c.stats().lookups == mine.lookups + theirs.lookups
+
+
+def test_releasing_twice_or_materializing_after_release_is_a_value_error():
+    c = make()
+    t = np.arange(64, dtype=np.uint32)
+    warm(c, ROOT, t)
+    hit = c.lookup(ROOT, t)
+    c.release(hit)
+    with pytest.raises(ValueError, match="released"):
+        c.release(hit)
+    with pytest.raises(ValueError, match="released"):
+        c.materialize(hit, bytearray(1024))
+    c.release(Miss())  # releasing a miss is harmless
+
+
+def test_hits_of_another_cache_are_rejected():
+    a, b = make(), make()
+    t = np.arange(64, dtype=np.uint32)
+    warm(a, ROOT, t)
+    with pytest.raises(ValueError, match="this cache"):
+        b.release(a.lookup(ROOT, t))
+
+
+@pytest.mark.parametrize("bad", [[-1] * 20, [2**32] * 20, [], [0.5] * 20])
+def test_bad_token_ids_raise_and_change_nothing(bad):
+    c = make()
+    before = c.stats()
+    with pytest.raises(ValueError):
+        c.lookup(ROOT, bad)
+    with pytest.raises(ValueError):
+        c.store(ROOT, bad, b"")
+    with pytest.raises(ValueError):
+        c.reserve(ROOT, bad)
+    assert c.stats() == before
+
+
+def test_kv_blocks_of_the_wrong_size_raise_and_store_nothing():
+    c = make()
+    t = np.arange(64, dtype=np.uint32)
+    c.lookup(ROOT, t)
+    c.lookup(ROOT, t)
+    with pytest.raises(ValueError, match="kv_blocks"):
+        c.store(ROOT, t, np.zeros(3 * BB, dtype=np.uint8))
+    with pytest.raises(ValueError, match="kv_blocks"):
+        c.store(ROOT, t, None)
+    c.flush()
+    assert c.stats().blocks_used == 0 and c.stats().queue_depth == 0
+
+
+def test_dst_too_small_is_a_value_error():
+    c = make()
+    t = np.arange(64, dtype=np.uint32)
+    warm(c, ROOT, t)
+    hit = c.lookup(ROOT, t)
+    with pytest.raises(ValueError, match="dst"):
+        c.materialize(hit, bytearray(BB))
+
+
+@pytest.mark.parametrize("kw", [dict(capacity_bytes=0, block_bytes=64), dict(capacity_bytes=32, block_bytes=64),
+                                dict(capacity_bytes=640, block_bytes=64, block_size=0),
+                                dict(capacity_bytes=640, block_bytes=64, min_sightings=0)])
+def test_bad_constructor_arguments_raise_value_error(kw):
+    with pytest.raises(ValueError):
+        LocalCache(**kw)
+
+
+def test_store_queue_drops_its_least_valuable_entry():
+    c = make(queue_capacity=2)
+    short = np.arange(32, dtype=np.uint32)
+    mid = np.arange(1000, 1064, dtype=np.uint32)
+    long_ = np.arange(2000, 2128, dtype=np.uint32)
+    for t in (mid, short, long_):
+        c.lookup(ROOT, t)
+        c.lookup(ROOT, t)
+    assert c.store(ROOT, mid, kv(mid))
+    assert c.store(ROOT, short, kv(short))
+    assert c.store(ROOT, long_, kv(long_))   # queue full: `short` (least value) goes
+    s = c.stats()
+    assert s.queue_drops == 1 and s.queue_depth == 2
+    c.flush()
+    assert not c.lookup(ROOT, np.append(short, 0))
+    assert c.lookup(ROOT, np.append(mid, 0)).matched_tokens == 64
+    assert c.lookup(ROOT, np.append(long_, 0)).matched_tokens == 128
+
+
+def test_thrash_raises_the_admission_bar_and_never_lowers_it():
+    clock = Clock()
+    c = make(blocks=8, clock=clock)
+    base = 10_000
+    for window in range(8):           # one-second windows of churn: every store evicts
+        for j in range(6):
+            t = np.arange(base, base + 64, dtype=np.uint32)
+            base += 64
+            warm(c, ROOT, t)
+        clock.t += 1.0
+    s = c.stats()
+    assert s.thrash_events == 1 and s.admission_bar == 3
+    # Calm: one cached prefix hit over and over, nothing evicted.
+    t = np.arange(base - 64, base, dtype=np.uint32)
+    for _ in range(20):
+        c.release(c.lookup(ROOT, t))
+        clock.t += 1.0
+    assert c.stats().admission_bar == 3
+    # With the bar at 3, two sightings no longer admit.
+    fresh = np.arange(90_000, 90_064, dtype=np.uint32)
+    c.lookup(ROOT, fresh)
+    c.lookup(ROOT, fresh)
+    assert c.store(ROOT, fresh, kv(fresh)) is False
+
+
+def test_small_hot_prefix_is_promoted_to_the_pinned_tier():
+    c = make(blocks=200)
+    system = np.arange(32, dtype=np.uint32)   # 2 blocks = 1% of capacity: small
+    warm(c, ROOT, system)
+    tiers = []
+    for _ in range(5):
+        hit = c.lookup(ROOT, np.append(system, 5))
+        tiers.append(hit.tier)
+        c.release(hit)
+    assert tiers[0] == "dram" and tiers[-1] == "pinned"
+    s = c.stats()
+    assert s.pinned_bytes == 2 * BB and s.tier_hits["pinned"] >= 1
+
+
+def test_large_hot_prefix_stays_in_dram():
+    c = make(blocks=200)
+    doc = np.arange(16 * 40, dtype=np.uint32)  # 40 blocks = 20% of capacity: not small
+    warm(c, ROOT, doc)
+    for _ in range(10):
+        hit = c.lookup(ROOT, np.append(doc, 1))
+        assert hit.tier == "dram"
+        c.release(hit)
+
+
+def test_pinned_tier_is_evicted_after_dram():
+    system = np.arange(16, dtype=np.uint32)
+    c2 = make(blocks=8, pin_max_bytes=BB, pinned_fraction=0.5)
+    warm(c2, ROOT, system)
+    for _ in range(5):
+        c2.release(c2.lookup(ROOT, np.append(system, 1)))
+    assert c2.lookup(ROOT, np.append(system, 1)).tier == "pinned"
+    c2.release(c2.lookup(ROOT, np.append(system, 1)))
+    other = np.arange(500, 500 + 16 * 7, dtype=np.uint32)
+    warm(c2, ROOT, other)      # fills the remaining 7 slots
+    more = np.arange(900, 916, dtype=np.uint32)
+    warm(c2, ROOT, more)       # must evict: takes a DRAM block, not the pinned one
+    assert c2.lookup(ROOT, np.append(system, 1)).matched_tokens == 16
+
+
+def test_two_phase_store_commit_and_abort():
+    c = make(blocks=16)
+    t = np.arange(64, dtype=np.uint32)
+    res = c.reserve(ROOT, t, force=True)
+    assert res.first_block == 0 and res.num_blocks == 4
+    assert res.offsets == [c.block_offset(s) for s in res.slots]
+    assert not c.lookup(ROOT, np.append(t, 0))   # invisible until committed
+    for i, off in enumerate(res.offsets):
+        c.arena[off:off + BB] = kv(t)[i]
+    assert c.commit(res) == 4
+    hit = c.lookup(ROOT, np.append(t, 0))
+    assert np.array_equal(read(c, hit), kv(t))
+    c.release(hit)
+    with pytest.raises(ValueError, match="already"):
+        c.commit(res)
+    longer = np.arange(96, dtype=np.uint32)
+    res2 = c.reserve(ROOT, longer, force=True)
+    assert res2.first_block == 4 and res2.num_blocks == 2
+    c.abort(res2)
+    assert c.stats().reserved_blocks == 0 and c._pool.free_count == 12
+
+
+def test_reserve_respects_admission_unless_forced():
+    c = make()
+    t = np.arange(64, dtype=np.uint32)
+    assert c.reserve(ROOT, t) is None
+    c.lookup(ROOT, t)
+    c.lookup(ROOT, t)
+    res = c.reserve(ROOT, t)
+    assert res is not None and res.num_blocks == 4
+    c.abort(res)
+
+
+def test_racing_reservations_for_one_prompt_store_it_once():
+    c = make(blocks=16)
+    t = np.arange(64, dtype=np.uint32)
+    r1, r2 = c.reserve(ROOT, t, force=True), c.reserve(ROOT, t, force=True)
+    assert c.commit(r1) == 4
+    assert c.commit(r2) == 0
+    assert c.stats().blocks_used == 4 and c._pool.free_count == 12
+
+
+def test_invalidate_drops_the_roots_and_cancels_pending_work():
+    c = make(blocks=32)
+    v1, v2 = ROOT, KeyRoot("acme", "m", "w2", "fp16", "rope", "flash")
+    t = np.arange(64, dtype=np.uint32)
+    warm(c, v1, t)
+    warm(c, v2, t)
+    held = c.lookup(v1, np.append(t, 0))
+    pending = c.reserve(v1, np.arange(500, 564, dtype=np.uint32), force=True)
+    t2 = np.arange(700, 764, dtype=np.uint32)
+    c.lookup(v1, t2)
+    c.lookup(v1, t2)
+    c.store(v1, t2, kv(t2))
+    assert c.invalidate(lambda r: r.weights_version == "w1") == 4
+    assert not c.lookup(v1, np.append(t, 0))
+    assert c.lookup(v2, np.append(t, 0)).matched_tokens == 64
+    assert np.array_equal(read(c, held), kv(t))      # a reader keeps its bytes
+    assert c.commit(pending) == 0
+    assert c.stats().queue_depth == 0
+    c.release(held)
+    assert c._index.dead_blocks == 0
+
+
+def test_hottest_prefixes_lists_value_first_within_the_byte_budget():
+    c = make(blocks=64)
+    hot = np.arange(64, dtype=np.uint32)
+    warm_ = np.arange(1000, 1096, dtype=np.uint32)
+    cold = np.arange(2000, 2032, dtype=np.uint32)
+    for t in (hot, warm_, cold):
+        warm(c, ROOT, t)
+    for _ in range(6):
+        c.release(c.lookup(ROOT, np.append(hot, 0)))
+    for _ in range(3):
+        c.release(c.lookup(ROOT, np.append(warm_, 0)))
+    warm(c, OTHER_TENANT, np.arange(5000, 5064, dtype=np.uint32))
+    got = c.hottest_prefixes("acme", max_bytes=10 * BB)
+    assert [(r, t.tolist()) for r, t in got] == [(ROOT, hot.tolist()), (ROOT, warm_.tolist())]
+    assert [t.tolist() for _, t in c.hottest_prefixes("acme", max_bytes=100 * BB)][-1] == cold.tolist()
+    assert c.hottest_prefixes("acme", max_bytes=BB) == []
+
+
+def test_metadata_only_cache_runs_the_real_index_without_payload():
+    c = LocalCache(1000 * BB, BB, block_size=B, metadata_only=True, drain_budget_s=0)
+    t = np.arange(160, dtype=np.uint32)
+    c.lookup(ROOT, t)
+    c.lookup(ROOT, t)
+    assert c.store(ROOT, t, None)
+    c.flush()
+    hit = c.lookup(ROOT, t)
+    assert hit.matched_tokens == 144 and c.arena is None
+    with pytest.raises(RuntimeError, match="metadata_only"):
+        c.materialize(hit, bytearray(10 * BB))
+
+
+def test_external_arena_holds_the_slots():
+    buf = mmap.mmap(-1, 16 * BB)
+    c = LocalCache(16 * BB, BB, block_size=B, arena=buf, drain_budget_s=0)
+    t = np.arange(64, dtype=np.uint32)
+    warm(c, ROOT, t)
+    hit = c.lookup(ROOT, np.append(t, 0))
+    for i, slot in enumerate(hit.blocks):
+        off = c.block_offset(slot)
+        assert buf[off:off + BB] == kv(t)[i].tobytes()
+    with pytest.raises(ValueError, match="arena"):
+        LocalCache(16 * BB, BB, arena=bytes(16 * BB))
+    with pytest.raises(ValueError, match="arena"):
+        LocalCache(16 * BB, BB, arena=bytearray(8 * BB))
+
+
+def test_store_drains_in_slices_and_lookup_never_drains():
+    c = LocalCache(64 * BB, BB, block_size=B, drain_budget_s=0.5)
+    t = np.arange(64, dtype=np.uint32)
+    c.lookup(ROOT, t)
+    c.lookup(ROOT, t)
+    c.store(ROOT, t, kv(t))
+    assert c.stats().queue_depth == 0 and c.stats().stores_applied == 1
+    idle = make()
+    idle.lookup(ROOT, t)
+    idle.lookup(ROOT, t)
+    idle.store(ROOT, t, kv(t))
+    idle.lookup(ROOT, t)
+    assert idle.stats().queue_depth == 1
+    assert idle.drain(0.0) == 1
