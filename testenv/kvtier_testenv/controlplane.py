@@ -105,7 +105,8 @@ def port_is_free(port: int, host: str = HOST) -> bool:
 
 def _die_with_parent() -> None:
     """Child-side: SIGKILL this process if the Python that started it dies (no leaks
-    even when pytest itself is killed)."""
+    even when pytest itself is killed). Linux ties this to the starting *thread*:
+    start a ControlPlane from a thread that outlives it (the main thread)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 

@@ -23,6 +23,10 @@ containers we can run natively (by default the one named `kvtier-sidecar`):
       8. on deletion (or replacement by a new uid) stops the processes and confirms
          the deletion with grace 0, as kubelet does.
 
+Known limit: the API server rejects loopback addresses in Endpoints/EndpointSlices
+("may not be in the loopback range"), so a Service selecting these pods gets no
+endpoints; find peers from the pods' status.podIP instead.
+
 The reconcile loop is level-triggered: every `poll_s` it lists the selected pods and
 drives each towards the state above. Tests use `wait_ready`, `process`, `log` and
 `kill`. Pure helpers (env, mount rewriting, status) are module functions at the top.
