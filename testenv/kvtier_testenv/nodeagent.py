@@ -739,7 +739,10 @@ class NodeAgent:
                 self._probe(run, cp, specs[cp.name])
                 continue
             if cp.exit_code is None and cp.proc is not None:
-                cp.exit_code, cp.finished_at, cp.ready = cp.proc.returncode, now_rfc3339(), False
+                code = cp.proc.returncode
+                # As a container runtime reports it: death by signal N is 128+N.
+                cp.exit_code = code if code >= 0 else 128 - code
+                cp.finished_at, cp.ready = now_rfc3339(), False
                 cp.restart_after = time.monotonic() + RESTART_BACKOFF_S
             if policy == "Always" or (policy == "OnFailure" and cp.exit_code != 0):
                 if time.monotonic() >= cp.restart_after:

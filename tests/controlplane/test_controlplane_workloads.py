@@ -199,3 +199,18 @@ def test_agent_leaves_pods_outside_its_selector_unscheduled(
     other = kubectl.get_json("pod", "other")
     assert other["spec"].get("nodeName") is None and other["status"]["phase"] == "Pending"
     assert os.path.exists(f"/proc/{agent.process(namespace, 'mine').pid}")
+
+
+def test_killed_process_fails_the_pod_under_restart_policy_never(
+        kubectl: Kubectl, node_agent_factory: Callable[..., NodeAgent], namespace: str) -> None:
+    agent = node_agent_factory(containers=["main"])
+    kubectl.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "once", "labels": {"app": "once"}},
+                   "spec": {"restartPolicy": "Never", "containers": [{
+                       "name": "main", "image": "x", "command": ["python", "-c", "import time; time.sleep(600)"]}]}})
+    agent.wait_ready(1, selector="app=once")
+    agent.kill(namespace, "once", sig=signal.SIGTERM)
+    pod = poll("pod Failed", lambda: (p := kubectl.get_json("pod", "once"))["status"]["phase"] == "Failed" and p)
+    assert not is_ready(pod)
+    terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert terminated["exitCode"] == 128 + signal.SIGTERM and terminated["reason"] == "Error"
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
