@@ -269,6 +269,16 @@ class LocalCache:
             counters.tier_hits[tier] += 1
             return Hit(matched * self.block_size, self._index.slots_to(node), tier, root, node, self)
 
+    def peek(self, root: KeyRoot, token_ids: Any, *, allow_full: bool = False) -> int:
+        """Tokens a `lookup` would match right now, without pinning, counting a
+        sighting or touching frequencies (routers ask this of many replicas)."""
+        tokens = as_token_array(token_ids)
+        n_full = len(tokens) // self.block_size
+        limit = n_full if allow_full else (len(tokens) - 1) // self.block_size
+        with self._lock:
+            m = self._index.match(root, tokens.tobytes(), n_full)
+            return min(m.cached_blocks, limit) * self.block_size
+
     def materialize(self, hit: Hit, dst: Any) -> int:
         """Copy the hit's blocks, in prompt order, into the start of `dst`.
 
@@ -359,19 +369,27 @@ class LocalCache:
                 end = first + admitted
             return self._reserve_from(m, root, tokens, end, sightings)
 
-    def commit(self, res: Reservation) -> int:
+    def commit(self, res: Reservation, num_blocks: int | None = None) -> int:
         """Publish a reservation's blocks to the index. Returns blocks added (blocks
-        someone else cached meanwhile keep their copy; ours are freed)."""
+        someone else cached meanwhile keep their copy; ours are freed).
+
+        `num_blocks` publishes only the first that many blocks (say, the ones a peer
+        transfer verified) and frees the rest; None publishes all of them.
+        """
         with self._lock:
             self._check_reservation(res)
+            n = len(res.slots) if num_blocks is None else num_blocks
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(res.slots):
+                raise ValueError(f"num_blocks must be in [0, {len(res.slots)}], got {num_blocks!r}")
             self._end_reservation(res)
-            if res.cancelled:
+            if res.cancelled or n == 0:
                 self._pool.give_back(res.slots)
                 return 0
+            self._pool.give_back(res.slots[n:])
             unused, _ = self._index.insert(res.root, res.token_ids.tobytes(), res.first_block,
-                                           res.slots, res._hashes, hot=res.tier == TIER_PINNED)
+                                           res.slots[:n], res._hashes[:n], hot=res.tier == TIER_PINNED)
             self._pool.give_back(unused)
-            added = len(res.slots) - len(unused)
+            added = n - len(unused)
             self._tenant(res.root.tenant).stored_blocks += added
             self._admission.record(self.clock(), stored_blocks=added)
             return added

@@ -489,3 +489,30 @@ def test_store_drains_in_slices_and_lookup_never_drains():
     idle.lookup(ROOT, t)
     assert idle.stats().queue_depth == 1
     assert idle.drain(0.0) == 1
+
+
+def test_partial_commit_publishes_only_the_verified_blocks():
+    c = make(blocks=16)
+    t = np.arange(96, dtype=np.uint32)
+    res = c.reserve(ROOT, t, force=True)
+    assert c.commit(res, num_blocks=2) == 2
+    assert c.peek(ROOT, t) == 32
+    assert c.stats().blocks_used == 2 and c._pool.free_count == 14
+    res = c.reserve(ROOT, t, force=True)
+    with pytest.raises(ValueError, match="num_blocks"):
+        c.commit(res, num_blocks=99)
+    assert c.commit(res, num_blocks=0) == 0 and c._pool.free_count == 14
+
+
+def test_peek_neither_pins_nor_counts():
+    c = make()
+    t = np.arange(64, dtype=np.uint32)
+    warm(c, ROOT, t)
+    before = c.stats()
+    assert c.peek(ROOT, t) == 48 and c.peek(ROOT, t, allow_full=True) == 64
+    assert c.stats() == before
+    assert all(n.pins == 0 for n in c._index.iter_nodes())
+    fresh = np.arange(900, 964, dtype=np.uint32)
+    c.peek(ROOT, fresh)
+    c.lookup(ROOT, fresh)
+    assert c.store(ROOT, fresh, kv(fresh)) is False  # peek was not a sighting
