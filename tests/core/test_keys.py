@@ -97,7 +97,8 @@ def test_chain_can_be_continued_from_any_block():
     assert tail == full[5:]
 
 
-@pytest.mark.parametrize("bad", [[-1, 2], [2**32], [1.5, 2.0], [[1, 2]], [True, False], "abc", b"\x00\x01", [2**70]])
+@pytest.mark.parametrize("bad", [[-1, 2], [2**32], [1.5, 2.0], [[1, 2]], np.array([True, False]), "abc",
+                                 b"\x00\x01", [2**70], (x for x in [-5]), np.zeros((2, 2), dtype=np.uint32)])
 def test_bad_token_ids_raise_value_error(bad):
     with pytest.raises(ValueError):
         as_token_array(bad)
