@@ -1,0 +1,24 @@
+"""Fleet simulator: what kvtier does to a fleet's hit rate and prefill bill.
+
+`kvtier simulate` replays a synthetic workload (tenants, templates, RAG documents,
+conversations and agent loops) through a fleet of replicas, each with a host-DRAM
+prefix cache, under one routing policy at a time, and reports hit rate, prefill
+load and load imbalance.
+
+The cache on every replica is the core library's real `LocalCache` (metadata-only:
+no arena, so no KV bytes move) and kvtier's routing is the real
+`kvtier.routing.pick` over a real affinity table; only the competitor policies and
+the plain-LRU baseline live here, because they are what kvtier is compared against.
+
+Modules, one concern each:
+
+- `workload`  the request stream (pure, seeded, numpy-vectorised).
+- `fleet`     replicas: DRAM capacity, KV bytes per token, prefill queue and HBM
+              occupancy; turns tokens into replica-seconds.
+- `caches`    what a replica's cache is in the simulation: kvtier's LocalCache, a
+              plain LRU, and the oracle (infinite capacity, perfect routing).
+- `policies`  routing policies behind one interface.
+- `engine`    the event loop.
+- `scenarios` steady state, join/leave, rollout, thrash, capacity sweep.
+- `report`, `plots`, `cli`  output.
+"""

@@ -1,0 +1,108 @@
+"""`kvtier simulate`: what kvtier would do to a fleet's hit rate and prefill bill.
+
+    kvtier simulate                        # the design notes' fleet, 1M requests
+    kvtier simulate compare --requests 50000 --policies random,kvtier,oracle
+    kvtier simulate capacity --plots out/  # hit rate vs DRAM per policy, as PNG
+    kvtier simulate all --json report.json --plots out/
+
+Exit status: 0 on success, 2 on a bad flag (the message names it).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvtier.sim import scenarios
+from kvtier.sim.policies import POLICIES
+
+SCENARIOS = ("design-notes", "compare", "capacity", "membership", "rollout", "thrash")
+# Requests per scenario when --requests is not given (the full-size runs).
+DEFAULT_REQUESTS = {"design-notes": 1_000_000, "compare": 100_000, "capacity": 50_000,
+                    "membership": 60_000, "rollout": 81_000, "thrash": 40_000}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtier simulate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("scenario", nargs="?", default="design-notes", choices=SCENARIOS + ("all",),
+                   help="what to simulate (default: design-notes)")
+    p.add_argument("--requests", type=int, help="requests per run (default depends on the scenario)")
+    p.add_argument("--policies", help=f"comma-separated routing policies for compare/capacity/design-notes "
+                                      f"(known: {', '.join(POLICIES)})")
+    p.add_argument("--dram-gib", help="comma-separated DRAM sizes per replica for capacity (GiB)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--json", metavar="PATH", help="write the full report as JSON ('-' for stdout)")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _fail(flag: str, message: str) -> int:
+    print(f"kvtier simulate: error: {flag}: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the message naming the flag
+        return int(exc.code or 0)
+    if args.requests is not None and args.requests < 1:
+        return _fail("--requests", f"must be >= 1, got {args.requests}")
+    policies = None
+    if args.policies:
+        policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+        unknown = [p for p in policies if p not in POLICIES]
+        if unknown or not policies:
+            return _fail("--policies", f"unknown policy {', '.join(unknown) or '(none given)'}; "
+                                       f"choose from {', '.join(POLICIES)}")
+    dram = None
+    if args.dram_gib:
+        try:
+            dram = tuple(float(x) for x in args.dram_gib.split(","))
+        except ValueError:
+            return _fail("--dram-gib", f"expected comma-separated numbers, got {args.dram_gib!r}")
+        if any(x <= 0 for x in dram):
+            return _fail("--dram-gib", "sizes must be > 0")
+    names = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    progress = not args.no_progress and sys.stderr.isatty()
+    reports = []
+    from kvtier.sim.report import render, to_json
+
+    for name in names:
+        n = args.requests or DEFAULT_REQUESTS[name]
+        rep = _run(name, n, policies, dram, args.seed, progress)
+        reports.append(rep)
+        if args.json != "-":
+            print(render(rep), flush=True)
+            print()
+    if args.json:
+        text = to_json(reports)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text)
+            print(f"wrote {args.json}")
+    if args.plots:
+        from kvtier.sim.plots import plot
+
+        for rep in reports:
+            for path in plot(rep, Path(args.plots)):
+                print(f"wrote {path}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
+
+
+def _run(name, n, policies, dram, seed, progress):
+    if name == "design-notes":
+        return scenarios.design_notes(n, policies or ("kvtier", "random", "oracle"), progress=progress, seed=seed)
+    if name == "compare":
+        return scenarios.default_compare(n, policies or scenarios.COMPETITORS, progress=progress, seed=seed)
+    if name == "capacity":
+        return scenarios.default_capacity(n, policies or scenarios.COMPETITORS, dram or (5, 10, 20, 40, 80),
+                                          progress=progress, seed=seed)
+    if name == "membership":
+        return scenarios.default_membership(n, progress=progress, seed=seed)
+    if name == "rollout":
+        return scenarios.default_rollout(n, progress=progress, seed=seed)
+    return scenarios.default_thrash(n, progress=progress, seed=seed)

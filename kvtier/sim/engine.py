@@ -1,0 +1,291 @@
+"""The event loop: route each request, serve it from a replica's cache, account it.
+
+    for each request, in arrival order:
+        fire due scenario events (join, leave, weights change)
+        retire finished requests (frees HBM occupancy)
+        replica = policy.route(request)          # sees queue, occupancy, caches
+        matched = cache[replica].serve(request)  # lookup, release, store, apply
+        fleet.serve(replica, prompt, matched)    # queue, TTFT, load
+        record (replica, matched, prompt, TTFT)
+
+Everything per request is recorded in numpy columns and summarised afterwards, so
+the loop itself only does what a router and a cache would do.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier.sim.caches import KvtierCache, LruCache, OracleCache
+from kvtier.sim.fleet import Fleet, FleetSpec
+from kvtier.sim.policies import KvtierPolicy, RootBook, make_policy
+from kvtier.sim.request import HashCache, SimRequest
+from kvtier.sim.workload import Workload, WorkloadSpec, generate
+
+CACHE_KINDS = ("kvtier", "lru")
+# Requests between progress-bar updates: often enough to look alive, rare enough
+# that tqdm costs nothing.
+_PROGRESS_EVERY = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One run: a workload, a fleet, a routing policy and a cache implementation.
+
+    `block_tokens` is the cache block in real tokens; it must be a whole number of
+    the workload's `token_unit`s. `warm_moved_tenants` makes a membership change
+    warm each moved tenant's new homes from its old ones (what the operator does).
+    """
+
+    workload: WorkloadSpec
+    fleet: FleetSpec = field(default_factory=FleetSpec)
+    policy: str = "kvtier"
+    cache: str = "kvtier"
+    block_tokens: int = 16
+    min_sightings: int = 2
+    bucket_s: float = 30.0
+    warm_moved_tenants: bool = True
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cache not in CACHE_KINDS:
+            raise ValueError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {self.cache!r}")
+        unit = self.workload.token_unit
+        if self.block_tokens < 1 or self.block_tokens % unit:
+            raise ValueError(f"block_tokens ({self.block_tokens}) must be a positive multiple of "
+                             f"token_unit ({unit})")
+        if self.bucket_s <= 0:
+            raise ValueError(f"bucket_s must be > 0, got {self.bucket_s}")
+
+    @property
+    def block_elems(self) -> int:
+        return self.block_tokens // self.workload.token_unit
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A scenario event at `time_s`: "join" (one new replica), "leave" (`replicas`
+    go), or "version" (`replicas` restart onto weights `version`, cold)."""
+
+    time_s: float
+    kind: str
+    replicas: tuple[int, ...] = ()
+    version: int = 0
+    label: str = ""
+
+
+@dataclass(slots=True)
+class SimResult:
+    """What one run measured. Token figures are real tokens."""
+
+    label: str
+    policy: str
+    cache: str
+    n_requests: int
+    hit_rate: float
+    request_hit_rate: float
+    prompt_tokens: int
+    matched_tokens: int
+    prefill_replica_s: float
+    load_imbalance: float
+    load_s: list[float]
+    ttft_p50_s: float
+    ttft_p99_s: float
+    spill_rate: float
+    evictions: int
+    wall_s: float
+    sim_s: float
+    block_tokens: int
+    token_unit: int
+    bucket_s: float
+    series_t_s: list[float]
+    series_hit_rate: list[float]
+    series_prefill_load: list[float]
+    events: list[dict]
+
+    def summary(self) -> dict:
+        """Everything but the per-bucket series and per-replica loads."""
+        skip = {"series_t_s", "series_hit_rate", "series_prefill_load", "load_s"}
+        return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class Simulation:
+    """Build the fleet, caches and policy for a `SimConfig`, then `run` it once."""
+
+    def __init__(self, cfg: SimConfig, events: list[Event] | tuple[Event, ...] = (),
+                 workload: Workload | None = None, label: str = "") -> None:
+        self.cfg = cfg
+        self.workload = workload if workload is not None else generate(cfg.workload)
+        self.events = sorted(events, key=lambda e: e.time_s)
+        self.label = label or f"{cfg.policy}/{cfg.cache}"
+        self.now_s = 0.0
+        self.fleet = Fleet(cfg.fleet)
+        spec = cfg.workload
+        self.roots = RootBook([f"tenant-{t:05d}" for t in range(spec.n_tenants)])
+        self.policy = make_policy(cfg.policy)
+        if cfg.policy == "oracle":
+            shared = OracleCache(cfg.block_elems)
+            self.caches = [shared] * cfg.fleet.n_replicas
+            self._new_cache = lambda: shared
+        else:
+            self.caches = [self._make_cache() for _ in range(cfg.fleet.n_replicas)]
+            self._new_cache = self._make_cache
+        self.policy.bind(self.fleet, self.caches, self.roots)
+        self.policy.token_unit = spec.token_unit
+        self.event_log: list[dict] = []
+
+    def _make_cache(self):
+        cfg = self.cfg
+        block_bytes = cfg.block_tokens * cfg.fleet.kv_bytes_per_token
+        if cfg.cache == "lru":
+            return LruCache(cfg.fleet.dram_bytes // block_bytes, cfg.block_elems)
+        return KvtierCache(cfg.fleet.dram_bytes, block_bytes, cfg.block_elems, self._clock, cfg.min_sightings)
+
+    def _clock(self) -> float:
+        return self.now_s
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> SimResult:
+        from tqdm import tqdm
+
+        cfg, w, fleet, policy, caches, roots = self.cfg, self.workload, self.fleet, self.policy, self.caches, self.roots
+        unit = cfg.workload.token_unit
+        n = len(w)
+        times, tenants, sessions = w.time_s.tolist(), w.tenant.tolist(), w.session.tolist()
+        outs = w.output_tokens.tolist()
+        tpl_key = (w.tenant.astype(np.int64) * w.template_elems.shape[1] + w.template).tolist()
+        tpl_elems = w.template_elems[w.tenant, w.template].tolist()
+        prompt_tokens = (w.prompt_elems() * unit).tolist()
+        names = roots.tenant_names
+        replica_col = np.empty(n, dtype=np.int32)
+        matched_col = np.empty(n, dtype=np.int64)
+        ttft_col = np.empty(n, dtype=np.float64)
+        req = SimRequest(hash_cache=HashCache(cfg.block_elems))
+        events = list(self.events)
+        next_event_s = events[0].time_s if events else float("inf")
+        version = fleet.version
+        bar = tqdm(total=n, disable=not cfg.progress, unit="req", mininterval=0.5, desc=self.label)
+        t0 = time.perf_counter()
+        for i in range(n):
+            now = times[i]
+            self.now_s = now
+            if now >= next_event_s:
+                while events and events[0].time_s <= now:
+                    self._fire(events.pop(0))
+                next_event_s = events[0].time_s if events else float("inf")
+            fleet.advance(now)
+            tenant = tenants[i]
+            tokens = w.tokens(i)
+            req.index, req.time_s, req.tenant, req.tenant_name = i, now, tenant, names[tenant]
+            req.session, req.template_key, req.template_elems = sessions[i], tpl_key[i], tpl_elems[i]
+            req.tokens, req.token_bytes = tokens, tokens.tobytes()
+            req.prompt_tokens, req.output_tokens = prompt_tokens[i], outs[i]
+            req._hashes.clear()
+            r = policy.route(req, now)
+            matched = caches[r].serve(req, roots.root(tenant, version[r]), now) * unit
+            ttft_col[i] = fleet.serve(r, now, req.prompt_tokens, matched, outs[i])
+            replica_col[i] = r
+            matched_col[i] = matched
+            policy.routed(req, r)
+            if not (i + 1) % _PROGRESS_EVERY:
+                bar.update(_PROGRESS_EVERY)
+        bar.update(n - bar.n)
+        bar.close()
+        wall = time.perf_counter() - t0
+        return self._result(np.asarray(prompt_tokens, dtype=np.int64), matched_col, replica_col, ttft_col, wall)
+
+    # ------------------------------------------------------------------ scenario events
+
+    def _fire(self, ev: Event) -> None:
+        fleet = self.fleet
+        entry = {"time_s": ev.time_s, "kind": ev.kind, "label": ev.label}
+        if ev.kind == "join":
+            r = fleet.join()
+            self.caches.append(self._new_cache())
+            entry["replicas"] = [r]
+            self._membership_changed(entry)
+        elif ev.kind == "leave":
+            for r in ev.replicas:
+                fleet.leave(r)
+            entry["replicas"] = list(ev.replicas)
+            self._membership_changed(entry)
+        elif ev.kind == "version":
+            # The pod restarts onto the new weights, and its sidecar with it: an
+            # empty DRAM tier (old-version blocks could never hit again anyway).
+            for r in ev.replicas:
+                fleet.version[r] = ev.version
+                self.caches[r].drop_all()
+            entry["replicas"] = list(ev.replicas)
+            entry["version"] = ev.version
+        else:
+            raise ValueError(f"unknown scenario event {ev.kind!r}")
+        self.event_log.append(entry)
+
+    def _membership_changed(self, entry: dict) -> None:
+        plan = self.policy.membership_changed()
+        if plan is None:
+            return
+        entry["moved_tenants"] = len(plan.moves)
+        entry["movement_fraction"] = plan.movement_fraction
+        entry["epoch"] = plan.table.epoch
+        if not (self.cfg.warm_moved_tenants and self.cfg.cache == "kvtier"):
+            return
+        index = {name: i for i, name in enumerate(self.fleet.names)}
+        warmed = 0
+        budget = self.cfg.fleet.dram_bytes
+        for move in plan.moves:
+            sources = [index[m] for m in move.old_homes if m in index]
+            for gained in move.gained:
+                for src in sources:
+                    warmed += self.caches[index[gained]].warm_from(self.caches[src], move.tenant, budget)
+        entry["warmed_blocks"] = warmed
+
+    # ------------------------------------------------------------------ summary
+
+    def _result(self, prompt, matched, replica, ttft, wall) -> SimResult:
+        cfg, fleet, w = self.cfg, self.fleet, self.workload
+        n = len(prompt)
+        tps = cfg.fleet.prefill_tokens_per_s
+        present = [r for r in range(cfg.fleet.n_replicas) if fleet.alive[r]]
+        loads = np.array([fleet.load_s[r] for r in present]) if present else np.zeros(1)
+        t = w.time_s
+        bucket = np.floor(t / cfg.bucket_s).astype(np.int64)
+        nb = int(bucket.max()) + 1 if n else 0
+        b_prompt = np.bincount(bucket, weights=prompt, minlength=nb)
+        b_matched = np.bincount(bucket, weights=matched, minlength=nb)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            series_hit = np.where(b_prompt > 0, b_matched / b_prompt, 0.0)
+        # Prefill load: replica-seconds of prefill per second, i.e. replicas' worth.
+        series_load = (b_prompt - b_matched) / tps / cfg.bucket_s
+        spilled = getattr(self.policy, "spilled", 0)
+        evictions = sum(c.evictions() if hasattr(c, "evictions") else getattr(c, "evicted_blocks", 0)
+                        for c in {id(c): c for c in self.caches}.values())
+        return SimResult(
+            label=self.label, policy=cfg.policy, cache=cfg.cache, n_requests=n,
+            hit_rate=float(matched.sum() / prompt.sum()) if n else 0.0,
+            request_hit_rate=float((matched > 0).mean()) if n else 0.0,
+            prompt_tokens=int(prompt.sum()), matched_tokens=int(matched.sum()),
+            prefill_replica_s=float((prompt - matched).sum() / tps),
+            load_imbalance=float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0,
+            load_s=[float(x) for x in loads],
+            ttft_p50_s=float(np.percentile(ttft, 50)) if n else 0.0,
+            ttft_p99_s=float(np.percentile(ttft, 99)) if n else 0.0,
+            spill_rate=spilled / n if n and isinstance(self.policy, KvtierPolicy) else 0.0,
+            evictions=int(evictions), wall_s=wall, sim_s=float(t[-1]) if n else 0.0,
+            block_tokens=cfg.block_tokens, token_unit=cfg.workload.token_unit, bucket_s=cfg.bucket_s,
+            series_t_s=[float(x) for x in np.arange(nb) * cfg.bucket_s],
+            series_hit_rate=[float(x) for x in series_hit],
+            series_prefill_load=[float(x) for x in series_load],
+            events=self.event_log,
+        )
+
+
+def simulate(cfg: SimConfig, events=(), workload: Workload | None = None, label: str = "") -> SimResult:
+    """Run one configuration and return what it measured."""
+    return Simulation(cfg, events, workload, label).run()

@@ -1,0 +1,384 @@
+"""Scenarios: the questions `kvtier simulate` answers, each a set of runs plus figures.
+
+- `design_notes`  the design notes' fleet (44 replicas, 2,000 tenants x 5 templates
+                  x 1,500 tokens, 320 KiB/token, 500 GiB DRAM): the arithmetic
+                  (working set, random coverage, tenants per home) and kvtier vs
+                  random vs the oracle, simulated.
+- `compare`       every routing policy on one workload: hit rate, prefill, balance.
+- `capacity`      hit rate vs DRAM capacity per policy.
+- `membership`    a replica joins, later one leaves: hit rate over time, with and
+                  without warming moved tenants.
+- `rollout`       a weights change all at once vs in steps (canary, 10%, 50%, 100%):
+                  peak prefill load.
+- `thrash`        working set far above capacity: kvtier's admission vs plain LRU.
+
+Each function returns a `ScenarioReport`: the runs' results plus named figures
+(with the target where the issue gives one), and notes saying where a competitor
+does better. Sizes scale with `scale` so tests run small and benches run full.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvtier.affinity import DEFAULT_HOMES
+from kvtier.sim.engine import Event, SimConfig, SimResult, simulate
+from kvtier.sim.fleet import FleetSpec
+from kvtier.sim.workload import WorkloadSpec, generate
+
+GIB, TIB = 2**30, 2**40
+# Arrival rate that keeps the design fleet's mean KV occupancy near 0.7: busy
+# enough that the 0.85 spill threshold matters, below the preemption cliff.
+DESIGN_RATE_RPS = 900.0
+# Capacity-scale runs simulate 256-token blocks of 16-token elements: a template's
+# match is then exact to 256 tokens instead of 16 (stated in every output).
+COARSE_UNIT, COARSE_BLOCK = 16, 256
+COMPETITORS = ("random", "round-robin", "chash-tenant", "chash-session", "approx-prefix",
+               "precise-prefix", "sglang", "kvtier", "oracle")
+# The operator's default rollout: one canary pod, then 10%, 50%, 100% of the pods.
+ROLLOUT_STEPS = (10, 50, 100)
+
+
+@dataclass(slots=True)
+class Figure:
+    """One number the scenario reports, with its target when the issue sets one."""
+
+    name: str
+    value: float
+    target: float | None = None
+    direction: str = "higher"
+    baseline: float | None = None
+    baseline_name: str = ""
+    unit: str = ""
+    note: str = ""
+
+    @property
+    def passed(self) -> bool | None:
+        if self.target is None:
+            return None
+        return self.value >= self.target if self.direction == "higher" else self.value <= self.target
+
+
+@dataclass(slots=True)
+class ScenarioReport:
+    name: str
+    description: str
+    results: list[SimResult] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    params: dict = field(default_factory=dict)
+
+    def result(self, label: str) -> SimResult:
+        return next(r for r in self.results if r.label == label)
+
+    def as_dict(self, series: bool = True) -> dict:
+        return {
+            "name": self.name, "description": self.description, "params": self.params,
+            "results": [r.as_dict() if series else r.summary() for r in self.results],
+            "figures": [{"name": f.name, "value": f.value, "target": f.target, "direction": f.direction,
+                         "baseline": f.baseline, "baseline_name": f.baseline_name, "unit": f.unit,
+                         "passed": f.passed, "note": f.note} for f in self.figures],
+            "notes": self.notes,
+        }
+
+
+def granularity_note(unit: int, block_tokens: int) -> str:
+    if unit == 1 and block_tokens == 16:
+        return "simulated at the engine's granularity: 16-token blocks, exact token ids"
+    return (f"simulated at a coarser granularity: one token element = {unit} real tokens, "
+            f"cache blocks of {block_tokens} tokens (matches are whole {block_tokens}-token blocks)")
+
+
+# ---------------------------------------------------------------------- design notes
+
+def design_workload(n_requests: int, unit: int = COARSE_UNIT, seed: int = 0, **overrides) -> WorkloadSpec:
+    """2,000 tenants x 5 templates x 1,500 tokens, uniform popularity, a fresh query each."""
+    base = WorkloadSpec(n_requests=n_requests, rate_rps=DESIGN_RATE_RPS, n_tenants=2_000, templates_per_tenant=5,
+                        template_tokens=(1_500, 1_500), query_tokens=(50, 150), token_unit=unit, seed=seed)
+    return replace(base, **overrides)
+
+
+def design_arithmetic(fleet: FleetSpec, spec: WorkloadSpec, homes: int = DEFAULT_HOMES) -> dict:
+    """The design notes' numbers, computed from the same inputs the simulation uses."""
+    working_set = spec.working_set_tokens() * fleet.kv_bytes_per_token
+    tenants_per_home = spec.n_tenants * homes / fleet.n_replicas
+    per_home = tenants_per_home * spec.templates_per_tenant * spec.template_tokens[0] * fleet.kv_bytes_per_token
+    return {
+        "working_set_tib": working_set / TIB,
+        "random_coverage": fleet.dram_bytes / working_set,
+        "tenants_per_home": tenants_per_home,
+        "home_working_set_gib": per_home / GIB,
+        "home_fits": per_home <= fleet.dram_bytes,
+    }
+
+
+def design_notes(n_requests: int = 1_000_000, policies=("kvtier", "random", "oracle"), unit: int = COARSE_UNIT,
+                 block_tokens: int = COARSE_BLOCK, progress: bool = False, seed: int = 0) -> ScenarioReport:
+    fleet = FleetSpec()
+    spec = design_workload(n_requests, unit, seed)
+    arith = design_arithmetic(fleet, spec)
+    rep = ScenarioReport("design-notes", "44 replicas, 2,000 tenants x 5 templates x 1,500 tokens at 320 KiB/token, "
+                         "500 GiB DRAM per host", params={"n_requests": n_requests, **arith,
+                                                          "granularity": granularity_note(unit, block_tokens)})
+    rep.figures += [
+        Figure("working set", arith["working_set_tib"], unit="TiB", note="2,000 x 5 x 1,500 x 320 KiB"),
+        Figure("random routing covers", arith["random_coverage"], unit="fraction", note="500 GiB / working set"),
+        Figure("tenants per replica with k=3 homes", arith["tenants_per_home"], unit="tenants"),
+        Figure("their working set", arith["home_working_set_gib"], target=fleet.dram_bytes / GIB,
+               direction="lower", unit="GiB", note="fits in one host's 500 GiB DRAM"),
+    ]
+    workload = generate(spec)
+    for p in policies:
+        rep.results.append(simulate(SimConfig(spec, fleet, policy=p, block_tokens=block_tokens, progress=progress),
+                                    workload=workload, label=p))
+    by = {r.label: r for r in rep.results}
+    if "kvtier" in by and "oracle" in by:
+        rep.figures.append(Figure("kvtier hit rate vs oracle", by["kvtier"].hit_rate / by["oracle"].hit_rate,
+                                  target=0.9, baseline=by["oracle"].hit_rate, baseline_name="oracle hit rate",
+                                  unit="x"))
+    if "kvtier" in by and "random" in by:
+        rep.figures.append(Figure("kvtier hit rate vs random", by["kvtier"].hit_rate / max(by["random"].hit_rate, 1e-9),
+                                  target=5.0, baseline=by["random"].hit_rate, baseline_name="random hit rate",
+                                  unit="x"))
+        rep.figures.append(Figure("random routing simulated hit rate", by["random"].hit_rate, unit="fraction",
+                                  note="compare with the ~11% coverage"))
+    if "kvtier" in by:
+        rep.figures.append(Figure("kvtier max/mean replica load", by["kvtier"].load_imbalance, target=1.25,
+                                  direction="lower", unit="x"))
+        rep.figures.append(Figure("kvtier wall time", by["kvtier"].wall_s, unit="s",
+                                  note=f"{n_requests:,} requests, this machine"))
+    _truth_notes(rep)
+    return rep
+
+
+# ---------------------------------------------------------------------- comparisons
+
+def mixed_workload(n_requests: int, unit: int = 1, n_tenants: int = 200, seed: int = 0, **overrides) -> WorkloadSpec:
+    """All four populations, Zipf-popular tenants: the default comparison workload."""
+    # ~80 rps of ~4,000-token prompts per 16 replicas: ~70% of their cold prefill capacity.
+    base = WorkloadSpec(n_requests=n_requests, rate_rps=80.0, n_tenants=n_tenants, templates_per_tenant=5,
+                        template_tokens=(200, 2_000), tenant_zipf=1.0, template_zipf=1.0,
+                        rag_share=0.2, docs_per_tenant=20, doc_tokens=(2_000, 20_000), doc_zipf=1.2,
+                        conversation_share=0.15, agent_share=0.15, token_unit=unit, seed=seed)
+    return replace(base, **overrides)
+
+
+def small_fleet(n_replicas: int = 16, dram_gib: float = 40.0, **overrides) -> FleetSpec:
+    return replace(FleetSpec(), n_replicas=n_replicas, dram_bytes=int(dram_gib * GIB), **overrides)
+
+
+def compare(spec: WorkloadSpec, fleet: FleetSpec, policies=COMPETITORS, block_tokens: int = COARSE_BLOCK,
+            cache: str = "kvtier", progress: bool = False) -> ScenarioReport:
+    rep = ScenarioReport("compare", "every routing policy on one workload and fleet (same cache on every replica)",
+                         params={"n_requests": spec.n_requests, "replicas": fleet.n_replicas,
+                                 "dram_gib": fleet.dram_bytes / GIB, "cache": cache,
+                                 "granularity": granularity_note(spec.token_unit, block_tokens)})
+    workload = generate(spec)
+    for p in policies:
+        rep.results.append(simulate(SimConfig(spec, fleet, policy=p, cache=cache, block_tokens=block_tokens,
+                                              progress=progress), workload=workload, label=p))
+    _truth_notes(rep)
+    return rep
+
+
+def capacity(spec: WorkloadSpec, fleet: FleetSpec, dram_gib=(5, 10, 20, 40, 80), policies=COMPETITORS,
+             block_tokens: int = COARSE_BLOCK, progress: bool = False) -> ScenarioReport:
+    rep = ScenarioReport("capacity", "hit rate vs DRAM capacity per replica, per routing policy",
+                         params={"dram_gib": list(dram_gib), "n_requests": spec.n_requests,
+                                 "replicas": fleet.n_replicas,
+                                 "granularity": granularity_note(spec.token_unit, block_tokens)})
+    workload = generate(spec)
+    for gib in dram_gib:
+        f = replace(fleet, dram_bytes=int(gib * GIB))
+        for p in policies:
+            if p == "oracle" and gib != dram_gib[0]:
+                continue  # the oracle has infinite capacity: one run covers every size
+            rep.results.append(simulate(SimConfig(spec, f, policy=p, block_tokens=block_tokens, progress=progress),
+                                        workload=workload, label=f"{p}@{gib:g}GiB"))
+    return rep
+
+
+# ---------------------------------------------------------------------- membership
+
+def membership(spec: WorkloadSpec, fleet: FleetSpec, join_at_s: float, leave_at_s: float,
+               block_tokens: int = COARSE_BLOCK, policy: str = "kvtier", progress: bool = False) -> ScenarioReport:
+    """One replica joins at `join_at_s`; replica 0 leaves at `leave_at_s`."""
+    rep = ScenarioReport("membership", f"a replica joins at {join_at_s:g} s and one leaves at {leave_at_s:g} s",
+                         params={"join_at_s": join_at_s, "leave_at_s": leave_at_s, "policy": policy,
+                                 "granularity": granularity_note(spec.token_unit, block_tokens)})
+    events = [Event(join_at_s, "join", label="join"), Event(leave_at_s, "leave", (0,), label="leave")]
+    workload = generate(spec)
+    for warm in (True, False):
+        label = f"{policy} {'with' if warm else 'without'} warm-up"
+        cfg = SimConfig(spec, fleet, policy=policy, block_tokens=block_tokens, warm_moved_tenants=warm,
+                        bucket_s=10.0, progress=progress)
+        rep.results.append(simulate(cfg, events, workload=workload, label=label))
+    for r in rep.results:
+        for ev in r.events:
+            dip = _dip_after(r, ev["time_s"])
+            rep.figures.append(Figure(f"{r.label}: hit-rate dip after {ev['kind']}", dip, unit="fraction",
+                                      note=f"moved {ev.get('moved_tenants', 0)} tenants "
+                                           f"({ev.get('movement_fraction', 0):.1%}), "
+                                           f"warmed {ev.get('warmed_blocks', 0)} blocks"))
+    return rep
+
+
+def _dip_after(r: SimResult, t_s: float, window_s: float = 60.0) -> float:
+    """Mean hit rate in the window before `t_s` minus the lowest bucket after it."""
+    before = [h for t, h in zip(r.series_t_s, r.series_hit_rate) if t_s - window_s <= t < t_s]
+    after = [h for t, h in zip(r.series_t_s, r.series_hit_rate) if t_s <= t < t_s + window_s]
+    if not before or not after:
+        return 0.0
+    return sum(before) / len(before) - min(after)
+
+
+# ---------------------------------------------------------------------- rollout
+
+def rollout_events(n_replicas: int, start_s: float, gate_s: float, pod_s: float, steps=ROLLOUT_STEPS,
+                   canary_pods: int = 1) -> list[Event]:
+    """Canary pod(s), then each step's percentage of pods, each step `gate_s` after
+    the previous step's last pod (the wait for hit-rate recovery).
+
+    Within a step the pods restart `pod_s` apart: a StatefulSet partition rolls one
+    pod at a time, each waiting for the previous to load its weights and turn
+    Ready. pod_s = 0 restarts a step's pods together (scaling up a canary
+    Deployment does that).
+    """
+    targets = [canary_pods] + [max(canary_pods, -(-n_replicas * pct // 100)) for pct in steps]
+    events, done, t = [], 0, start_s
+    for k, target in enumerate(targets):
+        pods = list(range(done, min(target, n_replicas)))
+        for j, r in enumerate(pods):
+            events.append(Event(t + j * pod_s, "version", (r,), version=1, label=f"step {k}"))
+        if pods:
+            t += (len(pods) - 1) * pod_s + gate_s
+        done = max(done, min(target, n_replicas))
+    return events
+
+
+def rollout(spec: WorkloadSpec, fleet: FleetSpec, start_s: float, gate_s: float, pod_s: float,
+            block_tokens: int = COARSE_BLOCK, bucket_s: float = 10.0, progress: bool = False) -> ScenarioReport:
+    rep = ScenarioReport("rollout", "a weights change: all replicas at once vs the default steps "
+                         "(1 canary pod, 10%, 50%, 100%)",
+                         params={"start_s": start_s, "gate_s": gate_s, "pod_s": pod_s, "bucket_s": bucket_s,
+                                 "granularity": granularity_note(spec.token_unit, block_tokens)})
+    n = fleet.n_replicas
+    plans = {
+        "all at once": [Event(start_s, "version", tuple(range(n)), version=1, label="all")],
+        "gradual, pods of a step together": rollout_events(n, start_s, gate_s, 0.0),
+        f"gradual, pods {pod_s:g} s apart": rollout_events(n, start_s, gate_s, pod_s),
+    }
+    workload = generate(spec)
+    for label, events in plans.items():
+        cfg = SimConfig(spec, fleet, policy="kvtier", block_tokens=block_tokens, bucket_s=bucket_s, progress=progress)
+        rep.results.append(simulate(cfg, events, workload=workload, label=label))
+    peaks = {r.label: _peak_after(r, start_s) for r in rep.results}
+    steady = _mean_before(rep.results[0], start_s)
+    rep.params["steady_prefill_load"] = steady
+    # The capacity event is the load ABOVE the steady state: what the cache was
+    # absorbing and suddenly is not. The total peak is reported beside it.
+    excess = {label: max(0.0, peak - steady) for label, peak in peaks.items()}
+    base = excess["all at once"]
+    for label, peak in peaks.items():
+        rep.figures.append(Figure(f"peak prefill load, {label}", peak, unit="replicas of prefill",
+                                  note=f"steady state before: {steady:.2f}; excess {excess[label]:.2f}"))
+    for label in list(plans)[1:]:
+        rep.figures.append(Figure(f"peak excess prefill ratio, {label} / all at once",
+                                  excess[label] / base if base else 0.0, target=1 / 3, direction="lower",
+                                  baseline=base, baseline_name="all-at-once excess", unit="x"))
+        rep.figures.append(Figure(f"peak total prefill ratio, {label} / all at once",
+                                  peaks[label] / peaks["all at once"] if peaks["all at once"] else 0.0,
+                                  unit="x", note="includes the steady-state prefill both share"))
+    return rep
+
+
+def _peak_after(r: SimResult, t_s: float) -> float:
+    vals = [v for t, v in zip(r.series_t_s, r.series_prefill_load) if t >= t_s]
+    return max(vals[:-1] or vals) if vals else 0.0  # the last bucket is partial
+
+
+def _mean_before(r: SimResult, t_s: float) -> float:
+    vals = [v for t, v in zip(r.series_t_s, r.series_prefill_load) if t_s / 2 <= t < t_s]
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+# ---------------------------------------------------------------------- thrash
+
+def thrash_workload(n_requests: int, unit: int = COARSE_UNIT, seed: int = 0) -> WorkloadSpec:
+    """A small hot set (system prompts) under a stream of one-shot RAG documents."""
+    # 10 rps of ~9,000-token prompts is ~90k tokens/s: what 4 replicas can prefill.
+    return WorkloadSpec(n_requests=n_requests, rate_rps=10.0, n_tenants=40, templates_per_tenant=5,
+                        template_tokens=(1_000, 2_000), rag_share=0.7, docs_per_tenant=5_000,
+                        doc_tokens=(2_000, 20_000), doc_zipf=0.0, token_unit=unit, seed=seed)
+
+
+def thrash(spec: WorkloadSpec, fleet: FleetSpec, policy: str = "kvtier", block_tokens: int = COARSE_BLOCK,
+           progress: bool = False) -> ScenarioReport:
+    workload = generate(spec)
+    demand = int(workload.prompt_elems().sum()) * spec.token_unit * fleet.kv_bytes_per_token
+    rep = ScenarioReport("thrash", "working set far above capacity: one-shot documents stream past a hot set",
+                         params={"policy": policy, "dram_gib": fleet.dram_bytes / GIB,
+                                 "distinct_bytes_offered_gib": demand / GIB,
+                                 "granularity": granularity_note(spec.token_unit, block_tokens)})
+    for cache in ("kvtier", "lru"):
+        cfg = SimConfig(spec, fleet, policy=policy, cache=cache, block_tokens=block_tokens, progress=progress)
+        rep.results.append(simulate(cfg, workload=workload, label=f"{cache} cache"))
+    k, lru = rep.results
+    rep.figures.append(Figure("kvtier admission hit rate vs LRU", k.hit_rate / max(lru.hit_rate, 1e-9), target=2.0,
+                              baseline=lru.hit_rate, baseline_name="LRU hit rate", unit="x"))
+    return rep
+
+
+# ---------------------------------------------------------------------- honesty
+
+def _truth_notes(rep: ScenarioReport) -> None:
+    """Say where a policy other than kvtier does better on some axis."""
+    by = {r.label: r for r in rep.results}
+    k = by.get("kvtier")
+    if k is None:
+        return
+    others = [r for r in rep.results if r.label not in ("kvtier", "oracle")]
+    for axis, better in (("hit rate", lambda r: r.hit_rate > k.hit_rate + 1e-9),
+                         ("load balance (max/mean)", lambda r: r.load_imbalance < k.load_imbalance - 1e-9),
+                         ("p99 TTFT", lambda r: r.ttft_p99_s < k.ttft_p99_s - 1e-9)):
+        winners = [r.label for r in others if better(r)]
+        if winners:
+            rep.notes.append(f"better than kvtier on {axis}: {', '.join(winners)}")
+
+
+# ---------------------------------------------------------------------- default sizes
+
+def default_membership(n_requests: int = 60_000, progress: bool = False, seed: int = 0) -> ScenarioReport:
+    """16 replicas, 400 tenants x 5 templates x 1,500 tokens at 300 rps."""
+    spec = design_workload(n_requests, n_tenants=400, rate_rps=300.0, seed=seed)
+    duration = n_requests / spec.rate_rps
+    return membership(spec, small_fleet(16, 40.0), duration / 3, 2 * duration / 3, progress=progress)
+
+
+def default_rollout(n_requests: int = 81_000, n_replicas: int = 8, progress: bool = False,
+                    seed: int = 0) -> ScenarioReport:
+    """8 replicas, 100 tenants x 5 templates x 1,500 tokens at 150 rps (a cold fleet
+    needs ~8.5 replicas of prefill). The rollout starts at 150 s, once warm; pods
+    restart 30 s apart (a conservative time to load 70B weights) and each step waits
+    30 s for recovery."""
+    rate = 150.0 * n_replicas / 8
+    spec = design_workload(n_requests, n_tenants=100 * n_replicas // 8, rate_rps=rate, seed=seed)
+    return rollout(spec, small_fleet(n_replicas, 40.0), start_s=150.0, gate_s=30.0, pod_s=30.0,
+                   progress=progress)
+
+
+def default_thrash(n_requests: int = 40_000, progress: bool = False, seed: int = 0) -> ScenarioReport:
+    """4 replicas with 16 GiB each under the thrash workload."""
+    return thrash(thrash_workload(n_requests, seed=seed), small_fleet(4, 16.0), progress=progress)
+
+
+def default_compare(n_requests: int = 100_000, policies=COMPETITORS, progress: bool = False,
+                    seed: int = 0) -> ScenarioReport:
+    """16 replicas with 40 GiB each, the mixed workload (all four populations)."""
+    return compare(mixed_workload(n_requests, unit=COARSE_UNIT, seed=seed), small_fleet(16, 40.0), policies,
+                   progress=progress)
+
+
+def default_capacity(n_requests: int = 50_000, policies=COMPETITORS, dram_gib=(5, 10, 20, 40, 80),
+                     progress: bool = False, seed: int = 0) -> ScenarioReport:
+    return capacity(mixed_workload(n_requests, unit=COARSE_UNIT, seed=seed), small_fleet(16, 40.0), dram_gib,
+                    policies, progress=progress)
