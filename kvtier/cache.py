@@ -367,7 +367,7 @@ class LocalCache:
                 if admitted == 0:
                     return None
                 end = first + admitted
-            return self._reserve_from(m, root, tokens, end, sightings)
+            return self._reserve_from(m, root, tokens, end, sightings, forced=force)
 
     def commit(self, res: Reservation, num_blocks: int | None = None) -> int:
         """Publish a reservation's blocks to the index. Returns blocks added (blocks
@@ -572,12 +572,15 @@ class LocalCache:
         return self._reserve_from(m, p.root, p.token_ids, p.end_block, p.sightings)
 
     def _reserve_from(self, m: Match, root: KeyRoot, tokens: np.ndarray, end: int,
-                      sightings: int) -> Reservation | None:
+                      sightings: int, forced: bool = False) -> Reservation | None:
+        """Pin the cached prefix, take slots for blocks [cached, end). An admitted
+        store evicts only victims no more frequent than its own sightings; a forced
+        one (warm-up) evicts whatever the policy says."""
         first = m.cached_blocks
         tb = tokens.tobytes()
         parent_hash = m.last_hash() or root.digest()
         parent = self._index.pin(m, touch=False) if first > 0 else None
-        slots = self._allocate(end - first)
+        slots = self._allocate(end - first, None if forced else float(sightings))
         if not slots:
             if parent is not None:
                 self._pool.give_back(self._index.unpin(parent))
@@ -593,12 +596,13 @@ class LocalCache:
         self._reserved_blocks += len(slots)
         return res
 
-    def _allocate(self, n: int) -> list[int]:
+    def _allocate(self, n: int, keep_above: float | None = None) -> list[int]:
         """Up to n slots: free ones first, then evicted ones (evicting only now, so
-        released blocks stay hittable until their memory is needed)."""
+        released blocks stay hittable until their memory is needed). Victims more
+        frequent than `keep_above` are kept (see `PrefixIndex.evict`)."""
         slots = self._pool.take(n)
         if len(slots) < n:
-            freed = self._index.evict(n - len(slots))
+            freed = self._index.evict(n - len(slots), keep_above)
             if freed:
                 self._evictions += len(freed)
                 self._pool.give_back(freed)

@@ -253,13 +253,23 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ eviction
 
-    def evict(self, num_blocks: int) -> list[int]:
+    def evict(self, num_blocks: int, keep_above: float | None = None) -> list[int]:
         """Free up to `num_blocks` blocks from unpinned leaves, lowest score first,
-        each leaf from its tail. Returns the freed slots (fewer if all else is pinned)."""
+        each leaf from its tail. Returns the freed slots (fewer if all else is pinned).
+
+        `keep_above` is TinyLFU's admission duel: eviction stops at the first victim
+        whose decayed hit frequency exceeds it (a newcomer seen twice does not push
+        out a prefix hit ten times recently). Hot (pinned-tier) victims always win.
+        """
         freed: list[int] = []
+        now = self.clock()
         while len(freed) < num_blocks:
             victim = self._pop_victim()
             if victim is None:
+                break
+            if keep_above is not None and (victim.hot or
+                                           self.policy.frequency(victim.freq, now) > keep_above):
+                self._push(victim)
                 break
             freed.extend(self._trim_tail(victim, num_blocks - len(freed)))
         return freed

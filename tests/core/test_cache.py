@@ -123,18 +123,36 @@ def test_min_sightings_is_a_knob():
 
 
 def test_released_blocks_stay_hittable_until_their_slots_are_reused():
-    c = make(blocks=4)
+    clock = Clock()
+    c = make(blocks=4, clock=clock)
     a = np.arange(80, dtype=np.uint32)        # 5 full blocks: 4 fit
     warm(c, ROOT, a[:64])
-    c.release(c.lookup(ROOT, a))
     for _ in range(3):                        # released, no pressure: still hittable
         hit = c.lookup(ROOT, a)
         assert hit.matched_tokens == 64
         c.release(hit)
+    clock.t += 3600                           # an hour unseen: A's frequency has decayed
     b = np.arange(5000, 5064, dtype=np.uint32)
-    warm(c, ROOT, b)                          # needs the slots: now A is reused
+    warm(c, ROOT, b)                          # needs the slots: now A's are reused
     assert c.lookup(ROOT, a).matched_tokens == 0
     assert c.stats().evictions == 4
+
+
+def test_a_newcomer_seen_twice_does_not_evict_a_frequently_hit_prefix():
+    clock = Clock()
+    c = make(blocks=4, clock=clock)
+    a = np.arange(80, dtype=np.uint32)
+    warm(c, ROOT, a[:64])
+    for _ in range(5):
+        c.release(c.lookup(ROOT, a))
+    b = np.arange(5000, 5064, dtype=np.uint32)
+    warm(c, ROOT, b)                          # TinyLFU duel: A (5 recent hits) wins
+    assert c.peek(ROOT, a) == 64
+    assert c.stats().evictions == 0
+    # A warm-up (forced) store is not a guess about a newcomer: it evicts by policy.
+    res = c.reserve(ROOT, b, force=True)
+    assert res.num_blocks == 4 and c.peek(ROOT, a) == 0
+    c.abort(res)
 
 
 def test_pinned_hit_survives_pressure_and_keeps_its_bytes():
