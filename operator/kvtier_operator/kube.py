@@ -4,6 +4,7 @@ in a worker thread; every function here is one request (or a read-then-write).""
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +23,13 @@ class Kube:
 
     @classmethod
     def from_environment(cls) -> "Kube":
+        """In-cluster credentials, else $KUBECONFIG read now (the client library reads
+        it once at import), without touching the library's global default config."""
         try:
             kubernetes.config.load_incluster_config()
+            api = kubernetes.client.ApiClient()
         except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()
-        api = kubernetes.client.ApiClient()
+            api = kubernetes.config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
         return cls(kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api))
 
     def close(self) -> None:

@@ -16,3 +16,12 @@ def kvcp_crd(control_plane) -> str:
     admin.run("apply", "-f", str(CRDS_DIR))
     admin.run("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
     return CRD_NAME
+
+
+@pytest.fixture(scope="session")
+def operator_kubeconfig(control_plane, kvcp_crd):
+    """A kubeconfig for the operator's ServiceAccount, bound to operator/deploy/rbac.yaml."""
+    from operator_harness import DEPLOY, OPERATOR_NAMESPACE, OPERATOR_SA
+
+    Kubectl(control_plane.kubeconfig).apply(DEPLOY / "rbac.yaml")
+    return control_plane.kubeconfig_for_service_account(OPERATOR_NAMESPACE, OPERATOR_SA)
