@@ -12,7 +12,7 @@ RECONNECT_BACKOFF_S), mapping the new sidecar's arena. Bad input from the engine
 (wrong token ids, a destination too small) raises ValueError: that is a caller bug.
 
 Several engine processes (one per TP rank) may share one sidecar: `materialize(...,
-tp, rank)` takes the rank's kv heads (h % tp == rank, as kvtier.layout) of each canonical
+tp, rank)` takes the rank's kv heads (kvtier.layout.shard_for_rank) of each canonical
 block, and `store(..., tp=tp, rank=rank)` writes the rank's heads; the sidecar commits
 the blocks once every rank has written its part.
 """
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.keys import KeyRoot, as_token_array
+from kvtier.layout import shard_for_rank
 
 from .arena import Arena, ArenaError, contiguous_runs
 from .engine_proto import FRAME, EngineOp, FrameError, decode_header, encode, split_body
@@ -208,7 +209,7 @@ class SidecarClient:
         dtype = np.dtype(self.info["dtype"])
         for i, slot in enumerate(hit.blocks):
             block = arena.slot_array(slot).view(dtype).reshape(shape)
-            shard = shard_view(block, tp, rank)
+            shard = shard_for_rank(block, tp, rank)
             out[i * shard_bytes : (i + 1) * shard_bytes] = np.ascontiguousarray(shard).view(np.uint8).reshape(-1)
         return need
 
@@ -260,18 +261,8 @@ class SidecarClient:
             raise ValueError("kv_blocks hold fewer bytes than this rank's shard of the blocks")
         for i, slot in enumerate(slots):
             block = arena.slot_array(slot).view(dtype).reshape(shape)
-            target = shard_view(block, tp, rank)
+            target = shard_for_rank(block, tp, rank)  # a view: writes land in the slot
             target[...] = src[i * shard_bytes : (i + 1) * shard_bytes].view(dtype).reshape(target.shape)
-
-
-def shard_view(block: np.ndarray, tp: int, rank: int) -> np.ndarray:
-    """Rank `rank`'s kv heads (h % tp == rank) of one canonical block
-    [layer][K|V][kv_head][token][head_dim], as a view (writable when the block is).
-    The same selection as kvtier.layout.shard_for_rank, kept as a view so a store can
-    write through it into the arena slot."""
-    if tp < 1 or not 0 <= rank < tp or block.shape[2] % tp:
-        raise ValueError(f"tp={tp} rank={rank} does not divide {block.shape[2]} kv heads")
-    return block[:, :, rank::tp]
 
 
 def _as_bytes(a) -> np.ndarray:

@@ -1,0 +1,243 @@
+"""A fleet on loopback: Redis, N sidecar processes (127.0.0.2, .3, ...) and engine
+processes replaying a multi-tenant workload through them.
+
+`start_sidecar` / `SidecarHandle` are the process helpers the tests use too;
+`run_fleet` is what `kvtier demo --mode fleet` calls:
+
+    report = run_fleet(sidecars=3, engines_per_sidecar=1, tenants=6, requests=300)
+    report["tiers"]  # per-tier hit rates and bytes moved
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .workload import ReplayStats, Request, make_oracle, make_workload, replay
+
+READY_TIMEOUT_S = 30.0
+
+
+@dataclass
+class SidecarHandle:
+    name: str
+    ip: str
+    workdir: Path
+    config: dict
+    proc: subprocess.Popen | None = None
+    ready: dict = field(default_factory=dict)
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / f"{self.name}.yaml"
+
+    @property
+    def ready_path(self) -> Path:
+        return self.workdir / f"{self.name}.ready.json"
+
+    @property
+    def socket(self) -> str:
+        return self.config["engine_socket"]
+
+    @property
+    def http(self) -> str:
+        return "http://" + self.ready["http"]
+
+    @property
+    def peer(self) -> str:
+        return self.ready["peer"]
+
+    def write_config(self) -> None:
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.config))
+        tmp.replace(self.config_path)
+
+    def start(self, timeout_s: float = READY_TIMEOUT_S) -> "SidecarHandle":
+        self.write_config()
+        self.ready_path.unlink(missing_ok=True)
+        log = open(self.workdir / f"{self.name}.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier_sidecar", "--config", str(self.config_path),
+                                      "--ready-file", str(self.ready_path)], stdout=log, stderr=log)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while not self.ready_path.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sidecar {self.name} not ready in {timeout_s}s:\n{self.log_tail()}")
+            time.sleep(0.02)
+        self.ready = json.loads(self.ready_path.read_text())
+        return self
+
+    def log_tail(self, n: int = 30) -> str:
+        path = self.workdir / f"{self.name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL: no deregistration, no cleanup - a crashed pod."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM and wait: the graceful path (deregisters, unlinks the arena)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def get(self, path: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.http + path, timeout=timeout_s) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def post(self, path: str, body: dict | bytes, timeout_s: float = 5.0) -> tuple[int, bytes]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.http + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def stats(self, tenant: str | None = None) -> dict:
+        status, body = self.get("/cache/stats" + (f"?tenant={tenant}" if tenant else ""))
+        assert status == 200, body
+        return json.loads(body)
+
+
+def sidecar_config(name: str, ip: str, workdir: Path, oracle, redis_url: str | None = None,
+                   secret_file: str | None = None, **overrides) -> dict:
+    config = {
+        "pod_name": name, "pod_namespace": "kvtier-fleet", "pod_ip": ip,
+        "http_port": 0, "peer_port": 0, "engine_socket": str(workdir / f"{name}.sock"),
+        "model": dict(oracle.shape), "block_size": oracle.block_size,
+        "dram_capacity_bytes": 64 << 20, "redis_url": redis_url, "peer_secret_file": secret_file,
+        "peer_timeout_s": 1.0, "log_level": "WARNING",
+    }
+    config.update(overrides)
+    return config
+
+
+def start_sidecars(n: int, workdir: Path, oracle, redis_url: str | None, secret_file: str | None = None,
+                   first_ip: int = 2, **overrides) -> list[SidecarHandle]:
+    handles = []
+    try:
+        for i in range(n):
+            ip = f"127.0.0.{first_ip + i}"
+            name = f"sidecar-{i}"
+            h = SidecarHandle(name, ip, workdir, sidecar_config(name, ip, workdir, oracle, redis_url, secret_file, **overrides))
+            handles.append(h.start())
+    except BaseException:
+        for h in handles:
+            h.kill()
+        raise
+    return handles
+
+
+def _replay_entry(args: tuple) -> ReplayStats:
+    socket_path, requests, oracle_kind, block_size, deadline_s = args
+    return replay(socket_path, requests, oracle_kind, block_size, deadline_s=deadline_s)
+
+
+def run_engines(assignments: list[tuple[str, list[Request]]], oracle_kind: str, block_size: int = 16,
+                duration_s: float | None = None) -> list[ReplayStats]:
+    """One engine process per (socket, requests); returns each one's ReplayStats."""
+    ctx = multiprocessing.get_context("spawn")
+    # One BLAS thread per engine: several engines on a few cores otherwise oversubscribe.
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+    with ctx.Pool(len(assignments)) as pool:
+        deadline = None
+        jobs = []
+        for socket_path, reqs in assignments:
+            if duration_s is not None:
+                # Monotonic clocks are per boot, shared by processes: one deadline for all.
+                deadline = time.monotonic() + duration_s
+            jobs.append(pool.apply_async(_replay_entry, ((socket_path, reqs, oracle_kind, block_size, deadline),)))
+        return [j.get() for j in jobs]
+
+
+def split_requests(requests: list[Request], n: int, seed: int = 0) -> list[list[Request]]:
+    """Random routing: each request goes to any replica (the worst case for locality)."""
+    rng = random.Random(seed)
+    parts: list[list[Request]] = [[] for _ in range(n)]
+    for r in requests:
+        parts[rng.randrange(n)].append(r)
+    return parts
+
+
+def run_fleet(sidecars: int = 3, engines_per_sidecar: int = 1, tenants: int = 6, templates: int = 3,
+              requests: int = 240, oracle: str = "reference", seed: int = 0, workdir: str | None = None) -> dict:
+    """Start Redis + `sidecars` sidecars on loopback, replay a workload through them,
+    and report per-tier hit rates and bytes moved. Everything is torn down after."""
+    from kvtier_testenv.redis_fixtures import RedisServer
+
+    ork = make_oracle(oracle)
+    tmp = Path(workdir or tempfile.mkdtemp(prefix="kvtier-fleet-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    secret = tmp / "peer-secret"
+    secret.write_text(os.urandom(16).hex())
+    with RedisServer() as redis:
+        handles = start_sidecars(sidecars, tmp, ork, redis.url, str(secret))
+        try:
+            work = make_workload(tenants, templates, requests, seed=seed, vocab=ork.vocab)
+            parts = split_requests(work, sidecars * engines_per_sidecar, seed)
+            assignments = [(handles[i % sidecars].socket, part) for i, part in enumerate(parts)]
+            t0 = time.monotonic()
+            results = run_engines(assignments, oracle, ork.block_size)
+            elapsed = time.monotonic() - t0
+            per_sidecar = [h.stats() for h in handles]
+        finally:
+            for h in handles:
+                h.stop()
+    total = ReplayStats()
+    for r in results:
+        total.merge(r)
+    return fleet_report(total, per_sidecar, ork.block_bytes, elapsed)
+
+
+def fleet_report(total: ReplayStats, per_sidecar: list[dict], block_bytes: int, elapsed_s: float) -> dict:
+    req = max(1, total.requests)
+    tokens = max(1, total.prompt_tokens)
+    tiers = {}
+    for tier in sorted(set(total.hits) | {"dram", "peer"}):
+        tiers[tier] = {"hit_rate": total.hits.get(tier, 0) / req,
+                       "token_hit_rate": total.hit_tokens.get(tier, 0) / tokens,
+                       "hits": total.hits.get(tier, 0)}
+    return {
+        "requests": total.requests,
+        "hit_rate": sum(total.hits.values()) / req,
+        "token_hit_rate": sum(total.hit_tokens.values()) / tokens,
+        "tiers": tiers,
+        "bytes_materialized": total.bytes_materialized,
+        "bytes_from_peers": sum(s["peer_bytes_fetched"] for s in per_sidecar),
+        "stores": total.stores,
+        "wrong_kv": total.wrong_kv,
+        "errors": total.errors,
+        "error_samples": total.error_samples,
+        "block_bytes": block_bytes,
+        "elapsed_s": elapsed_s,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_fleet(), indent=2))
