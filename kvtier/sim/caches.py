@@ -149,11 +149,7 @@ class KvtierCache:
         self.block_size = block_size
 
     def peek(self, req: SimRequest, root: KeyRoot) -> int:
-        # LocalCache.lookup sights blocks and pins; routing must only look, so this
-        # reads the index's pure match (a public `peek` is requested of core).
-        n_full = len(req.tokens) // self.block_size
-        m = self.cache._index.match(root, req.token_bytes, n_full)
-        return _hit_blocks(m.cached_blocks, len(req.tokens), self.block_size) * self.block_size
+        return self.cache.peek(root, req.tokens)
 
     def serve(self, req: SimRequest, root: KeyRoot, now_s: float) -> int:
         cache = self.cache
@@ -165,7 +161,7 @@ class KvtierCache:
         return matched
 
     def used_blocks(self) -> int:
-        return self.cache._index.num_blocks
+        return self.cache.stats().blocks_used
 
     def evictions(self) -> int:
         return self.cache.stats().evictions

@@ -1,0 +1,30 @@
+"""Scenarios on scaled-down fleets: thrash, rollout, membership."""
+from kvtier.sim import scenarios
+
+
+def test_under_thrash_kvtier_admission_keeps_at_least_twice_lrus_hit_rate():
+    rep = scenarios.default_thrash(6_000)
+    kv, lru = rep.result("kvtier cache"), rep.result("lru cache")
+    assert kv.hit_rate >= 2 * lru.hit_rate
+    assert kv.evictions < lru.evictions  # LRU does the eviction work for nothing
+
+
+def test_a_rolling_rollout_adds_far_less_prefill_than_all_at_once():
+    rep = scenarios.default_rollout(27_000, n_replicas=4)
+    figs = {f.name: f for f in rep.figures}
+    rolling = next(f for name, f in figs.items() if name.startswith("peak excess prefill ratio, gradual, pods 30"))
+    together = figs["peak excess prefill ratio, gradual, pods of a step together / all at once"]
+    assert rolling.value < together.value <= 1.0
+    assert rolling.value <= 0.5
+    events = rep.result("gradual, pods 30 s apart").events
+    assert [e["replicas"] for e in events] == [[0], [1], [2], [3]]  # canary, 10%, 50%, 100% of 4
+
+
+def test_a_join_moves_about_one_in_n_tenants_and_warm_up_softens_the_dip():
+    rep = scenarios.membership(scenarios.design_workload(24_000, n_tenants=100, rate_rps=150.0),
+                               scenarios.small_fleet(8, 40.0), join_at_s=60.0, leave_at_s=120.0)
+    warm, cold = rep.result("kvtier with warm-up"), rep.result("kvtier without warm-up")
+    join = warm.events[0]
+    assert join["kind"] == "join" and 0.15 < join["movement_fraction"] < 0.5
+    assert join["warmed_blocks"] > 0
+    assert warm.hit_rate > cold.hit_rate
