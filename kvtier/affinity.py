@@ -65,7 +65,7 @@ class AffinityTable(BaseModel):
     balance_factor: float = Field(default=DEFAULT_BALANCE_FACTOR, ge=1.0, le=100.0)
     hysteresis: float = Field(default=DEFAULT_HYSTERESIS, ge=0.0, lt=1.0)
 
-    _ranked: tuple[list[str], np.ndarray, np.ndarray] | None = PrivateAttr(default=None)
+    _ranked: tuple[dict, list[str], np.ndarray, np.ndarray] | None = PrivateAttr(default=None)
 
     @field_validator("rendezvous_version")
     @classmethod
@@ -117,14 +117,18 @@ class AffinityTable(BaseModel):
         return cls.model_validate_json(text)
 
     def _member_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray]:
-        if self._ranked is None:
-            names = list(self.members)  # sorted by the validator
-            self._ranked = (
+        # Cached per members dict: `model_copy(update={"members": ...})` brings a new
+        # dict (and skips validation), so the identity check keeps the cache honest.
+        cached = self._ranked
+        if cached is None or cached[0] is not self.members:
+            names = sorted(self.members)
+            cached = self._ranked = (
+                self.members,
                 names,
                 rendezvous.member_hashes(names),
                 np.array([self.members[n] for n in names], dtype=np.float64),
             )
-        return self._ranked
+        return cached[1], cached[2], cached[3]
 
 
 @dataclass(slots=True)

@@ -158,7 +158,7 @@ def _render(r: breakeven.BreakEvenReport) -> str:
         f"{'medium':<14}{'GB/s':>9}{'ratio':>8}  verdict",
     ]
     for m in r.media:
-        eff = f"{m.effective_gbps:.3g}" + ("*" if r.concurrency > 1 else "")
+        eff = f"{m.effective_gbps:,.4g}" + ("*" if r.concurrency > 1 else "")
         lines.append(f"{m.name:<14}{eff:>9}{m.ratio:>7.1f}x  {m.verdict}: {m.reason}")
     if r.concurrency > 1:
         lines.append(f"* bandwidth per fetch with {r.concurrency} concurrent fetches sharing the medium")

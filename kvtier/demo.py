@@ -206,7 +206,7 @@ def render(replay: LocalReplay, reports: dict[str, breakeven.BreakEvenReport]) -
         lines.append(f"break-even, {name}: {rep.kv_bytes_per_token:,} B/token, "
                      f"{rep.prefill_us_per_token:.1f} us/token -> {rep.break_even_gbps:.3g} GB/s")
         for m in rep.media:
-            lines.append(f"  {m.name:<20} {m.gbps:>9.3g} GB/s {m.ratio:>10.1f}x  {m.verdict}")
+            lines.append(f"  {m.name:<20} {m.gbps:>9,.4g} GB/s {m.ratio:>12,.1f}x  {m.verdict}")
     return "\n".join(lines)
 
 

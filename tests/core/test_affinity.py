@@ -142,3 +142,11 @@ def test_home_load_follows_weights():
     assert loads["d"] / loads["a"] == pytest.approx(4.0, rel=0.06)
     assert loads["c"] / loads["b"] == pytest.approx(2.0, rel=0.06)
     assert load_imbalance(a, table) <= 1.05
+
+
+def test_a_copied_table_with_other_members_never_reuses_the_old_members_order():
+    table = AffinityTable(members=fleet(4))
+    table.homes_for("acme")  # fills the per-table cache
+    copied = table.model_copy(update={"members": {"pod-9": 1.0, "pod-8": 1.0}})
+    assert sorted(copied.homes_for("acme")) == ["pod-8", "pod-9"]
+    assert copied.order_for("acme") == AffinityTable(members={"pod-8": 1.0, "pod-9": 1.0}).order_for("acme")
