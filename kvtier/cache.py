@@ -19,6 +19,10 @@ and what the sidecar and the simulator build on:
 * `drain(budget_s)` / `flush()` apply queued stores; `stats(tenant)`;
   `invalidate(predicate_on_root)`; `hottest_prefixes(tenant, max_bytes)` for warm-up.
 
+Admission is TinyLFU-like end to end: a store is admitted from the `min_sightings`-th
+sighting (the bar thrash can raise), and an admitted store evicts only victims whose
+decayed hit frequency does not exceed its own sightings.
+
 Queued stores are applied in small time-bounded slices by whoever calls `store` or
 `drain` (never by a background thread that would hold the GIL against lookups);
 `lookup` never applies stores. The cache is thread-safe (one lock); block copies in
