@@ -66,6 +66,13 @@ class EngineConfig:
     def head_dim(self) -> int:
         return self.d_model // self.q_heads
 
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token (the 2 x params of recompute)."""
+        kv = self.kv_heads * self.head_dim
+        per_layer = self.d_model * (self.d_model + 2 * kv) + self.d_model * self.d_model + 3 * self.d_model * self.ffn
+        return self.layers * per_layer + self.d_model * self.vocab
+
     def kv_shape(self, block_size: int = DEFAULT_BLOCK_SIZE) -> KVShape:
         return KVShape(self.layers, self.kv_heads, self.head_dim, self.dtype, block_size)
 
@@ -127,10 +134,7 @@ class ReferenceEngine:
 
     @property
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token (the 2 x params of recompute)."""
-        c = self.config
-        per_layer = c.d_model * (c.d_model + 2 * c.kv_heads * c.head_dim) + c.d_model * c.d_model + 3 * c.d_model * c.ffn
-        return c.layers * per_layer + c.d_model * c.vocab
+        return self.config.matmul_params
 
     def matmul_shapes(self) -> list[tuple[int, int, int]]:
         """(in, out, times) of each per-token weight matmul, for measuring FLOP/s on these shapes."""
