@@ -7,6 +7,7 @@ that `kvtier breakeven` does not pay for matplotlib or the Kubernetes client.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -37,7 +38,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtier: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except BrokenPipeError:
+        # `kvtier breakeven | head`: the reader left; that is not an error of ours.
+        # Point stdout at devnull so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
