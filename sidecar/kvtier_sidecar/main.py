@@ -159,7 +159,10 @@ class SidecarProcess:
         self.peer_server.set_secret(merged.peer_secret())
         if "log_level" in applicable:
             logs.set_level(merged.log_level)
-        log.info("config reloaded", extra={"applied": sorted(applicable), "needs_restart": restart})
+        log.info("config reloaded", extra={"applied": sorted(applicable)})
+        if restart:
+            log.warning("config fields changed that only a restart applies; running with the old values",
+                        extra={"needs_restart": sorted(restart)})
 
 
 def _shape(c: SidecarConfig) -> tuple:
