@@ -35,6 +35,9 @@ class FastCountMinSketch(CountMinSketch):
         lo = int.from_bytes(h[:8], "little")
         hi = int.from_bytes(h[8:16], "little")
         m = self._width_mask
+        if len(self._offsets) == 4:  # the default depth, unrolled: this is the hot path
+            w = self.width
+            return [lo & m, w + ((lo + hi) & m), 2 * w + ((lo + 2 * hi) & m), 3 * w + ((lo + 3 * hi) & m)]
         return [off + ((lo + i * hi) & m) for i, off in self._offsets]
 
     def _view(self) -> memoryview:

@@ -159,11 +159,15 @@ class Workload:
         return arr
 
 
+_steps = np.zeros(0, dtype=np.uint32)
+
+
 def segment_tokens(segment_id: int, n: int) -> np.ndarray:
     """Deterministic token ids of one segment; distinct ids differ from the first token."""
-    steps = np.arange(n, dtype=np.uint64) * np.uint64(_STEP_MIX)
-    start = np.uint64((segment_id * _SEGMENT_MIX) & _MASK32)
-    return ((steps + start) & np.uint64(_MASK32)).astype(np.uint32)
+    global _steps
+    if len(_steps) < n:  # i * _STEP_MIX mod 2**32, grown on demand and shared
+        _steps = (np.arange(max(n, 2 * len(_steps)), dtype=np.uint64) * np.uint64(_STEP_MIX)).astype(np.uint32)
+    return _steps[:n] + np.uint32((segment_id * _SEGMENT_MIX) & _MASK32)
 
 
 def _segment_id(kind: int, tenant: int, index: int) -> int:
