@@ -10,7 +10,13 @@
   when full it drops its LEAST valuable entry, never simply the newest.
 * `ThrashDetector` watches evictions against stores; when evictions/s exceed
   0.9 x stores/s for a sustained stretch it raises the admission bar. Thrash only ever
-  makes admission stricter, never looser.
+  makes admission stricter, never looser. What counts as an eviction here is a block
+  evicted before it served a single hit since it was stored: a full cache that evicts
+  cold-but-once-useful blocks is working, one that evicts what it just stored is
+  thrashing. Once thrash has been absent for a long calm (`RELAX_AFTER_CALM_WINDOWS`),
+  the bar steps back down by one, never below `min_sightings`: the workload that
+  forced it up has gone, and a bar stuck at its maximum would refuse a healthy cache
+  for good.
 
 Everything here is pure bookkeeping over values and an injected clock.
 """
@@ -46,6 +52,10 @@ burst of evictions (say, after an invalidation) does not tighten admission."""
 MAX_ADMISSION_BAR = 8
 """The bar never rises past this: a prefix seen eight times is worth caching whatever
 the churn."""
+
+RELAX_AFTER_CALM_WINDOWS = 60
+"""A minute of windows without thrash before the bar steps down one notch: far longer
+than the five windows that raise it, so the bar cannot oscillate."""
 
 SKETCH_WIDTH = 1 << 16
 SKETCH_DEPTH = 4
@@ -117,7 +127,7 @@ class ThrashDetector:
     """Evictions vs stores per window; `check` says when to raise the admission bar."""
 
     __slots__ = ("ratio", "window_s", "sustain_windows", "_start", "_stores", "_evictions",
-                 "consecutive", "events", "thrashing")
+                 "consecutive", "events", "thrashing", "calm_windows")
 
     def __init__(self, ratio: float = THRASH_RATIO, window_s: float = THRASH_WINDOW_S,
                  sustain_windows: int = THRASH_SUSTAIN_WINDOWS) -> None:
@@ -130,6 +140,7 @@ class ThrashDetector:
         self.consecutive = 0
         self.events = 0
         self.thrashing = False
+        self.calm_windows = 0  # whole windows since the last one that thrashed
 
     def record(self, now_s: float, stored_blocks: int = 0, evicted_blocks: int = 0) -> bool:
         """Account blocks stored/evicted at `now_s`. Returns True when a sustained
@@ -148,6 +159,9 @@ class ThrashDetector:
             return False
         thrashed = self._evictions > 0 and self._evictions > self.ratio * self._stores
         self.consecutive = self.consecutive + 1 if thrashed else 0
+        # Whole idle windows after the one just closed were calm, whatever it was.
+        windows = max(1, int(elapsed // self.window_s))
+        self.calm_windows = windows - 1 if thrashed else self.calm_windows + windows
         if elapsed >= 2 * self.window_s:
             self.consecutive = 0  # an idle window in between breaks the stretch
         self.thrashing = self.consecutive > 0
@@ -206,9 +220,13 @@ class Admission:
         return n, int(counts[n - 1])
 
     def record(self, now_s: float, stored_blocks: int = 0, evicted_blocks: int = 0) -> None:
-        """Feed the thrash detector; a completed thrash stretch raises the bar by one."""
+        """Feed the thrash detector; a completed thrash stretch raises the bar by one,
+        a long calm lowers it by one (never below `min_sightings`)."""
         if self.thrash.record(now_s, stored_blocks, evicted_blocks) and self.bar < self.max_bar:
             self.bar += 1
+        elif self.thrash.calm_windows >= RELAX_AFTER_CALM_WINDOWS and self.bar > self.min_sightings:
+            self.bar -= 1
+            self.thrash.calm_windows = 0
 
 
 T = TypeVar("T")

@@ -606,12 +606,16 @@ class LocalCache:
         frequent than `keep_above` are kept (see `PrefixIndex.evict`)."""
         slots = self._pool.take(n)
         if len(slots) < n:
+            unused_before = self._index.evicted_unused_blocks
             freed = self._index.evict(n - len(slots), keep_above)
             if freed:
                 self._evictions += len(freed)
                 self._pool.give_back(freed)
                 slots.extend(self._pool.take(n - len(slots)))
-                self._admission.record(self.clock(), evicted_blocks=len(freed))
+                # Thrash is storing what gets evicted before anyone reuses it; evicting
+                # blocks that did serve hits is a full cache doing its job.
+                wasted = self._index.evicted_unused_blocks - unused_before
+                self._admission.record(self.clock(), evicted_blocks=wasted)
         slots.sort()
         return slots
 

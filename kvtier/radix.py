@@ -51,6 +51,7 @@ class Node:
     freq: FrequencyState = field(default_factory=FrequencyState)
     last_access_s: float = 0.0
     hot: bool = False
+    reused: bool = False  # hit at least once since stored: evicting it is not thrash
     alive: bool = True
     version: int = 0
 
@@ -105,6 +106,8 @@ class PrefixIndex:
         self.num_nodes = 0
         self.tenant_blocks: dict[str, int] = {}
         self.tenant_evictions: dict[str, int] = {}
+        # Blocks evicted before any hit since they were stored: the thrash signal.
+        self.evicted_unused_blocks = 0
 
     # ------------------------------------------------------------------ matching
 
@@ -160,6 +163,7 @@ class PrefixIndex:
         while n is not None:
             n.pins += 1
             if touch and n.parent is not None:
+                n.reused = True
                 self.policy.touch(n.freq, now)
                 n.last_access_s = now
                 n.version += 1
@@ -271,7 +275,11 @@ class PrefixIndex:
                                            self.policy.frequency(victim.freq, now) > keep_above):
                 self._push(victim)
                 break
-            freed.extend(self._trim_tail(victim, num_blocks - len(freed)))
+            reused = victim.reused
+            trimmed = self._trim_tail(victim, num_blocks - len(freed))
+            if not reused:
+                self.evicted_unused_blocks += len(trimmed)
+            freed.extend(trimmed)
         return freed
 
     def evictable_order(self) -> Iterator[Node]:
@@ -397,7 +405,7 @@ class PrefixIndex:
         head = Node(node.root, parent, node.tokens[:k * step], node.slots[:k], node.hashes[:k],
                     node.start_block, pins=node.pins,
                     freq=FrequencyState(node.freq.freq, node.freq.t_s),
-                    last_access_s=node.last_access_s, hot=node.hot)
+                    last_access_s=node.last_access_s, hot=node.hot, reused=node.reused)
         parent.children[head.tokens[:step]] = head
         node.tokens = node.tokens[k * step:]
         node.slots = node.slots[k:]

@@ -319,7 +319,7 @@ def test_store_queue_drops_its_least_valuable_entry():
     assert c.lookup(ROOT, np.append(long_, 0)).matched_tokens == 128
 
 
-def test_thrash_raises_the_admission_bar_and_never_lowers_it():
+def test_thrash_raises_the_admission_bar_and_a_short_calm_keeps_it():
     clock = Clock()
     c = make(blocks=8, clock=clock)
     base = 10_000
@@ -342,6 +342,40 @@ def test_thrash_raises_the_admission_bar_and_never_lowers_it():
     c.lookup(ROOT, fresh)
     c.lookup(ROOT, fresh)
     assert c.store(ROOT, fresh, kv(fresh)) is False
+
+
+def test_a_long_calm_steps_the_bar_back_down_one_notch():
+    clock = Clock()
+    c = make(blocks=8, clock=clock)
+    base = 10_000
+    for _ in range(8):
+        for _ in range(6):
+            warm(c, ROOT, np.arange(base, base + 64, dtype=np.uint32))
+            base += 64
+        clock.t += 1.0
+    assert c.stats().admission_bar == 3
+    clock.t += 61.0                   # a minute with no thrash at all
+    warm(c, ROOT, np.arange(base, base + 64, dtype=np.uint32))
+    assert c.stats().admission_bar == 2
+
+
+def test_evicting_blocks_that_served_hits_is_not_thrash():
+    """A full cache whose victims were each reused is doing its job: the bar stays."""
+    clock = Clock()
+    c = make(blocks=8, clock=clock)
+    base = 10_000
+    for _ in range(8):
+        for _ in range(6):
+            t = np.arange(base, base + 64, dtype=np.uint32)
+            base += 64
+            warm(c, ROOT, t)
+            hit = c.lookup(ROOT, t)   # reused once before it is pushed out
+            assert hit.matched_tokens > 0
+            c.release(hit)
+        clock.t += 1.0
+    s = c.stats()
+    assert s.evictions > 0
+    assert s.thrash_events == 0 and s.admission_bar == 2
 
 
 def test_small_hot_prefix_is_promoted_to_the_pinned_tier():
