@@ -1,0 +1,168 @@
+"""The peer protocol in-process: auth, checksums, partial answers, fuzz."""
+import os
+import random
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+from kvtier_sidecar import wire
+from kvtier_sidecar.arena import Arena
+from kvtier_sidecar.dram import DramTier
+from kvtier_sidecar.peer_tcp import PeerServer, TcpTransport
+from kvtier_sidecar.workload import SyntheticOracle
+
+from .proxy import FaultyProxy
+
+ORACLE = SyntheticOracle()
+BB = ORACLE.block_bytes
+
+
+@pytest.fixture()
+def tier():
+    arena = Arena.create(f"kvt-test-{os.getpid()}-{random.randrange(1 << 30)}", 64, BB)
+    t = DramTier(arena, 16, min_sightings=1, kv_heads=2)
+    yield t
+    arena.close()
+
+
+def fill(tier: DramTier, tenant: str, tokens: np.ndarray) -> np.ndarray:
+    root = ORACLE.root(tenant)
+    kv = ORACLE.kv(root, tokens)
+    res = tier.reserve(root, tokens, None, None, admit=False)
+    for i, slot in enumerate(res.slots):
+        tier.slot_array(slot)[:] = kv[(res.first_block + i) * BB:(res.first_block + i + 1) * BB]
+    assert tier.commit(res, len(res.slots)) == len(res.slots)
+    return kv
+
+
+class Sink:
+    def __init__(self, n_max: int = 64) -> None:
+        self.buf = np.zeros(n_max * BB, np.uint8)
+
+    def reserve(self, n: int):
+        return [memoryview(self.buf)[i * BB:(i + 1) * BB] for i in range(n)]
+
+
+def serve(tier, secret=b"s3cret"):
+    return PeerServer(tier, "127.0.0.1", 0, secret, max_concurrency=4, timeout_s=1.0).start()
+
+
+def tokens_of(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 30_000, n).astype(np.uint32)
+
+
+def test_fetch_streams_the_token_matched_prefix_with_verified_runs(tier):
+    toks = tokens_of(160)
+    kv = fill(tier, "a", toks)
+    server = serve(tier)
+    sink = Sink()
+    out = TcpTransport(lambda: b"s3cret").fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=10, skip_blocks=3)
+    assert out.error is None and out.announced_blocks == 7 and out.verified_blocks == 7
+    assert np.array_equal(sink.buf[: 7 * BB], kv[3 * BB: 10 * BB])
+    # Another tenant's root with the same tokens matches nothing.
+    miss = TcpTransport(lambda: b"s3cret").fetch(server.address, ORACLE.root("b"), toks, 16, BB, Sink(), max_blocks=10)
+    assert miss.verified_blocks == 0 and miss.error is None
+    server.close()
+
+
+def test_wrong_secret_gets_nothing(tier):
+    toks = tokens_of(64)
+    fill(tier, "a", toks)
+    server = serve(tier)
+    out = TcpTransport(lambda: b"guess").fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4)
+    assert out.verified_blocks == 0 and out.error
+    assert server.counters["unauthorized"] == 1
+    server.close()
+
+
+def test_flipped_byte_fails_its_run_checksum_and_nothing_after_is_kept(tier, monkeypatch):
+    monkeypatch.setattr(wire, "RUN_CHUNK_BYTES", 2 * BB)  # runs of two blocks
+    toks = tokens_of(160)
+    kv = fill(tier, "a", toks)
+    server = serve(tier)
+    header_bytes = 20 + wire.RESPONSE.size + len(wire.FetchHeader(matched_tokens=160, n_blocks=8, block_bytes=BB).model_dump_json())
+    # Corrupt a byte inside the third run (blocks 4-5).
+    proxy = FaultyProxy(server.address, flip_at=header_bytes + 2 * (wire.RUN.size + 2 * BB) + wire.RUN.size + 100)
+    sink = Sink()
+    out = TcpTransport(lambda: b"s3cret").fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=8)
+    assert out.error == "checksum mismatch" and out.verified_blocks == 4
+    assert np.array_equal(sink.buf[: 4 * BB], kv[: 4 * BB])
+    proxy.close(); server.close()
+
+
+def test_peer_dying_mid_transfer_leaves_a_verified_partial_answer(tier, monkeypatch):
+    monkeypatch.setattr(wire, "RUN_CHUNK_BYTES", 2 * BB)
+    toks = tokens_of(160)
+    kv = fill(tier, "a", toks)
+    server = serve(tier)
+    proxy = FaultyProxy(server.address, cut_at=20 + 200 + 3 * (wire.RUN.size + 2 * BB))
+    sink = Sink()
+    out = TcpTransport(lambda: b"s3cret").fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=9)
+    assert out.error and 0 < out.verified_blocks < 9 and out.verified_blocks % 2 == 0
+    assert np.array_equal(sink.buf[: out.verified_blocks * BB], kv[: out.verified_blocks * BB])
+    proxy.close(); server.close()
+
+
+def test_stalled_peer_times_out_into_a_miss():
+    silent = socket.create_server(("127.0.0.1", 0))
+    addr = "%s:%d" % silent.getsockname()[:2]
+    t = TcpTransport(lambda: b"", connect_timeout_s=0.2, timeout_s=0.3)
+    import time
+    t0 = time.monotonic()
+    out = t.fetch(addr, ORACLE.root("a"), tokens_of(64), 16, BB, Sink(), max_blocks=4)
+    assert out.verified_blocks == 0 and out.error and time.monotonic() - t0 < 2
+    silent.close()
+
+
+def test_partial_commit_publishes_only_the_verified_blocks(tier):
+    toks = tokens_of(96)
+    root = ORACLE.root("a")
+    kv = ORACLE.kv(root, toks)
+    res = tier.reserve(root, toks, 0, 6, admit=False)
+    for i, slot in enumerate(res.slots):
+        tier.slot_array(slot)[:] = kv[i * BB:(i + 1) * BB] if i < 2 else 0xEE  # blocks 2.. are junk
+    assert tier.commit(res, 2) == 2
+    hit = tier.lookup(root, toks)
+    assert hit.matched_tokens == 32
+    got = np.concatenate([tier.slot_array(s) for s in hit.slots])
+    assert np.array_equal(got, kv[: 2 * BB])
+    tier.release(hit.handle)
+
+
+def test_peer_protocol_fuzz_server_keeps_serving(tier):
+    toks = tokens_of(64)
+    kv = fill(tier, "a", toks)
+    server = serve(tier, secret=b"")
+    rng = random.Random(3)
+    host, port = server.address.split(":")
+    for i in range(2000):
+        s = socket.create_connection((host, int(port)), timeout=1)
+        try:
+            hello = s.recv(20)
+            assert hello[:4] == wire.HELLO_MAGIC
+            kind = i % 4
+            if kind == 0:
+                s.sendall(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 80))))
+            else:
+                s.sendall(wire.auth_tag(b"", hello[4:]))
+                if kind == 1:
+                    s.sendall(wire.REQUEST.pack(wire.REQUEST_MAGIC, rng.randrange(256), rng.randrange(1 << 32)))
+                elif kind == 2:
+                    body = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))
+                    s.sendall(wire.encode_request(wire.Op.FETCH, struct.pack("<I", len(body)) + body))
+                else:
+                    s.sendall(wire.encode_request(wire.Op(rng.choice([1, 2])), b'{"root": 1}' + os.urandom(rng.randrange(8))))
+            s.settimeout(1.0)
+            try:
+                s.shutdown(socket.SHUT_WR)  # the server sees the end of our garbage at once
+                s.recv(100)
+            except OSError:
+                pass
+        finally:
+            s.close()
+    sink = Sink()
+    out = TcpTransport(lambda: b"").fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=4)
+    assert out.verified_blocks == 4 and np.array_equal(sink.buf[: 4 * BB], kv[: 4 * BB])
+    server.close()
