@@ -132,6 +132,8 @@ async def reconcile_membership(
     if new_epoch or (old_status.epoch or 0) < table.epoch:
         event("Normal", "EpochChanged", _epoch_message(table, plan, len(tenants)))
     state.last_members = members
+    log.info("membership of %s/%s reconciled: epoch %d, %d members, new epoch: %s",
+             namespace, name, table.epoch, len(members), new_epoch)
 
 
 async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table) -> None:

@@ -4,6 +4,10 @@ node agent), membership epochs with warm-up before publication, and restarts."""
 from __future__ import annotations
 
 import json
+import logging
+import re
+import threading
+import time
 import tempfile
 from pathlib import Path
 
@@ -119,3 +123,168 @@ def test_inject(operator, kubectl, node_agent_factory):
     status = wait_for("membership of llm-0", lambda: (s := status_of(kubectl, "tiny")).get("memberCount") == 1 and s)
     assert status["epoch"] >= 1 and status["phase"] == "Ready"
     assert list(affinity_table(kubectl, "tiny").members) == ["llm-0"]
+
+
+STANDIN = Path(__file__).resolve().parent / "recording_sidecar.py"
+TENANTS = [f"tenant-{i:04d}" for i in range(200)]
+HOMES = 2
+
+
+def standin_pod(name: str, record_dir: Path, warm_s: float = 0.3) -> dict:
+    """A pod whose `kvtier-sidecar` is the recording stand-in (so the webhook leaves it be)."""
+    field = lambda path: {"valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "standin"}},
+        "spec": {"containers": [{
+            "name": "kvtier-sidecar", "image": "standin:1",
+            "command": ["python", str(STANDIN), "--tenants", str(len(TENANTS)),
+                        "--record-dir", str(record_dir), "--warm-s", str(warm_s)],
+            "env": [{"name": "POD_NAME", **field("metadata.name")}, {"name": "POD_IP", **field("status.podIP")}],
+            "readinessProbe": {"httpGet": {"path": "/readyz", "port": 8081}, "periodSeconds": 1},
+        }]},
+    }
+
+
+class EpochWatcher:
+    """Records when each published epoch is first seen (polling the ConfigMap)."""
+
+    def __init__(self, kubectl: Kubectl, name: str):
+        self.kubectl, self.name, self.first_seen = kubectl, name, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            table = affinity_table(self.kubectl, self.name)
+            if table is not None:
+                self.first_seen.setdefault(table.epoch, time.time())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def wait_table(kubectl: Kubectl, name: str, members: int, epoch: int | None = None) -> AffinityTable:
+    def probe():
+        t = affinity_table(kubectl, name)
+        ok = t is not None and len(t.members) == members and (epoch is None or t.epoch == epoch)
+        return t if ok else None
+    return wait_for(f"affinity table with {members} members (epoch {epoch})", probe, timeout_s=60)
+
+
+def homes(table: AffinityTable) -> dict[str, list[str]]:
+    return {t: table.homes_for(t) for t in TENANTS}
+
+
+def ip_of(kubectl: Kubectl, pod: str) -> str:
+    return kubectl.get_json("pod", pod)["status"]["podIP"]
+
+
+def test_epochs(operator, kubectl, node_agent_factory, tmp_path):
+    """Join and leave through the node agent: one new epoch each; on a join about
+    k/(n+1) of tenants gain the newcomer and nothing else moves; on a leave only the
+    departed pod's tenants move; warm-ups finish on the new homes before the epoch is
+    published; home load stays within balanceFactor x the mean."""
+    agent = node_agent_factory(workdir=short_workdir())
+    records = tmp_path / "records"
+    records.mkdir()
+    kubectl.apply(tiny_policy("fleet", "standin", affinity={"homes": HOMES, "warmTimeout": "20s"}))
+    for i in range(3):
+        kubectl.apply(standin_pod(f"s{i}", records))
+    agent.wait_ready(3, selector="app=standin")
+    t0 = wait_table(kubectl, "fleet", 3)
+    watcher = EpochWatcher(kubectl, "fleet")
+    try:
+        # Join.
+        joined_at = time.time()
+        kubectl.apply(standin_pod("s3", records))
+        agent.wait_ready(4, selector="app=standin")
+        t1 = wait_table(kubectl, "fleet", 4, epoch=t0.epoch + 1)
+        before, after = homes(t0), homes(t1)
+        moved = {t for t in TENANTS if before[t] != after[t]}
+        assert moved == {t for t in TENANTS if "s3" in after[t]}
+        assert all(set(after[t]) - set(before[t]) == {"s3"} for t in moved)
+        assert abs(len(moved) / len(TENANTS) - HOMES / 4) < 0.12, len(moved)
+        status = wait_for("status of epoch 1", lambda: (s := status_of(kubectl, "fleet")).get("epoch") == t1.epoch and s)
+        assert status["movedTenants"] == len(moved) and status["knownTenants"] == len(TENANTS)
+        warms = [r for r in read_records(records) if r["arrived"] >= joined_at]
+        assert {r["tenant"] for r in warms} == moved and {r["pod"] for r in warms} == {"s3"}
+        old_home_ips = {t: {ip_of(kubectl, m) for m in before[t]} for t in moved}
+        assert all(r["from_peer"].rsplit(":", 1)[0] in old_home_ips[r["tenant"]] for r in warms)
+        wait_for("epoch seen", lambda: t1.epoch in watcher.first_seen)
+        assert max(r["done"] for r in warms) < watcher.first_seen[t1.epoch]
+        loads = [sum(m in h for h in after.values()) for m in t1.members]
+        assert max(loads) <= 1.25 * (len(TENANTS) * HOMES / len(t1.members)), loads
+
+        # Leave.
+        left_at = time.time()
+        kubectl.delete("pod", "s1")
+        t2 = wait_table(kubectl, "fleet", 3, epoch=t1.epoch + 1)
+        after2 = homes(t2)
+        moved2 = {t for t in TENANTS if after[t] != after2[t]}
+        assert moved2 == {t for t in TENANTS if "s1" in after[t]}
+        warms2 = [r for r in read_records(records) if r["arrived"] >= left_at]
+        assert {(r["tenant"], r["pod"]) for r in warms2} == {
+            (t, m) for t in moved2 for m in set(after2[t]) - set(after[t])}
+        wait_for("epoch seen", lambda: t2.epoch in watcher.first_seen)
+        assert max(r["done"] for r in warms2) < watcher.first_seen[t2.epoch]
+    finally:
+        watcher.stop()
+    posted = wait_for("the leave's Event", lambda: t2.epoch in epochs_in_events(kubectl, "fleet")
+                      and events(kubectl, "fleet", "EpochChanged"))
+    numbers = epochs_in_events(kubectl, "fleet")
+    assert len(numbers) == len(set(numbers)) and {t1.epoch, t2.epoch} <= set(numbers)  # one Event per epoch
+    assert any("joined s3" in e["message"] for e in posted) and any("left s1" in e["message"] for e in posted)
+
+
+def epochs_in_events(kubectl: Kubectl, name: str) -> list[int]:
+    return [int(re.match(r"epoch (\d+):", e["message"]).group(1)) for e in events(kubectl, name, "EpochChanged")
+            for _ in range(e.get("count", 1))]
+
+
+def test_restart(operator, kubectl, node_agent_factory, tmp_path, caplog):
+    """Killed, the operator misses a join; restarted, it publishes exactly one epoch,
+    one Event and one warm-up per moved tenant; restarted again with nothing changed,
+    it writes nothing at all."""
+    caplog.set_level(logging.INFO, logger="kvtier.operator")
+    agent = node_agent_factory(workdir=short_workdir())
+    records = tmp_path / "records"
+    records.mkdir()
+    kubectl.apply(tiny_policy("fleet", "standin", affinity={"homes": HOMES}))
+    for i in range(3):
+        kubectl.apply(standin_pod(f"s{i}", records))
+    agent.wait_ready(3, selector="app=standin")
+    t0 = wait_table(kubectl, "fleet", 3)
+    wait_for("status epoch", lambda: status_of(kubectl, "fleet").get("epoch") == t0.epoch)
+
+    operator.stop()
+    kubectl.apply(standin_pod("s3", records))
+    agent.wait_ready(4, selector="app=standin")
+    joined_at = time.time()
+    operator.start()
+    t1 = wait_table(kubectl, "fleet", 4, epoch=t0.epoch + 1)
+    wait_for("status epoch", lambda: status_of(kubectl, "fleet").get("epoch") == t1.epoch)
+    moved = {t for t in TENANTS if t0.homes_for(t) != t1.homes_for(t)}
+    warms = [r for r in read_records(records) if r["arrived"] >= joined_at]
+    assert sorted(r["tenant"] for r in warms) == sorted(moved)  # each exactly once
+    wait_for("the Event of the missed join", lambda: t1.epoch in epochs_in_events(kubectl, "fleet"))
+    numbers = epochs_in_events(kubectl, "fleet")
+    assert len(numbers) == len(set(numbers))
+    n_events = len(numbers)
+
+    def versions() -> tuple:
+        return tuple(kubectl.get_json(*what)["metadata"]["resourceVersion"] for what in (
+            ("configmap", names.affinity_config_map("fleet")), ("configmap", names.sidecar_config_map("fleet")),
+            ("kvcp", "fleet")))
+
+    quiet = versions()
+    operator.stop()
+    caplog.clear()
+    operator.start()
+    wait_for("a resumed membership pass", lambda: any(
+        "membership of" in r.getMessage() and "new epoch: False" in r.getMessage() for r in caplog.records))
+    assert versions() == quiet
+    assert affinity_table(kubectl, "fleet").epoch == t1.epoch
+    assert len(epochs_in_events(kubectl, "fleet")) == n_events
+    assert [r for r in read_records(records) if r["arrived"] >= joined_at] == warms
