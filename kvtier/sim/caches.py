@@ -156,8 +156,8 @@ class KvtierCache:
         hit = cache.lookup(root, req.tokens)
         matched = hit.matched_tokens
         cache.release(hit)
-        cache.store(root, req.tokens, None)
-        cache.flush()
+        if cache.store(root, req.tokens, None):
+            cache.flush()
         return matched
 
     def used_blocks(self) -> int:

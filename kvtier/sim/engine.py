@@ -96,6 +96,7 @@ class SimResult:
     spill_rate: float
     evictions: int
     wall_s: float
+    cpu_s: float
     sim_s: float
     block_tokens: int
     token_unit: int
@@ -171,7 +172,7 @@ class Simulation:
         next_event_s = events[0].time_s if events else float("inf")
         version = fleet.version
         bar = tqdm(total=n, disable=not cfg.progress, unit="req", mininterval=0.5, desc=self.label)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for i in range(n):
             now = times[i]
             self.now_s = now
@@ -197,8 +198,8 @@ class Simulation:
                 bar.update(_PROGRESS_EVERY)
         bar.update(n - bar.n)
         bar.close()
-        wall = time.perf_counter() - t0
-        return self._result(np.asarray(prompt_tokens, dtype=np.int64), matched_col, replica_col, ttft_col, wall)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return self._result(np.asarray(prompt_tokens, dtype=np.int64), matched_col, replica_col, ttft_col, wall, cpu)
 
     # ------------------------------------------------------------------ scenario events
 
@@ -248,7 +249,7 @@ class Simulation:
 
     # ------------------------------------------------------------------ summary
 
-    def _result(self, prompt, matched, replica, ttft, wall) -> SimResult:
+    def _result(self, prompt, matched, replica, ttft, wall, cpu) -> SimResult:
         cfg, fleet, w = self.cfg, self.fleet, self.workload
         n = len(prompt)
         tps = cfg.fleet.prefill_tokens_per_s
@@ -277,7 +278,7 @@ class Simulation:
             ttft_p50_s=float(np.percentile(ttft, 50)) if n else 0.0,
             ttft_p99_s=float(np.percentile(ttft, 99)) if n else 0.0,
             spill_rate=spilled / n if n and isinstance(self.policy, KvtierPolicy) else 0.0,
-            evictions=int(evictions), wall_s=wall, sim_s=float(t[-1]) if n else 0.0,
+            evictions=int(evictions), wall_s=wall, cpu_s=cpu, sim_s=float(t[-1]) if n else 0.0,
             block_tokens=cfg.block_tokens, token_unit=cfg.workload.token_unit, bucket_s=cfg.bucket_s,
             series_t_s=[float(x) for x in np.arange(nb) * cfg.bucket_s],
             series_hit_rate=[float(x) for x in series_hit],

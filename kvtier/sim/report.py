@@ -15,7 +15,7 @@ _COLUMNS = (
     ("TTFT p99", "{:>10}", lambda r: _ms(r.ttft_p99_s)),
     ("spill", "{:>6}", lambda r: f"{r.spill_rate:.3f}"),
     ("evictions", "{:>11}", lambda r: f"{r.evictions:,}"),
-    ("wall", "{:>7}", lambda r: f"{r.wall_s:.1f}s"),
+    ("cpu", "{:>7}", lambda r: f"{r.cpu_s:.1f}s"),
 )
 
 
