@@ -1,0 +1,137 @@
+"""Several sidecar processes on loopback, engine processes replaying a multi-tenant
+workload, and the faults: Redis and peers SIGKILLed mid-run, bytes corrupted on the
+wire, a stalled peer. Every hit is checked against a recompute: zero wrong KV, zero
+errors on the request path."""
+import threading
+import time
+
+import numpy as np
+import redis as redis_sync
+
+from kvtier.keys import block_hashes
+from kvtier_sidecar.client import Hit, Miss, SidecarClient
+from kvtier_sidecar.fleet import run_engines, split_requests
+from kvtier_sidecar.workload import make_workload
+
+from .proxy import FaultyProxy
+from .test_sidecar_process import poll, prompt, seed_cache
+
+BB = 8192
+
+
+def test_a_miss_on_one_sidecar_is_served_by_the_peer_that_stored_it(spawn, oracle, redis_url, secret_file):
+    a = spawn("a", "127.0.0.2", redis_url, secret_file)
+    b = spawn("b", "127.0.0.3", redis_url, secret_file)
+    ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
+    root, tokens = oracle.root("acme"), prompt(200)
+    seed_cache(ca, oracle, "acme", tokens)
+    r = redis_sync.Redis.from_url(redis_url)
+    last = block_hashes(root, tokens, 16)[-1].hex()
+    poll(lambda: r.hexists(f"kvt:{{{root.digest().hex()}}}:{last}", a.peer))
+    hit = cb.lookup(root, tokens)
+    assert isinstance(hit, Hit) and hit.tier == "peer" and hit.matched_tokens == 192
+    dst = np.zeros(12 * BB, np.uint8)
+    cb.materialize(hit, dst)
+    assert np.array_equal(dst, oracle.kv(root, tokens)[: 12 * BB])
+    cb.release(hit)
+    again = cb.lookup(root, tokens)
+    assert again.tier == "dram" and again.matched_tokens == 192
+    stats = b.stats("acme")
+    assert stats["hits_by_tier"] == {"dram": 1, "peer": 1} and stats["peer_bytes_fetched"] == 12 * BB
+
+
+def test_warm_pulls_a_tenants_hot_prefixes_from_a_peer(spawn, oracle, redis_url, secret_file):
+    a = spawn("a", "127.0.0.2", redis_url, secret_file)
+    b = spawn("b", "127.0.0.3", None, secret_file)  # no index: only the warm-up can fill it
+    ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
+    prompts = [prompt(100, seed=s) for s in range(3)]
+    for p in prompts:
+        seed_cache(ca, oracle, "moved", p)
+    seed_cache(ca, oracle, "stays", prompt(100, seed=9))
+    status, body = b.post("/cache/warm", {"tenant": "moved", "from_peer": a.peer, "max_bytes": 1 << 20})
+    assert status == 202, body
+    poll(lambda: b.stats()["cache"]["blocks_used"] >= 18)
+    for p in prompts:
+        hit = cb.lookup(oracle.root("moved"), p)
+        assert hit.matched_tokens == 96
+        dst = np.zeros(6 * BB, np.uint8)
+        cb.materialize(hit, dst)
+        assert np.array_equal(dst, oracle.kv(oracle.root("moved"), p)[: 6 * BB])
+    assert isinstance(cb.lookup(oracle.root("stays"), prompt(100, seed=9)), Miss)
+
+
+def test_corrupted_peer_bytes_are_never_served(spawn, oracle, redis_url, secret_file, tmp_path):
+    a = spawn("a", "127.0.0.2", redis_url, secret_file)
+    proxy = FaultyProxy(a.ready["peer_bound"], flip_at=4000)
+    # `a` advertises the proxy: every peer fetch from it crosses the corrupting wire.
+    a.stop()
+    a.config["peer_advertise"] = proxy.address
+    a.config["peer_port"] = int(a.ready["peer_bound"].split(":")[1])
+    a.start()
+    b = spawn("b", "127.0.0.3", redis_url, secret_file)
+    ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
+    root, tokens = oracle.root("t"), prompt(120)
+    seed_cache(ca, oracle, "t", tokens)
+    poll(lambda: _registered(redis_url, root, tokens, proxy.address))
+    hit = cb.lookup(root, tokens)
+    assert isinstance(hit, Miss)
+    assert proxy.connections >= 1
+    assert b.stats()["sidecar"]["peer_checksum_mismatches"] >= 1
+    proxy.close()
+
+
+def _registered(redis_url, root, tokens, host) -> bool:
+    r = redis_sync.Redis.from_url(redis_url)
+    last = block_hashes(root, tokens, 16)[-1].hex()
+    return bool(r.hexists(f"kvt:{{{root.digest().hex()}}}:{last}", host))
+
+
+def test_stalled_peer_costs_a_timeout_and_a_miss_never_an_error(spawn, oracle, redis_url, secret_file):
+    import socket
+
+    silent = socket.create_server(("127.0.0.4", 0))
+    stalled = "%s:%d" % silent.getsockname()[:2]
+    root, tokens = oracle.root("t"), prompt(120)
+    r = redis_sync.Redis.from_url(redis_url)
+    r.zadd("kvt:members", {stalled: time.time() + 3600})
+    for h in block_hashes(root, tokens, 16):
+        r.hset(f"kvt:{{{root.digest().hex()}}}:{h.hex()}", stalled, int(time.time()) + 600)
+    b = spawn("b", "127.0.0.3", redis_url, secret_file, peer_timeout_s=0.3)
+    cb = SidecarClient(b.socket)
+    t0 = time.monotonic()
+    assert isinstance(cb.lookup(root, tokens), Miss)
+    assert time.monotonic() - t0 < 3.0
+    assert b.stats()["sidecar"]["peer_fetch_errors"] >= 1
+    silent.close()
+
+
+def test_fleet_under_redis_and_peer_sigkill_serves_zero_wrong_kv(spawn, oracle, redis_server_fn, secret_file):
+    handles = [spawn(f"s{i}", f"127.0.0.{2 + i}", redis_server_fn.url, secret_file) for i in range(3)]
+    work = make_workload(tenants=5, templates=3, requests=400, seed=11)
+    parts = split_requests(work, 3, seed=11)
+    assignments = [(handles[i].socket, parts[i]) for i in range(3)]
+    faults: list[str] = []
+
+    def chaos():
+        time.sleep(2.0)
+        redis_server_fn.kill(); faults.append("redis killed")
+        time.sleep(1.5)
+        redis_server_fn.start(); faults.append("redis back")
+        time.sleep(1.0)
+        handles[2].kill(); faults.append("peer s2 killed")
+        time.sleep(1.0)
+        handles[2].start(); faults.append("peer s2 back")
+    t = threading.Thread(target=chaos)
+    t.start()
+    results = run_engines(assignments, "synthetic", duration_s=8.0)
+    t.join()
+    assert faults == ["redis killed", "redis back", "peer s2 killed", "peer s2 back"]
+    total = results[0]
+    for r in results[1:]:
+        total.merge(r)
+    assert total.errors == 0, total.error_samples
+    assert total.wrong_kv == 0
+    assert total.requests > 200
+    assert total.hits.get("dram", 0) > 0 and total.hits.get("peer", 0) > 0, total.hits
+    # The survivors noticed the faults and kept serving.
+    assert handles[0].proc.poll() is None and handles[1].proc.poll() is None
