@@ -29,7 +29,8 @@ NOTES = Path(__file__).resolve().parent / "notes" / "sim-policies.md"
 
 def run(quick: bool = False) -> list[Result]:
     n = 100_000 if quick else FULL_REQUESTS
-    design = scenarios.design_notes(n)
+    # Quick: 400 tenants (DRAM scaled to keep ~11% coverage) so 100k requests reach steady state.
+    design = scenarios.design_notes(n, n_tenants=400 if quick else 2_000)
     thrash = scenarios.default_thrash(10_000 if quick else 40_000)
     rollout = scenarios.default_rollout(27_000, n_replicas=4) if quick else scenarios.default_rollout()
     compare = scenarios.default_compare(20_000 if quick else 60_000)
@@ -37,7 +38,7 @@ def run(quick: bool = False) -> list[Result]:
     by = {r.label: r for r in design.results}
     kv, rnd, orc = by["kvtier"], by["random"], by["oracle"]
     arith = design.params
-    size = f"{n:,} requests" + (" (quick)" if quick else "")
+    size = f"{n:,} requests" + (f" (quick: {design.params['scaled']})" if quick else "")
     wall_target = FULL_WALL_S * n / FULL_REQUESTS
     out = [
         Result("design notes: kvtier hit rate vs oracle", kv.hit_rate, "token hit rate", ORACLE_FRACTION,
