@@ -164,6 +164,7 @@ class Simulation:
         tpl_elems = w.template_elems[w.tenant, w.template].tolist()
         prompt_tokens = (w.prompt_elems() * unit).tolist()
         names = roots.tenant_names
+        build_tokens = w.token_builder()
         replica_col = np.empty(n, dtype=np.int32)
         matched_col = np.empty(n, dtype=np.int64)
         ttft_col = np.empty(n, dtype=np.float64)
@@ -182,7 +183,7 @@ class Simulation:
                 next_event_s = events[0].time_s if events else float("inf")
             fleet.advance(now)
             tenant = tenants[i]
-            tokens = w.tokens(i)
+            tokens = build_tokens(i)
             req.index, req.time_s, req.tenant, req.tenant_name = i, now, tenant, names[tenant]
             req.session, req.template_key, req.template_elems = sessions[i], tpl_key[i], tpl_elems[i]
             req.tokens, req.token_bytes = tokens, tokens.tobytes()

@@ -53,8 +53,10 @@ class FastCountMinSketch(CountMinSketch):
         if not hashes:
             return
         flat = self._view()
-        # One increment per distinct counter, as numpy's fancy-index += does.
-        for c in {c for h in hashes for c in self._cells(h)}:
+        # One increment per distinct counter, as numpy's fancy-index += does (one
+        # hash never repeats a counter: each row has its own range of positions).
+        cells = self._cells(hashes[0]) if len(hashes) == 1 else {c for h in hashes for c in self._cells(h)}
+        for c in cells:
             flat[c] = (flat[c] + 1) & 0xFFFFFFFF
         self.additions += len(hashes)
         if self.additions >= self.sample_size:

@@ -127,6 +127,25 @@ class Workload:
         lengths[has_doc] += self.doc_elems[self.tenant[has_doc], self.doc[has_doc]]
         return lengths + self.session_elems + self.query_elems
 
+    def token_builder(self):
+        """A fast `tokens(i)` for the event loop: the columns as Python lists, read once."""
+        tenant, template, doc = self.tenant.tolist(), self.template.tolist(), self.doc.tolist()
+        session, session_elems, query_elems = self.session.tolist(), self.session_elems.tolist(), self.query_elems.tolist()
+        template_tokens, doc_tokens, concat = self._template_tokens, self._doc_tokens, np.concatenate
+
+        def build(i: int) -> np.ndarray:
+            t = tenant[i]
+            parts = [template_tokens(t, template[i])]
+            if doc[i] >= 0:
+                parts.append(doc_tokens(t, doc[i]))
+            if session_elems[i]:
+                parts.append(segment_tokens(_segment_id(2, t, session[i]), session_elems[i]))
+            if query_elems[i]:
+                parts.append(segment_tokens(_segment_id(3, 0, i), query_elems[i]))
+            return concat(parts)
+
+        return build
+
     def tokens(self, i: int) -> np.ndarray:
         """The prompt of request `i` as uint32 token elements."""
         tenant, template = int(self.tenant[i]), int(self.template[i])
