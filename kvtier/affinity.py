@@ -1,23 +1,30 @@
 """The affinity table and the planner that moves tenants when membership changes.
 
 The table is what the operator publishes (ConfigMap, Redis) and routers read: an
-epoch, the members with their weights, k, and the spill knobs. It carries no
-per-tenant list, because every reader recomputes a tenant's homes with weighted
-rendezvous hashing (`kvtier.rendezvous`), which makes it a few hundred bytes per
-hundred members.
+epoch, the members with their weights, k, the spill knobs, and `homeOverrides`.
+Every reader recomputes a tenant's homes with weighted rendezvous hashing
+(`kvtier.rendezvous`); the overrides list exactly the known tenants whose homes
+differ from plain rendezvous because plain rendezvous would put a member above
+balanceFactor x its fair share of homes (bounded loads, see
+`rendezvous.bounded_top_k`). Routers cannot recompute that without the tenant
+list, so the operator ships it: ~100 entries for 20,000 tenants on 1,000 pods.
+Tenants the planner did not know about use plain rendezvous until the next plan.
 
 The planner compares two tables over the tenants the operator knows about and
 says which tenants moved, so the operator can warm each moved tenant's hot
-prefixes on its new homes before publishing the new epoch. It is incremental:
+prefixes on its new homes before publishing the new epoch. The expensive part,
+each tenant's rendezvous order over ~1,000 members, is kept incremental:
 
-    join    -> score only the newcomer per tenant; a tenant moves iff the
-               newcomer beats its current k-th score (about k/(n+1) of them)
-    leave   -> recompute only the tenants the departed member was home to
+    join    -> score only the newcomer per tenant; a tenant's order changes iff
+               the newcomer beats the last member of its ranked prefix
+    leave   -> re-rank only the tenants whose ranked prefix held the departed member
     reweigh -> both of the above, for that member
 
-The `Assignment` a plan returns is the state to pass to the next plan; without
-one the planner recomputes the old assignment from scratch (still correct,
-just slower).
+then the bounded assignment is re-solved over the ranked prefixes (~20 ms for
+20,000 tenants). A join still moves about k/(n+1) of tenants and a leave the
+departed member's tenants, plus the few the caps displace (bench_affinity
+measures how many). The `Assignment` a plan returns is the state to pass to the
+next plan; without one the planner re-ranks from scratch (still correct, slower).
 """
 from __future__ import annotations
 
@@ -45,14 +52,19 @@ DEFAULT_BALANCE_FACTOR = 1.25
 # A spilled tenant returns only once its home is this far below the spill
 # thresholds, so a home hovering at the threshold does not flap tenants.
 DEFAULT_HYSTERESIS = 0.05
+# Members ranked per tenant past its k homes: a tenant the caps turn away takes
+# the next one, and five spare ranks cover almost every chain; deeper ranks are
+# computed on demand, so this is a speed knob, never a correctness one.
+CANDIDATE_SLACK = 5
 
 
 class AffinityTable(BaseModel):
-    """One epoch of tenant affinity: members, weights, k homes and spill knobs.
+    """One epoch of tenant affinity: members, weights, k homes, spill knobs, overrides.
 
     Serialised with camelCase keys (`spillOccupancy`, `balanceFactor`), the same
     spelling as the KVCachePolicy spec. Immutable: a change is a new table with a
-    new epoch, made by `plan_membership_change`.
+    new epoch, made by `plan_membership_change`. Invariant: every override names
+    min(k, members) distinct members of this table.
     """
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, alias_generator=to_camel, extra="forbid")
@@ -64,6 +76,10 @@ class AffinityTable(BaseModel):
     spill_occupancy: float = Field(default=DEFAULT_SPILL_OCCUPANCY, gt=0.0, le=1.0)
     balance_factor: float = Field(default=DEFAULT_BALANCE_FACTOR, ge=1.0, le=100.0)
     hysteresis: float = Field(default=DEFAULT_HYSTERESIS, ge=0.0, lt=1.0)
+    home_overrides: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="tenant -> its homes, best first, only where they differ from plain rendezvous (bounded loads)",
+    )
 
     _ranked: tuple[dict, list[str], np.ndarray, np.ndarray] | None = PrivateAttr(default=None)
 
@@ -96,18 +112,44 @@ class AffinityTable(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _overrides_name_members(self) -> AffinityTable:
+        want = min(self.homes, len(self.members))
+        for tenant, homes in self.home_overrides.items():
+            if not tenant:
+                raise ValueError("homeOverrides: tenant names must be non-empty")
+            if len(homes) != want or len(set(homes)) != want or not set(homes) <= self.members.keys():
+                raise ValueError(
+                    f"homeOverrides[{tenant!r}] = {homes}: must name {want} distinct members of this table"
+                )
+        return self
+
     def order_for(self, tenant: str) -> list[str]:
-        """Every member in the tenant's rendezvous order: its homes, then its spill path."""
+        """Every member in the tenant's order: its homes, then its spill path (rendezvous order)."""
         names, hashes, weights = self._member_arrays()
         if not names:
             return []
         t = np.array([rendezvous.tenant_hash(tenant)], dtype=np.uint64)
         scores = rendezvous.score_matrix(t, hashes, weights)[0]
-        return [names[i] for i in np.argsort(-scores, kind="stable")]
+        order = [names[i] for i in np.argsort(-scores, kind="stable")]
+        homes = self.home_overrides.get(tenant)
+        if homes is None:
+            return order
+        return list(homes) + [m for m in order if m not in homes]
 
     def homes_for(self, tenant: str) -> list[str]:
         """The tenant's k homes, best first (all members if there are fewer than k)."""
-        return self.order_for(tenant)[: self.homes]
+        homes = self.home_overrides.get(tenant)
+        return list(homes) if homes is not None else self.order_for(tenant)[: self.homes]
+
+    def home_caps(self, n_tenants: int) -> dict[str, int]:
+        """Most homes each member may hold when `n_tenants` tenants are planned:
+        ceil(balanceFactor x its capacity-weighted fair share)."""
+        names, _, weights = self._member_arrays()
+        if not names:
+            return {}
+        caps = rendezvous.home_caps(weights, n_tenants, self.homes, self.balance_factor)
+        return {m: int(c) for m, c in zip(names, caps)}
 
     def to_json(self) -> str:
         return self.model_dump_json(by_alias=True)
@@ -135,15 +177,20 @@ class AffinityTable(BaseModel):
 class Assignment:
     """Every known tenant's homes under one table, as arrays the planner updates.
 
-    `homes[i]` holds indices into `members` (sorted names), best first;
-    `kth_score[i]` is the score of tenant i's last home, the bar a newcomer must beat.
+    `homes[i]` holds indices into `members` (sorted names), best first: what
+    routers use, plain rendezvous or the table's override. `ranked[i]` is tenant
+    i's first `depth` members in plain rendezvous order and `ranked_scores[i]`
+    their scores; `ranked_scores[i, -1]` is the bar a newcomer must beat to
+    change tenant i's order. `fingerprint` names the members and depth the
+    ranking is for, so a stale assignment is recomputed, never trusted.
     """
 
     tenants: list[str]
     t_hashes: np.ndarray
     members: list[str]
     homes: np.ndarray
-    kth_score: np.ndarray
+    ranked: np.ndarray
+    ranked_scores: np.ndarray
     fingerprint: tuple
     _row: dict[str, int] = field(default_factory=dict)
 
@@ -156,6 +203,12 @@ class Assignment:
         """How many tenants each member is a home to."""
         counts = np.bincount(self.homes.ravel(), minlength=len(self.members))
         return {m: int(c) for m, c in zip(self.members, counts)}
+
+    def overrides(self) -> dict[str, list[str]]:
+        """Tenants whose homes differ from their plain rendezvous top k: the table's override map."""
+        kk = self.homes.shape[1]
+        differ = np.flatnonzero((self.homes != self.ranked[:, :kk]).any(axis=1))
+        return {self.tenants[i]: [self.members[j] for j in self.homes[i]] for i in differ}
 
 
 @dataclass(slots=True, frozen=True)
@@ -178,7 +231,10 @@ class TenantMove:
 
 @dataclass(slots=True)
 class MembershipPlan:
-    """The new table (epoch + 1 when anything changed) and the tenants that moved."""
+    """The new table (epoch + 1 when any known tenant's homes, the members or k
+    changed) and the tenants that moved. `over_cap_tenants` counts tenants that
+    found no member with room and sit above a cap (0 unless the caps are
+    infeasible for the fleet, e.g. k close to the member count)."""
 
     table: AffinityTable
     moves: list[TenantMove]
@@ -187,10 +243,11 @@ class MembershipPlan:
     left: list[str]
     reweighted: list[str]
     old_epoch: int
+    over_cap_tenants: int = 0
 
     @property
     def changed(self) -> bool:
-        """True when the table is a new epoch (members, weights or k changed)."""
+        """True when the table is a new epoch."""
         return self.table.epoch != self.old_epoch
 
     @property
@@ -200,11 +257,23 @@ class MembershipPlan:
 
 
 def assign(table: AffinityTable, tenants: Sequence[str]) -> Assignment:
-    """Every tenant's homes under `table`, computed from scratch (vectorised)."""
-    names, m_hashes, weights = table._member_arrays()
-    t_hashes = rendezvous.tenant_hashes(tenants)
-    homes, scores = rendezvous.top_k_many(t_hashes, m_hashes, weights, table.homes)
-    return Assignment(list(tenants), t_hashes, names, homes, _kth(scores), _fingerprint(table))
+    """Every tenant's homes as `table` gives them (plain rendezvous + its overrides)."""
+    return _aligned(None, table, tenants)
+
+
+def bounded_assign(table: AffinityTable, tenants: Sequence[str]) -> Assignment:
+    """Every tenant's homes with bounded loads under `table`'s members, k and
+    balanceFactor, from scratch; the table's own overrides are ignored."""
+    ranking = _aligned(None, table, tenants)
+    homes, _ = _bounded(ranking, table)
+    ranking.homes = homes
+    return ranking
+
+
+def with_bounded_loads(table: AffinityTable, tenants: Sequence[str]) -> AffinityTable:
+    """`table` (same epoch) with the override map that bounds `tenants`' home loads:
+    how a table is first made when the fleet and its tenants are known at once."""
+    return table.model_copy(update={"home_overrides": bounded_assign(table, tenants).overrides()})
 
 
 def plan_membership_change(
@@ -217,30 +286,40 @@ def plan_membership_change(
 ) -> MembershipPlan:
     """Plan the move from `old_table` to `new_members` (and optionally a new k).
 
-    `tenants` are the tenants to report moves for (known from sidecar stats);
-    `current` is the previous plan's assignment, reused when it matches
-    `old_table`. Spill knobs never move tenants; change them with
-    `table.model_copy(update=...)`. With nothing changed the table keeps its
-    epoch and no tenant moves, so a level-triggered caller can plan freely.
+    `tenants` are the tenants to plan and report moves for (known from sidecar
+    stats); `current` is the previous plan's assignment, reused when it matches
+    `old_table`'s members. The new homes are the bounded assignment under the
+    new members and `old_table`'s balanceFactor, so a changed balanceFactor
+    (set with `table.model_copy(update=...)`) re-plans too. With nothing that
+    changes a known tenant's homes the table keeps its epoch and no tenant
+    moves, so a level-triggered caller can plan freely.
     """
-    new_table = AffinityTable.model_validate(
-        {**old_table.model_dump(), "members": dict(new_members), "homes": homes or old_table.homes}
-    )
+    tenants = _unique(tenants)
+    new_table = AffinityTable.model_validate({
+        **old_table.model_dump(exclude={"home_overrides"}),
+        "members": dict(new_members), "homes": homes or old_table.homes,
+    })
     joined = sorted(set(new_table.members) - set(old_table.members))
     left = sorted(set(old_table.members) - set(new_table.members))
     reweighted = sorted(
         m for m in set(new_table.members) & set(old_table.members) if new_table.members[m] != old_table.members[m]
     )
     before = _aligned(current, old_table, tenants)
-    if not (joined or left or reweighted) and new_table.homes == old_table.homes:
-        return MembershipPlan(old_table, [], before, [], [], [], old_table.epoch)
-    new_table = new_table.model_copy(update={"epoch": old_table.epoch + 1})
-    if _needs_full_recompute(old_table, new_table):
-        after = assign(new_table, before.tenants)
+    reshaped = bool(joined or left or reweighted) or new_table.homes != old_table.homes
+    if not reshaped:
+        ranking = _copy(before)
+    elif _needs_full_recompute(old_table, new_table):
+        ranking = _aligned(None, new_table, tenants)
     else:
-        after = _incremental(before, new_table, joined + reweighted, left + reweighted)
+        ranking = _incremental(before, new_table, joined + reweighted, left + reweighted)
+    ranking.homes, over_cap = _bounded(ranking, new_table)
+    if not reshaped and np.array_equal(ranking.homes, before.homes):
+        return MembershipPlan(old_table, [], before, [], [], [], old_table.epoch)
+    new_table = new_table.model_copy(
+        update={"epoch": old_table.epoch + 1, "home_overrides": ranking.overrides()}
+    )
     return MembershipPlan(
-        new_table, _moves(before, after), after, joined, left, reweighted, old_table.epoch
+        new_table, _moves(before, ranking), ranking, joined, left, reweighted, old_table.epoch, over_cap
     )
 
 
@@ -255,30 +334,40 @@ def load_imbalance(assignment: Assignment, table: AffinityTable) -> float:
     return float(per_weight.max() / mean) if mean else 1.0
 
 
+def _bounded(ranking: Assignment, table: AffinityTable) -> tuple[np.ndarray, int]:
+    """Bounded homes for the ranked tenants under `table` (see `rendezvous.bounded_top_k`)."""
+    names, m_hashes, weights = table._member_arrays()
+    if not names:
+        return np.empty((len(ranking.tenants), 0), dtype=np.int32), 0
+    caps = rendezvous.home_caps(weights, len(ranking.tenants), table.homes, table.balance_factor)
+    return rendezvous.bounded_top_k(
+        ranking.t_hashes, m_hashes, weights, table.homes, caps, (ranking.ranked, ranking.ranked_scores)
+    )
+
+
 def _incremental(before: Assignment, new_table: AffinityTable, entrants: list[str], leavers: list[str]) -> Assignment:
-    """Recompute only the rows a join, leave or reweigh can change (see module doc)."""
+    """Re-rank only the rows a join, leave or reweigh can change (see module doc)."""
     names, m_hashes, weights = new_table._member_arrays()
     new_index = {m: i for i, m in enumerate(names)}
     remap = np.array([new_index.get(m, -1) for m in before.members], dtype=np.int32)
-    homes = remap[before.homes] if before.homes.size else before.homes.copy()
-    kth = before.kth_score.copy()
+    ranked = remap[before.ranked] if before.ranked.size else before.ranked.copy()
+    scores = before.ranked_scores.copy()
 
     affected = np.zeros(len(before.tenants), dtype=bool)
     leaver_old_idx = [i for i, m in enumerate(before.members) if m in set(leavers)]
     if leaver_old_idx:
-        affected |= np.isin(before.homes, leaver_old_idx).any(axis=1)
+        affected |= np.isin(before.ranked, leaver_old_idx).any(axis=1)
     if entrants:
         idx = [new_index[m] for m in entrants]
         entrant_scores = rendezvous.score_matrix(before.t_hashes, m_hashes[idx], weights[idx])
-        # >= rather than >: an exact tie is resolved by a full recompute of the row.
-        affected |= entrant_scores.max(axis=1) >= kth
+        # >= rather than >: an exact tie is resolved by re-ranking the row.
+        affected |= entrant_scores.max(axis=1) >= scores[:, -1]
 
     rows = np.flatnonzero(affected)
     if len(rows):
-        h, s = rendezvous.top_k_many(before.t_hashes[rows], m_hashes, weights, new_table.homes)
-        homes[rows] = h
-        kth[rows] = _kth(s)
-    return Assignment(before.tenants, before.t_hashes, names, homes, kth, _fingerprint(new_table))
+        ranked[rows], scores[rows] = rendezvous.top_k_many(before.t_hashes[rows], m_hashes, weights, _depth(new_table))
+    return Assignment(before.tenants, before.t_hashes, names, ranked[:, : new_table.homes].copy(), ranked, scores,
+                      _fingerprint(new_table))
 
 
 def _moves(before: Assignment, after: Assignment) -> list[TenantMove]:
@@ -294,34 +383,68 @@ def _moves(before: Assignment, after: Assignment) -> list[TenantMove]:
 
 
 def _aligned(current: Assignment | None, table: AffinityTable, tenants: Sequence[str]) -> Assignment:
-    """`current` restricted/extended to `tenants`, or a fresh assignment if it is stale."""
-    if current is None or current.fingerprint != _fingerprint(table):
-        return assign(table, tenants)
-    if current.tenants == list(tenants):
-        return current
+    """The homes `table` gives `tenants`, re-using `current`'s ranking where it is for
+    the same members. Homes always come from the table itself (plain top k plus its
+    overrides): they are what routers used, whatever computed `current`."""
+    tenants = list(tenants)
+    names, m_hashes, weights = table._member_arrays()
+    if current is not None and current.fingerprint == _fingerprint(table):
+        t_hashes, ranked, scores = _restricted(current, tenants)
+    else:
+        t_hashes = rendezvous.tenant_hashes(tenants)
+        ranked, scores = rendezvous.top_k_many(t_hashes, m_hashes, weights, _depth(table)) if names else (
+            np.empty((len(tenants), 0), dtype=np.int32), np.empty((len(tenants), 0)))
+    homes = ranked[:, : table.homes].copy()
+    if table.home_overrides:
+        index = {m: i for i, m in enumerate(names)}
+        for i, t in enumerate(tenants):
+            override = table.home_overrides.get(t)
+            if override is not None:
+                homes[i] = [index[m] for m in override]
+    return Assignment(tenants, t_hashes, names, homes, ranked, scores, _fingerprint(table))
+
+
+def _restricted(current: Assignment, tenants: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`current`'s ranking rows for `tenants`, ranking the tenants it lacks afresh."""
+    if current.tenants == tenants:
+        return current.t_hashes, current.ranked, current.ranked_scores
     row = {t: i for i, t in enumerate(current.tenants)}
-    known = [row.get(t, -1) for t in tenants]
-    missing = [t for t, r in zip(tenants, known) if r < 0]
-    fresh = assign(table, missing)
-    fresh_row = {t: i for i, t in enumerate(missing)}
-    homes = np.empty((len(tenants), current.homes.shape[1]), dtype=np.int32)
-    kth = np.empty(len(tenants), dtype=np.float64)
-    for i, (t, r) in enumerate(zip(tenants, known)):
-        src, j = (current, r) if r >= 0 else (fresh, fresh_row[t])
-        homes[i], kth[i] = src.homes[j], src.kth_score[j]
-    return Assignment(list(tenants), rendezvous.tenant_hashes(tenants), current.members, homes, kth, current.fingerprint)
+    known = np.fromiter((row.get(t, -1) for t in tenants), dtype=np.int64, count=len(tenants))
+    t_hashes = rendezvous.tenant_hashes(tenants)
+    ranked = current.ranked[np.maximum(known, 0)]
+    scores = current.ranked_scores[np.maximum(known, 0)]
+    missing = np.flatnonzero(known < 0)
+    if len(missing) and ranked.shape[1]:
+        _, m_hashes, weights = _arrays_of(current)
+        ranked[missing], scores[missing] = rendezvous.top_k_many(t_hashes[missing], m_hashes, weights, ranked.shape[1])
+    return t_hashes, ranked, scores
+
+
+def _arrays_of(current: Assignment) -> tuple[list[str], np.ndarray, np.ndarray]:
+    members = json.loads(current.fingerprint[1])
+    return current.members, rendezvous.member_hashes(current.members), np.array([members[m] for m in current.members])
+
+
+def _copy(a: Assignment) -> Assignment:
+    return Assignment(a.tenants, a.t_hashes, a.members, a.homes.copy(), a.ranked, a.ranked_scores, a.fingerprint)
+
+
+def _unique(tenants: Sequence[str]) -> list[str]:
+    tenants = list(tenants)
+    if len(set(tenants)) != len(tenants):
+        raise ValueError("tenants must be unique: each tenant is planned once")
+    return tenants
+
+
+def _depth(table: AffinityTable) -> int:
+    """How far each tenant's rendezvous order is ranked: its homes plus slack."""
+    return min(len(table.members), table.homes + CANDIDATE_SLACK)
 
 
 def _needs_full_recompute(old: AffinityTable, new: AffinityTable) -> bool:
-    # The k-th-score shortcut assumes every tenant has exactly k homes before and after.
-    return old.homes != new.homes or len(old.members) < old.homes or len(new.members) < new.homes
-
-
-def _kth(scores: np.ndarray) -> np.ndarray:
-    if scores.shape[1] == 0:
-        return np.full(scores.shape[0], -np.inf)
-    return scores[:, -1].copy()
+    # The last-ranked-score shortcut assumes the same ranking depth before and after.
+    return old.homes != new.homes or _depth(old) != _depth(new)
 
 
 def _fingerprint(table: AffinityTable) -> tuple:
-    return (table.homes, json.dumps(table.members, sort_keys=True))
+    return (_depth(table), json.dumps(table.members, sort_keys=True))
