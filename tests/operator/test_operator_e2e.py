@@ -148,17 +148,19 @@ def standin_pod(name: str, record_dir: Path, warm_s: float = 0.3) -> dict:
 class EpochWatcher:
     """Records when each published epoch is first seen (polling the ConfigMap)."""
 
-    def __init__(self, kubectl: Kubectl, name: str):
-        self.kubectl, self.name, self.first_seen = kubectl, name, {}
+    def __init__(self, api_client, namespace: str, name: str):
+        from kubernetes import client
+
+        self.core, self.namespace, self.name, self.first_seen = client.CoreV1Api(api_client), namespace, name, {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            table = affinity_table(self.kubectl, self.name)
-            if table is not None:
-                self.first_seen.setdefault(table.epoch, time.time())
+        while not self._stop.wait(0.02):
+            cm = self.core.read_namespaced_config_map(names.affinity_config_map(self.name), self.namespace)
+            epoch = AffinityTable.from_json(cm.data[names.AFFINITY_KEY]).epoch
+            self.first_seen.setdefault(epoch, time.time())
 
     def stop(self) -> None:
         self._stop.set()
@@ -181,7 +183,7 @@ def ip_of(kubectl: Kubectl, pod: str) -> str:
     return kubectl.get_json("pod", pod)["status"]["podIP"]
 
 
-def test_epochs(operator, kubectl, node_agent_factory, tmp_path):
+def test_epochs(operator, kubectl, node_agent_factory, tmp_path, api_client):
     """Join and leave through the node agent: one new epoch each; on a join about
     k/(n+1) of tenants gain the newcomer and nothing else moves; on a leave only the
     departed pod's tenants move; warm-ups finish on the new homes before the epoch is
@@ -194,7 +196,7 @@ def test_epochs(operator, kubectl, node_agent_factory, tmp_path):
         kubectl.apply(standin_pod(f"s{i}", records))
     agent.wait_ready(3, selector="app=standin")
     t0 = wait_table(kubectl, "fleet", 3)
-    watcher = EpochWatcher(kubectl, "fleet")
+    watcher = EpochWatcher(api_client, kubectl.namespace, "fleet")
     try:
         # Join.
         joined_at = time.time()

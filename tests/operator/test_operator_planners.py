@@ -1,0 +1,218 @@
+"""The operator's decisions without a cluster: injection, membership, warm-up plans
+and their journal, condition merging, stats parsing, the published table."""
+from __future__ import annotations
+
+import copy
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import yaml
+
+from kvtier import policy
+from kvtier.affinity import AffinityTable, TenantMove, plan_membership_change
+from kvtier_operator import conditions, injection, membership, names, publish, warmup
+from kvtier_operator.sidecar_client import FleetStats, parse_stats
+from operator_cases import EXAMPLES_DIR
+
+
+@pytest.fixture
+def spec() -> policy.KVCachePolicySpec:
+    return policy.parse_policy(yaml.safe_load((EXAMPLES_DIR / "llama-70b-interactive.yaml").read_text())).spec
+
+
+def pod(labels=None, containers=None, **status) -> dict:
+    return {"metadata": {"name": "p", "namespace": "ns", "labels": labels or {}},
+            "spec": {"containers": containers or [{"name": "engine", "image": "e"}]}, "status": status}
+
+
+IMAGE = injection.SidecarImage(image="kvtier:test")
+
+
+def test_injection_adds_sidecar_volumes_env_and_mounts(spec):
+    patch = injection.inject(pod({"app.kubernetes.io/name": "llama-70b-chat"}), "chat", spec, IMAGE)
+    containers = {c["name"]: c for c in patch["spec"]["containers"]}
+    sidecar = containers[names.SIDECAR_CONTAINER]
+    assert sidecar["image"] == "kvtier:test"
+    assert sidecar["command"] == ["kvtier-sidecar", "--config", "/etc/kvtier/sidecar.yaml"]
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert "KVTIER_REDIS_URL" not in env  # a url is in the config; only a secretRef becomes env
+    volumes = {v["name"]: v for v in patch["spec"]["volumes"]}
+    assert volumes[names.CONFIG_VOLUME]["configMap"]["name"] == "chat-kvtier-sidecar"
+    assert volumes[names.SHM_VOLUME]["emptyDir"] == {
+        "medium": "Memory", "sizeLimit": str(500 * 2**30 + injection.SHM_HEADROOM_BYTES)}
+    engine_mounts = {m["mountPath"] for m in containers["engine"]["volumeMounts"]}
+    assert engine_mounts == {names.SHM_MOUNT_PATH, names.RUN_MOUNT_PATH}
+    assert patch["metadata"]["annotations"] == {names.INJECTED_ANNOTATION: "chat"}
+
+
+def test_injection_is_idempotent_and_leaves_the_input_alone(spec):
+    original = pod({"app": "x"})
+    before = copy.deepcopy(original)
+    patch = injection.inject(original, "chat", spec, IMAGE)
+    assert original == before
+    injected = {**original, "metadata": {**original["metadata"], **patch["metadata"]}, "spec": patch["spec"]}
+    assert injection.inject(injected, "chat", spec, IMAGE) is None
+    hand_made = pod(containers=[{"name": names.SIDECAR_CONTAINER, "image": "mine"}])
+    assert injection.inject(hand_made, "chat", spec, IMAGE) is None
+
+
+def test_redis_secret_becomes_env_not_config(spec):
+    spec = spec.model_copy(update={"redis": policy.RedisSpec(secret_ref=policy.SecretKeyRef(name="r", key="u"))})
+    patch = injection.inject(pod(), "chat", spec, IMAGE)
+    env = {e["name"]: e for e in patch["spec"]["containers"][-1]["env"]}
+    assert env["KVTIER_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "u"}
+
+
+def test_only_selected_pods_are_chosen_and_opt_out_wins():
+    sel = lambda **labels: policy.LabelSelector(match_labels=labels)  # noqa: E731
+    policies = [("b", sel(app="llm")), ("a", sel(app="llm", tier="gpu"))]
+    assert injection.selecting_policy(pod({"app": "web"}), policies) is None
+    assert injection.selecting_policy(pod({"app": "llm"}), policies) == "b"
+    assert injection.selecting_policy(pod({"app": "llm", "tier": "gpu"}), policies) == "a"  # first by name
+    assert injection.selecting_policy(pod({"app": "llm", names.OPT_OUT_LABEL: "false"}), policies) is None
+
+
+def _ready(ip="10.0.0.1", ready="True", **meta) -> dict:
+    body = pod({"app": "llm"}, podIP=ip, phase="Running", conditions=[{"type": "Ready", "status": ready}])
+    body["metadata"].update(meta)
+    return body
+
+
+def test_members_are_ready_selected_pods_with_an_ip_not_being_deleted():
+    sel = policy.LabelSelector(match_labels={"app": "llm"})
+    views = [
+        membership.pod_view({**_ready(), "metadata": {"name": "a", "labels": {"app": "llm"}}}),
+        membership.pod_view({**_ready(ready="False"), "metadata": {"name": "b", "labels": {"app": "llm"}}}),
+        membership.pod_view({**_ready(ip=None), "metadata": {"name": "c", "labels": {"app": "llm"}}}),
+        membership.pod_view({**_ready(), "metadata": {"name": "d", "labels": {"app": "llm"},
+                                                      "deletionTimestamp": "2025-01-01T00:00:00Z"}}),
+        membership.pod_view({**_ready(), "metadata": {"name": "e", "labels": {"app": "web"}}}),
+        membership.pod_view({**_ready(), "metadata": {"name": "f", "labels": {"app": "llm"},
+                                                      "annotations": {membership.WEIGHT_ANNOTATION: "2"}}}),
+    ]
+    members = membership.members(views, sel)
+    assert list(members) == ["a", "f"]
+    assert membership.weights(members) == {"a": 1.0, "f": 2.0}
+
+
+def _members(*names_: str) -> dict[str, membership.Member]:
+    return {n: membership.Member(membership.MemberName(n), f"10.0.0.{i + 1}", 1.0) for i, n in enumerate(names_)}
+
+
+def test_warm_plan_targets_gained_homes_from_a_surviving_old_home():
+    members = _members("a", "b", "d")
+    moves = [
+        TenantMove("t1", ("a", "b"), ("a", "d")),  # d gained; warm from a
+        TenantMove("t2", ("c", "b"), ("b", "d")),  # c left; warm d from b
+        TenantMove("t3", ("c", "e"), ("a", "d")),  # both old homes gone: cold
+    ]
+    plan = warmup.plan(moves, members, max_bytes_per_tenant=1 << 20)
+    assert [(r.tenant, r.target, r.source) for r in plan.requests] == [("t1", "d", "a"), ("t2", "d", "b")]
+    assert plan.cold_tenants == ("t3",)
+    assert all(r.max_bytes == 1 << 20 for r in plan.requests)
+
+
+def test_a_join_plans_warmups_for_exactly_the_tenants_that_gain_the_newcomer():
+    tenants = [f"t{i}" for i in range(500)]
+    old = AffinityTable(epoch=3, members={m: 1.0 for m in "abcd"}, homes=2)
+    plan = plan_membership_change(old, {m: 1.0 for m in "abcde"}, tenants)
+    members = _members(*"abcde")
+    requests = warmup.plan(plan.moves, members, 1 << 20).requests
+    gained = {t for t in tenants if "e" in plan.table.homes_for(t)}
+    assert {r.tenant for r in requests} == gained and {r.target for r in requests} == {"e"}
+    assert plan.table.epoch == 4 and abs(len(gained) / 500 - 2 / 5) < 0.08
+
+
+def test_journal_resumes_only_for_the_same_epoch_and_members():
+    members = _members("a", "b")
+    digest = warmup.members_digest(members)
+    reqs = [warmup.WarmRequest("t1", "a", "b", 1), warmup.WarmRequest("t2", "b", "a", 1)]
+    journal = warmup.PendingEpoch(5, digest, {"t1@a"})
+    restored = warmup.PendingEpoch.from_json(journal.to_json())
+    assert restored.matches(5, digest) and restored.remaining(reqs) == reqs[1:]
+    assert not restored.matches(6, digest)
+    assert not restored.matches(5, warmup.members_digest(_members("a", "c")))
+    assert warmup.PendingEpoch.from_json("{not json") is None
+
+
+def test_conditions_keep_transition_time_unless_status_flips():
+    t0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+    first = conditions.merge([], [conditions.Observation("A", "True", "Ok")], 1, at=t0)
+    same = conditions.merge(first, [conditions.Observation("A", "True", "Ok", "again")], 2, at=t0 + timedelta(1))
+    assert same[0].last_transition_time == t0 and same[0].observed_generation == 2
+    flipped = conditions.merge(same, [conditions.Observation("A", "False", "Bad")], 3, at=t0 + timedelta(2))
+    assert flipped[0].last_transition_time == t0 + timedelta(2)
+    kept = conditions.merge(flipped, [conditions.Observation("B", "True", "Ok")], 4, at=t0)
+    assert [c.type for c in kept] == ["A", "B"] and kept[0].status == "False"
+
+
+def test_fleet_stats_union_tenants_and_weight_hit_rate_by_lookups():
+    fleet = FleetStats((
+        parse_stats("a", {"lookups": 100, "hits": 90, "tenants": ["x", "y"]}),
+        parse_stats("b", {"lookups": 300, "hits": 30, "cache": {"tenants": {"y": {}, "z": {}}}}),
+        parse_stats("c", {"hit_rate": 0.5}),
+    ))
+    assert fleet.tenants == ["x", "y", "z"]
+    assert fleet.hit_rate == pytest.approx(120 / 400)
+
+
+def test_published_table_round_trips_and_garbage_reads_as_none():
+    table = AffinityTable(epoch=7, members={"a": 1.0, "b": 2.0}, homes=2)
+    cm = publish.affinity_config_map("p", "ns", table, _members("a", "b"))
+    assert publish.read_table(cm) == table
+    assert cm["metadata"]["annotations"]["kvtier.io/epoch"] == "7"
+    assert publish.read_table({"data": {names.AFFINITY_KEY: "{"}}) is None
+    assert publish.read_table(None) is None
+
+
+def test_verdicts_for_70b_tp4_are_the_design_numbers(spec):
+    from kvtier_operator import economics
+
+    tiers, observed = economics.verdicts(spec)
+    by = {v.tier: v for v in tiers}
+    assert by["dram"].break_even_gbps == pytest.approx(9.264, abs=1e-3)
+    assert (by["dram"].ratio, by["peer"].ratio, by["nvme"].ratio) == pytest.approx((6.908, 2.699, 0.756), abs=1e-3)
+    assert (by["dram"].verdict, by["peer"].verdict, by["nvme"].verdict) == ("serve", "serve", "shadow")
+    nvme = next(o for o in observed if o.type == economics.NVME_CONDITION)
+    assert (nvme.status, nvme.reason) == ("False", "SlowerThanRecompute")
+    assert "46.8 us" in nvme.message and "35.4 us" in nvme.message
+
+
+def test_batch_traffic_may_serve_from_nvme_even_when_slower(spec):
+    from kvtier_operator import economics
+
+    batch = spec.model_copy(update={"traffic_class": "batch", "tiers": policy.Tiers(nvme=policy.NvmeTier(mode="on"))})
+    tiers, observed = economics.verdicts(batch)
+    nvme = next(v for v in tiers if v.tier == "nvme")
+    assert nvme.verdict == "serve" and nvme.ratio < 1
+    cond = next(o for o in observed if o.type == economics.NVME_CONDITION)
+    assert (cond.status, cond.reason) == ("True", "AllowedForBatch")
+
+
+def test_shadow_mode_reports_the_measured_bandwidth(spec):
+    from kvtier_operator import economics
+
+    tiers, _ = economics.verdicts(spec, measured_nvme_gbps=3.5)
+    nvme = next(v for v in tiers if v.tier == "nvme")
+    assert nvme.measured_gbps == 3.5 and nvme.bandwidth_gbps == 3.5 and nvme.verdict == "shadow"
+
+
+def test_sidecar_config_carries_the_key_root_and_shape(spec):
+    from kvtier.sidecar_config import from_mapping, parse_text
+    from kvtier_operator import sidecar_render
+
+    rendered = sidecar_render.render(spec)
+    cfg = from_mapping(parse_text(rendered.text))  # the sidecar's own loader accepts it
+    assert cfg.model.weights_version == spec.model.weights_version
+    assert (cfg.model.layers, cfg.model.kv_heads, cfg.model.head_dim, cfg.model.dtype_bytes) == (80, 8, 128, 2)
+    assert cfg.dram_capacity_bytes == 500 * 2**30 and cfg.redis_url == spec.redis.url
+    assert sidecar_render.render(spec).digest == rendered.digest  # deterministic
+
+
+def test_operator_cli_rejects_half_a_certificate_with_exit_2(capsys):
+    from kvtier_operator.main import main
+
+    assert main(["--webhook-cert", "c.pem"]) == 2
+    assert "--webhook-key" in capsys.readouterr().err
+    assert main(["--webhook-cert", "c.pem", "--webhook-key", "k.pem"]) == 2
