@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from kvtier.cache import Hit, LocalCache, Reservation
 from kvtier.keys import KeyRoot
@@ -30,7 +31,15 @@ class TierHit:
 
 
 class DramTier:
-    """Implements `peer_tcp.PeerSource` too: peers are served from the same slots."""
+    """Implements `peer_tcp.PeerSource` too: peers are served from the same slots.
+
+    Each slot carries the xxh3-64 digest of its block, computed once after the block
+    is committed (off the request path) and sent with every peer fetch, so serving a
+    peer costs a send, not a hash. A slot's digest is valid only for the generation of
+    the slot it was computed for: every reservation bumps the generation, so a digest
+    of old contents is never attached to new ones (at worst a receiver sees a
+    mismatch and treats it as a miss).
+    """
 
     def __init__(self, arena: Arena, block_size: int, min_sightings: int, kv_heads: int) -> None:
         self.arena = arena
@@ -39,6 +48,9 @@ class DramTier:
         self.kv_heads = kv_heads
         self.cache = LocalCache(arena.slots * arena.block_bytes, arena.block_bytes, block_size,
                                 min_sightings=min_sightings, arena=arena.array)
+        self._digest = np.zeros(arena.slots, dtype=np.uint64)
+        self._generation = np.zeros(arena.slots, dtype=np.int64)
+        self._digest_gen = np.full(arena.slots, -1, dtype=np.int64)
 
     # -- engine side --------------------------------------------------------------------
 
@@ -64,17 +76,20 @@ class DramTier:
         res = self.cache.reserve(root, tokens, force=not admit)
         if res is None:
             return None
+        self._generation[res.slots] += 1  # these slots are about to hold new bytes
         if first_block is not None and res.first_block != first_block:
             self.cache.abort(res)
             return None
         return res
 
-    def commit(self, res: Reservation, verified_blocks: int) -> int:
+    def commit(self, res: Reservation, verified_blocks: int, digests: list[int] | None = None) -> int:
         """Publish the first `verified_blocks` blocks of the reservation; never more.
 
         The core commits whole reservations, so a partial one is re-reserved at the
         verified length and its bytes copied over (the fault path only)."""
         if verified_blocks >= len(res.slots):
+            if digests is not None:
+                self._set_digests(res.slots, digests)
             return self.cache.commit(res)
         if verified_blocks <= 0:
             self.cache.abort(res)
@@ -90,7 +105,32 @@ class DramTier:
         if len(again.slots) < verified_blocks:
             self.cache.abort(again)
             return 0
+        if digests is not None:
+            self._set_digests(again.slots, digests[:verified_blocks])
         return self.cache.commit(again)
+
+    def _set_digests(self, slots: list[int], digests: list[int]) -> None:
+        idx = np.asarray(slots[: len(digests)], dtype=np.int64)
+        self._digest[idx] = np.asarray(digests[: len(idx)], dtype=np.uint64)
+        self._digest_gen[idx] = self._generation[idx]
+
+    def compute_digests(self, slots: list[int]) -> None:
+        """Hash blocks whose digest is missing (after an engine store; background)."""
+        for s in slots:
+            gen = int(self._generation[s])
+            if self._digest_gen[s] != gen:
+                value = xxhash.xxh3_64_intdigest(self.arena.slot_view(s, 1))
+                if self._generation[s] == gen:  # not reused while we hashed
+                    self._digest[s] = value
+                    self._digest_gen[s] = gen
+
+    def block_digests(self, slots: list[int]) -> np.ndarray:
+        """Digests of pinned slots, hashing any not computed yet."""
+        idx = np.asarray(slots, dtype=np.int64)
+        stale = idx[self._digest_gen[idx] != self._generation[idx]]
+        if stale.size:
+            self.compute_digests(stale.tolist())
+        return self._digest[idx].copy()
 
     def abort(self, res: Reservation) -> None:
         if not res.done:

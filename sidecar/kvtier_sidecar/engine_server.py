@@ -41,7 +41,8 @@ class EngineServer:
         except FileNotFoundError:
             pass
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=1 << 20)
+        # backlog: a burst of engine connections (1,000 concurrent lookups) must not be refused.
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=1 << 20, backlog=2048)
         os.chmod(self.path, 0o660)
 
     async def close(self) -> None:

@@ -9,6 +9,7 @@ Every socket operation has a deadline. Framing lives in `wire`.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import socket
@@ -26,6 +27,9 @@ from .transport import FetchOutcome, FetchSink, HotPrefixes
 
 log = logging.getLogger("kvtier.sidecar.peer")
 
+# Blocks at least this big are verified on a helper thread while the next one arrives;
+# smaller ones inline (a thread hand-off would cost more than the hash).
+THREADED_HASH_BYTES = 256 << 10
 # Socket buffers big enough to keep a multi-MiB run in flight while the receiver hashes.
 SOCKET_BUFFER_BYTES = 8 << 20
 
@@ -40,6 +44,8 @@ class PeerSource(Protocol):
         """Match by tokens and pin: (matched_tokens, slots of every matched block, handle)."""
     def unpin(self, handle: object) -> None: ...
     def slot_view(self, slot: int, count: int) -> memoryview: ...
+    def block_digests(self, slots: list[int]) -> np.ndarray:
+        """xxh3-64 of each slot's block (cached since the block was stored)."""
     def hot_prefixes(self, tenant: str, max_bytes: int) -> list[tuple[KeyRoot, np.ndarray]]: ...
 
 
@@ -199,7 +205,8 @@ class PeerServer:
             for off in range(0, count, per_chunk):
                 n = min(per_chunk, count - off)
                 view = self.source.slot_view(slot + off, n)
-                conn.sendall(wire.encode_run_header(first + off, n, wire.checksum(view)))
+                digests = self.source.block_digests(list(range(slot + off, slot + off + n)))
+                conn.sendall(wire.encode_run_header(first + off, digests))
                 conn.sendall(view)
                 self.counters["bytes_sent"] += len(view)
 
@@ -220,6 +227,7 @@ class TcpTransport:
     connection never inherits a half-read stream from a failed transfer."""
 
     def __init__(self, secret_fn, connect_timeout_s: float = 0.25, timeout_s: float = 2.0) -> None:
+        self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="peer-verify")
         self._secret_fn = secret_fn
         self.connect_timeout_s = connect_timeout_s
         self.timeout_s = timeout_s
@@ -276,22 +284,32 @@ class TcpTransport:
         return outcome
 
     def _receive(self, sock: socket.socket, views: list[memoryview], deadline: float, outcome: FetchOutcome) -> None:
-        """Receive run chunks in order straight into `views`; stop at the first bad one."""
+        """Receive run frames in order straight into `views`; keep the blocks whose
+        digests match, stop at the first that does not.
+
+        Large blocks are hashed on a helper thread while the next block is received
+        (recv_into releases the GIL), so verification overlaps the transfer."""
+        digests_out = outcome.digests
         while outcome.verified_blocks < len(views):
             sock.settimeout(max(0.001, deadline - time.monotonic()))
-            first, count, digest = wire.decode_run_header(recv_exact(sock, wire.RUN.size))
-            if first != outcome.verified_blocks or count < 1 or first + count > len(views):
+            first, count = wire.decode_run_header(recv_exact(sock, wire.RUN.size))
+            if first != outcome.verified_blocks or first + count > len(views):
                 raise wire.ProtocolError("run out of order")
-            hasher = xxhash.xxh3_64()
+            expected = np.frombuffer(recv_exact(sock, 8 * count), dtype="<u8")
+            pending = []
             for view in views[first : first + count]:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 recv_into_exact(sock, view)
-                hasher.update(view)
                 outcome.bytes_received += len(view)
-            if hasher.intdigest() != digest:
-                outcome.error = "checksum mismatch"
-                return
-            outcome.verified_blocks += count
+                pending.append(self._hasher.submit(xxhash.xxh3_64_intdigest, view) if len(view) >= THREADED_HASH_BYTES
+                               else xxhash.xxh3_64_intdigest(view))
+            for i, got in enumerate(pending):
+                digest = got.result() if not isinstance(got, int) else got
+                if digest != int(expected[i]):
+                    outcome.error = "checksum mismatch"
+                    return
+                digests_out.append(digest)
+                outcome.verified_blocks += 1
 
     def hot_prefixes(self, peer: str, tenant: str, max_bytes: int) -> HotPrefixes:
         deadline = time.monotonic() + self.timeout_s

@@ -202,7 +202,7 @@ class Sidecar:
         res = sink.reservation
         if res is None:
             return 0, 0
-        committed = self.tier.commit(res, outcome.verified_blocks)  # 0 verified: aborts
+        committed = self.tier.commit(res, outcome.verified_blocks, outcome.digests)  # 0 verified: aborts
         self.counters["peer_bytes_fetched"] += outcome.verified_blocks * self.tier.block_bytes
         if committed and self.index is not None:
             self._register(root, tokens, have + committed)
@@ -240,10 +240,21 @@ class Sidecar:
         committed = self.tier.commit(t.reservation, len(t.reservation.slots))
         if committed:
             self.counters["stored_blocks"] += committed
-            if self.index is not None:
-                self._register(t.root, t.tokens, t.reservation.first_block + committed)
             self._copy_platform_prefix(t)
+            self._after_store(t.root, t.tokens, t.reservation.first_block + committed, t.reservation.slots)
         return committed > 0
+
+    def _after_store(self, root: KeyRoot, tokens: np.ndarray, n_blocks: int, slots: list[int]) -> None:
+        """Off the request path: hash the new blocks for peer serving, then advertise
+        them in the global index."""
+        def work() -> None:
+            self.tier.compute_digests(slots)
+            if self.index is not None:
+                self._register(root, tokens, n_blocks)
+        if self._loop is None:
+            work()
+        else:
+            self._fetch_pool.submit(work)
 
     def store_abort(self, ticket_id: int) -> None:
         t = self._tickets.get(ticket_id)

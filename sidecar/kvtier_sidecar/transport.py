@@ -33,6 +33,7 @@ class FetchOutcome:
     verified_blocks: int = 0
     bytes_received: int = 0
     error: str | None = None
+    digests: list[int] = field(default_factory=list)  # xxh3-64 of each verified block
 
 
 @dataclass(slots=True)

@@ -6,11 +6,12 @@ Pure encoding and decoding; the sockets live in `peer_tcp`. One connection:
     client -> server   AUTH     hmac_sha256(secret, nonce | b"kvtier-peer-v1")[32]
     client -> server   REQUEST  b"KVRQ" | op u8 | body_len u32 | body
     server -> client   RESPONSE b"KVRS" | status u8 | body_len u32 | body(JSON)
-    server -> client   RUN*     b"KVRN" | first_block u32 | n_blocks u32 | xxh3_64 u64 | bytes
+    server -> client   RUN*     b"KVRN" | first_block u32 | n_blocks u32 | xxh3_64 u64 * n_blocks | bytes
 
 A FETCH body is `json_len u32 | FetchRequest JSON | token ids (little-endian uint32)`.
 The response announces `n_blocks`; RUN frames follow in block order until they add up.
-Each run carries its own checksum, so a receiver keeps every run verified before a
+Each run carries its checksums (one xxh3-64 per block, computed once when the block
+was stored, not per fetch), so a receiver keeps every block verified before a
 corruption or a cut connection: a partial answer is still a correct answer.
 """
 from __future__ import annotations
@@ -33,12 +34,14 @@ REQUEST = struct.Struct("<4sBI")
 REQUEST_MAGIC = b"KVRQ"
 RESPONSE = struct.Struct("<4sBI")
 RESPONSE_MAGIC = b"KVRS"
-RUN = struct.Struct("<4sIIQ")
+RUN = struct.Struct("<4sII")
 RUN_MAGIC = b"KVRN"
 # 2M tokens of ids plus headers: larger than any real prompt, small enough that a
 # malicious length cannot make the server allocate much.
 MAX_REQUEST_BYTES = 8 << 20
 MAX_RESPONSE_JSON_BYTES = 16 << 20
+# Blocks per run frame, at most: bounds what a run header can make a receiver read.
+MAX_RUN_BLOCKS = 1 << 16
 # A run is cut into chunks of at most this many bytes: each chunk is verified on its
 # own (finer-grained partial answers) and hashing overlaps with the kernel's buffering.
 RUN_CHUNK_BYTES = 4 << 20
@@ -180,15 +183,19 @@ def checksum(data: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def encode_run_header(first_block: int, n_blocks: int, digest: int) -> bytes:
-    return RUN.pack(RUN_MAGIC, first_block, n_blocks, digest)
+def encode_run_header(first_block: int, digests: np.ndarray) -> bytes:
+    """Header of a run of len(digests) blocks starting at `first_block`."""
+    return RUN.pack(RUN_MAGIC, first_block, len(digests)) + np.asarray(digests, dtype="<u8").tobytes()
 
 
-def decode_run_header(raw: bytes) -> tuple[int, int, int]:
-    magic, first, count, digest = RUN.unpack(raw)
+def decode_run_header(raw: bytes) -> tuple[int, int]:
+    """(first_block, n_blocks); the n_blocks * 8 bytes of digests follow."""
+    magic, first, count = RUN.unpack(raw)
     if magic != RUN_MAGIC:
         raise ProtocolError("bad run magic")
-    return first, count, digest
+    if not 0 < count <= MAX_RUN_BLOCKS:
+        raise ProtocolError(f"run of {count} blocks")
+    return first, count
 
 
 def chunk_blocks(block_bytes: int) -> int:
