@@ -81,7 +81,7 @@ class AffinityTable(BaseModel):
         description="tenant -> its homes, best first, only where they differ from plain rendezvous (bounded loads)",
     )
 
-    _ranked: tuple[dict, list[str], np.ndarray, np.ndarray] | None = PrivateAttr(default=None)
+    _ranked: _MemberArrays | None = PrivateAttr(default=None)
 
     @field_validator("rendezvous_version")
     @classmethod
@@ -162,15 +162,27 @@ class AffinityTable(BaseModel):
         # Cached per members dict: `model_copy(update={"members": ...})` brings a new
         # dict (and skips validation), so the identity check keeps the cache honest.
         cached = self._ranked
-        if cached is None or cached[0] is not self.members:
-            names = sorted(self.members)
-            cached = self._ranked = (
-                self.members,
-                names,
-                rendezvous.member_hashes(names),
-                np.array([self.members[n] for n in names], dtype=np.float64),
-            )
-        return cached[1], cached[2], cached[3]
+        if cached is None or cached.source is not self.members:
+            cached = self._ranked = _MemberArrays(self.members)
+        return cached.names, cached.hashes, cached.weights
+
+
+class _MemberArrays:
+    """Sorted member names, hashes and weights of one members dict: a derived cache,
+    so it never makes two tables unequal (pydantic compares private attributes)."""
+
+    __slots__ = ("source", "names", "hashes", "weights")
+
+    def __init__(self, members: dict[str, float]) -> None:
+        self.source = members
+        self.names = sorted(members)
+        self.hashes = rendezvous.member_hashes(self.names)
+        self.weights = np.array([members[n] for n in self.names], dtype=np.float64)
+
+    def __eq__(self, other: object) -> bool:
+        return other is None or isinstance(other, _MemberArrays)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(slots=True)

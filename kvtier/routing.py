@@ -17,6 +17,10 @@ Spill is sticky: with a `SpillState`, a tenant that moved off a better-ranked
 member returns to it only once that member is cool, not merely not-hot, so a
 home hovering at the threshold does not flap its tenants back and forth.
 Members with no occupancy report are treated as empty and left out of the mean.
+
+A tenant's homes are the table's: its `homeOverrides` entry when the operator
+bounded the home loads, else plain rendezvous. The spill path past the homes is
+always the tenant's rendezvous order over the remaining members.
 """
 from __future__ import annotations
 
@@ -50,6 +54,11 @@ class SpillState:
 
     def spilled_tenants(self) -> dict[str, str]:
         return dict(self.moved_to)
+
+
+def homes_for(tenant: str, table: AffinityTable) -> list[str]:
+    """The tenant's k homes, best first, as the table gives them (override, else rendezvous)."""
+    return table.homes_for(tenant)
 
 
 def pick(

@@ -6,6 +6,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier import rendezvous
 
@@ -104,3 +106,84 @@ def test_empty_names_are_rejected():
         rendezvous.tenant_hash("")
     with pytest.raises(ValueError, match="member name"):
         rendezvous.member_hash("")
+
+
+# --- bounded loads -----------------------------------------------------------------
+
+def _bounded(tenants, members: dict[str, float], k: int, balance_factor: float):
+    names = sorted(members)
+    t_hashes, m_hashes = rendezvous.tenant_hashes(tenants), rendezvous.member_hashes(names)
+    weights = np.array([members[n] for n in names])
+    caps = rendezvous.home_caps(weights, len(tenants), k, balance_factor)
+    homes, over_cap = rendezvous.bounded_top_k(t_hashes, m_hashes, weights, k, caps)
+    return names, caps, homes, over_cap
+
+
+def test_home_caps_are_the_balance_factor_times_the_weighted_fair_share():
+    assert rendezvous.home_caps([1, 1, 1, 1], 100, 2, 1.25).tolist() == [62] * 4  # share 50, 62.5 -> 62
+    assert rendezvous.home_caps([1, 1, 2], 100, 2, 1.25).tolist() == [62, 62, 100]  # 50, 50, 100 (clipped)
+    # A member weighing more than 1/k of the fleet is home to at most every tenant once;
+    # the excess is spread over the others by weight.
+    assert rendezvous.home_caps([10, 1, 1], 100, 2, 1.25).tolist() == [100, 62, 62]
+    # Shares below a whole home round up, so the homes still fit.
+    assert rendezvous.home_caps([1, 1, 1, 1], 3, 1, 1.25).tolist() == [1, 1, 1, 1]
+    # Fewer members than k: every member is home to every tenant.
+    assert rendezvous.home_caps([1, 2], 10, 3, 1.25).tolist() == [10, 10]
+    # 1.25 x 60 is exactly 75: float rounding neither costs nor buys a home.
+    assert rendezvous.home_caps([1.0] * 1000, 20_000, 3, 1.25).tolist() == [75] * 1000
+
+
+def test_home_caps_reject_a_balance_factor_below_one():
+    with pytest.raises(ValueError, match="balance factor must be >= 1"):
+        rendezvous.home_caps([1, 1], 10, 1, 0.9)
+
+
+@st.composite
+def fleets(draw):
+    weights = draw(st.lists(st.sampled_from([0.25, 0.5, 1.0, 1.0, 2.0, 3.0, 8.0]), min_size=1, max_size=24))
+    return {f"m{i}": w for i, w in enumerate(weights)}
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    members=fleets(), n_tenants=st.integers(0, 300), k=st.integers(1, 5),
+    balance_factor=st.sampled_from([1.0, 1.05, 1.25, 2.0]), salt=st.integers(0, 10**6),
+)
+def test_bounded_homes_are_distinct_and_no_member_exceeds_its_cap(members, n_tenants, k, balance_factor, salt):
+    tenants = [f"t{salt}-{i}" for i in range(n_tenants)]
+    names, caps, homes, over_cap = _bounded(tenants, members, k, balance_factor)
+    assert homes.shape == (n_tenants, min(k, len(names)))
+    assert all(len(set(row)) == len(row) for row in homes.tolist())
+    assert over_cap == 0
+    assert np.all(np.bincount(homes.ravel(), minlength=len(names)) <= caps)
+
+
+def test_bounded_homes_are_plain_top_k_when_no_cap_binds():
+    tenants = [f"tenant-{i}" for i in range(500)]
+    names, _, homes, _ = _bounded(tenants, FLEET, 3, 100.0)
+    assert [[names[j] for j in row] for row in homes] == [rendezvous.top_k(t, FLEET, 3) for t in tenants]
+
+
+def test_a_tenant_misses_a_better_ranked_member_only_when_it_is_full_of_stronger_tenants():
+    # The stable-assignment property that makes the answer unique: if tenant t ranks
+    # member x above one of its homes, x is at its cap and every tenant x holds
+    # scores at least as high with x as t does.
+    members = {f"m{i}": 1.0 for i in range(60)}
+    tenants = [f"tenant-{i}" for i in range(1500)]
+    names, caps, homes, over_cap = _bounded(tenants, members, 3, 1.1)
+    scores = rendezvous.score_matrix(
+        rendezvous.tenant_hashes(tenants), rendezvous.member_hashes(names), np.ones(len(names)))
+    loads = np.bincount(homes.ravel(), minlength=len(names))
+    held_min = np.full(len(names), np.inf)
+    for t, row in enumerate(homes):
+        for m in row:
+            held_min[m] = min(held_min[m], scores[t, m])
+    displaced = 0
+    for t, row in enumerate(homes):
+        worst = scores[t, row].min()
+        for x in np.flatnonzero(scores[t] > worst):
+            if x in row:
+                continue
+            displaced += 1
+            assert loads[x] == caps[x] and held_min[x] >= scores[t, x]
+    assert displaced > 0, "the caps must bind for this test to mean anything"

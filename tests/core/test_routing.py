@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.affinity import AffinityTable
-from kvtier.routing import SpillState, pick
+from kvtier.routing import SpillState, homes_for, pick
 
 TABLE = AffinityTable(
     epoch=3, members={f"pod-{i}": 1.0 for i in range(8)}, homes=2,
@@ -83,3 +83,40 @@ def test_unreported_members_count_as_empty_and_stay_out_of_the_mean():
 def test_an_empty_table_cannot_route():
     with pytest.raises(ValueError, match="no members"):
         pick("acme", AffinityTable(), {})
+
+
+# The operator moved acme off plain rendezvous (bounded loads): its homes are the
+# third- and first-ranked members, in that order.
+OVERRIDDEN = TABLE.model_copy(update={"home_overrides": {"acme": [ORDER[2], ORDER[0]]}})
+
+
+def test_pick_routes_an_overridden_tenant_to_its_published_homes_first():
+    assert homes_for("acme", OVERRIDDEN) == [ORDER[2], ORDER[0]]
+    p = pick("acme", OVERRIDDEN, occupancy())
+    assert (p.member, p.rank, p.spilled) == (ORDER[2], 0, False)
+    p = pick("acme", OVERRIDDEN, occupancy(**{ORDER[2]: 0.95}))
+    assert (p.member, p.rank, p.spilled) == (ORDER[0], 1, False)
+
+
+def test_an_overridden_tenant_spills_along_its_rendezvous_order_past_its_homes():
+    assert OVERRIDDEN.order_for("acme") == [ORDER[2], ORDER[0], ORDER[1], *ORDER[3:]]
+    p = pick("acme", OVERRIDDEN, occupancy(**{ORDER[2]: 0.95, ORDER[0]: 0.95}))
+    assert (p.member, p.rank, p.spilled) == (ORDER[1], 2, True)
+
+
+def test_tenants_without_an_override_keep_plain_rendezvous_homes():
+    for tenant in ("globex", "initech", "t-17"):
+        assert homes_for(tenant, OVERRIDDEN) == TABLE.order_for(tenant)[:2]
+        assert pick(tenant, OVERRIDDEN, occupancy()).member == TABLE.order_for(tenant)[0]
+
+
+def test_a_router_reading_the_published_json_routes_like_the_planner_decided():
+    from kvtier.affinity import plan_membership_change
+
+    tenants = [f"tenant-{i}" for i in range(1200)]
+    plan = plan_membership_change(AffinityTable(members={}), {f"pod-{i}": 1.0 for i in range(60)}, tenants)
+    published = AffinityTable.from_json(plan.table.to_json())
+    assert published.home_overrides
+    cool = {m: 0.3 for m in published.members}
+    for tenant in tenants:
+        assert pick(tenant, published, cool).member == plan.assignment.homes_of(tenant)[0]
