@@ -1,9 +1,14 @@
-"""Affinity planner: a membership change for 1,000 pods and 20,000 tenants.
+"""Affinity planner: a membership change for 1,000 pods and 20,000 tenants, with bounded loads.
 
-The issue's bound is absolute (<= 200 ms per plan). Measured both ways the
-operator can plan: warm (it kept the previous plan's assignment in memory) and
-cold (after a restart it recomputes the old assignment first). Movement
-fraction and max/mean home load are reported next to their ideal values.
+The issue's bounds are absolute: a plan in <= 200 ms, and no member home to more
+than balanceFactor (1 + epsilon = 1.25) x the mean. Timed both ways the operator
+can plan: warm (it kept the previous plan's assignment in memory) and cold (after
+a restart it re-ranks the old members first). Movement is reported against the
+minimum plain rendezvous would need (the newcomer's tenants on a join, the
+departed member's on a leave), with the extra the caps displace; the max/mean
+home load of plain rendezvous, measured in the same run, is the baseline the
+bound is set against. The override map is what routers need beyond the members:
+its entry count and JSON size show it fits a ConfigMap (1 MiB).
 """
 from __future__ import annotations
 
@@ -11,44 +16,85 @@ from bench.common import Result, best_of
 from kvtier.affinity import AffinityTable, assign, load_imbalance, plan_membership_change
 
 PLAN_BOUND_MS = 200.0  # issue 5: a membership change planned in <= 200 ms
+BALANCE_FACTOR = 1.25  # issue 5/6: max/mean home load <= 1 + epsilon (the CRD default)
+CONFIGMAP_BYTES = 1 << 20  # a ConfigMap's data is capped at 1 MiB
+MOVEMENT_BOUND = 2.0  # moved tenants <= 2x the minimum plain rendezvous needs (the caps displace the rest)
+N_PODS, N_TENANTS, K = 1000, 20_000, 3
+# The design-notes fleet (DESIGN "The numbers"): ~136 tenants per replica at k = 3.
+DESIGN_PODS, DESIGN_TENANTS = 44, 2000
 
 
 def run(quick: bool = False) -> list[Result]:
-    n_pods, n_tenants, k = 1000, 20_000, 3
     repeat = 2 if quick else 5
-    tenants = [f"tenant-{i}" for i in range(n_tenants)]
-    table = AffinityTable(epoch=1, members={f"pod-{i}": 1.0 for i in range(n_pods)}, homes=k)
-    current = assign(table, tenants)
-    joined = dict(table.members, **{"pod-new": 1.0})
-    left = {m: w for m, w in table.members.items() if m != "pod-17"}
+    pods = {f"vllm-llama-70b-{i:04d}": 1.0 for i in range(N_PODS)}
+    tenants = [f"tenant-{i:05d}" for i in range(N_TENANTS)]
+    first = plan_membership_change(AffinityTable(members={}, homes=K, balance_factor=BALANCE_FACTOR), pods, tenants)
+    table, current = first.table, first.assignment
+    plain = load_imbalance(assign(AffinityTable(members=pods, homes=K), tenants), table)
+    results = [_balance_result(f"{N_PODS} pods x {N_TENANTS} tenants", load_imbalance(current, table), plain)]
+    results.append(_override_result(table))
 
-    results = []
-    for label, members in (("join", joined), ("leave", left)):
+    newcomer = "vllm-llama-70b-new"
+    changes = {
+        "join": (dict(pods, **{newcomer: 1.0}), lambda m: newcomer in m.gained),
+        "leave": ({m: w for m, w in pods.items() if m != "vllm-llama-70b-0017"},
+                  lambda m: "vllm-llama-70b-0017" in m.lost),
+    }
+    for label, (members, necessary) in changes.items():
         warm_s = best_of(lambda: plan_membership_change(table, members, tenants, current=current), repeat)
         cold_s = best_of(lambda: plan_membership_change(table, members, tenants), repeat)
         plan = plan_membership_change(table, members, tenants, current=current)
-        n_new = len(plan.table.members)
-        ideal = k / n_new if label == "join" else k / n_pods
+        minimum = sum(1 for m in plan.moves if necessary(m))
         for how, secs in (("warm", warm_s), ("cold", cold_s)):
             results.append(Result(
-                name=f"affinity plan {label} ({how}), {n_pods} pods x {n_tenants} tenants",
+                name=f"affinity plan {label} ({how}), {N_PODS} pods x {N_TENANTS} tenants",
                 value=secs * 1e3, unit="ms", target=PLAN_BOUND_MS, direction="lower", kind="absolute",
-                note=f"moved {len(plan.moves)} tenants = {plan.movement_fraction:.4f} (ideal ~{ideal:.4f})",
+                note=f"moved {len(plan.moves)} tenants = {plan.movement_fraction:.4f} of {N_TENANTS}",
             ))
         results.append(Result(
-            name=f"affinity movement fraction on {label}", value=plan.movement_fraction, unit="fraction",
-            target=2 * ideal, direction="lower", kind="absolute",
-            note=f"ideal k/n = {ideal:.4f}; bound 2x ideal",
+            name=f"affinity tenants moved on {label} vs the plain-rendezvous minimum",
+            value=len(plan.moves), unit="tenants", target=MOVEMENT_BOUND, direction="lower", kind="ratio",
+            baseline=minimum, baseline_name=f"tenants that {'gained the newcomer' if label == 'join' else 'lost the departed pod'}",
+            note=f"{len(plan.moves) - minimum} displaced by the caps; ideal k/n = "
+                 f"{K / len(plan.table.members):.4f}, moved fraction {plan.movement_fraction:.4f}",
         ))
-    imbalance = load_imbalance(current, table)
-    results.append(Result(
-        name=f"affinity max/mean home load, {n_pods} pods x {n_tenants} tenants, k={k}",
-        value=imbalance, unit="x", target=1.6, direction="lower", kind="absolute",
-        note=f"mean {k * n_tenants / n_pods:.0f} homes per pod; Poisson spread alone gives ~1.4",
-    ))
+        results.append(_balance_result(f"after a {label}", load_imbalance(plan.assignment, plan.table), None,
+                                       over_cap=plan.over_cap_tenants))
+
+    design = {f"replica-{i:02d}": 1.0 for i in range(DESIGN_PODS)}
+    design_tenants = [f"tenant-{i:04d}" for i in range(DESIGN_TENANTS)]
+    plan = plan_membership_change(AffinityTable(members={}, homes=K, balance_factor=BALANCE_FACTOR), design,
+                                  design_tenants)
+    plain = load_imbalance(assign(AffinityTable(members=design, homes=K), design_tenants), plan.table)
+    results.append(_balance_result(f"design fleet {DESIGN_PODS} replicas x {DESIGN_TENANTS} tenants",
+                                   load_imbalance(plan.assignment, plan.table), plain))
     return results
+
+
+def _balance_result(what: str, imbalance: float, plain: float | None, over_cap: int = 0) -> Result:
+    note = f"bounded by balanceFactor {BALANCE_FACTOR}"
+    if plain is not None:
+        note += f"; plain rendezvous in the same run: {plain:.3f}"
+    if over_cap:
+        note += f"; {over_cap} tenants over a cap"
+    return Result(
+        name=f"affinity max/mean home load, {what}, k={K}", value=imbalance, unit="x",
+        target=BALANCE_FACTOR, direction="lower", kind="absolute", note=note,
+    )
+
+
+def _override_result(table: AffinityTable) -> Result:
+    size = len(table.to_json())
+    return Result(
+        name=f"affinity table JSON with home overrides, {N_PODS} pods x {N_TENANTS} tenants",
+        value=size, unit="bytes", target=CONFIGMAP_BYTES, direction="lower", kind="absolute",
+        note=f"{len(table.home_overrides)} overridden tenants "
+             f"({len(table.home_overrides) / N_TENANTS:.2%}); the rest use plain rendezvous",
+    )
 
 
 if __name__ == "__main__":
     for r in run():
-        print(f"{'PASS' if r.passed else 'FAIL'}  {r.name}: {r.value:.4g} {r.unit} (target {r.target}) {r.note}")
+        base = f", baseline {r.baseline:.4g} ({r.baseline_name}), ratio {r.ratio:.3f}" if r.baseline else ""
+        print(f"{'PASS' if r.passed else 'FAIL'}  {r.name}: {r.value:.4g} {r.unit}{base} "
+              f"(target {r.target}) {r.note}")
