@@ -54,9 +54,10 @@ class DramTier:
 
     # -- engine side --------------------------------------------------------------------
 
-    def lookup(self, root: KeyRoot, tokens: np.ndarray, count: bool = True) -> TierHit | None:
-        """Pinned longest prefix (never the whole prompt). `count` is advisory: the
-        core counts every lookup; re-lookups after a peer fetch are counted again."""
+    def lookup(self, root: KeyRoot, tokens: np.ndarray) -> TierHit | None:
+        """Pinned longest prefix (never the whole prompt). The core counts every call
+        in its own stats, re-lookups after a peer fetch included; the sidecar's
+        per-tenant hit rates (`metrics`) count each engine request once."""
         hit = self.cache.lookup(root, tokens)
         if not hit:
             return None

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
 
 _RESERVED = set(vars(logging.makeLogRecord({})))
 
@@ -41,7 +40,3 @@ def configure(level: str, **static: str) -> None:
 
 def set_level(level: str) -> None:
     logging.getLogger().setLevel(level)
-
-
-def now_s() -> float:
-    return time.time()

@@ -121,7 +121,7 @@ class Sidecar:
         if have < max_blocks and self.index is not None and self.transport is not None:
             fetched, peer_bytes = await self._from_peers(root, tokens, have, max_blocks)
             if fetched:
-                again = self.tier.lookup(root, tokens, count=False)
+                again = self.tier.lookup(root, tokens)
                 if again and again.matched_tokens > have * self.block_size:
                     if hit:
                         self.tier.release(hit.handle)
@@ -150,7 +150,7 @@ class Sidecar:
             return None
         platform_root = self._platform_root(root)
         # One extra token keeps the last-block rule from trimming the prefix itself.
-        hit = self.tier.lookup(platform_root, tokens[: len(prefix) + 1], count=False)
+        hit = self.tier.lookup(platform_root, tokens[: len(prefix) + 1])
         if hit and hit.matched_tokens // self.block_size <= have:
             self.tier.release(hit.handle)
             return None
@@ -279,7 +279,7 @@ class Sidecar:
         if prefix is None or t.root.tenant == self.config.platform_tenant:
             return
         n = len(prefix) // self.block_size
-        src = self.tier.lookup(t.root, t.tokens[: n * self.block_size + 1], count=False)
+        src = self.tier.lookup(t.root, t.tokens[: n * self.block_size + 1])
         if not src:
             return
         try:
@@ -362,7 +362,7 @@ class Sidecar:
             if root.tenant != tenant or moved >= max_bytes:
                 continue
             n = len(tokens) // self.block_size
-            have_hit = self.tier.lookup(root, np.append(tokens, 0).astype(np.uint32), count=False)
+            have_hit = self.tier.lookup(root, np.append(tokens, 0).astype(np.uint32))
             have = have_hit.matched_tokens // self.block_size if have_hit else 0
             try:
                 if have >= n:

@@ -23,7 +23,6 @@ import struct
 from enum import IntEnum
 
 import numpy as np
-import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
 HELLO_MAGIC = b"KVP1"
@@ -177,10 +176,6 @@ def decode_response_header(raw: bytes) -> tuple[Status, int]:
         return Status(status), length
     except ValueError:
         raise ProtocolError(f"unknown status {status}") from None
-
-
-def checksum(data: memoryview | bytes) -> int:
-    return xxhash.xxh3_64_intdigest(data)
 
 
 def encode_run_header(first_block: int, digests: np.ndarray) -> bytes:

@@ -135,3 +135,15 @@ def test_fleet_under_redis_and_peer_sigkill_serves_zero_wrong_kv(spawn, oracle, 
     assert total.hits.get("dram", 0) > 0 and total.hits.get("peer", 0) > 0, total.hits
     # The survivors noticed the faults and kept serving.
     assert handles[0].proc.poll() is None and handles[1].proc.poll() is None
+
+
+def test_fleet_with_reference_engines_reports_tier_hit_rates_and_serves_no_wrong_kv(tmp_path):
+    from kvtier_sidecar.fleet import run_fleet
+
+    report = run_fleet(sidecars=2, tenants=4, templates=2, requests=120, oracle="reference", workdir=str(tmp_path))
+    assert report["errors"] == 0, report["error_samples"]
+    assert report["wrong_kv"] == 0
+    assert report["requests"] == 120
+    assert report["tiers"]["dram"]["hits"] > 0 and report["tiers"]["peer"]["hits"] > 0
+    assert report["bytes_from_peers"] > 0 and report["bytes_materialized"] > 0
+    assert 0 < report["hit_rate"] <= 1
