@@ -203,6 +203,18 @@ def bounded_top_k(
 ) -> tuple[np.ndarray, int]:
     """Every tenant's k homes with no member above its cap (see module doc).
 
+    Deferred acceptance, vectorised by rounds:
+
+        propose   every tenant holds its first k members      (plain top k)
+        reject    a member above its cap turns away the tenants that score
+                  lowest with it, down to its cap
+        repropose a tenant turned away r times proposes to the next r
+                  members of its own order; back to `reject`
+        complete  stranded tenants (only with near-infeasible caps) swap in
+
+    Rounds stop when no member is above its cap; each round moves only the
+    turned-away tenants, so a few rounds settle 20,000 tenants.
+
     `candidates` is `top_k_many(..., depth)` for these tenants and members with
     depth >= k (computed here if absent); tenants pushed past their candidates
     are ranked deeper on demand. Returns (homes [T, k'] int32, best first; the
@@ -239,9 +251,9 @@ def bounded_top_k(
         tenant = np.concatenate([tenant, rows])
         member = np.concatenate([member, ranked.members[rows, cols].astype(np.int64)])
         score = np.concatenate([score, ranked.scores[rows, cols]])
-    tenant, member, score, short = _fill_short(tenant, member, score, kk, n_t, ranked, caps)
+    tenant, member, score, over_cap = _complete_stranded(tenant, member, score, kk, n_t, ranked, caps)
     order = np.lexsort((-score, tenant))
-    return member[order].reshape(n_t, kk).astype(np.int32), short
+    return member[order].reshape(n_t, kk).astype(np.int32), over_cap
 
 
 class _Candidates:
@@ -299,7 +311,7 @@ def _next_proposals(rej_tenants: np.ndarray, next_col: np.ndarray, n_t: int) -> 
     return rows, cols
 
 
-def _fill_short(tenant, member, score, kk, n_t, ranked: _Candidates, caps):
+def _complete_stranded(tenant, member, score, kk, n_t, ranked: _Candidates, caps):
     """Complete the tenants every member turned down (only when caps are tight).
 
     Deferred acceptance can strand a tenant whose only members with room are
@@ -341,7 +353,7 @@ def _fill_short(tenant, member, score, kk, n_t, ranked: _Candidates, caps):
 
 
 def _swap_in(t, order, homes, at, load, caps, ranked: _Candidates) -> bool:
-    """One swap that gives tenant t another home without raising any load (see `_fill_short`)."""
+    """One swap that gives tenant t another home without raising any load (see `_complete_stranded`)."""
     room = [m for m in range(len(load)) if load[m] < caps[m]]
     for col, x in enumerate(order):
         if x in homes[t]:

@@ -187,3 +187,18 @@ def test_a_tenant_misses_a_better_ranked_member_only_when_it_is_full_of_stronger
             displaced += 1
             assert loads[x] == caps[x] and held_min[x] >= scores[t, x]
     assert displaced > 0, "the caps must bind for this test to mean anything"
+
+
+def test_caps_with_no_slack_are_met_by_swaps_never_by_overloading(monkeypatch):
+    # 50 tenants x 4 homes over 10 equal members with balance factor 1.0: every cap
+    # is exactly 20, and deferred acceptance strands tenants whose only members
+    # with room are their own homes. Swaps complete them within the caps.
+    swaps = []
+    real = rendezvous._swap_in
+    monkeypatch.setattr(rendezvous, "_swap_in", lambda *a: swaps.append(a[0]) or real(*a))
+    members = {f"pod-{i}": 1.0 for i in range(10)}
+    names, caps, homes, over_cap = _bounded([f"tenant-{i}" for i in range(50)], members, 4, 1.0)
+    assert swaps, "this fleet must strand a tenant for the test to mean anything"
+    assert caps.tolist() == [20] * 10 and over_cap == 0
+    assert np.bincount(homes.ravel(), minlength=10).tolist() == [20] * 10
+    assert all(len(set(row)) == 4 for row in homes.tolist())
