@@ -67,12 +67,14 @@ def run(quick: bool = False) -> list[Result]:
     rolling = next(f for name, f in figs.items() if name.startswith("peak excess prefill ratio, gradual, pods 3"))
     together = figs["peak excess prefill ratio, gradual, pods of a step together / all at once"]
     steady = rollout.params["steady_prefill_load"]
+    total = next(f for name, f in figs.items() if name.startswith("peak total prefill ratio, gradual, pods 3"))
     out.append(Result("rollout: peak extra prefill, rolling steps vs all at once", rolling.value * rolling.baseline,
                       "replicas of prefill", ROLLOUT_FRACTION, "lower", baseline=rolling.baseline,
                       baseline_name="all at once",
                       note=f"steps 1 pod, 10%, 50%, 100%, pods 30 s apart; extra = peak 10-s bucket minus the "
-                           f"steady {steady:.2f}. If a step's pods restart TOGETHER the ratio is "
-                           f"{together.value:.2f} (over 1/3): the gain comes from rolling pods one at a time"))
+                           f"steady {steady:.2f} (counting the steady prefill too, the ratio is {total.value:.2f}). "
+                           f"If a step's pods restart TOGETHER the extra ratio is {together.value:.2f}, over 1/3: "
+                           "the gain comes from rolling pods one at a time"))
     return out
 
 

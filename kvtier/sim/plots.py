@@ -41,6 +41,9 @@ def _capacity(rep: ScenarioReport, out_dir: Path) -> Path:
     if oracle is not None:
         ax.axhline(oracle, color="k", linestyle="--", label="oracle (infinite, perfect routing)")
     ax.set_xscale("log")
+    sizes = sorted({x for pts in curves.values() for x, _ in pts})
+    ax.set_xticks(sizes, [f"{x:g}" for x in sizes])
+    ax.minorticks_off()
     ax.set_xlabel("DRAM tier per replica (GiB)")
     ax.set_ylabel("token hit rate (prefill avoided)")
     ax.set_title("Hit rate vs DRAM capacity per routing policy")

@@ -27,7 +27,7 @@ def test_design_arithmetic_reproduces_the_notes():
 
 
 def test_kvtier_reaches_nine_tenths_of_the_oracle_and_five_times_random_on_a_scaled_design_fleet():
-    spec = scenarios.design_workload(30_000, n_tenants=200)
+    spec = scenarios.design_workload(40_000, n_tenants=200)
     full = scenarios.design_arithmetic(FleetSpec(), scenarios.design_workload(1))
     fleet = replace(FleetSpec(), dram_bytes=int(full["random_coverage"] * spec.working_set_tokens() * 327_680))
     workload = generate(spec)
