@@ -41,13 +41,14 @@ from kvtier.sim.request import SimRequest
 # Ring points per replica: ~100 virtual nodes keep a consistent-hash ring's load
 # within ~10% of even, the usual setting for session routers.
 VIRTUAL_NODES = 100
-# Gateway API inference extension prefix plugin defaults: LRU capacity per server
-# in blocks, and the llm-d scheduler profile's scorer weights prefix:queue:kv = 3:2:2.
+# Gateway API inference extension prefix plugin: its default LRU capacity per server
+# in blocks; scorer weights prefix:queue:kv = 3:2:2, a common llm-d scheduler profile.
 GIE_LRU_BLOCKS_PER_SERVER = 31_250
 GIE_WEIGHTS = (3.0, 2.0, 2.0)
 # Dynamo KV router: cost = overlap_score_weight x prefill blocks + decode blocks.
 DYNAMO_OVERLAP_WEIGHT = 1.0
-# SGLang router (sgl-router) cache-aware defaults.
+# SGLang model gateway (sgl-router) cache-aware defaults; older sgl-router releases
+# used 0.5 / 32 / 1.1.
 SGLANG_CACHE_THRESHOLD = 0.3
 SGLANG_BALANCE_ABS = 64
 SGLANG_BALANCE_REL = 1.5
