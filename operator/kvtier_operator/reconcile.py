@@ -108,8 +108,10 @@ async def reconcile_membership(
 
     stats = await sidecars.fleet_stats(members)
     tenants = sorted(set(stats.tenants))
+    # An assignment over no tenants is no help to the planner (and trips its row reuse).
+    current = state.assignment if state.assignment is not None and state.assignment.tenants else None
     plan = plan_membership_change(
-        base, membership.weights(members), tenants, current=state.assignment, homes=spec.affinity.homes
+        base, membership.weights(members), tenants, current=current, homes=spec.affinity.homes
     )
     state.assignment = plan.assignment
     knobs_changed = published is not None and _knobs(published) != _knobs(base)
