@@ -19,7 +19,7 @@ from kvtier.sim.policies import POLICIES
 SCENARIOS = ("design-notes", "compare", "capacity", "membership", "rollout", "thrash")
 # Requests per scenario when --requests is not given (the full-size runs).
 DEFAULT_REQUESTS = {"design-notes": 1_000_000, "compare": 100_000, "capacity": 50_000,
-                    "membership": 60_000, "rollout": 81_000, "thrash": 40_000}
+                    "membership": 90_000, "rollout": 81_000, "thrash": 40_000}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -243,9 +243,15 @@ class Simulation:
         budget = self.cfg.fleet.dram_bytes
         for move in plan.moves:
             sources = [index[m] for m in move.old_homes if m in index]
-            for gained in move.gained:
+            # `pick` sends a cool tenant to its FIRST home, so the new first home must be
+            # warm too, even when it was already a (lower-ranked, hence cold) home.
+            targets = list(move.gained)
+            if move.new_homes and move.new_homes[0] != move.old_homes[0] and move.new_homes[0] not in targets:
+                targets.append(move.new_homes[0])
+            for target in targets:
                 for src in sources:
-                    warmed += self.caches[index[gained]].warm_from(self.caches[src], move.tenant, budget)
+                    if src != index[target]:
+                        warmed += self.caches[index[target]].warm_from(self.caches[src], move.tenant, budget)
         entry["warmed_blocks"] = warmed
 
     # ------------------------------------------------------------------ summary

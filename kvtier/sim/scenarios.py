@@ -225,7 +225,7 @@ def membership(spec: WorkloadSpec, fleet: FleetSpec, join_at_s: float, leave_at_
     for warm in (True, False):
         label = f"{policy} {'with' if warm else 'without'} warm-up"
         cfg = SimConfig(spec, fleet, policy=policy, block_tokens=block_tokens, warm_moved_tenants=warm,
-                        bucket_s=10.0, progress=progress)
+                        bucket_s=5.0, progress=progress)
         rep.results.append(simulate(cfg, events, workload=workload, label=label))
     for r in rep.results:
         for ev in r.events:
@@ -362,11 +362,12 @@ def _truth_notes(rep: ScenarioReport) -> None:
 
 # ---------------------------------------------------------------------- default sizes
 
-def default_membership(n_requests: int = 60_000, progress: bool = False, seed: int = 0) -> ScenarioReport:
-    """16 replicas, 400 tenants x 5 templates x 1,500 tokens at 300 rps."""
-    spec = design_workload(n_requests, n_tenants=400, rate_rps=300.0, seed=seed)
+def default_membership(n_requests: int = 90_000, progress: bool = False, seed: int = 0) -> ScenarioReport:
+    """16 replicas, 200 tenants x 5 templates x 1,500 tokens at 300 rps; a replica
+    joins half-way through (once warm) and replica 0 leaves at three quarters."""
+    spec = design_workload(n_requests, n_tenants=200, rate_rps=300.0, seed=seed)
     duration = n_requests / spec.rate_rps
-    return membership(spec, small_fleet(16, 40.0), duration / 3, 2 * duration / 3, progress=progress)
+    return membership(spec, small_fleet(16, 40.0), duration / 2, 3 * duration / 4, progress=progress)
 
 
 def default_rollout(n_requests: int = 81_000, n_replicas: int = 8, progress: bool = False,
