@@ -400,7 +400,7 @@ def _aligned(current: Assignment | None, table: AffinityTable, tenants: Sequence
     overrides): they are what routers used, whatever computed `current`."""
     tenants = list(tenants)
     names, m_hashes, weights = table._member_arrays()
-    if current is not None and current.fingerprint == _fingerprint(table):
+    if current is not None and current.tenants and current.fingerprint == _fingerprint(table):
         t_hashes, ranked, scores = _restricted(current, tenants)
     else:
         t_hashes = rendezvous.tenant_hashes(tenants)

@@ -118,6 +118,14 @@ def test_stale_or_partial_current_assignment_is_recomputed_not_trusted():
     assert np.array_equal(plan.assignment.homes, assign(plan.table, TENANTS).homes)
 
 
+def test_an_assignment_without_tenants_is_a_valid_starting_point():
+    """The operator's first plan, before any sidecar reported a tenant."""
+    old = AffinityTable(epoch=1, members=fleet(4))
+    empty = assign(old, [])
+    plan = plan_membership_change(old, dict(old.members, **{"pod-n": 1.0}), TENANTS[:50], current=empty)
+    assert np.array_equal(plan.assignment.homes, assign(plan.table, TENANTS[:50]).homes)
+
+
 def test_changing_k_recomputes_every_tenant():
     old = AffinityTable(epoch=1, members=fleet(10), homes=2)
     plan = plan_membership_change(old, dict(old.members), TENANTS[:500], homes=3)
