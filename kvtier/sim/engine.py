@@ -236,6 +236,7 @@ class Simulation:
         entry["moved_tenants"] = len(plan.moves)
         entry["movement_fraction"] = plan.movement_fraction
         entry["epoch"] = plan.table.epoch
+        entry["warmed_blocks"] = 0
         if not (self.cfg.warm_moved_tenants and self.cfg.cache == "kvtier"):
             return
         index = {name: i for i, name in enumerate(self.fleet.names)}
