@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, help="requests per run (default depends on the scenario)")
     p.add_argument("--policies", help=f"comma-separated routing policies for compare/capacity/design-notes "
                                       f"(known: {', '.join(POLICIES)})")
+    p.add_argument("--cache", choices=("kvtier", "lru"), default="kvtier",
+                   help="replica cache for compare: kvtier's LocalCache (admission) or plain LRU (default kvtier)")
     p.add_argument("--dram-gib", help="comma-separated DRAM sizes per replica for capacity (GiB)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON ('-' for stdout)")
@@ -72,7 +74,7 @@ def main(argv: list[str]) -> int:
 
     for name in names:
         n = args.requests or DEFAULT_REQUESTS[name]
-        rep = _run(name, n, policies, dram, args.seed, progress)
+        rep = _run(name, n, policies, dram, args.seed, progress, args.cache)
         reports.append(rep)
         if args.json != "-":
             print(render(rep), flush=True)
@@ -93,11 +95,12 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _run(name, n, policies, dram, seed, progress):
+def _run(name, n, policies, dram, seed, progress, cache="kvtier"):
     if name == "design-notes":
         return scenarios.design_notes(n, policies or ("kvtier", "random", "oracle"), progress=progress, seed=seed)
     if name == "compare":
-        return scenarios.default_compare(n, policies or scenarios.COMPETITORS, progress=progress, seed=seed)
+        return scenarios.default_compare(n, policies or scenarios.COMPETITORS, progress=progress, seed=seed,
+                                         cache=cache)
     if name == "capacity":
         return scenarios.default_capacity(n, policies or scenarios.COMPETITORS, dram or (5, 10, 20, 40, 80),
                                           progress=progress, seed=seed)

@@ -388,10 +388,10 @@ def default_thrash(n_requests: int = 40_000, progress: bool = False, seed: int =
 
 
 def default_compare(n_requests: int = 100_000, policies=COMPETITORS, progress: bool = False,
-                    seed: int = 0) -> ScenarioReport:
+                    seed: int = 0, cache: str = "kvtier") -> ScenarioReport:
     """16 replicas with 40 GiB each, the mixed workload (all four populations)."""
     return compare(mixed_workload(n_requests, unit=COARSE_UNIT, seed=seed), small_fleet(16, 40.0), policies,
-                   progress=progress)
+                   cache=cache, progress=progress)
 
 
 def default_capacity(n_requests: int = 50_000, policies=COMPETITORS, dram_gib=(5, 10, 20, 40, 80),
