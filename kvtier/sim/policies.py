@@ -254,6 +254,7 @@ class PrecisePrefixPolicy(RoutingPolicy):
     """
 
     name = "precise-prefix"
+    token_unit = 1  # real tokens per simulation element; the engine sets it
 
     def __init__(self, overlap_weight: float = DYNAMO_OVERLAP_WEIGHT) -> None:
         self.overlap_weight = overlap_weight
@@ -271,8 +272,6 @@ class PrecisePrefixPolicy(RoutingPolicy):
             if cost < best_cost:
                 best, best_cost = r, cost
         return best
-
-    token_unit = 1
 
 
 class SglangPolicy(RoutingPolicy):

@@ -80,3 +80,31 @@ def test_approx_prefix_prefers_the_replica_it_sent_the_prefix_to():
 def test_unknown_policy_is_a_value_error_naming_the_choices():
     with pytest.raises(ValueError, match="kvtier"):
         make_policy("nope")
+
+
+def test_precise_prefix_goes_where_the_blocks_really_are_unless_load_outweighs_them():
+    from kvtier.sim.caches import LruCache
+    from kvtier.sim.policies import PrecisePrefixPolicy
+
+    fleet = Fleet(FleetSpec(n_replicas=4))
+    caches = [LruCache(100, 4) for _ in range(4)]
+    policy = PrecisePrefixPolicy()
+    roots = RootBook(TENANTS)
+    policy.bind(fleet, caches, roots)
+    req = _req(0, tokens=tuple(range(64)))
+    req.prompt_tokens = 64
+    caches[2].serve(req, roots.root(0, 0), 0.0)
+    assert policy.route(req, 0.0) == 2
+    fleet.active_kv_tokens[2] = 10_000  # 625 decode blocks dwarf the 15 cached ones
+    assert policy.route(req, 0.0) != 2
+
+
+def test_sglang_routes_by_prefix_when_balanced_and_to_the_shortest_queue_when_not():
+    from kvtier.sim.policies import SglangPolicy
+
+    fleet, policy = _bound(SglangPolicy(), n=4)
+    req = _req(0, tokens=tuple(range(64)))
+    policy.routed(req, 1)
+    assert policy.route(req, 0.0) == 1
+    fleet.in_flight[:] = [5, 200, 5, 0]  # 200 - 0 > 64 and 200 > 1.5 x 0: imbalanced
+    assert policy.route(req, 0.0) == 3
