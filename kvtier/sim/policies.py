@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvtier.affinity import AffinityTable, MembershipPlan, plan_membership_change
+from kvtier.affinity import AffinityTable, MembershipPlan, plan_membership_change, with_bounded_loads
 from kvtier.keys import DEFAULT_BLOCK_SIZE, KeyRoot
 from kvtier.routing import SpillState, pick
 from kvtier.sim.fleet import Fleet
@@ -351,8 +351,10 @@ class KvtierPolicy(RoutingPolicy):
 
     def bind(self, fleet, caches, roots):
         super().bind(fleet, caches, roots)
+        # What the operator publishes when it knows the fleet and the tenants at once:
+        # rendezvous homes with home loads bounded by balanceFactor.
         table = AffinityTable(members={fleet.names[r]: 1.0 for r in fleet.live}, **self._knobs)
-        self._use(table)
+        self._use(with_bounded_loads(table, roots.tenant_names))
         self._state = SpillState()
         self.last_plan: MembershipPlan | None = None
 

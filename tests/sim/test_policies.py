@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from kvtier.affinity import AffinityTable
+from kvtier.routing import homes_for
 from kvtier.sim.fleet import Fleet, FleetSpec
 from kvtier.sim.policies import (ApproxPrefixPolicy, ConsistentHashPolicy, KvtierPolicy, RootBook,
                                  RoundRobinPolicy, make_policy)
@@ -25,11 +26,12 @@ def _req(tenant, tokens=(1, 2, 3, 4, 5, 6, 7, 8, 9)):
     return r
 
 
-def test_kvtier_routes_a_cool_tenant_to_its_first_rendezvous_home():
+def test_kvtier_routes_a_cool_tenant_to_its_first_home_in_the_published_table():
     fleet, policy = _bound(KvtierPolicy())
-    table = AffinityTable(members={name: 1.0 for name in fleet.names})
-    for t in range(20):
-        assert fleet.names[policy.route(_req(t), 0.0)] == table.homes_for(TENANTS[t])[0]
+    plain = AffinityTable(members={name: 1.0 for name in fleet.names})
+    assert policy.table.members == plain.members
+    for t in range(50):
+        assert fleet.names[policy.route(_req(t), 0.0)] == homes_for(TENANTS[t], policy.table)[0]
 
 
 def test_kvtier_spills_off_a_home_that_is_hot_and_above_the_fleet_mean():
@@ -38,8 +40,7 @@ def test_kvtier_spills_off_a_home_that_is_hot_and_above_the_fleet_mean():
     fleet.occupancy_by_name[fleet.names[first]] = 0.95
     second = policy.route(_req(3), 0.0)
     assert second != first
-    table = AffinityTable(members={name: 1.0 for name in fleet.names})
-    assert fleet.names[second] == table.homes_for(TENANTS[3])[1]
+    assert fleet.names[second] == homes_for(TENANTS[3], policy.table)[1]
 
 
 def test_kvtier_join_moves_about_one_in_n_of_the_tenants_and_bumps_the_epoch():
