@@ -1,9 +1,12 @@
 """`kvtier crd`: the KVCachePolicy CustomResourceDefinition, generated from
 `kvtier.policy` so the schema and the operator's models cannot drift.
 
-    kvtier crd                 write crds/kvtier.io_kvcachepolicies.yaml
+    kvtier crd                 write crds/ and charts/kvtier/crds/kvtier.io_kvcachepolicies.yaml
     kvtier crd --stdout        print it instead
-    kvtier crd --check         exit 1 if the committed file differs from the models
+    kvtier crd --check         exit 1 if either committed file differs from the models
+
+The chart carries its own copy (Helm installs a chart's `crds/` before its templates),
+written by the same command, so neither copy is ever edited by hand.
 
 Pydantic emits JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3 schema.
 `structural()` bridges the two: it inlines `$ref`s, drops `title` and
@@ -23,7 +26,10 @@ import yaml
 from kvtier import policy
 
 CRD_FILE = f"{policy.GROUP}_{policy.PLURAL}.yaml"
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent.parent / "crds"
+_REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT_DIR = _REPO / "crds"
+CHART_CRD_DIR = _REPO / "charts" / "kvtier" / "crds"
+DEFAULT_OUT_DIRS = (DEFAULT_OUT_DIR, CHART_CRD_DIR)
 
 # kubectl get kvcp columns (the issue's list): phase, version, rollout step and canary
 # share, fleet hit rate, members, age.
@@ -143,23 +149,26 @@ def render() -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvtier crd", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where to write the CRD (default: crds/)")
+    parser.add_argument("--out-dir", type=Path, action="append",
+                        help="where to write the CRD (repeatable; default: crds/ and charts/kvtier/crds/)")
     parser.add_argument("--stdout", action="store_true", help="print the CRD instead of writing it")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file in --out-dir differs from the models")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a file in an --out-dir differs from the models")
     args = parser.parse_args(argv)
     text = render()
-    path = args.out_dir / CRD_FILE
     if args.stdout:
         sys.stdout.write(text)
         return 0
+    paths = [d / CRD_FILE for d in (args.out_dir or DEFAULT_OUT_DIRS)]
     if args.check:
-        current = path.read_text() if path.exists() else ""
-        if current != text:
+        stale = [p for p in paths if not p.exists() or p.read_text() != text]
+        for path in stale:
             print(f"{path} is out of date with kvtier/policy.py: run `kvtier crd`", file=sys.stderr)
-            return 1
-        print(f"{path} is up to date")
-        return 0
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    print(f"wrote {path}")
+        for path in paths:
+            if path not in stale:
+                print(f"{path} is up to date")
+        return 1 if stale else 0
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0

@@ -2,11 +2,19 @@
 
     kvtier-operator [--namespace NS ...] [--sidecar-image IMG]
                     [--webhook-host HOST --webhook-port PORT (--webhook-cert F --webhook-key F
-                     | --webhook-self-signed DIR)] [--liveness URL] [--verbose]
+                     | --webhook-self-signed DIR)] [--liveness URL]
+                    [--service-account-dir DIR] [--verbose]
 
 Without --namespace it watches all namespaces. Without --webhook-host it serves no
 admission webhook (sidecar injection off). One replica only (Recreate): the operator
 keeps per-policy state in the objects' status and `kvtier.io/` annotations.
+
+--service-account-dir names where the pod's ServiceAccount credentials (token, ca.crt,
+namespace) are mounted. The client library and kopf read them from the fixed path
+/var/run/secrets/kubernetes.io/serviceaccount; the chart passes that path explicitly so
+a runtime that mounts volumes elsewhere (the test node agent runs pods as local
+processes and rewrites mount paths in args) still logs in with the pod's own token,
+against $KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT as in any pod.
 """
 from __future__ import annotations
 
@@ -29,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--webhook-self-signed", type=Path, metavar="DIR",
                    help="make a self-signed certificate in DIR (its cert.pem is the webhook's caBundle)")
     p.add_argument("--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--service-account-dir", type=Path, metavar="DIR",
+                   help="in-cluster credentials (token, ca.crt, namespace) mounted here")
     p.add_argument("--verbose", action="store_true")
     return p
 
@@ -57,12 +67,42 @@ def main(argv: list[str] | None = None) -> int:
 
     import kvtier_operator.handlers  # noqa: F401  (registers the handlers)
 
+    if args.service_account_dir:
+        _use_service_account_dir(args.service_account_dir)
     kopf.configure(verbose=args.verbose)
     kopf.run(
         clusterwide=not args.namespace, namespaces=args.namespace, standalone=True,
         liveness_endpoint=args.liveness,
     )
     return 0
+
+
+# Above kopf's own service-account (20) and kubeconfig (10) logins: an explicit flag wins.
+SERVICE_ACCOUNT_LOGIN_PRIORITY = 30
+
+
+def _use_service_account_dir(directory: Path) -> None:
+    """Point the client library's in-cluster loader (used by `Kube.from_environment`)
+    and kopf's login at `directory` instead of the fixed in-pod path."""
+    import kopf
+    from kubernetes.config import incluster_config
+
+    incluster_config.SERVICE_TOKEN_FILENAME = str(directory / "token")
+    incluster_config.SERVICE_CERT_FILENAME = str(directory / "ca.crt")
+
+    @kopf.on.login(id="service-account-dir")
+    def login(**_: object) -> kopf.ConnectionInfo | None:
+        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+        token = directory / "token"
+        if not (host and port and token.is_file()):
+            return None
+        namespace = directory / "namespace"
+        return kopf.ConnectionInfo(
+            server=f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}",
+            ca_path=str(directory / "ca.crt"), scheme="Bearer", token=token.read_text().strip(),
+            default_namespace=namespace.read_text().strip() if namespace.is_file() else None,
+            priority=SERVICE_ACCOUNT_LOGIN_PRIORITY,
+        )
 
 
 if __name__ == "__main__":

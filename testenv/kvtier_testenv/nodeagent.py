@@ -8,13 +8,18 @@ containers we can run natively (by default the one named `kvtier-sidecar`):
       2. binds each selected, unscheduled pod to it (pods/binding, as the scheduler);
       3. gives it a unique loopback IP (127.1.x.y), so several pods' processes can
          each bind the same port on their own address;
-      4. materialises its volumes under a per-pod directory: ConfigMap and Secret
-         volumes as kubelet's atomic `..data` symlink layout, kept in sync when the
-         object changes; emptyDir (any medium) as a directory; hostPath as itself;
+      4. materialises its volumes under a short per-pod directory (a hash of the pod
+         uid, so Unix socket paths inside stay far below the 108-byte limit whatever
+         the namespace and pod names): ConfigMap, Secret, downwardAPI and projected
+         volumes (serviceAccountToken from the TokenRequest API, renewed at 80% of
+         its lifetime as kubelet does; configMap; secret; downwardAPI) in kubelet's
+         atomic `..data` symlink layout, kept in sync when the sources change;
+         emptyDir (any medium) as a directory; hostPath as itself;
       5. starts each runnable container as a process: command+args from the spec,
          env resolved as kubelet would (values with $(VAR) expansion, downward API
-         fieldRefs, configMapKeyRef/secretKeyRef, envFrom), every mountPath in
-         command/args/env/workingDir rewritten to its local directory;
+         fieldRefs, configMapKeyRef/secretKeyRef, envFrom) plus
+         KUBERNETES_SERVICE_HOST/PORT naming the (loopback) API server, every
+         mountPath in command/args/env/workingDir rewritten to its local directory;
       6. reports status: Running, podIP, containerStatuses, Ready once each runnable
          container's readinessProbe (httpGet or tcpSocket against the pod IP) passes;
          other containers (an engine image we cannot run) count as running and ready;
@@ -22,6 +27,15 @@ containers we can run natively (by default the one named `kvtier-sidecar`):
          Ready meanwhile, restartCount+1); otherwise the pod turns Failed/Succeeded;
       8. on deletion (or replacement by a new uid) stops the processes and confirms
          the deletion with grace 0, as kubelet does.
+
+With `service_account_tokens=True` the agent also stands in for the ServiceAccount
+admission plugin the test control plane turns off (envtest's choice): a pod that does
+not opt out (`automountServiceAccountToken: false`) and mounts nothing at
+/var/run/secrets/kubernetes.io/serviceaccount gets the plugin's `kube-api-access-*`
+projected volume (token, the `kube-root-ca.crt` ConfigMap's ca.crt, the namespace)
+mounted there in every container. A local process cannot see that absolute path, so a
+program finds the files where the path is rewritten (e.g. the operator's
+`--service-account-dir=/var/run/secrets/kubernetes.io/serviceaccount` argument).
 
 Known limit: the API server rejects loopback addresses in Endpoints/EndpointSlices
 ("may not be in the loopback range"), so a Service selecting these pods gets no
@@ -35,6 +49,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import http.client
 import itertools
 import json
@@ -70,6 +85,15 @@ RESTART_BACKOFF_S = 1.0
 # Cap on terminationGracePeriodSeconds (default 30) so a stuck process cannot stall a test.
 MAX_GRACE_S = 5.0
 HTTP_TIMEOUT_S = 10.0
+# kubelet renews a projected token once 80% of its lifetime has passed.
+TOKEN_RENEW_FRACTION = 0.8
+# What the ServiceAccount admission plugin asks for (3607 s: one hour plus the
+# plugin's marker seconds, which extend a legacy-style token's validity).
+SERVICE_ACCOUNT_TOKEN_EXPIRATION_S = 3607
+SERVICE_ACCOUNT_MOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+ROOT_CA_CONFIG_MAP = "kube-root-ca.crt"
+# Per-pod directories are named by this many hex digits of a hash of the pod uid.
+POD_DIR_HASH_CHARS = 10
 # Pod IPs come from 127.1.0.0/16, away from 127.0.0.1 that servers in tests use.
 _POD_IPS = (f"127.1.{i // 254}.{i % 254 + 1}" for i in itertools.count(1))
 _POD_IPS_LOCK = threading.Lock()
@@ -174,6 +198,45 @@ def rewrite_paths(text: str, mounts: Mapping[str, Path]) -> str:
         pattern = re.escape(mount_path.rstrip("/")) + r"(?=$|[/\s:;,\"'=])"
         text = re.sub(pattern, lambda _m, p=str(mounts[mount_path]): p, text)
     return text
+
+
+def pod_dir_name(uid: str) -> str:
+    """A short, stable directory name for a pod (uids are unique; names can be long)."""
+    return hashlib.sha256(uid.encode()).hexdigest()[:POD_DIR_HASH_CHARS]
+
+
+def with_service_account_volume(pod: dict[str, Any]) -> dict[str, Any]:
+    """What the ServiceAccount admission plugin adds to a pod: a `kube-api-access-*`
+    projected volume mounted read-only at SERVICE_ACCOUNT_MOUNT_PATH in every
+    container. Unchanged when the pod opts out or already mounts something there."""
+    spec = pod.get("spec", {})
+    if spec.get("automountServiceAccountToken") is False:
+        return pod
+    containers = [*spec.get("initContainers", []), *spec.get("containers", [])]
+    if any(m.get("mountPath") == SERVICE_ACCOUNT_MOUNT_PATH for c in containers for m in c.get("volumeMounts", [])):
+        return pod
+    out = json.loads(json.dumps(pod))
+    name = f"kube-api-access-{pod_dir_name(pod['metadata'].get('uid', ''))[:5]}"
+    out["spec"].setdefault("volumes", []).append({"name": name, "projected": {"defaultMode": 0o644, "sources": [
+        {"serviceAccountToken": {"expirationSeconds": SERVICE_ACCOUNT_TOKEN_EXPIRATION_S, "path": "token"}},
+        {"configMap": {"name": ROOT_CA_CONFIG_MAP, "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
+    ]}})
+    for key in ("initContainers", "containers"):
+        for c in out["spec"].get(key, []):
+            c.setdefault("volumeMounts", []).append(
+                {"name": name, "mountPath": SERVICE_ACCOUNT_MOUNT_PATH, "readOnly": True})
+    return out
+
+
+def downward_files(items: Iterable[Mapping[str, Any]], pod: Mapping[str, Any]) -> dict[str, bytes]:
+    """A downwardAPI volume's (or projection's) files: fieldRef items only."""
+    out: dict[str, bytes] = {}
+    for item in items:
+        if "fieldRef" not in item:
+            raise PodSpecError(f"downwardAPI item {item.get('path')!r}: only fieldRef is supported")
+        out[item["path"]] = field_ref(pod, item["fieldRef"]["fieldPath"]).encode()
+    return out
 
 
 def pod_key(pod: Mapping[str, Any]) -> str:
@@ -400,6 +463,8 @@ class PodRun:
     dir: Path
     containers: dict[str, ContainerProcess] = field(default_factory=dict)
     volume_versions: dict[str, str] = field(default_factory=dict)
+    # (volume, source index) -> (token, monotonic time to renew it)
+    tokens: dict[tuple[str, int], tuple[str, float]] = field(default_factory=dict)
     next_volume_sync: float = 0.0
     phase: str = "Pending"
     message: str = ""
@@ -423,16 +488,18 @@ class NodeAgent:
                  node_name: str | None = None, workdir: Path | None = None,
                  base_env: Mapping[str, str] | None = None,
                  entrypoints: Mapping[str, list[str]] | None = None,
-                 poll_s: float = POLL_S) -> None:
+                 poll_s: float = POLL_S, service_account_tokens: bool = False) -> None:
         self.rest = RestClient(kubeconfig)
         self.namespaces = list(namespaces) if namespaces is not None else None
         self.selector = selector or ""
         self.runnable = frozenset(containers)
         self.node_name = node_name or f"kvtier-node-{uuid.uuid4().hex[:6]}"
-        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kvtier-node-"))
+        # Short on purpose: Unix socket paths under it must stay below 108 bytes.
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kvn-"))
         self.base_env = dict(base_env) if base_env is not None else self._default_env()
         self.entrypoints = dict(entrypoints or {})
         self.poll_s = poll_s
+        self.service_account_tokens = service_account_tokens
         self._runs: dict[str, PodRun] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -618,6 +685,8 @@ class NodeAgent:
         if not pod["spec"].get("nodeName"):
             self._bind(pod)
             return
+        if self.service_account_tokens:
+            pod = with_service_account_volume(pod)
         with self._lock:
             run = self._runs.get(uid)
         if run is None:
@@ -654,7 +723,7 @@ class NodeAgent:
         meta = pod["metadata"]
         ip = pod["status"].get("podIP") if pod["spec"].get("nodeName") == self.node_name else None
         run = PodRun(namespace=meta["namespace"], name=meta["name"], uid=meta["uid"],
-                     ip=ip or next_pod_ip(), dir=self.workdir / meta["namespace"] / f"{meta['name']}-{meta['uid'][:8]}")
+                     ip=ip or next_pod_ip(), dir=self.workdir / pod_dir_name(meta["uid"]))
         run.dir.mkdir(parents=True, exist_ok=True)
         with self._lock:
             self._runs[run.uid] = run
@@ -682,11 +751,75 @@ class NodeAgent:
                 if run.volume_versions.get(vol["name"]) != version:
                     write_atomic_volume(target, files, mode)
                     run.volume_versions[vol["name"]] = version
+            elif "projected" in vol or "downwardAPI" in vol:
+                files = self._projected_files(run, pod, vol, lookup)
+                if files is None:
+                    if not run.containers:
+                        run.message = f"waiting for volume {vol['name']!r}"
+                        return False
+                    continue
+                version = hashlib.sha256(json.dumps(sorted((k, v.hex()) for k, v in files.items())).encode()).hexdigest()
+                if run.volume_versions.get(vol["name"]) != version:
+                    src = vol.get("projected") or vol["downwardAPI"]
+                    write_atomic_volume(target, files, src.get("defaultMode", 0o644))
+                    run.volume_versions[vol["name"]] = version
             elif "emptyDir" in vol:
                 target.mkdir(parents=True, exist_ok=True)
             elif "hostPath" not in vol:
-                raise PodSpecError(f"volume {vol['name']!r}: only configMap, secret, emptyDir and hostPath are supported")
+                raise PodSpecError(f"volume {vol['name']!r}: only configMap, secret, projected, downwardAPI, "
+                                   "emptyDir and hostPath are supported")
         return True
+
+    def _projected_files(self, run: PodRun, pod: dict[str, Any], vol: Mapping[str, Any],
+                         lookup: ObjectLookup) -> dict[str, bytes] | None:
+        """The files of a projected (or downwardAPI) volume; None while a required
+        ConfigMap/Secret source is missing."""
+        if "downwardAPI" in vol:
+            return downward_files(vol["downwardAPI"].get("items", []), pod)
+        files: dict[str, bytes] = {}
+        for i, source in enumerate(vol["projected"].get("sources", [])):
+            if "serviceAccountToken" in source:
+                tok = source["serviceAccountToken"]
+                files[tok["path"]] = self._token(run, pod, (vol["name"], i), tok).encode()
+            elif "configMap" in source or "secret" in source:
+                kind = "configMap" if "configMap" in source else "secret"
+                src = dict(source[kind])
+                as_volume = {"name": vol["name"],
+                             kind: {**src, "secretName": src.get("name", "")} if kind == "secret" else src}
+                got = volume_files(as_volume, lookup)
+                if got is None:
+                    return None
+                files.update(got[0])
+            elif "downwardAPI" in source:
+                files.update(downward_files(source["downwardAPI"].get("items", []), pod))
+            else:
+                raise PodSpecError(f"volume {vol['name']!r}: unsupported projected source {sorted(source)}")
+        return files
+
+    def _token(self, run: PodRun, pod: dict[str, Any], key: tuple[str, int], source: Mapping[str, Any]) -> str:
+        """A bound ServiceAccount token from the TokenRequest API, reused until 80% of
+        its lifetime has passed."""
+        cached = run.tokens.get(key)
+        if cached is not None and time.monotonic() < cached[1]:
+            return cached[0]
+        meta, spec = pod["metadata"], pod["spec"]
+        expiration_s = int(source.get("expirationSeconds", 3600))
+        body: dict[str, Any] = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {
+            "expirationSeconds": expiration_s,
+            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]}}}
+        if source.get("audience"):
+            body["spec"]["audiences"] = [source["audience"]]
+        account = spec.get("serviceAccountName") or "default"
+        try:
+            answer = self.rest.request(
+                "POST", f"/api/v1/namespaces/{meta['namespace']}/serviceaccounts/{account}/token", body)
+        except ApiError as e:
+            if e.status == 404:
+                raise PodSpecError(f"serviceaccount {account!r} not found (token request)") from None
+            raise
+        token = answer["status"]["token"]
+        run.tokens[key] = (token, time.monotonic() + TOKEN_RENEW_FRACTION * expiration_s)
+        return token
 
     def _mounts(self, run: PodRun, pod: dict[str, Any], container: Mapping[str, Any]) -> dict[str, Path]:
         vols = {v["name"]: v for v in pod["spec"].get("volumes", [])}
@@ -721,7 +854,11 @@ class NodeAgent:
             raise PodSpecError(f"container {c['name']!r} has no command (no image entrypoint here)")
         argv = [rewrite_paths(expand_vars(a, env), mounts) for a in [*command, *c.get("args", [])]]
         cwd = Path(rewrite_paths(c["workingDir"], mounts)) if c.get("workingDir") else run.dir
-        full_env = {**self.base_env, "HOSTNAME": run.name, **env}
+        # kubelet's service environment for the `kubernetes` Service: here the API
+        # server itself, on loopback, so in-cluster clients reach it.
+        service_env = {"KUBERNETES_SERVICE_HOST": self.rest.host, "KUBERNETES_SERVICE_PORT": str(self.rest.port),
+                       "KUBERNETES_SERVICE_PORT_HTTPS": str(self.rest.port)}
+        full_env = {**self.base_env, "HOSTNAME": run.name, **service_env, **env}
         return ContainerProcess(c["name"], argv, full_env, cwd, run.dir / f"{c['name']}.log")
 
     def _spawn(self, cp: ContainerProcess) -> None:
