@@ -1,16 +1,13 @@
 """bench/run_all: runs every bench module, rewrites BENCHMARKS.md, keeps sections on --only."""
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
-# `bench` is a top-level folder, not an installed package: make the repository root
-# importable (a `pythonpath = ["."]` pytest setting would do this for every test).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench import run_all  # noqa: E402
-from bench.common import Result  # noqa: E402
+# `bench` is a top-level folder, not an installed package: pytest's `pythonpath = ["."]`
+# (pyproject.toml) makes the repository root importable.
+from bench import run_all
+from bench.common import Result
 
 
 @pytest.fixture
