@@ -1,0 +1,152 @@
+"""charts/kvtier against the real kube-apiserver: `helm install` creates the CRD and
+every object, `helm upgrade` keeps the webhook certificate, `helm uninstall` removes
+what it made; and the operator Deployment from the chart, run by the node agent as a
+local process with its own ServiceAccount token, reconciles a KVCachePolicy and
+injects sidecars through the chart's webhook."""
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from helm_chart import CHART, ROOT, SA_DIR
+from kvtier_testenv.kubectl import Kubectl, KubectlError
+
+CRD_NAME = "kvcachepolicies.kvtier.io"
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exists(kubectl: Kubectl, *what: str) -> bool:
+    try:
+        kubectl.get_json(*what)
+        return True
+    except KubectlError as e:
+        if "NotFound" in e.stderr or "not found" in e.stderr:
+            return False
+        raise
+
+
+def only_namespace(name: str) -> dict[str, Any]:
+    """Keeps a test's webhook from seeing other tests' pods on the shared apiserver."""
+    return {"matchLabels": {"kubernetes.io/metadata.name": name}}
+
+
+def test_install_creates_everything_upgrade_keeps_the_cert_uninstall_removes_it(helm, kubectl, namespace):
+    release = f"kvt-{uuid.uuid4().hex[:6]}"
+    name = f"{release}-kvtier"
+    values = {"webhook": {"namespaceSelector": only_namespace(namespace)}}
+    helm.install(release, CHART, values=values)
+    cluster = kubectl.in_namespace(None)  # cluster-scoped objects
+    try:
+        crd = wait_for("the CRD Established", lambda: next(
+            (c for c in cluster.get_json("crd", CRD_NAME)["status"].get("conditions", [])
+             if c["type"] == "Established" and c["status"] == "True"), None))
+        assert crd
+        for kind in ("serviceaccount", "deployment", "service"):
+            assert exists(kubectl, kind, f"{name}-operator"), kind
+        for kind in ("clusterrole", "clusterrolebinding"):
+            assert exists(cluster, kind, f"{name}-operator"), kind
+        secret = kubectl.get_json("secret", f"{name}-webhook-tls")
+        hook = cluster.get_json("mutatingwebhookconfiguration", f"{name}-sidecar-injector")
+        assert hook["webhooks"][0]["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+        assert hook["webhooks"][0]["clientConfig"]["service"]["namespace"] == namespace
+        binding = cluster.get_json("clusterrolebinding", f"{name}-operator")
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": f"{name}-operator", "namespace": namespace}]
+
+        helm.install(release, CHART, values={**values, "operator": {"verbose": True}})  # an upgrade
+        after = kubectl.get_json("secret", f"{name}-webhook-tls")
+        assert after["data"] == secret["data"], "an upgrade must keep the webhook's CA and certificate"
+        hook_after = cluster.get_json("mutatingwebhookconfiguration", f"{name}-sidecar-injector")
+        assert hook_after["webhooks"][0]["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+        args = kubectl.get_json("deployment", f"{name}-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--verbose" in args, "the upgrade itself was applied"
+
+        helm.install(release, CHART, values={"webhook": {"namespaceSelector": only_namespace(namespace),
+                                                         "url": "https://127.0.0.1:9443/inject-sidecar"}})
+        moved = kubectl.get_json("secret", f"{name}-webhook-tls")
+        assert moved["data"]["tls.crt"] != secret["data"]["tls.crt"], \
+            "a certificate that no longer covers the webhook's host is reissued"
+    finally:
+        helm.run("uninstall", release, "--wait")
+    for kind in ("serviceaccount", "deployment", "service"):
+        assert not exists(kubectl, kind, f"{name}-operator"), kind
+    assert not exists(kubectl, "secret", f"{name}-webhook-tls")
+    for kind in ("clusterrole", "clusterrolebinding"):
+        assert not exists(cluster, kind, f"{name}-operator"), kind
+    assert not exists(cluster, "mutatingwebhookconfiguration", f"{name}-sidecar-injector")
+    assert exists(cluster, "crd", CRD_NAME), "helm never deletes a chart's CRDs (policies would go with them)"
+
+
+def _jwt_claims(token: str) -> dict[str, Any]:
+    payload = token.split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+
+
+def test_operator_from_the_chart_runs_with_its_own_token_and_reconciles(
+        helm, kubectl, namespace, control_plane, node_agent_factory):
+    serving = f"{namespace[:50]}-srv"
+    admin = Kubectl(control_plane.kubeconfig)
+    admin.run("create", "namespace", serving)
+    release = f"kvt-{uuid.uuid4().hex[:6]}"
+    name = f"{release}-kvtier"
+    webhook_port = free_port()
+    values = {
+        "operator": {"watchNamespaces": [serving], "healthPort": free_port()},
+        "webhook": {"url": f"https://127.0.0.1:{webhook_port}/inject-sidecar", "port": webhook_port,
+                    "namespaceSelector": only_namespace(serving)},
+    }
+    try:
+        helm.install(release, CHART, values=values)
+        agent = node_agent_factory(namespaces=[namespace], containers=("operator",), service_account_tokens=True,
+                                   selector=f"app.kubernetes.io/instance={release}")
+        [pod] = agent.wait_ready(1, timeout_s=90)
+        proc = agent.process(namespace, pod["metadata"]["name"])
+        sa_arg = next(a for a in proc.argv if a.startswith("--service-account-dir="))
+        local_sa = sa_arg.split("=", 1)[1]
+        assert local_sa != SA_DIR, "the mount path is rewritten to the pod's local volume"
+        with open(f"{local_sa}/token") as f:
+            claims = _jwt_claims(f.read())
+        assert claims["sub"] == f"system:serviceaccount:{namespace}:{name}-operator"
+        assert claims["kubernetes.io"]["pod"]["name"] == pod["metadata"]["name"], "a token bound to the pod"
+        with open(f"{local_sa}/namespace") as f:
+            assert f.read() == namespace
+        assert proc.env["KUBERNETES_SERVICE_HOST"] == "127.0.0.1" and "KUBECONFIG" not in proc.env
+
+        policy = (ROOT / "examples" / "minimal.yaml").read_text()
+        kubectl.in_namespace(serving).apply(policy)
+        tiers = wait_for("tier verdicts in the policy's status", lambda: kubectl.in_namespace(serving).get_json(
+            "kvcp", "minimal").get("status", {}).get("tiers"), timeout_s=60)
+        assert {t["tier"] for t in tiers} >= {"dram", "peer"}
+        log = agent.log(namespace, pod["metadata"]["name"])
+        assert f"membership of {serving}/minimal reconciled" in log, log[-3000:]
+        assert "Handler 'spec_changed' succeeded" in log, log[-3000:]
+
+        # The chart's webhook (URL mode) reaches the chart's operator, which injects.
+        kubectl.in_namespace(serving).apply({"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": "web-0", "labels": {"app": "tiny-llm"}},
+            "spec": {"containers": [{"name": "engine", "image": "example.com/engine:1"}]}})
+        injected = kubectl.in_namespace(serving).get_json("pod", "web-0")
+        assert [c["name"] for c in injected["spec"]["containers"]] == ["engine", "kvtier-sidecar"]
+    finally:
+        helm.run("uninstall", release, "--wait", check=False)
+        admin.delete("namespace", serving, wait=False)
