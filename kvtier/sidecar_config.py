@@ -14,6 +14,10 @@ file. Example::
       dtype_bytes: 2
     block_size: 16
     dram_capacity_bytes: 8589934592
+    min_sightings: 2
+    thrash_ratio: 0.9
+    nvme: {mode: shadow, path: /var/lib/kvtier/nvme}   # off | shadow | on
+    peer_enabled: true
     redis_url: redis://kvtier-redis:6379/0
     peer_secret_file: /var/run/kvtier/peer-secret
     platform_prefixes: [[128000, 882, 25]]
@@ -32,7 +36,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -46,6 +50,18 @@ DEFAULT_PEER_TIMEOUT_S = 2.0
 DEFAULT_INDEX_TTL_S = 600
 # Prometheus series per metric stay bounded: top-N tenants get a label, the rest "other".
 DEFAULT_METRICS_TOP_TENANTS = 20
+# Tenants listed in whole-cache stats (most bytes first): the operator learns a
+# replica's tenants from them (~136 each in the design's fleet); bounded for a scrape.
+DEFAULT_STATS_MAX_TENANTS = 1000
+# Evictions/s above 0.9 x stores/s, sustained, is thrash (DESIGN.md rule 8).
+DEFAULT_THRASH_RATIO = 0.9
+# NVMe shadow probe: a few tens of MiB written, fsynced and read back measures the
+# device rather than its cache, in well under a second on a 7 GB/s drive ...
+DEFAULT_NVME_PROBE_BYTES = 32 << 20
+# ... repeated this often (a slow timer: the probe competes with nothing it serves) ...
+DEFAULT_NVME_PROBE_INTERVAL_S = 300.0
+# ... and abandoned past this budget (a sick disk must not hold a thread for long).
+DEFAULT_NVME_PROBE_BUDGET_S = 5.0
 
 RELOADABLE_FIELDS = frozenset({
     "log_level",
@@ -54,9 +70,11 @@ RELOADABLE_FIELDS = frozenset({
     "index_ttl_s",
     "index_lookup_timeout_s",
     "metrics_top_tenants",
+    "stats_max_tenants",
     "platform_prefixes",
     "platform_tenant",
     "model",
+    "nvme",
 })
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
@@ -76,9 +94,54 @@ class ModelShape(BaseModel):
     kv_heads: int = Field(2, ge=1, le=1024)
     head_dim: int = Field(16, ge=1, le=4096)
     dtype_bytes: int = Field(4, ge=1, le=8)
+    # Caches that are not one K and one V per kv head set this: multi-head latent
+    # attention (DeepSeek-V3) keeps ONE latent of head_dim per layer, i.e.
+    # layers x kv_heads x head_dim x dtype_bytes; None means K and V (twice that).
+    kv_bytes_per_token_override: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _override_is_whole_planes(self) -> "ModelShape":
+        if self.kv_bytes_per_token_override is not None and self.kv_bytes_per_token_override not in (
+            self._plane_bytes(), 2 * self._plane_bytes()
+        ):
+            raise ValueError(
+                f"model.kv_bytes_per_token_override={self.kv_bytes_per_token_override} must be "
+                f"layers x kv_heads x head_dim x dtype_bytes = {self._plane_bytes()} (one latent per "
+                f"layer, MLA) or twice that (K and V); adjust head_dim/kv_heads to the cache's shape"
+            )
+        return self
+
+    def _plane_bytes(self) -> int:
+        return self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def kv_planes(self) -> int:
+        """2 (K and V) for ordinary attention, 1 for a latent cache (MLA)."""
+        if self.kv_bytes_per_token_override is None:
+            return 2
+        return self.kv_bytes_per_token_override // self._plane_bytes()
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        return self.kv_planes * self._plane_bytes()
+
+
+class NvmeConfig(BaseModel):
+    """The local-disk tier. `shadow` measures the disk under `path` (write + fsync +
+    read back, O_DIRECT where the filesystem allows) on a slow timer and reports the
+    bandwidth in stats without serving from it; `on` is refused for serving by this
+    sidecar (not implemented) and behaves as `shadow`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["off", "shadow", "on"] = "off"
+    path: str = Field("/var/lib/kvtier/nvme", min_length=1, max_length=1024)
+    probe_bytes: int = Field(DEFAULT_NVME_PROBE_BYTES, ge=1 << 20, le=1 << 30)
+    probe_interval_s: float = Field(DEFAULT_NVME_PROBE_INTERVAL_S, ge=1.0)
+    probe_budget_s: float = Field(DEFAULT_NVME_PROBE_BUDGET_S, gt=0)
+
+    @property
+    def measuring(self) -> bool:
+        return self.mode != "off"
 
 
 class SidecarConfig(BaseModel):
@@ -94,6 +157,8 @@ class SidecarConfig(BaseModel):
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, le=4096)
     dram_capacity_bytes: int = Field(DEFAULT_DRAM_CAPACITY_BYTES, ge=1)
     min_sightings: int = Field(2, ge=1, le=16)
+    thrash_ratio: float = Field(DEFAULT_THRASH_RATIO, gt=0, le=1)
+    nvme: NvmeConfig = NvmeConfig()
 
     http_port: int = Field(8081, ge=0, le=65535)
     peer_port: int = Field(8082, ge=0, le=65535)
@@ -106,6 +171,7 @@ class SidecarConfig(BaseModel):
     index_lookup_timeout_s: float = Field(0.05, gt=0)
     index_key_prefix: str = "kvt"
 
+    peer_enabled: bool = True  # False: no peer server, no peer fetches, no warm-ups, no index
     peer_secret_file: str | None = None
     peer_max_concurrency: int = Field(8, ge=1, le=1024)
     peer_timeout_s: float = Field(DEFAULT_PEER_TIMEOUT_S, gt=0)
@@ -115,6 +181,7 @@ class SidecarConfig(BaseModel):
     platform_prefixes: list[list[int]] = Field(default_factory=list)
 
     metrics_top_tenants: int = Field(DEFAULT_METRICS_TOP_TENANTS, ge=1, le=1000)
+    stats_max_tenants: int = Field(DEFAULT_STATS_MAX_TENANTS, ge=1, le=100_000)
     log_level: str = "INFO"
 
     @field_validator("pod_name", "pod_namespace")

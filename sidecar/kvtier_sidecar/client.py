@@ -72,6 +72,10 @@ class SidecarUnavailable(ConnectionError):
     pass
 
 
+class _BackingOff(SidecarUnavailable):
+    """No attempt was made: the last fault was under RECONNECT_BACKOFF_S ago."""
+
+
 class SidecarClient:
     """One engine process's connection; thread-safe (one request in flight at a time)."""
 
@@ -91,7 +95,7 @@ class SidecarClient:
 
     def _connect(self) -> None:
         if time.monotonic() < self._retry_at:
-            raise SidecarUnavailable("sidecar unavailable (backing off)")
+            raise _BackingOff("sidecar unavailable (backing off)")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
@@ -143,6 +147,8 @@ class SidecarClient:
                 return self._call_locked(op, payload, tail)
             except ValueError:
                 raise
+            except _BackingOff:
+                return None  # not a new fault: dropping again would push the retry back forever
             except (OSError, ConnectionError, FrameError, ArenaError, KeyError, TypeError):
                 self._drop()
                 return None
@@ -155,6 +161,8 @@ class SidecarClient:
             try:
                 self._connect()
                 return True
+            except _BackingOff:
+                return False
             except (OSError, ConnectionError, FrameError, ArenaError, KeyError, TypeError, ValueError):
                 self._drop()
                 return False

@@ -2,7 +2,9 @@
 
     GET  /cache/stats?tenant=T   per-tenant (or whole-cache) hit rates, tiers, bytes
     POST /cache/invalidate       {"model_version": V}            -> 202, dropped in background
-    POST /cache/warm             {"tenant", "from_peer", "max_bytes"} -> 202, pulled in background
+    POST /cache/warm             {"tenant", "from_peer", "max_bytes", "ref"?} -> 202, pulled in background
+                                 (409 when the peer tier is off; a known ref answers its job)
+    GET  /cache/jobs             background jobs: state, started_s/finished_s (wall clock), bytes
     GET  /metrics                Prometheus text, top-N tenants + "other"
     GET  /healthz, /readyz
 
@@ -17,6 +19,8 @@ import re
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .service import PeerTierDisabled
 
 log = logging.getLogger("kvtier.sidecar.http")
 
@@ -36,6 +40,8 @@ class WarmRequest(BaseModel):
     tenant: str = Field(min_length=1, max_length=256)
     from_peer: str = Field(min_length=3, max_length=300)
     max_bytes: int = Field(gt=0)
+    # Idempotency key: the same ref again answers the first job (see Sidecar.warm).
+    ref: str | None = Field(default=None, min_length=1, max_length=256)
 
     def model_post_init(self, _ctx) -> None:
         if not _PEER_RE.match(self.from_peer):
@@ -84,8 +90,11 @@ def make_app(service) -> web.Application:
         body = await _body(request, WarmRequest)
         if isinstance(body, web.Response):
             return body
-        job = service.warm(body.tenant, body.from_peer, body.max_bytes)
-        return web.json_response({"accepted": True, "job": job}, status=202)
+        try:
+            job, started = service.warm(body.tenant, body.from_peer, body.max_bytes, body.ref)
+        except PeerTierDisabled as exc:
+            return _bad(str(exc), 409)
+        return web.json_response({"accepted": True, "job": job, "started": started}, status=202)
 
     async def jobs(request: web.Request) -> web.Response:
         return web.json_response(service.jobs())

@@ -32,6 +32,7 @@ from .dram import DramTier
 from .engine_server import EngineServer
 from .global_index import GlobalIndex
 from .http_api import make_app
+from .nvme_probe import NvmeProbe
 from .peer_tcp import PeerServer, TcpTransport
 from .service import Sidecar
 
@@ -52,7 +53,7 @@ def hello_for(config: SidecarConfig, arena: Arena) -> dict:
     m = config.model
     return {"shm_name": arena.name, "arena_bytes": arena.size, "block_bytes": arena.block_bytes,
             "block_size": config.block_size, "slots": arena.slots, "dtype": f"u{m.dtype_bytes}",
-            "block_shape": [m.layers, 2, m.kv_heads, config.block_size, m.head_dim], "kv_heads": m.kv_heads}
+            "block_shape": [m.layers, m.kv_planes, m.kv_heads, config.block_size, m.head_dim], "kv_heads": m.kv_heads}
 
 
 class SidecarProcess:
@@ -81,15 +82,19 @@ class SidecarProcess:
 
     async def _run(self, ready_file: str | None) -> None:
         c = self.config
-        tier = DramTier(self.arena, c.block_size, c.min_sightings, c.model.kv_heads)
-        secret = c.peer_secret()
-        self.peer_server = PeerServer(tier, c.pod_ip, c.peer_port, secret, c.peer_max_concurrency, c.peer_timeout_s).start()
-        advertise = c.peer_advertise or self.peer_server.address
-        self.index = None
-        if c.redis_url:
-            self.index = GlobalIndex(c.redis_url, advertise, c.index_key_prefix, c.index_ttl_s,
-                                     c.index_lookup_timeout_s, c.redis_cluster)
-        self.transport = TcpTransport(self.config.peer_secret, c.peer_connect_timeout_s, c.peer_timeout_s)
+        tier = DramTier(self.arena, c.block_size, c.min_sightings, c.model.kv_heads, c.thrash_ratio)
+        # Peer tier off: no listener, no fetches, no warm-ups, and so no global index
+        # (it only ever names peers to fetch from).
+        self.peer_server = self.index = self.transport = None
+        advertise = ""
+        if c.peer_enabled:
+            self.peer_server = PeerServer(tier, c.pod_ip, c.peer_port, c.peer_secret(), c.peer_max_concurrency,
+                                          c.peer_timeout_s).start()
+            advertise = c.peer_advertise or self.peer_server.address
+            if c.redis_url:
+                self.index = GlobalIndex(c.redis_url, advertise, c.index_key_prefix, c.index_ttl_s,
+                                         c.index_lookup_timeout_s, c.redis_cluster)
+            self.transport = TcpTransport(self.config.peer_secret, c.peer_connect_timeout_s, c.peer_timeout_s)
         self.service = Sidecar(c, tier, self.index, self.transport, instance=uuid.uuid4().hex)
         self.service.bind_loop(asyncio.get_running_loop())
         socket_path = c.engine_socket_path()
@@ -103,11 +108,14 @@ class SidecarProcess:
         background = [asyncio.create_task(self._watch_config()), asyncio.create_task(self._sweep())]
         if self.index is not None:
             background.append(asyncio.create_task(self.index.run()))
+        self._nvme_task: asyncio.Task | None = None
+        self._start_nvme_probe(c.nvme)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         ready = {"pid": os.getpid(), "http": f"{c.pod_ip}:{http_port}", "peer": advertise,
-                 "peer_bound": self.peer_server.address, "engine_socket": socket_path, "shm_name": self.arena.name,
+                 "peer_bound": self.peer_server.address if self.peer_server else "", "engine_socket": socket_path,
+                 "shm_name": self.arena.name,
                  "instance": self.service.instance}
         if ready_file:
             tmp = Path(ready_file + ".tmp")
@@ -117,8 +125,9 @@ class SidecarProcess:
         await self._stop.wait()
         log.info("sidecar shutting down")
         await engine.close()
-        self.peer_server.close()
-        for task in background:
+        if self.peer_server is not None:
+            self.peer_server.close()
+        for task in background + ([self._nvme_task] if self._nvme_task else []):
             task.cancel()
         if self.index is not None:
             await self.index.flush()
@@ -126,6 +135,19 @@ class SidecarProcess:
             await self.index.close()
         await runner.cleanup()
         self.service.close()
+
+    def _start_nvme_probe(self, nvme: cfgmod.NvmeConfig) -> None:
+        """(Re)start the shadow probe for `nvme`; mode off stops it."""
+        if self._nvme_task is not None:
+            self._nvme_task.cancel()
+            self._nvme_task = None
+        self.service.nvme = None
+        if not nvme.measuring:
+            return
+        if nvme.mode == "on":
+            log.warning("nvme mode 'on': this sidecar does not serve from NVMe; measuring only (shadow)")
+        self.service.nvme = NvmeProbe(nvme)
+        self._nvme_task = asyncio.create_task(self.service.nvme.run())
 
     async def _sweep(self) -> None:
         while True:
@@ -156,7 +178,10 @@ class SidecarProcess:
         merged = self.config.model_copy(update=applicable)
         self.config = merged
         self.service.apply_config(merged)
-        self.peer_server.set_secret(merged.peer_secret())
+        if self.peer_server is not None:
+            self.peer_server.set_secret(merged.peer_secret())
+        if "nvme" in applicable:
+            self._start_nvme_probe(merged.nvme)
         if "log_level" in applicable:
             logs.set_level(merged.log_level)
         log.info("config reloaded", extra={"applied": sorted(applicable)})
@@ -167,7 +192,7 @@ class SidecarProcess:
 
 def _shape(c: SidecarConfig) -> tuple:
     m = c.model
-    return (m.layers, m.kv_heads, m.head_dim, m.dtype_bytes)
+    return (m.layers, m.kv_heads, m.head_dim, m.dtype_bytes, m.kv_planes)
 
 
 def main(argv: list[str] | None = None) -> int:

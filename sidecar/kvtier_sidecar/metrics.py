@@ -27,6 +27,7 @@ class TenantCounters:
     peer_bytes: int = 0
     stores: int = 0
     stores_declined: int = 0
+    warmed_bytes: int = 0  # pulled from a peer by a warm-up job (the operator's moves)
 
     def add(self, other: "TenantCounters") -> None:
         self.lookups += other.lookups
@@ -36,6 +37,7 @@ class TenantCounters:
         self.peer_bytes += other.peer_bytes
         self.stores += other.stores
         self.stores_declined += other.stores_declined
+        self.warmed_bytes += other.warmed_bytes
 
     def as_dict(self) -> dict:
         total_hits = sum(self.hits.values())
@@ -50,6 +52,7 @@ class TenantCounters:
             "peer_bytes_fetched": self.peer_bytes,
             "stores": self.stores,
             "stores_declined": self.stores_declined,
+            "warmed_bytes": self.warmed_bytes,
         }
 
 
@@ -72,6 +75,9 @@ class TenantMetrics:
             c.stores += 1
         else:
             c.stores_declined += 1
+
+    def warmed(self, tenant: str, nbytes: int) -> None:
+        self.tenants[tenant].warmed_bytes += nbytes
 
     def total(self) -> TenantCounters:
         out = TenantCounters()

@@ -40,6 +40,12 @@ STORE_TICKET_TIMEOUT_S = 10.0
 PEER_ATTEMPTS = 2
 # Parallel peer fetches; each holds a thread blocked in recv_into.
 FETCH_THREADS = 8
+# Finished jobs kept for `GET /cache/jobs`: one epoch's warm-ups on one target fit.
+MAX_JOBS_KEPT = 1000
+
+
+class PeerTierDisabled(RuntimeError):
+    """A peer operation asked of a sidecar whose config turned the peer tier off."""
 
 
 @dataclass(slots=True)
@@ -94,6 +100,8 @@ class Sidecar:
         self._ids = itertools.count(1)
         self._fetch_pool = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="peer-fetch")
         self._jobs: dict[str, dict] = {}
+        self._job_refs: dict[str, str] = {}  # warm request ref -> job
+        self.nvme = None  # an nvme_probe.NvmeProbe when the config measures a local disk
         self._background: set[asyncio.Task] = set()
         self.started_s = time.time()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -314,7 +322,26 @@ class Sidecar:
         if tenant is None:
             out["sidecar"] = dict(self.counters)
             out["index"] = self._index_state()
+            out["tenants"], out["tenants_total"] = self._tenant_summary(self.config.stats_max_tenants)
+            out["peer_enabled"] = self.transport is not None
+            out["thrash_ratio"] = self.config.thrash_ratio
+            if self.nvme is not None:
+                out["nvme"] = self.nvme.report()
         return out
+
+    def _tenant_summary(self, limit: int) -> tuple[dict[str, dict], int]:
+        """{tenant: bytes held here, lookups, hits} for the `limit` tenants holding the
+        most bytes (then the most looked-up), and how many tenants there are in all.
+        A tenant is known once it looked up, stored or was warmed here."""
+        rows = []
+        for name, c in list(self.metrics.tenants.items()):
+            cached = self.tier.stats(name)
+            rows.append((name, cached["bytes_used"], c))
+        rows.sort(key=lambda r: (-r[1], -r[2].lookups, r[0]))
+        listed = {name: {"bytes": nbytes, "lookups": c.lookups, "hits": sum(c.hits.values()),
+                         "warmed_bytes": c.warmed_bytes}
+                  for name, nbytes, c in rows[:limit]}
+        return listed, len(rows)
 
     def _index_state(self) -> dict:
         if self.index is None:
@@ -322,26 +349,32 @@ class Sidecar:
         return {"enabled": True, "available": self.index.available, "pending_blocks": self.index.pending,
                 **dict(self.index.stats)}
 
-    def _spawn(self, name: str, coro) -> str:
+    def _spawn(self, name: str, coro, **about) -> str:
+        """Run `coro` in the background as a job; its record (wall-clock `started_s`,
+        `finished_s`, and what it was about) is what `GET /cache/jobs` shows."""
         job = f"{name}-{next(self._ids)}"
-        self._jobs[job] = {"state": "running", "started_s": time.time()}
+        self._jobs[job] = {"state": "running", "kind": name, **about, "started_s": time.time(), "finished_s": None}
         task = asyncio.get_running_loop().create_task(self._run_job(job, coro))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return job
 
     async def _run_job(self, job: str, coro) -> None:
+        record = self._jobs[job]
         try:
             result = await coro
-            self._jobs[job].update(state="done", result=result)
+            record.update(state="done", result=result, bytes=result.get("bytes", 0))
         except Exception as exc:  # a failed job is reported, not raised
             log.exception("job failed", extra={"job": job})
-            self._jobs[job].update(state="failed", error=str(exc))
-        while len(self._jobs) > 100:
-            self._jobs.pop(next(iter(self._jobs)))
+            record.update(state="failed", error=str(exc))
+        record["finished_s"] = time.time()
+        while len(self._jobs) > MAX_JOBS_KEPT:
+            old = self._jobs.pop(next(iter(self._jobs)))
+            if old.get("ref"):
+                self._job_refs.pop(old["ref"], None)
 
     def jobs(self) -> dict:
-        return dict(self._jobs)
+        return {job: dict(record) for job, record in self._jobs.items()}
 
     def invalidate_version(self, version: str) -> str:
         async def run() -> dict:
@@ -350,8 +383,19 @@ class Sidecar:
             return {"dropped_blocks": dropped}
         return self._spawn("invalidate", run())
 
-    def warm(self, tenant: str, peer: str, max_bytes: int) -> str:
-        return self._spawn("warm", self._warm(tenant, peer, max_bytes))
+    def warm(self, tenant: str, peer: str, max_bytes: int, ref: str | None = None) -> tuple[str, bool]:
+        """Start pulling `tenant`'s hot prefixes from `peer`; (job, started). A `ref`
+        names the request: asking again with a ref this sidecar still remembers answers
+        the first job instead of starting another (a restarted operator re-asks)."""
+        if self.transport is None:
+            raise PeerTierDisabled("the peer tier is disabled in this sidecar's config")
+        if ref is not None and ref in self._job_refs:
+            return self._job_refs[ref], False
+        job = self._spawn("warm", self._warm(tenant, peer, max_bytes), tenant=tenant, from_peer=peer,
+                          max_bytes=max_bytes, ref=ref)
+        if ref is not None:
+            self._job_refs[ref] = job
+        return job, True
 
     async def _warm(self, tenant: str, peer: str, max_bytes: int) -> dict:
         loop = asyncio.get_running_loop()
@@ -375,6 +419,7 @@ class Sidecar:
                 if have_hit:
                     self.tier.release(have_hit.handle)
         self.counters["warmed_blocks"] += blocks
+        self.metrics.warmed(tenant, moved)
         return {"prefixes": len(hot.prefixes), "blocks": blocks, "bytes": moved}
 
     def metrics_text(self) -> bytes:
