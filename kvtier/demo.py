@@ -263,7 +263,14 @@ def _main_fleet(args: argparse.Namespace) -> int:
     return 0 if report["wrong_kv"] == 0 and report["errors"] == 0 else 1
 
 
-MODES: dict[str, Callable[[argparse.Namespace], int]] = {"fleet": _main_fleet, "local": _main_local}
+def _main_cluster(args: argparse.Namespace) -> int:
+    from kvtier import demo_cluster  # the embedded Kubernetes, helm chart and operator
+
+    return demo_cluster.main(args)
+
+
+MODES: dict[str, Callable[[argparse.Namespace], int]] = {
+    "fleet": _main_fleet, "local": _main_local, "cluster": _main_cluster}
 
 
 def _positive_int(text: str) -> int:
@@ -280,7 +287,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=sorted(MODES), default="fleet",
                    help="fleet: Redis + sidecar processes + engines on loopback (default); "
-                        "local: one engine and an in-process LocalCache")
+                        "local: one engine and an in-process LocalCache; "
+                        "cluster: embedded Kubernetes, helm-installed operator, injected sidecars")
     p.add_argument("--sidecars", type=_positive_int, default=3, help="fleet mode: sidecar processes")
     p.add_argument("--requests", type=_positive_int, default=DEFAULT_REQUESTS)
     p.add_argument("--seed", type=int, default=0)

@@ -29,10 +29,10 @@ containers we can run natively (by default the one named `kvtier-sidecar`):
          the deletion with grace 0, as kubelet does.
 
 With `service_account_tokens=True` the agent also stands in for the ServiceAccount
-admission plugin the test control plane turns off (envtest's choice): a pod that does
-not opt out (`automountServiceAccountToken: false`) and mounts nothing at
-/var/run/secrets/kubernetes.io/serviceaccount gets the plugin's `kube-api-access-*`
-projected volume (token, the `kube-root-ca.crt` ConfigMap's ca.crt, the namespace)
+admission plugin the test control plane turns off (envtest's choice): a pod that names
+its `serviceAccountName`, does not opt out (`automountServiceAccountToken: false`) and
+mounts nothing at /var/run/secrets/kubernetes.io/serviceaccount gets the plugin's
+`kube-api-access-*` projected volume (token, the `kube-root-ca.crt` ConfigMap's ca.crt, the namespace)
 mounted there in every container. A local process cannot see that absolute path, so a
 program finds the files where the path is rewritten (e.g. the operator's
 `--service-account-dir=/var/run/secrets/kubernetes.io/serviceaccount` argument).
@@ -208,9 +208,11 @@ def pod_dir_name(uid: str) -> str:
 def with_service_account_volume(pod: dict[str, Any]) -> dict[str, Any]:
     """What the ServiceAccount admission plugin adds to a pod: a `kube-api-access-*`
     projected volume mounted read-only at SERVICE_ACCOUNT_MOUNT_PATH in every
-    container. Unchanged when the pod opts out or already mounts something there."""
+    container. Unchanged when the pod opts out, already mounts something there, or
+    names no ServiceAccount: the plugin would have set `default`, and a token bound to
+    a pod must name the pod's own account, which cannot be set after creation."""
     spec = pod.get("spec", {})
-    if spec.get("automountServiceAccountToken") is False:
+    if spec.get("automountServiceAccountToken") is False or not spec.get("serviceAccountName"):
         return pod
     containers = [*spec.get("initContainers", []), *spec.get("containers", [])]
     if any(m.get("mountPath") == SERVICE_ACCOUNT_MOUNT_PATH for c in containers for m in c.get("volumeMounts", [])):

@@ -1,0 +1,373 @@
+"""`kvtier demo --mode cluster`: the whole product on an embedded Kubernetes.
+
+    control plane (kube-apiserver + etcd + controller-manager, kvtier_testenv)
+      + Redis (the global block index)
+      + `helm install charts/kvtier`    CRD, RBAC, operator Deployment, webhook
+      + node agent (stands in for kubelet: runs the operator pod and every
+        injected sidecar as a local process, with in-cluster credentials)
+      -> KVCachePolicy for the reference model
+      -> StatefulSet of 3 serving pods; the webhook injects the sidecar
+      -> reference-engine clients replay a multi-tenant workload, each request
+         routed by the published affinity table (kvtier.routing.pick)
+      -> scale to 4: the operator warms the moved tenants on their new home,
+         then publishes a new epoch; the replay goes on under it
+      -> `kubectl get kvcp`, per-tier hit rates, the epoch, the moved tenants
+
+Every hit is checked against a full recompute by the reference engine: any wrong KV,
+request-path error, or a step that does not happen (no injection, no new epoch) exits
+non-zero. Everything is torn down at the end, including on failure.
+
+The webhook runs in the chart's URL mode (https://127.0.0.1:PORT): the apiserver here
+cannot route Services to pods, whose loopback addresses EndpointSlices reject.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "kvtier"
+RELEASE = "kvtier"
+SYSTEM_NAMESPACE = "kvtier-system"
+NAMESPACE = "kvtier-demo"
+POLICY = "demo"
+WORKLOAD = "llm"
+APP_LABEL = "kvtier-demo-llm"
+INITIAL_REPLICAS = 3
+SCALED_REPLICAS = 4
+# One home per tenant reads clearest at 3 -> 4 replicas: about a quarter of the tenants
+# move, each to exactly one new home (k=3 would make every pod a home of most tenants).
+HOMES = 1
+TENANTS = 12
+TEMPLATES = 3
+# Tokens per template prompt: long enough that a hit saves most of a prefill.
+TEMPLATE_TOKENS = (96, 192)
+DRAM_CAPACITY = "64Mi"
+SIDECAR_HTTP_PORT = 8081  # the injected sidecar's default (kvtier.sidecar_config)
+# Generous ceilings for a cold 2-core machine; each step normally takes seconds.
+STEP_TIMEOUT_S = 90.0
+POLL_S = 0.2
+
+
+class DemoFailed(RuntimeError):
+    """A step of the demo did not happen as it must (the message says which)."""
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = STEP_TIMEOUT_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(POLL_S)
+    raise DemoFailed(f"timed out after {timeout_s:.0f}s waiting for {what}; last seen: {last!r}")
+
+
+@dataclass(slots=True)
+class Phase:
+    """One replay under one affinity epoch."""
+
+    epoch: int
+    members: list[str]
+    report: dict[str, Any]
+    per_member_requests: dict[str, int] = field(default_factory=dict)
+
+
+def policy_manifest(oracle: Any, redis_url: str) -> dict[str, Any]:
+    """A KVCachePolicy whose model identity is the reference engine's own, so the
+    sidecars' key roots are exactly the ones the engine clients compute."""
+    s = oracle.shape
+    engine = oracle.engine
+    return {
+        "apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy",
+        "metadata": {"name": POLICY, "namespace": NAMESPACE},
+        "spec": {
+            "selector": {"matchLabels": {"app": APP_LABEL}},
+            "model": {"id": s["model_id"], "weightsVersion": s["weights_version"], "kvDtype": s["kv_dtype"],
+                      "ropeConfigHash": s["rope_config_hash"], "attnImpl": s["attn_impl_id"],
+                      "shape": {"layers": s["layers"], "kvHeads": s["kv_heads"], "headDim": s["head_dim"],
+                                "params": float(engine.matmul_params)}},
+            "hardware": {"denseTflopsPerGpu": 10},
+            "tiers": {"dram": {"capacity": DRAM_CAPACITY}},
+            "affinity": {"homes": HOMES},
+            "redis": {"url": redis_url},
+        },
+    }
+
+
+def statefulset_manifest(replicas: int) -> dict[str, Any]:
+    labels = {"app": APP_LABEL}
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": WORKLOAD, "namespace": NAMESPACE},
+        "spec": {
+            "replicas": replicas, "serviceName": WORKLOAD, "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {
+                "terminationGracePeriodSeconds": 5,
+                # The serving engine's image: not runnable here, so the node agent
+                # reports it running; the demo's engine clients stand in for it.
+                "containers": [{"name": "engine", "image": "example.com/llm-engine:1"}]}},
+        },
+    }
+
+
+class ClusterDemo:
+    """The steps of the demo over one embedded cluster; `close()` tears it all down."""
+
+    def __init__(self, workdir: Path, log: Callable[[str], None]) -> None:
+        self.workdir = workdir
+        self.log = log
+        self.stack = contextlib.ExitStack()
+        self.t0 = time.monotonic()
+
+    # -- set-up --
+
+    def start(self) -> None:
+        from kvtier_sidecar.workload import make_oracle
+        from kvtier_testenv.controlplane import ControlPlane
+        from kvtier_testenv.controlplane import free_port
+        from kvtier_testenv.kubectl import Helm, Kubectl
+        from kvtier_testenv.nodeagent import NodeAgent
+        from kvtier_testenv.redis_fixtures import RedisServer
+
+        self.oracle = make_oracle("reference")
+        self.step("starting kube-apiserver, etcd and kube-controller-manager")
+        self.cp = ControlPlane(controller_manager=True, log_dir=self.workdir / "controlplane-logs")
+        self.stack.callback(self.cp.stop)
+        self.cp.start()
+        self.redis = self.stack.enter_context(RedisServer())
+        self.kubectl = Kubectl(self.cp.kubeconfig, namespace=NAMESPACE)
+        self.kubectl.run("create", "namespace", NAMESPACE)
+
+        self.step("helm install kvtier (CRD, RBAC, operator, webhook in URL mode)")
+        self.helm = Helm(self.cp.kubeconfig, namespace=SYSTEM_NAMESPACE, home=self.workdir / "helm")
+        webhook_port = free_port()
+        values = {
+            "operator": {"watchNamespaces": [NAMESPACE], "healthPort": free_port()},
+            "webhook": {"url": f"https://127.0.0.1:{webhook_port}/inject-sidecar", "port": webhook_port},
+        }
+        self.helm.install(RELEASE, CHART, "--create-namespace", values=values)
+        self.stack.callback(self._uninstall)
+
+        self.step("node agent: runs the operator pod and the injected sidecars as local processes")
+        self.agent = NodeAgent(self.cp.kubeconfig, namespaces=[SYSTEM_NAMESPACE, NAMESPACE],
+                               containers=("operator", "kvtier-sidecar"), service_account_tokens=True,
+                               workdir=Path(tempfile.mkdtemp(prefix="kvn-")))
+        self.stack.callback(self.agent.stop)
+        self.agent.start()
+        [op] = self.agent.wait_ready(1, SYSTEM_NAMESPACE, f"app.kubernetes.io/instance={RELEASE}",
+                                     timeout_s=STEP_TIMEOUT_S)
+        self.operator_pod = op["metadata"]["name"]
+
+    def _uninstall(self) -> None:
+        with contextlib.suppress(Exception):
+            self.helm.run("uninstall", RELEASE, "--wait", "--timeout", "60s")
+
+    def step(self, text: str) -> None:
+        self.log(f"[{time.monotonic() - self.t0:6.1f}s] {text}")
+
+    # -- the policy and the serving pods --
+
+    def apply_policy(self) -> None:
+        self.step(f"kubectl apply KVCachePolicy {POLICY} (the reference engine's model identity)")
+        self.kubectl.apply(policy_manifest(self.oracle, self.redis.url))
+        wait_for("tier verdicts in the policy's status", lambda: self.status().get("tiers"))
+
+    def status(self) -> dict[str, Any]:
+        return self.kubectl.get_json("kvcp", POLICY).get("status") or {}
+
+    def serve(self, replicas: int) -> dict[str, Any]:
+        """Scale the StatefulSet; wait until the policy's members and the published
+        table both say `replicas`. Returns the status then."""
+        if replicas == INITIAL_REPLICAS:
+            self.step(f"StatefulSet {WORKLOAD} with {replicas} pods; the webhook injects the sidecar")
+            self.kubectl.apply(statefulset_manifest(replicas))
+        else:
+            self.step(f"kubectl scale statefulset/{WORKLOAD} --replicas={replicas}")
+            self.kubectl.scale(f"statefulset/{WORKLOAD}", replicas)
+        pods = self.agent.wait_ready(replicas, NAMESPACE, f"app={APP_LABEL}", timeout_s=STEP_TIMEOUT_S)
+        for pod in pods:
+            names = [c["name"] for c in pod["spec"]["containers"]]
+            if "kvtier-sidecar" not in names:
+                raise DemoFailed(f"pod {pod['metadata']['name']} was not injected: containers {names}")
+
+        def published() -> dict[str, Any] | None:
+            st = self.status()
+            table = self.table()
+            if st.get("memberCount") == replicas and table and len(table[0].members) == replicas \
+                    and table[0].epoch == st.get("epoch"):
+                return st
+            return None
+        return wait_for(f"the operator to publish an epoch with {replicas} members", published)
+
+    def table(self):
+        from kvtier.affinity import AffinityTable
+
+        try:
+            cm = self.kubectl.get_json("configmap", f"{POLICY}-kvtier-affinity")
+        except Exception:
+            return None
+        data = cm.get("data") or {}
+        return AffinityTable.from_json(data["table.json"]), json.loads(data.get("addresses.json", "{}"))
+
+    # -- traffic --
+
+    def sockets(self, members: list[str]) -> dict[str, str]:
+        """Member pod -> its sidecar's engine socket (inside the pod's kvtier-run volume)."""
+        from kvtier.sidecar_config import SidecarConfig
+
+        out = {}
+        for name in members:
+            proc = self.agent.process(NAMESPACE, name, "kvtier-sidecar")
+            shm = SidecarConfig(pod_name=name, pod_namespace=NAMESPACE).shm_name
+            out[name] = str(Path(proc.env["XDG_RUNTIME_DIR"]) / f"kvtier-{shm}.sock")
+        return out
+
+    def replay(self, requests: list[Any]) -> Phase:
+        from kvtier import routing
+        from kvtier_sidecar.fleet import fleet_report, run_engines
+        from kvtier_sidecar.workload import ReplayStats
+
+        table, addresses = self.table()
+        members = sorted(table.members)
+        routed: dict[str, list[Any]] = {m: [] for m in members}
+        for req in requests:
+            routed[routing.pick(req.tenant, table, {}).member].append(req)
+        sockets = self.sockets(members)
+        self.step(f"replaying {len(requests)} requests under epoch {table.epoch} "
+                  f"({', '.join(f'{m}: {len(r)}' for m, r in routed.items())})")
+        t0 = time.monotonic()
+        results = run_engines([(sockets[m], reqs) for m, reqs in routed.items() if reqs], "reference",
+                              self.oracle.block_size)
+        elapsed = time.monotonic() - t0
+        total = ReplayStats()
+        for r in results:
+            total.merge(r)
+        stats = [self.sidecar_stats(addresses[m]["ip"]) for m in members]
+        return Phase(table.epoch, members, fleet_report(total, stats, self.oracle.block_bytes, elapsed),
+                     {m: len(r) for m, r in routed.items()})
+
+    @staticmethod
+    def sidecar_stats(ip: str, tenant: str | None = None) -> dict[str, Any]:
+        url = f"http://{ip}:{SIDECAR_HTTP_PORT}/cache/stats" + (f"?tenant={tenant}" if tenant else "")
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def close(self) -> None:
+        self.step("tearing down (helm uninstall, pods, control plane, Redis)")
+        self.stack.close()
+
+
+def moved_tenants(before, after, tenants: list[str]) -> dict[str, tuple[str, str]]:
+    """Tenants whose first home changed between two tables: tenant -> (old, new)."""
+    out = {}
+    for t in tenants:
+        old, new = before.homes_for(t)[0], after.homes_for(t)[0]
+        if old != new:
+            out[t] = (old, new)
+    return out
+
+
+def render_phase(title: str, r: dict[str, Any]) -> list[str]:
+    lines = [f"{title} (epoch {r['epoch']}, members {', '.join(r['members'])})",
+             f"  requests            {r['requests']}",
+             f"  hit rate            {r['hit_rate']:.1%} of requests, {r['token_hit_rate']:.1%} of prompt tokens"]
+    for tier, t in r["tiers"].items():
+        lines.append(f"    {tier:<17} {t['hit_rate']:.1%} of requests ({t['hits']} hits), "
+                     f"{t['token_hit_rate']:.1%} of tokens")
+    lines += [f"  bytes from peers    {r['bytes_from_peers']:,}",
+              f"  wrong KV            {r['wrong_kv']} (every hit checked against a full recompute)",
+              f"  request-path errors {r['errors']}"]
+    return lines
+
+
+def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """The demo: everything it measured and checked, as a JSON-able dict."""
+    from kvtier_sidecar.workload import make_workload
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-cluster-demo-"))
+    demo = ClusterDemo(workdir, log)
+    try:
+        demo.start()
+        demo.apply_policy()
+        first = demo.serve(INITIAL_REPLICAS)
+        work = make_workload(TENANTS, TEMPLATES, 2 * requests, seed=seed, vocab=demo.oracle.vocab,
+                             template_tokens=TEMPLATE_TOKENS)
+        tenants = sorted({r.tenant for r in work})
+        table_before, _ = demo.table()
+        phase1 = demo.replay(work[:requests])
+
+        second = demo.serve(SCALED_REPLICAS)
+        table_after, addresses = demo.table()
+        if table_after.epoch <= table_before.epoch:
+            raise DemoFailed(f"scaling to {SCALED_REPLICAS} did not publish a new epoch ({table_after.epoch})")
+        moves = moved_tenants(table_before, table_after, tenants)
+        held = {m: demo.sidecar_stats(addresses[m]["ip"]).get("tenants", {}) for m in {n for _, n in moves.values()}}
+        warmed = {t: held[new].get(t, {}).get("warmed_bytes", 0) for t, (_, new) in moves.items()}
+        if moves and not any(warmed.values()):
+            raise DemoFailed(f"tenants {sorted(moves)} moved but none was warmed on its new home before the epoch")
+        phase2 = demo.replay(work[requests:])
+        kvcp = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
+        status = demo.status()
+    finally:
+        demo.close()
+    phases = {"before": phase1, "after": phase2}
+    return {
+        "ok": all(p.report["wrong_kv"] == 0 and p.report["errors"] == 0 for p in phases.values()),
+        "kubectl_get_kvcp": kvcp,
+        "phases": {k: {"epoch": p.epoch, "members": p.members, "requests_per_member": p.per_member_requests,
+                       **p.report} for k, p in phases.items()},
+        "epochs": [first.get("epoch"), second.get("epoch")],
+        "moved_tenants": {t: {"from": old, "to": new, "warmed_bytes": warmed[t]} for t, (old, new) in moves.items()},
+        "status": {k: status.get(k) for k in ("phase", "memberCount", "epoch", "movedTenants", "knownTenants",
+                                               "fleetHitRate", "tiers")},
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [f"kvtier cluster demo: helm-installed operator, {INITIAL_REPLICAS} -> {SCALED_REPLICAS} serving pods, "
+             "injected sidecars, reference engines as clients", "", "$ kubectl get kvcp -o wide",
+             result["kubectl_get_kvcp"], ""]
+    for title, key in (("before scaling", "before"), ("after scaling", "after")):
+        lines += render_phase(title, result["phases"][key]) + [""]
+    status = result["status"]
+    lines.append(f"affinity epoch      {result['epochs'][0]} -> {result['epochs'][1]} "
+                 f"(status.movedTenants {status['movedTenants']}, knownTenants {status['knownTenants']})")
+    for t, m in sorted(result["moved_tenants"].items()):
+        lines.append(f"  moved {t:<10} {m['from']} -> {m['to']}: {m['warmed_bytes']:,} bytes warmed "
+                     f"on {m['to']} before the epoch was published")
+    if not result["moved_tenants"]:
+        lines.append("  no tenant's first home changed")
+    lines.append("tier verdicts       " + ", ".join(f"{v['tier']} {v['verdict']}" for v in status["tiers"] or []))
+    samples = result["phases"]["before"]["error_samples"] + result["phases"]["after"]["error_samples"]
+    if samples:
+        lines.append(f"errors (samples)    {samples[:3]}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`kvtier demo --mode cluster` (registered in kvtier.demo.MODES)."""
+    t0 = time.perf_counter()
+    log = (lambda s: None) if args.quiet or args.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    try:
+        result = run(requests=args.requests * 4, seed=args.seed, log=log)
+    except DemoFailed as exc:
+        print(f"kvtier demo --mode cluster: FAILED: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"mode": "cluster", **result, "wall_s": time.perf_counter() - t0}, indent=2))
+    else:
+        print(render(result))
+        print(f"\n(done in {time.perf_counter() - t0:.1f} s)")
+    return 0 if result["ok"] else 1
