@@ -60,6 +60,8 @@ DEFAULT_RECOVERY_MIN_LOOKUPS = 1000
 DEFAULT_DRAM_GBPS = 64.0
 DEFAULT_RDMA_GBPS = 25.0
 DEFAULT_NVME_GBPS = 7.0
+# Where a node's local NVMe is mounted, by convention (a hostPath on the sidecar).
+DEFAULT_NVME_PATH = "/var/lib/kvtier/nvme"
 
 # Presets are the break-even calculator's (kvtier.presets): the CRD's enums follow them.
 ModelPreset = Literal[tuple(presets.MODELS)]  # type: ignore[valid-type]
@@ -213,12 +215,24 @@ class ModelShape(_Wire):
     active_params: float | None = Field(
         default=None, gt=0, description="parameters active per token (MoE); defaults to params"
     )
+    kv_elements_per_token: int | None = Field(
+        default=None, ge=1, description="caches that are not one K and one V per kv head (MLA): "
+        "elements cached per token, i.e. layers x kvHeads x headDim for one latent per layer",
+    )
 
     CEL_RULES = (
         CelRule(
             "!has(self.activeParams) || self.activeParams <= self.params",
             "model.shape.activeParams cannot exceed model.shape.params",
             lambda s: s.active_params is None or s.active_params <= s.params,
+        ),
+        CelRule(
+            "!has(self.kvElementsPerToken) || self.kvElementsPerToken == self.layers * self.kvHeads * self.headDim"
+            " || self.kvElementsPerToken == 2 * self.layers * self.kvHeads * self.headDim",
+            "model.shape.kvElementsPerToken must be layers x kvHeads x headDim (one latent per layer, MLA) "
+            "or twice that (K and V)",
+            lambda s: s.kv_elements_per_token is None
+            or s.kv_elements_per_token in (s.layers * s.kv_heads * s.head_dim, 2 * s.layers * s.kv_heads * s.head_dim),
         ),
     )
 
@@ -294,6 +308,10 @@ class NvmeTier(_Wire):
     serving from it; `on`: serve from NVMe (batch traffic only)."""
 
     mode: Literal["off", "shadow", "on"] = "off"
+    path: str = Field(
+        DEFAULT_NVME_PATH, min_length=2, max_length=1024, pattern=r"^/",
+        description="the node's NVMe mount (hostPath); shadow mode writes its probe file here",
+    )
 
 
 class Tiers(_Wire):

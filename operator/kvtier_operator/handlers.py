@@ -54,7 +54,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         )
     memo.options = options
     memo.kube = Kube.from_environment()
-    memo.sidecars = SidecarClient.create()
+    memo.sidecars = SidecarClient.create(options.warms_per_target)
     memo.triggers = {}  # (namespace, name) -> asyncio.Event, one per membership loop
     memo.locks = {}  # (namespace, name) -> asyncio.Lock: one status writer at a time
     memo.states = {}  # (namespace, name) -> reconcile.PolicyState

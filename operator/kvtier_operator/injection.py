@@ -10,6 +10,7 @@ Added to the pod:
                 + kvtier-shm       (memory-backed emptyDir: the DRAM arena, mapped by the
                                     engine, so a local hit is a copy with no socket)
                 + kvtier-run       (emptyDir: the engine socket)
+                + kvtier-nvme      (hostPath spec.tiers.nvme.path, unless nvme mode is off)
     every existing container mounts kvtier-shm at /dev/shm and kvtier-run at
     /var/run/kvtier, unless it already mounts something there
     metadata.annotations[kvtier.io/injected-by] = <policy name>
@@ -96,7 +97,8 @@ def _volumes(policy_name: str, spec: policy.KVCachePolicySpec) -> list[dict[str,
         {"name": names.CONFIG_VOLUME, "configMap": {"name": names.sidecar_config_map(policy_name)}},
         {"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(arena_bytes + SHM_HEADROOM_BYTES)}},
         {"name": names.RUN_VOLUME, "emptyDir": {}},
-    ]
+    ] + ([{"name": names.NVME_VOLUME, "hostPath": {"path": spec.tiers.nvme.path, "type": "DirectoryOrCreate"}}]
+         if spec.tiers.nvme.mode != "off" else [])
 
 
 def _field_env(name: str, path: str) -> dict[str, Any]:
@@ -137,6 +139,8 @@ def _sidecar_container(
             {"name": names.RUN_VOLUME, "mountPath": names.RUN_MOUNT_PATH},
         ],
     }
+    if spec.tiers.nvme.mode != "off":  # the shadow probe (and a future tier) uses the node's disk
+        container["volumeMounts"].append({"name": names.NVME_VOLUME, "mountPath": spec.tiers.nvme.path})
     if image.resources:
         container["resources"] = image.resources
     return container

@@ -2,7 +2,7 @@
 
     kvtier-operator [--namespace NS ...] [--sidecar-image IMG]
                     [--webhook-host HOST --webhook-port PORT (--webhook-cert F --webhook-key F
-                     | --webhook-self-signed DIR)] [--liveness URL]
+                     | --webhook-self-signed DIR)] [--warms-per-target N] [--liveness URL]
                     [--service-account-dir DIR] [--verbose]
 
 Without --namespace it watches all namespaces. Without --webhook-host it serves no
@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--webhook-key", help="PEM private key of --webhook-cert")
     p.add_argument("--webhook-self-signed", type=Path, metavar="DIR",
                    help="make a self-signed certificate in DIR (its cert.pem is the webhook's caBundle)")
+    p.add_argument("--warms-per-target", type=int, default=OperatorOptions.warms_per_target,
+                   help="warm-ups in flight per new home when tenants move")
     p.add_argument("--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--service-account-dir", type=Path, metavar="DIR",
                    help="in-cluster credentials (token, ca.crt, namespace) mounted here")
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     if (args.webhook_cert or args.webhook_self_signed) and not args.webhook_host:
         print("kvtier-operator: --webhook-host is required with a webhook certificate", file=sys.stderr)
         return 2
+    if args.warms_per_target < 1:
+        print("kvtier-operator: --warms-per-target must be at least 1", file=sys.stderr)
+        return 2
     cert, key = args.webhook_cert, args.webhook_key
     if args.webhook_self_signed:
         from kvtier_operator import certs
@@ -59,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         cert, key = str(made.cert), str(made.key)
     options = OperatorOptions(
         sidecar_image=args.sidecar_image, webhook_host=args.webhook_host, webhook_port=args.webhook_port,
-        webhook_cert=cert, webhook_key=key,
+        webhook_cert=cert, webhook_key=key, warms_per_target=args.warms_per_target,
     )
     os.environ.update(options.to_env())
 

@@ -15,6 +15,9 @@ WATCH_CONNECT_TIMEOUT_S = 10
 RESYNC_INTERVAL_S = 60.0
 # Pod events arriving this close together are planned as one epoch.
 DEBOUNCE_S = 0.3
+# Warm-ups in flight per target sidecar: a new home keeps most of its peer link and
+# CPU for live traffic while it is being warmed.
+WARMS_PER_TARGET = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +29,7 @@ class OperatorOptions:
     webhook_key: str | None = None
     resync_interval_s: float = RESYNC_INTERVAL_S
     debounce_s: float = DEBOUNCE_S
+    warms_per_target: int = WARMS_PER_TARGET
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "OperatorOptions":
@@ -39,6 +43,7 @@ class OperatorOptions:
             webhook_key=get("WEBHOOK_KEY"),
             resync_interval_s=float(get("RESYNC_INTERVAL_S", cls.resync_interval_s)),
             debounce_s=float(get("DEBOUNCE_S", cls.debounce_s)),
+            warms_per_target=int(get("WARMS_PER_TARGET", cls.warms_per_target)),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -47,6 +52,7 @@ class OperatorOptions:
             "WEBHOOK_PORT": str(self.webhook_port),
             "RESYNC_INTERVAL_S": str(self.resync_interval_s),
             "DEBOUNCE_S": str(self.debounce_s),
+            "WARMS_PER_TARGET": str(self.warms_per_target),
         }
         for key, value in (("WEBHOOK_HOST", self.webhook_host), ("WEBHOOK_CERT", self.webhook_cert),
                            ("WEBHOOK_KEY", self.webhook_key)):

@@ -63,7 +63,7 @@ async def publish_redis(url: str, namespace: str, policy_name: str, table: Affin
     import redis.asyncio as aioredis
 
     key = names.REDIS_AFFINITY_KEY.format(namespace=namespace, name=policy_name)
-    payload = json.dumps({"table": json.loads(table.to_json()), "addresses": addresses(members)})
+    payload = json.dumps(_redis_payload(table, members))
     client = aioredis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     try:
         async with client.pipeline(transaction=True) as pipe:
@@ -76,6 +76,34 @@ async def publish_redis(url: str, namespace: str, policy_name: str, table: Affin
         return False
     finally:
         await client.aclose()
+
+
+async def ensure_redis(url: str, namespace: str, policy_name: str, table: AffinityTable,
+                       members: Mapping[str, Member]) -> bool:
+    """Publish unless Redis already holds exactly this table and these addresses (one
+    GET when it does). False (logged) if Redis is unreachable."""
+    import redis.asyncio as aioredis
+
+    key = names.REDIS_AFFINITY_KEY.format(namespace=namespace, name=policy_name)
+    client = aioredis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+    try:
+        current = await client.get(key)
+    except Exception as exc:  # any Redis fault: retried on the next pass
+        log.info("could not read the Redis affinity key: %s", exc)
+        return False
+    finally:
+        await client.aclose()
+    try:
+        if current is not None and _redis_payload(table, members) == json.loads(current):
+            return True
+    except ValueError:
+        pass  # unreadable: overwrite it
+
+    return await publish_redis(url, namespace, policy_name, table, members)
+
+
+def _redis_payload(table: AffinityTable, members: Mapping[str, Member]) -> dict[str, Any]:
+    return {"table": json.loads(table.to_json()), "addresses": addresses(members)}
 
 
 async def delete_redis(url: str, namespace: str, policy_name: str) -> None:

@@ -8,6 +8,7 @@ Both are idempotent: run twice on the same world they write nothing the second t
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -59,12 +60,9 @@ async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn) -> di
     kopf.adopt(cm, owner=body)
     await kube.apply_config_map(cm)
 
-    tiers, observed = economics.verdicts(spec, _measured_nvme(old))
-    before = {v.tier: v.verdict for v in old.tiers}
-    after = {v.tier: v.verdict for v in tiers}
-    if before != after:
-        changes = ", ".join(f"{t} {before.get(t, '-')}->{v}" for t, v in after.items() if before.get(t) != v)
-        event("Normal", "TierVerdict", f"{changes} (break-even {tiers[0].break_even_gbps:.2f} GB/s)")
+    measured = _measured_nvme(old) if spec.tiers.nvme.mode != "off" else None
+    tiers, observed = economics.verdicts(spec, measured)
+    _post_verdict_changes(old, tiers, event)
     observed.append(conditions.Observation("SidecarConfigRendered", "True", "Rendered",
                                            f"ConfigMap {cm['metadata']['name']} digest {rendered.digest}"))
     fields: dict[str, Any] = {
@@ -81,8 +79,25 @@ async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn) -> di
     return fields
 
 
+def _post_verdict_changes(old: policy.KVCachePolicyStatus, tiers: list[policy.TierVerdict], event: EventFn) -> None:
+    before = {v.tier: v.verdict for v in old.tiers}
+    after = {v.tier: v.verdict for v in tiers}
+    if before != after:
+        changes = ", ".join(f"{t} {before.get(t, '-')}->{v}" for t, v in after.items() if before.get(t) != v)
+        event("Normal", "TierVerdict", f"{changes} (break-even {tiers[0].break_even_gbps:.2f} GB/s)")
+
+
 def _measured_nvme(status: policy.KVCachePolicyStatus) -> float | None:
     return next((v.measured_gbps for v in status.tiers if v.tier == "nvme" and v.measured_gbps), None)
+
+
+def _nvme_remeasured(spec: policy.KVCachePolicySpec, old: policy.KVCachePolicyStatus, stats) -> float | None:
+    """The fleet's new NVMe measurement when it differs from the one the verdicts in
+    status were computed with (None: nothing to recompute)."""
+    if spec.tiers.nvme.mode == "off" or stats.nvme_gbps is None:
+        return None
+    measured = round(stats.nvme_gbps, 3)
+    return None if measured == _measured_nvme(old) else measured
 
 
 async def reconcile_membership(
@@ -108,6 +123,7 @@ async def reconcile_membership(
 
     stats = await sidecars.fleet_stats(members)
     tenants = sorted(set(stats.tenants))
+    measured = _nvme_remeasured(spec, old_status, stats)
     # An assignment over no tenants is no help to the planner (and trips its row reuse).
     current = state.assignment if state.assignment is not None and state.assignment.tenants else None
     plan = plan_membership_change(
@@ -122,14 +138,22 @@ async def reconcile_membership(
 
     if new_epoch:
         await _warm_then_publish(kube, sidecars, body, spec, members, plan, table)
-    elif published_cm and _addresses_stale(published_cm, members):
-        await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
+    else:
+        if published_cm and _addresses_stale(published_cm, members):
+            await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
+        if spec.redis and spec.redis.url:  # level-based: a Redis that missed an epoch catches up
+            await publish.ensure_redis(spec.redis.url, namespace, name, table, members)
 
     fields = _membership_status(name, old_status, members, table, plan, stats, new_epoch)
-    fields["conditions"] = [c.wire() for c in conditions.merge(old_status.conditions, [
-        conditions.Observation("AffinityPublished", "True", "Published",
-                               f"epoch {table.epoch}, {len(members)} members, {len(tenants)} known tenants"),
-    ], body["metadata"].get("generation"))]
+    observed = [conditions.Observation("AffinityPublished", "True", "Published",
+                                       f"epoch {table.epoch}, {len(members)} members, {len(tenants)} known tenants")]
+    if measured is not None:
+        tiers, tier_observations = economics.verdicts(spec, measured)
+        fields["tiers"] = [v.wire() for v in tiers]
+        observed += tier_observations
+        _post_verdict_changes(old_status, tiers, event)
+    fields["conditions"] = [c.wire() for c in conditions.merge(
+        old_status.conditions, observed, body["metadata"].get("generation"))]
     await kube.patch_status(namespace, name, fields)
     if new_epoch or (old_status.epoch or 0) < table.epoch:
         event("Normal", "EpochChanged", _epoch_message(table, plan, len(tenants)))
@@ -146,18 +170,59 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table) -
     journal = warmup.PendingEpoch.from_json((meta.get("annotations") or {}).get(names.PENDING_EPOCH_ANNOTATION))
     if journal is None or not journal.matches(table.epoch, digest):
         journal = warmup.PendingEpoch(table.epoch, digest)
-    warm_plan = warmup.plan(plan.moves, members, spec.affinity.warm_max_bytes_int)
+    # Peer tier off: sidecars cannot pull from each other, so moved tenants start cold.
+    moves = plan.moves if spec.tiers.peer.enabled else []
+    warm_plan = warmup.plan(moves, members, spec.affinity.warm_max_bytes_int)
     todo = journal.remaining(warm_plan.requests)
     if todo:
-        await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: journal.to_json()})
-        journal.done |= await sidecars.warm_all(todo, members, spec.affinity.warm_timeout_s)
-        await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: journal.to_json()})
+        writer = _JournalWriter(kube, namespace, name, journal)
+        await writer.write()
+        try:
+            await sidecars.warm_all(todo, members, spec.affinity.warm_timeout_s,
+                                    ref_prefix=journal.ref_prefix, on_done=writer.done)
+        finally:
+            await writer.close()
         log.info("epoch %s: %d/%d warm-ups done, %d tenants cold", table.epoch,
                  len(journal.done), len(warm_plan.requests), len(warm_plan.cold_tenants))
     await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
     if spec.redis and spec.redis.url:
         await publish.publish_redis(spec.redis.url, namespace, name, table, members)
     await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
+
+
+class _JournalWriter:
+    """Keeps the warm-up journal annotation up to date as warm-ups finish: each one is
+    written soon after it finishes (one write in flight at a time, so a burst of
+    finishes coalesces into one patch), and whatever is left is written on close, even
+    when the reconcile is being cancelled."""
+
+    def __init__(self, kube: Kube, namespace: str, name: str, journal: warmup.PendingEpoch):
+        self.kube, self.namespace, self.name, self.journal = kube, namespace, name, journal
+        self._written: set[str] = set(journal.done)
+        self._dirty = asyncio.Event()
+        self._task = asyncio.create_task(self._run())
+
+    def done(self, key: str) -> None:
+        self.journal.done.add(key)
+        self._dirty.set()
+
+    async def write(self) -> None:
+        snapshot = set(self.journal.done)
+        await self.kube.patch_annotations(self.namespace, self.name,
+                                          {names.PENDING_EPOCH_ANNOTATION: self.journal.to_json()})
+        self._written = snapshot
+
+    async def _run(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            await self.write()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        if self.journal.done != self._written:
+            await self.write()
 
 
 def _membership_status(name, old, members, table, plan, stats, new_epoch) -> dict[str, Any]:

@@ -6,23 +6,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from kvtier_operator.membership import Member
+from kvtier_operator.options import WARMS_PER_TARGET
 from kvtier_operator.warmup import WarmRequest
 
 log = logging.getLogger("kvtier.operator.sidecars")
 
 # Stats are small and sidecars are local to the cluster: a slow answer is a sick sidecar.
 STATS_TIMEOUT_S = 3.0
-# Warm-ups in flight at once, fleet-wide, and per target sidecar: the warm-up must not
-# take the peer links away from live traffic.
+# Warm-ups in flight at once, fleet-wide (per target: OperatorOptions.warms_per_target):
+# the warm-up must not take the peer links away from live traffic.
 MAX_WARMS_IN_FLIGHT = 16
-MAX_WARMS_PER_TARGET = 2
 JOB_POLL_INTERVAL_S = 0.1
 
 
@@ -32,6 +32,7 @@ class SidecarStats:
     lookups: int
     hits: int
     tenants: tuple[str, ...]
+    nvme_gbps: float | None = None  # shadow mode's measured read bandwidth of the pod's disk
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,16 @@ class FleetStats:
         lookups = sum(s.lookups for s in self.per_member)
         return sum(s.hits for s in self.per_member) / lookups if lookups else None
 
+    @property
+    def nvme_gbps(self) -> float | None:
+        """The fleet's NVMe figure: the median of the members' measurements (one sick
+        disk or one lucky cache neither condemns nor clears the tier)."""
+        values = sorted(s.nvme_gbps for s in self.per_member if s.nvme_gbps)
+        if not values:
+            return None
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
 
 def parse_stats(member: str, body: Mapping[str, Any]) -> SidecarStats:
     """Reads the fields the operator needs from `GET /cache/stats`; tolerant of extras."""
@@ -55,23 +66,26 @@ def parse_stats(member: str, body: Mapping[str, Any]) -> SidecarStats:
         tenants = (body.get("cache") or {}).get("tenants", [])
     if isinstance(tenants, Mapping):
         tenants = list(tenants)
+    measured = (body.get("nvme") or {}).get("measured_gbps")
     return SidecarStats(
         member=member,
         lookups=int(body.get("lookups", 0) or 0),
         hits=int(body.get("hits", 0) or 0),
         tenants=tuple(sorted(str(t) for t in tenants or [])),
+        nvme_gbps=float(measured) if isinstance(measured, (int, float)) and measured > 0 else None,
     )
 
 
 class SidecarClient:
     """One aiohttp session for the operator's lifetime (created in `on.startup`)."""
 
-    def __init__(self, session: aiohttp.ClientSession):
+    def __init__(self, session: aiohttp.ClientSession, warms_per_target: int = WARMS_PER_TARGET):
         self._session = session
+        self.warms_per_target = warms_per_target
 
     @classmethod
-    def create(cls) -> "SidecarClient":
-        return cls(aiohttp.ClientSession())
+    def create(cls, warms_per_target: int = WARMS_PER_TARGET) -> "SidecarClient":
+        return cls(aiohttp.ClientSession(), warms_per_target)
 
     async def close(self) -> None:
         await self._session.close()
@@ -93,34 +107,43 @@ class SidecarClient:
             return None
 
     async def warm_all(
-        self, requests: Iterable[WarmRequest], members: Mapping[str, Member], timeout_s: float
+        self, requests: Iterable[WarmRequest], members: Mapping[str, Member], timeout_s: float,
+        ref_prefix: str = "", on_done: Callable[[str], None] | None = None,
     ) -> set[str]:
         """Run the warm-ups (bounded concurrency) until done or `timeout_s` passes;
-        returns the keys of those that finished."""
+        returns the keys of those that finished, and calls `on_done(key)` as each does.
+
+        Each request carries the ref `<ref_prefix>/<key>`: a sidecar asked again with a
+        ref it remembers answers the job it already has, so re-running an epoch's
+        warm-ups (an operator restarted mid-way) never starts a finished one twice."""
         deadline = time.monotonic() + timeout_s
         fleet = asyncio.Semaphore(MAX_WARMS_IN_FLIGHT)
         per_target: dict[str, asyncio.Semaphore] = {}
         done: set[str] = set()
 
         async def one(req: WarmRequest) -> None:
-            target = per_target.setdefault(req.target, asyncio.Semaphore(MAX_WARMS_PER_TARGET))
+            target = per_target.setdefault(req.target, asyncio.Semaphore(self.warms_per_target))
             async with fleet, target:
-                if await self._warm(req, members, deadline):
+                if await self._warm(req, members, deadline, f"{ref_prefix}/{req.key}"):
                     done.add(req.key)
+                    if on_done is not None:
+                        on_done(req.key)
 
         tasks = [asyncio.create_task(one(r)) for r in requests]
-        if tasks:
-            await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+        try:
+            if tasks:
+                await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+        finally:  # timed out, or the operator is stopping: leave nothing running
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         return done
 
-    async def _warm(self, req: WarmRequest, members: Mapping[str, Member], deadline: float) -> bool:
+    async def _warm(self, req: WarmRequest, members: Mapping[str, Member], deadline: float, ref: str) -> bool:
         target, source = members.get(req.target), members.get(req.source)
         if target is None or source is None:
             return False
-        body = {"tenant": req.tenant, "from_peer": source.peer_address(), "max_bytes": req.max_bytes}
+        body = {"tenant": req.tenant, "from_peer": source.peer_address(), "max_bytes": req.max_bytes, "ref": ref}
         try:
             remaining = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
             async with self._session.post(f"{target.http_url()}/cache/warm", json=body, timeout=remaining) as resp:

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvtier import policy
 from kvtier.sidecar_config import ModelShape as SidecarModel
-from kvtier.sidecar_config import SidecarConfig, dump_yaml
+from kvtier.sidecar_config import NvmeConfig, SidecarConfig, dump_yaml
 
 from kvtier_operator import names
 from kvtier_operator.economics import resolved_shape
@@ -24,6 +24,9 @@ def sidecar_config(spec: policy.KVCachePolicySpec) -> SidecarConfig:
     """The sidecar's view of a policy. Pod identity (name, IP) comes from the downward
     API at run time; a `redis.secretRef` is injected as KVTIER_REDIS_URL, not written here."""
     shape = resolved_shape(spec.model)
+    dtype_bytes = spec.model.dtype_bytes
+    latent = shape.kv_elements_per_token  # MLA (e.g. the deepseek-v3 preset): not K and V
+    nvme = spec.tiers.nvme
     return SidecarConfig(
         model=SidecarModel(
             model_id=spec.model.id,
@@ -34,11 +37,15 @@ def sidecar_config(spec: policy.KVCachePolicySpec) -> SidecarConfig:
             layers=shape.layers,
             kv_heads=shape.kv_heads,
             head_dim=shape.head_dim,
-            dtype_bytes=spec.model.dtype_bytes,
+            dtype_bytes=dtype_bytes,
+            kv_bytes_per_token_override=latent * dtype_bytes if latent is not None else None,
         ),
         block_size=spec.block_size,
         dram_capacity_bytes=policy.parse_quantity_bytes(spec.tiers.dram.capacity),
         min_sightings=spec.admission.min_sightings,
+        thrash_ratio=spec.admission.thrash_ratio,
+        peer_enabled=spec.tiers.peer.enabled,
+        nvme=NvmeConfig(mode=nvme.mode, path=nvme.path),
         redis_url=spec.redis.url if spec.redis else None,
         platform_prefixes=[p.token_ids for p in spec.shared_prefixes],
     )

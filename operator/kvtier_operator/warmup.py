@@ -65,9 +65,12 @@ def members_digest(members: Mapping[str, Member]) -> str:
 class PendingEpoch:
     """The warm-up journal kept in the policy's `kvtier.io/pending-epoch` annotation.
 
-    Written before the first warm-up of an epoch and after each batch, cleared when the
-    epoch is published. A restarted operator that plans the same epoch for the same
-    members skips the warm-ups listed in `done`; any other plan starts a fresh journal.
+    Written before the first warm-up of an epoch and again as each warm-up finishes
+    (coalesced: one write in flight), cleared when the epoch is published. A restarted
+    operator that plans the same epoch for the same members skips the warm-ups listed
+    in `done`; one that finished after the last write is asked again with the same ref
+    (`ref_prefix`), which the sidecar answers with its existing job. Any other plan
+    starts a fresh journal.
     """
 
     epoch: int
@@ -86,6 +89,11 @@ class PendingEpoch:
             return cls(int(raw["epoch"]), str(raw["members"]), set(raw.get("done", [])))
         except (ValueError, KeyError, TypeError):
             return None  # a mangled journal only costs repeating warm-ups
+
+    @property
+    def ref_prefix(self) -> str:
+        """Names this epoch's warm-ups to the sidecars (their idempotency refs)."""
+        return f"e{self.epoch}-{self.members}"
 
     def matches(self, epoch: int, digest: str) -> bool:
         return self.epoch == epoch and self.members == digest

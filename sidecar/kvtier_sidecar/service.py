@@ -390,9 +390,11 @@ class Sidecar:
         if self.transport is None:
             raise PeerTierDisabled("the peer tier is disabled in this sidecar's config")
         if ref is not None and ref in self._job_refs:
-            return self._job_refs[ref], False
+            job = self._job_refs[ref]
+            self._jobs[job]["asks"] += 1
+            return job, False
         job = self._spawn("warm", self._warm(tenant, peer, max_bytes), tenant=tenant, from_peer=peer,
-                          max_bytes=max_bytes, ref=ref)
+                          max_bytes=max_bytes, ref=ref, asks=1)
         if ref is not None:
             self._job_refs[ref] = job
         return job, True

@@ -4,7 +4,6 @@ webhook on 127.0.0.1 with a self-signed certificate, registered with the apiserv
 from __future__ import annotations
 
 import base64
-import json
 import socket
 import time
 from collections.abc import Callable
@@ -84,12 +83,12 @@ class RunningOperator:
         return runner.output
 
 
-def operator_options(tmp_path: Path, webhook_port: int | None = None) -> OperatorOptions:
+def operator_options(tmp_path: Path, webhook_port: int | None = None, **overrides: Any) -> OperatorOptions:
     if webhook_port is None:
-        return OperatorOptions(debounce_s=0.2, resync_interval_s=30)
+        return OperatorOptions(debounce_s=0.2, resync_interval_s=30, **overrides)
     cert = certs.self_signed(tmp_path / "tls", ["127.0.0.1"])
     return OperatorOptions(webhook_host="127.0.0.1", webhook_port=webhook_port, webhook_cert=str(cert.cert),
-                           webhook_key=str(cert.key), debounce_s=0.2, resync_interval_s=30)
+                           webhook_key=str(cert.key), debounce_s=0.2, resync_interval_s=30, **overrides)
 
 
 def events(kubectl: Kubectl, name: str, reason: str) -> list[dict[str, Any]]:
@@ -97,8 +96,3 @@ def events(kubectl: Kubectl, name: str, reason: str) -> list[dict[str, Any]]:
     return items
 
 
-def read_records(directory: Path) -> list[dict[str, Any]]:
-    out = []
-    for path in sorted(directory.glob("*.jsonl")):
-        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return out

@@ -216,3 +216,61 @@ def test_operator_cli_rejects_half_a_certificate_with_exit_2(capsys):
     assert main(["--webhook-cert", "c.pem"]) == 2
     assert "--webhook-key" in capsys.readouterr().err
     assert main(["--webhook-cert", "c.pem", "--webhook-key", "k.pem"]) == 2
+
+
+def test_fleet_nvme_figure_is_the_median_of_the_members_measurements():
+    stats = [parse_stats(m, {"nvme": {"measured_gbps": g}}) for m, g in (("a", 1.0), ("b", 9.0), ("c", 2.0))]
+    assert FleetStats(tuple(stats)).nvme_gbps == 2.0
+    assert FleetStats(tuple(stats[:2])).nvme_gbps == 5.0
+    unmeasured = parse_stats("d", {"nvme": {"measured_gbps": None, "error": "OSError"}})
+    assert unmeasured.nvme_gbps is None and FleetStats((unmeasured,)).nvme_gbps is None
+    assert parse_stats("e", {"tenants": {"x": {"bytes": 1}, "y": {"bytes": 0}}}).tenants == ("x", "y")
+
+
+def test_sidecar_config_renders_peer_switch_thrash_ratio_and_nvme(spec):
+    from kvtier.sidecar_config import from_mapping, parse_text
+    from kvtier_operator import sidecar_render
+
+    changed = spec.model_copy(deep=True)
+    changed.tiers.peer.enabled = False
+    changed.tiers.nvme.mode = "shadow"
+    changed.tiers.nvme.path = "/mnt/nvme0"
+    changed.admission.thrash_ratio = 0.7
+    cfg = from_mapping(parse_text(sidecar_render.render(changed).text), {})
+    assert cfg.peer_enabled is False and cfg.thrash_ratio == 0.7
+    assert (cfg.nvme.mode, cfg.nvme.path) == ("shadow", "/mnt/nvme0")
+    assert sidecar_render.render(changed).digest != sidecar_render.render(spec).digest
+
+
+def test_deepseek_v3_preset_renders_the_mla_latent_size(spec):
+    from kvtier_operator import sidecar_render
+
+    ds = spec.model_copy(deep=True)
+    ds.model.preset, ds.model.shape, ds.model.kv_dtype = "deepseek-v3", None, "bf16"
+    cfg = sidecar_render.sidecar_config(ds)
+    assert cfg.model.kv_bytes_per_token() == 70_272  # (512 + 64) x 61 x 2 B, not K and V
+    assert cfg.block_bytes == 70_272 * 16
+
+
+def test_injection_mounts_the_nvme_host_path_only_when_nvme_is_used(spec):
+    off, shadow = spec.model_copy(deep=True), spec.model_copy(deep=True)
+    off.tiers.nvme.mode, shadow.tiers.nvme.mode = "off", "shadow"
+    assert names.NVME_VOLUME not in {v["name"] for v in injection.inject(pod(), "p", off, IMAGE)["spec"]["volumes"]}
+    patch = injection.inject(pod(), "p", shadow, IMAGE)
+    volumes = {v["name"]: v for v in patch["spec"]["volumes"]}
+    assert volumes[names.NVME_VOLUME]["hostPath"] == {"path": "/var/lib/kvtier/nvme", "type": "DirectoryOrCreate"}
+    sidecar = next(c for c in patch["spec"]["containers"] if c["name"] == names.SIDECAR_CONTAINER)
+    assert {"name": names.NVME_VOLUME, "mountPath": "/var/lib/kvtier/nvme"} in sidecar["volumeMounts"]
+
+
+def test_warm_up_refs_name_the_epoch_and_member_set():
+    a, b = warmup.PendingEpoch(5, "abc"), warmup.PendingEpoch(6, "abc")
+    assert a.ref_prefix != b.ref_prefix != warmup.PendingEpoch(5, "abd").ref_prefix
+    assert warmup.PendingEpoch.from_json(a.to_json()).ref_prefix == a.ref_prefix
+
+
+def test_mla_shape_kv_elements_must_be_one_or_two_planes():
+    ok = policy.ModelShape(layers=61, kv_heads=1, head_dim=576, params=671e9, kv_elements_per_token=61 * 576)
+    assert ok.kv_elements_per_token == 35_136
+    with pytest.raises(ValueError, match="kvElementsPerToken"):
+        policy.ModelShape(layers=61, kv_heads=1, head_dim=576, params=671e9, kv_elements_per_token=35_000)

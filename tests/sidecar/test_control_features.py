@@ -50,7 +50,8 @@ def test_warm_job_records_wall_clock_start_finish_bytes_and_answers_a_repeated_r
     # The same ref again (an operator that restarted mid-epoch) is the same job.
     status, again = b.post("/cache/warm", body)
     assert status == 202 and json.loads(again) == {**first, "started": False}
-    assert len(json.loads(b.get("/cache/jobs")[1])) == 1
+    jobs = json.loads(b.get("/cache/jobs")[1])
+    assert list(jobs) == [first["job"]] and jobs[first["job"]]["asks"] == 2
 
 
 def test_peer_tier_disabled_serves_no_peer_and_refuses_warm_ups(spawn, oracle, redis_url, secret_file):

@@ -1,0 +1,113 @@
+"""The operator's e2e fleet: pods whose REAL injected `kvtier-sidecar` is run by the
+node agent on the pod's loopback IP. Tenants' prefixes are seeded through the real
+engine client (`kvtier_sidecar.client`) over the pod's engine socket; warm-ups are
+read back from each sidecar's own `GET /cache/jobs`."""
+from __future__ import annotations
+
+import json
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvtier import sidecar_config
+from kvtier.keys import KeyRoot
+from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.synthetic import prefill_kv
+from kvtier_testenv.nodeagent import NodeAgent
+
+DIGEST = "sha256:" + "1" * 64
+# The tiny model every e2e policy serves: 2 layers, 2 kv heads, head_dim 16, fp16.
+TINY_SHAPE = {"layers": 2, "kvHeads": 2, "headDim": 16, "params": 1.0e6}
+BLOCK_SIZE = 16
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 2 * BLOCK_SIZE
+PROMPT_TOKENS = 72  # 4 full blocks are stored; a lookup of the prompt matches 64 tokens
+MATCHED_TOKENS = 64
+HTTP_TIMEOUT_S = 5.0
+
+
+def tiny_policy(name: str, app: str, **spec: object) -> dict:
+    body = {
+        "apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy", "metadata": {"name": name},
+        "spec": {"selector": {"matchLabels": {"app": app}},
+                 "model": {"id": "reference-tiny", "weightsVersion": DIGEST, "shape": TINY_SHAPE},
+                 "hardware": {"denseTflopsPerGpu": 10}, "tiers": {"dram": {"capacity": "16Mi"}}},
+    }
+    body["spec"].update(spec)
+    return body
+
+
+def serving_pod(name: str, app: str) -> dict:
+    """A pod the webhook injects the sidecar into (its engine container is not run)."""
+    engine = {"name": "engine", "image": "engine:1", "command": ["sleep", "infinity"]}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": app}},
+            "spec": {"containers": [engine]}}
+
+
+def root(tenant: str) -> KeyRoot:
+    return KeyRoot(tenant, "reference-tiny", DIGEST, "fp16", "rope-default", "default")
+
+
+def prompt(tenant: str, i: int) -> np.ndarray:
+    seed = int.from_bytes(tenant.encode()[-4:].rjust(4, b"\0"), "little") * 7 + i
+    return np.random.default_rng(seed).integers(0, 30_000, PROMPT_TOKENS).astype(np.uint32)
+
+
+def kv_of(tenant: str, tokens: np.ndarray) -> np.ndarray:
+    """The KV an engine would compute: a pure function of the chained block hashes."""
+    return prefill_kv(root(tenant), tokens, BLOCK_SIZE, BLOCK_BYTES)
+
+
+@dataclass
+class PodSidecar:
+    """One pod's real sidecar as a test reaches it: HTTP on its IP, engine socket on disk."""
+
+    name: str
+    ip: str
+    socket: str
+
+    @classmethod
+    def of(cls, agent: NodeAgent, namespace: str, pod: str) -> "PodSidecar":
+        env = agent.process(namespace, pod).env
+        cfg = sidecar_config.from_mapping({}, env)
+        return cls(pod, env["POD_IP"], str(Path(env["XDG_RUNTIME_DIR"]) / f"kvtier-{cfg.shm_name}.sock"))
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"http://{self.ip}:8081{path}", timeout=HTTP_TIMEOUT_S) as r:
+            return json.loads(r.read())
+
+    def warm_jobs(self) -> list[dict]:
+        return [j for j in self.get("/cache/jobs").values() if j.get("kind") == "warm"]
+
+    def seed(self, tenant: str, prompts: int) -> None:
+        """Store the tenant's prompts here: two sightings each, as admission wants."""
+        client = SidecarClient(self.socket)
+        try:
+            for i in range(prompts):
+                tokens = prompt(tenant, i)
+                for _ in range(2):
+                    client.release(client.lookup(root(tenant), tokens))
+                    client.store(root(tenant), tokens, kv_of(tenant, tokens))
+        finally:
+            client.close()
+
+    def holds(self, tenant: str, prompts: int) -> bool:
+        """Every prompt of the tenant hits here with the KV a recompute gives."""
+        client = SidecarClient(self.socket)
+        try:
+            for i in range(prompts):
+                tokens = prompt(tenant, i)
+                hit = client.lookup(root(tenant), tokens)
+                try:
+                    if not isinstance(hit, Hit) or hit.matched_tokens != MATCHED_TOKENS:
+                        return False
+                    dst = np.zeros(len(hit.blocks) * BLOCK_BYTES, np.uint8)
+                    client.materialize(hit, dst)
+                    if not np.array_equal(dst, kv_of(tenant, tokens)[: len(dst)]):
+                        raise AssertionError(f"wrong KV for {tenant} prompt {i} on {self.name}")
+                finally:
+                    client.release(hit)
+            return True
+        finally:
+            client.close()
