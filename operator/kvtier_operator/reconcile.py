@@ -176,8 +176,8 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table) -
     todo = journal.remaining(warm_plan.requests)
     if todo:
         writer = _JournalWriter(kube, namespace, name, journal)
-        await writer.write()
         try:
+            await writer.write()
             await sidecars.warm_all(todo, members, spec.affinity.warm_timeout_s,
                                     ref_prefix=journal.ref_prefix, on_done=writer.done)
         finally:
