@@ -166,9 +166,22 @@ class ClusterDemo:
                                workdir=Path(tempfile.mkdtemp(prefix="kvn-")))
         self.stack.callback(self.agent.stop)
         self.agent.start()
-        [op] = self.agent.wait_ready(1, SYSTEM_NAMESPACE, f"app.kubernetes.io/instance={RELEASE}",
-                                     timeout_s=STEP_TIMEOUT_S)
+        try:
+            [op] = self.agent.wait_ready(1, SYSTEM_NAMESPACE, f"app.kubernetes.io/instance={RELEASE}",
+                                         timeout_s=STEP_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise DemoFailed(f"the operator pod never became Ready: {exc}\n{self.operator_log()}") from None
         self.operator_pod = op["metadata"]["name"]
+
+    def operator_log(self, lines: int = 30) -> str:
+        """The tail of the operator process's log (for a failure message)."""
+        pods = self.kubectl.in_namespace(SYSTEM_NAMESPACE).get_json(
+            "pods", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+        for pod in pods:
+            with contextlib.suppress(KeyError, OSError):
+                text = self.agent.log(SYSTEM_NAMESPACE, pod["metadata"]["name"], "operator")
+                return f"operator log ({pod['metadata']['name']}):\n" + "\n".join(text.splitlines()[-lines:])
+        return "(no operator log)"
 
     def _uninstall(self) -> None:
         with contextlib.suppress(Exception):
@@ -362,7 +375,7 @@ def main(args: argparse.Namespace) -> int:
     log = (lambda s: None) if args.quiet or args.json else (lambda s: print(s, file=sys.stderr, flush=True))
     try:
         result = run(requests=args.requests * 4, seed=args.seed, log=log)
-    except DemoFailed as exc:
+    except (DemoFailed, TimeoutError) as exc:
         print(f"kvtier demo --mode cluster: FAILED: {exc}", file=sys.stderr)
         return 1
     if args.json:
