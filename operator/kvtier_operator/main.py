@@ -25,18 +25,22 @@ from pathlib import Path
 
 from kvtier_operator.options import OperatorOptions
 
+# Flag defaults from an instance: on a slots dataclass the class attribute is a
+# member descriptor, not the default value.
+_DEFAULTS = OperatorOptions()
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier-operator", description=__doc__.split("\n\n")[0])
     p.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable)")
-    p.add_argument("--sidecar-image", default=OperatorOptions.sidecar_image, help="image of the injected sidecar")
+    p.add_argument("--sidecar-image", default=_DEFAULTS.sidecar_image, help="image of the injected sidecar")
     p.add_argument("--webhook-host", help="address the webhook listens on and the apiserver reaches it by")
-    p.add_argument("--webhook-port", type=int, default=OperatorOptions.webhook_port)
+    p.add_argument("--webhook-port", type=int, default=_DEFAULTS.webhook_port)
     p.add_argument("--webhook-cert", help="PEM serving certificate (e.g. mounted from a Secret)")
     p.add_argument("--webhook-key", help="PEM private key of --webhook-cert")
     p.add_argument("--webhook-self-signed", type=Path, metavar="DIR",
                    help="make a self-signed certificate in DIR (its cert.pem is the webhook's caBundle)")
-    p.add_argument("--warms-per-target", type=int, default=OperatorOptions.warms_per_target,
+    p.add_argument("--warms-per-target", type=int, default=_DEFAULTS.warms_per_target,
                    help="warm-ups in flight per new home when tenants move")
     p.add_argument("--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--service-account-dir", type=Path, metavar="DIR",
