@@ -150,3 +150,15 @@ def test_operator_from_the_chart_runs_with_its_own_token_and_reconciles(
     finally:
         helm.run("uninstall", release, "--wait", check=False)
         admin.delete("namespace", serving, wait=False)
+
+
+def test_install_with_bad_values_fails_with_the_schema_message_and_creates_nothing(helm, kubectl):
+    release = f"kvt-{uuid.uuid4().hex[:6]}"
+    try:
+        helm.install(release, CHART, values={"webhook": {"failurePolicy": "Sometimes"}})
+    except KubectlError as e:
+        assert "at '/webhook/failurePolicy': value must be one of 'Ignore', 'Fail'" in e.stderr
+    else:
+        raise AssertionError("helm install accepted webhook.failurePolicy=Sometimes")
+    assert release not in helm.run("list", "--all", "--short").stdout.split()
+    assert not exists(kubectl, "serviceaccount", f"{release}-kvtier-operator")
