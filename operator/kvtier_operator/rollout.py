@@ -1,0 +1,371 @@
+"""Weights-version rollout planning: pure. Given the policy's rollout spec, its status
+and what the workload and its pods look like now, decide the one next action.
+
+    steady ──(spec version != template version)──> start: baseline = old pods' hit rate,
+      ^                                             template := new, partition := R - n1
+      |                                                   |
+      |          ┌──────────── wait <───────────┐         v
+      |          v                              |     step k (n_k new pods)
+      |   new pods ready and hit rate >= threshold x baseline over >= minLookups?
+      |          | yes                          | no, window not over
+      |          v                              |
+      |   k < last: advance (partition := R - n_{k+1}, history += recovered)
+      +── k = last: complete (partition := 0, status.version := new)
+                 window over without recovery:
+                   onFailure rollback -> template := old, partition := 0 (every pod old)
+                   onFailure pause    -> hold where it is, for a person to decide
+
+Level-based and restart-safe: everything the planner needs is in the policy's status
+(`status.version` is the old version, `status.rollout` the step and its clock) and in
+the workload itself, and the workload a step wants is derived from status every time.
+The handler writes status before it patches the workload, so an operator that dies
+between the two re-applies the same patch on its next tick and never a different one.
+
+StatefulSet semantics the plan relies on: with `rollingUpdate.partition = p`, the
+controller moves the pods with ordinal >= p to the current template (highest first)
+and leaves the others on their revision; with the template back on the old version
+and partition 0, every pod converges to the old version (a pod already there is not
+restarted: its revision matches).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal
+
+from kvtier.policy import Rollout, RolloutRecord, RolloutStatus
+
+from kvtier_operator.conditions import Observation
+
+PROGRESSING = "RolloutProgressing"
+ROLLED_BACK = "RolledBack"
+DEGRADED = "RolloutDegraded"
+# status.rollout.history is bounded by the CRD (policy._MAX_HISTORY): keep the newest.
+HISTORY_KEPT = 32
+# Hit rates in status and messages: four decimals are plenty and keep writes quiet.
+RATE_DIGITS = 4
+
+ActionKind = Literal["idle", "start", "wait", "advance", "complete", "rollback", "pause", "hold", "refuse"]
+
+
+@dataclass(frozen=True, slots=True)
+class PodSample:
+    """One pod of the workload as the operator sees it now. `lookups`/`hits` are the
+    sidecar's counters since the pod (and so its cache) started; None: no answer."""
+
+    name: str
+    version: str | None
+    ready: bool
+    lookups: int | None = None
+    hits: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The serving workload's rollout knobs: replicas, the pod template's weights
+    version, and the StatefulSet partition (pods with ordinal >= partition are new)."""
+
+    replicas: int
+    template_version: str | None
+    partition: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadPatch:
+    template_version: str
+    partition: int
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    workload: Workload
+    pods: tuple[PodSample, ...]
+    now: datetime
+    # Recompute capacity of one replica (break-even arithmetic): what cold pods must
+    # absorb for every prefill token that used to be a hit.
+    replica_prefill_tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The next action. `rollout`/`phase`/`version` are the status fields to write
+    (None: leave as is); `workload` the patch to apply after them (None: none)."""
+
+    kind: ActionKind
+    rollout: RolloutStatus | None = None
+    phase: str | None = None
+    version: str | None = None
+    workload: WorkloadPatch | None = None
+    conditions: tuple[Observation, ...] = ()
+    event: tuple[str, str, str] | None = None  # (type, reason, message)
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """New-version pods' hit rate against the bar of one step."""
+
+    lookups: int
+    hits: int
+    needed: float
+
+    @property
+    def hit_rate(self) -> float | None:
+        return round(self.hits / self.lookups, RATE_DIGITS) if self.lookups else None
+
+    def recovered(self, min_lookups: int) -> bool:
+        return self.lookups >= min_lookups and self.hits >= self.needed * self.lookups
+
+
+@dataclass(slots=True)
+class _Ctx:
+    spec: Rollout
+    target: str
+    serving: str | None
+    status: RolloutStatus | None
+    phase: str | None
+    observed: Observed
+    schedule: list[int] = field(default_factory=list)
+
+
+# --- arithmetic ------------------------------------------------------------------------
+
+
+def schedule(spec: Rollout, replicas: int) -> list[int]:
+    """New-version pod counts per step: the canary pods, then each percentage of the
+    fleet rounded up (never fewer than the step before); the last step is the fleet."""
+    counts = [min(spec.canary_pods, replicas)] if spec.canary_pods > 0 else []
+    for percent in spec.steps:
+        counts.append(max(counts[-1] if counts else 0, -(-replicas * percent // 100)))
+    return counts
+
+
+def hit_rate(pods: tuple[PodSample, ...] | list[PodSample]) -> tuple[int, int]:
+    """(lookups, hits) summed over the pods that answered."""
+    answered = [p for p in pods if p.lookups is not None]
+    return sum(p.lookups or 0 for p in answered), sum(p.hits or 0 for p in answered)
+
+
+def cold_prefill_tokens_per_s(new_pods: int, baseline: float | None, replica_tokens_per_s: float) -> float:
+    """Expected extra prefill on the restarted pods at full load: every token that was a
+    hit on them (baseline hit rate) is recomputed until their caches refill."""
+    return round(new_pods * (baseline or 0.0) * replica_tokens_per_s, 1)
+
+
+# --- the planner ----------------------------------------------------------------------
+
+
+def plan(
+    spec: Rollout,
+    target: str,
+    serving: str | None,
+    status: RolloutStatus | None,
+    phase: str | None,
+    observed: Observed,
+) -> Plan:
+    """The next action for the rollout towards `target` (spec.model.weightsVersion);
+    `serving` is status.version, `status`/`phase` the policy's status as last written."""
+    ctx = _Ctx(spec, target, serving, status, phase, observed, schedule(spec, observed.workload.replicas))
+    if spec.recovery.source != "sidecar":
+        return _refuse(ctx, "RecoverySourceUnsupported",
+                       f"rollout.recovery.source {spec.recovery.source!r} is validated but not implemented "
+                       f"in this operator; use source: sidecar")
+    in_flight = status is not None and status.target_version is not None and phase in ("RollingOut", "Paused")
+    if in_flight:
+        assert status is not None and status.target_version is not None
+        if target == serving:
+            return _rollback(ctx, f"spec.model.weightsVersion set back to {serving}", requested=True)
+        if target != status.target_version:
+            return _start(ctx, superseding=status.target_version)
+        if phase == "Paused":
+            return _hold(ctx, _step_patch(ctx, status.step))
+        return _evaluate(ctx)
+    if phase == "RolledBack" and status is not None and status.target_version == target:
+        return _hold(ctx, WorkloadPatch(serving or target, 0))
+    template = observed.workload.template_version
+    if template is None:
+        return _refuse(ctx, "WorkloadUnversioned",
+                       f"the workload's pod template has no kvtier.io/weights-version annotation; "
+                       f"set it to the version its pods serve (e.g. {serving}) to enable rollouts")
+    if template != target:
+        return _start(ctx)
+    return _steady(ctx)
+
+
+def _steady(ctx: _Ctx) -> Plan:
+    """Fleet on the target: finish an interrupted completion (partition back to 0) and
+    leave a terminal rollout phase once the spec names the serving version again."""
+    w = ctx.observed.workload
+    patch = WorkloadPatch(ctx.target, 0) if w.partition != 0 else None
+    version = ctx.target if ctx.serving != ctx.target else None
+    phase = "Ready" if ctx.phase in ("RollingOut", "Paused", "RolledBack") else None
+    if patch is None and version is None and phase is None:
+        return Plan("idle")
+    return Plan("idle", phase=phase, version=version, workload=patch)
+
+
+def _start(ctx: _Ctx, superseding: str | None = None) -> Plan:
+    w = ctx.observed.workload
+    # The old version is what the fleet runs now (mid-rollout: what it ran before).
+    old = ctx.serving if superseding else (w.template_version or ctx.serving)
+    old_pods = [p for p in ctx.observed.pods if p.version != ctx.target]
+    lookups, hits = hit_rate(old_pods)
+    baseline = round(hits / lookups, RATE_DIGITS) if lookups else None
+    n = ctx.schedule[0]
+    rollout = RolloutStatus(
+        target_version=ctx.target, step=1, canary_percent=_percent(n, w.replicas), baseline_hit_rate=baseline,
+        step_started_at=ctx.observed.now,
+        expected_cold_prefill_tokens_per_s=cold_prefill_tokens_per_s(n, baseline, ctx.observed.replica_prefill_tokens_per_s),
+        history=list(ctx.status.history) if ctx.status else [],
+    )
+    why = f"superseding {superseding}; " if superseding else ""
+    message = (f"rolling out {ctx.target} from {old}: {why}baseline hit rate {_fmt(baseline)} over {lookups} lookups; "
+               f"{_step_text(ctx, 1, rollout)}")
+    return Plan("start", rollout=rollout, phase="RollingOut", version=old,
+                workload=WorkloadPatch(ctx.target, w.replicas - n),
+                conditions=(Observation(PROGRESSING, "True", "StepStarted", message),
+                            Observation(ROLLED_BACK, "False", "RollingOut", f"rolling out {ctx.target}")),
+                event=("Normal", "RolloutStarted", message))
+
+
+def _evaluate(ctx: _Ctx) -> Plan:
+    status = ctx.status
+    assert status is not None and status.step_started_at is not None
+    step = min(max(status.step, 1), len(ctx.schedule))
+    n = ctx.schedule[step - 1]
+    new_pods = [p for p in ctx.observed.pods if p.version == ctx.target]
+    ready = sum(p.ready for p in new_pods)
+    lookups, hits = hit_rate(new_pods)
+    rec = Recovery(lookups, hits, ctx.spec.recovery.threshold * (status.baseline_hit_rate or 0.0))
+    patch = _step_patch(ctx, step)
+    if ready >= n and rec.recovered(ctx.spec.recovery.min_lookups):
+        return _complete(ctx, rec) if step == len(ctx.schedule) else _advance(ctx, step, rec)
+    elapsed_s = (ctx.observed.now - status.step_started_at).total_seconds()
+    if elapsed_s >= ctx.spec.recovery.window_s:
+        reason = (f"step {step}: {ready}/{n} new pods ready; hit rate {_fmt(rec.hit_rate)} over {lookups} lookups "
+                  f"did not reach {ctx.spec.recovery.threshold} x baseline {_fmt(status.baseline_hit_rate)} = "
+                  f"{rec.needed:.4f} (min {ctx.spec.recovery.min_lookups} lookups) within {ctx.spec.recovery.window}")
+        if ctx.spec.on_failure == "pause":
+            return _pause(ctx, step, rec, reason)
+        return _rollback(ctx, reason, observed_rate=rec.hit_rate)
+    rollout = status.model_copy(update={"current_hit_rate": rec.hit_rate})
+    changed = rollout != status
+    needs_patch = _differs(ctx.observed.workload, patch)
+    if not changed and not needs_patch:
+        return Plan("wait")
+    return Plan("wait", rollout=rollout if changed else None, workload=patch if needs_patch else None,
+                conditions=(Observation(PROGRESSING, "True", "WaitingForRecovery",
+                                        f"step {step}: {ready}/{n} new pods ready, hit rate {_fmt(rec.hit_rate)} over "
+                                        f"{lookups} lookups; needs {rec.needed:.4f} over "
+                                        f"{ctx.spec.recovery.min_lookups}"),))
+
+
+def _advance(ctx: _Ctx, step: int, rec: Recovery) -> Plan:
+    status, w = ctx.status, ctx.observed.workload
+    assert status is not None
+    nxt = step + 1
+    n = ctx.schedule[nxt - 1]
+    record = _record(ctx, step, "recovered", rec.hit_rate, f"{rec.lookups} lookups, needed {rec.needed:.4f}")
+    rollout = status.model_copy(update={
+        "step": nxt, "canary_percent": _percent(n, w.replicas), "current_hit_rate": rec.hit_rate,
+        "step_started_at": ctx.observed.now, "history": _appended(status.history, record),
+        "expected_cold_prefill_tokens_per_s": cold_prefill_tokens_per_s(
+            n - ctx.schedule[step - 1], status.baseline_hit_rate, ctx.observed.replica_prefill_tokens_per_s),
+    })
+    message = (f"step {step} recovered: hit rate {_fmt(rec.hit_rate)} >= {rec.needed:.4f} over {rec.lookups} "
+               f"lookups; {_step_text(ctx, nxt, rollout)}")
+    return Plan("advance", rollout=rollout, workload=WorkloadPatch(ctx.target, w.replicas - n),
+                conditions=(Observation(PROGRESSING, "True", "StepStarted", message),),
+                event=("Normal", "RolloutStep", message))
+
+
+def _complete(ctx: _Ctx, rec: Recovery) -> Plan:
+    status = ctx.status
+    assert status is not None
+    record = _record(ctx, status.step, "completed", rec.hit_rate, f"{rec.lookups} lookups, needed {rec.needed:.4f}")
+    rollout = status.model_copy(update={"current_hit_rate": rec.hit_rate, "canary_percent": 100,
+                                        "expected_cold_prefill_tokens_per_s": 0.0,
+                                        "history": _appended(status.history, record)})
+    message = (f"{ctx.target} serves the whole fleet ({ctx.observed.workload.replicas} pods): hit rate "
+               f"{_fmt(rec.hit_rate)} vs baseline {_fmt(status.baseline_hit_rate)}")
+    return Plan("complete", rollout=rollout, phase="Ready", version=ctx.target,
+                workload=WorkloadPatch(ctx.target, 0),
+                conditions=(Observation(PROGRESSING, "False", "Completed", message),),
+                event=("Normal", "RolloutCompleted", message))
+
+
+def _rollback(ctx: _Ctx, reason: str, observed_rate: float | None = None, requested: bool = False) -> Plan:
+    """Every pod back on the old version: template restored and partition 0, so no pod
+    is left on the new version whatever step the rollout had reached."""
+    status = ctx.status
+    assert status is not None and ctx.serving is not None
+    record = _record(ctx, status.step, "rolledBack", observed_rate, reason)
+    rollout = status.model_copy(update={"current_hit_rate": observed_rate, "canary_percent": 0,
+                                        "expected_cold_prefill_tokens_per_s": 0.0,
+                                        "history": _appended(status.history, record)})
+    message = f"rolled back {status.target_version} to {ctx.serving}: {reason}"
+    return Plan("rollback", rollout=rollout, phase="Ready" if requested else "RolledBack",
+                workload=WorkloadPatch(ctx.serving, 0),
+                conditions=(Observation(PROGRESSING, "False", "RolledBack", message),
+                            Observation(ROLLED_BACK, "False" if requested else "True",
+                                        "Requested" if requested else "HitRateNotRecovered", message)),
+                event=("Normal" if requested else "Warning", "RolledBack", message))
+
+
+def _pause(ctx: _Ctx, step: int, rec: Recovery, reason: str) -> Plan:
+    status = ctx.status
+    assert status is not None
+    record = _record(ctx, step, "paused", rec.hit_rate, reason)
+    rollout = status.model_copy(update={"current_hit_rate": rec.hit_rate,
+                                        "history": _appended(status.history, record)})
+    message = (f"paused {status.target_version} at step {step} (onFailure: pause): {reason}; set "
+               f"spec.model.weightsVersion back to {ctx.serving} to roll back")
+    return Plan("pause", rollout=rollout, phase="Paused",
+                conditions=(Observation(PROGRESSING, "False", "Paused", message),
+                            Observation(DEGRADED, "True", "HitRateNotRecovered", message)),
+                event=("Warning", "RolloutPaused", message))
+
+
+def _hold(ctx: _Ctx, patch: WorkloadPatch) -> Plan:
+    """A terminal state waiting for a person: only keep the workload where it was left."""
+    return Plan("hold", workload=patch if _differs(ctx.observed.workload, patch) else None)
+
+
+def _refuse(ctx: _Ctx, reason: str, message: str) -> Plan:
+    return Plan("refuse", conditions=(Observation(PROGRESSING, "False", reason, message),))
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _step_patch(ctx: _Ctx, step: int) -> WorkloadPatch:
+    n = ctx.schedule[min(max(step, 1), len(ctx.schedule)) - 1]
+    return WorkloadPatch(ctx.target, ctx.observed.workload.replicas - n)
+
+
+def _differs(w: Workload, patch: WorkloadPatch) -> bool:
+    return w.template_version != patch.template_version or w.partition != patch.partition
+
+
+def _percent(new_pods: int, replicas: int) -> int:
+    return round(100 * new_pods / replicas) if replicas else 0
+
+
+def _step_text(ctx: _Ctx, step: int, rollout: RolloutStatus) -> str:
+    n, r = ctx.schedule[step - 1], ctx.observed.workload.replicas
+    rec = ctx.spec.recovery
+    return (f"step {step}/{len(ctx.schedule)}: {n}/{r} pods ({rollout.canary_percent}%) on the new version, "
+            f"expected cold-cache prefill up to {rollout.expected_cold_prefill_tokens_per_s:,.0f} tokens/s; "
+            f"recovery: hit rate >= {rec.threshold} x baseline over >= {rec.min_lookups} lookups within {rec.window}")
+
+
+def _record(ctx: _Ctx, step: int, outcome: str, rate: float | None, message: str) -> RolloutRecord:
+    return RolloutRecord(version=ctx.target if ctx.status is None else (ctx.status.target_version or ctx.target),
+                         step=step, outcome=outcome, hit_rate=rate, time=ctx.observed.now, message=message[:1024])
+
+
+def _appended(history: list[RolloutRecord], record: RolloutRecord) -> list[RolloutRecord]:
+    return (list(history) + [record])[-HISTORY_KEPT:]
+
+
+def _fmt(rate: float | None) -> str:
+    return "n/a" if rate is None else f"{rate:.4f}"
