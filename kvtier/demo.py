@@ -1,14 +1,19 @@
-"""`kvtier demo`: the reference engine replaying a multi-tenant workload through LocalCache.
+"""`kvtier demo`: kvtier end to end, on an embedded local default.
 
-The local mode (`run_local`) is the embedded default: a few tenants, each with a
-system prompt, a handful of RAG documents and conversations that come back for
-follow-up turns. Every request is served twice, once through the cache (lookup ->
-materialize -> prefill only the suffix -> store) and once by a full recompute, so
-the report gives MEASURED time saved and checks that cached KV gave the same
-logits as recomputing. It ends with the break-even verdicts for the engine's own
-shape on this CPU and for a 70B model on H100 at TP4.
+Three modes, from the whole product down to the core library:
 
-Other modes (a fleet of sidecars over Redis) plug in through `MODES`.
+- `cluster` (default, `kvtier.demo_cluster`): an embedded Kubernetes control plane,
+  the operator installed by the Helm chart, a StatefulSet whose pods get the sidecar
+  injected, reference engines replaying traffic through them, and a scale-up that
+  moves tenants (warmed before the new affinity epoch is published).
+- `fleet`: Redis and sidecar processes on loopback with reference engines as clients
+  (DRAM and peer tiers, no Kubernetes).
+- `local`: the reference engine replaying a multi-tenant workload through an
+  in-process `LocalCache`. Every request is served twice, once through the cache
+  (lookup -> materialize -> prefill only the suffix -> store) and once by a full
+  recompute, so the report gives MEASURED time saved and checks that cached KV gave
+  the same logits as recomputing; it ends with the break-even verdicts for the
+  engine's own shape on this CPU and for a 70B model on H100 at TP4.
 """
 from __future__ import annotations
 
@@ -285,10 +290,10 @@ def _positive_int(text: str) -> int:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=sorted(MODES), default="fleet",
-                   help="fleet: Redis + sidecar processes + engines on loopback (default); "
-                        "local: one engine and an in-process LocalCache; "
-                        "cluster: embedded Kubernetes, helm-installed operator, injected sidecars")
+    p.add_argument("--mode", choices=sorted(MODES), default="cluster",
+                   help="cluster: embedded Kubernetes, helm-installed operator, injected sidecars "
+                        "(default); fleet: Redis + sidecar processes + engines on loopback, no "
+                        "Kubernetes; local: one engine and an in-process LocalCache")
     p.add_argument("--sidecars", type=_positive_int, default=3, help="fleet mode: sidecar processes")
     p.add_argument("--requests", type=_positive_int, default=DEFAULT_REQUESTS)
     p.add_argument("--seed", type=int, default=0)
