@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier_testenv import polling
+
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "kvtier"
 RELEASE = "kvtier"
@@ -63,14 +65,10 @@ class DemoFailed(RuntimeError):
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = STEP_TIMEOUT_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(POLL_S)
-    raise DemoFailed(f"timed out after {timeout_s:.0f}s waiting for {what}; last seen: {last!r}")
+    try:
+        return polling.wait_for(what, probe, timeout_s, POLL_S)
+    except polling.WaitTimeout as exc:
+        raise DemoFailed(str(exc)) from None
 
 
 @dataclass(slots=True)

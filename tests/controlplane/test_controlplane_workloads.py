@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 import urllib.request
 from collections.abc import Callable
 
 from kvtier_testenv.kubectl import Kubectl
+from kvtier_testenv import polling
 from kvtier_testenv.nodeagent import NodeAgent, is_ready
 
 WAIT_S = 60.0
@@ -17,13 +17,7 @@ WAIT_S = 60.0
 
 def poll(what: str, check: Callable[[], object], timeout_s: float = WAIT_S) -> object:
     """Returns check()'s first truthy value; fails naming `what` after the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    return polling.wait_for(what, check, timeout_s)
 
 
 def statefulset(replicas: int) -> dict:

@@ -8,26 +8,19 @@ from __future__ import annotations
 import base64
 import json
 import socket
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from helm_chart import CHART, ROOT, SA_DIR
+from kvtier_testenv import polling
 from kvtier_testenv.kubectl import Kubectl, KubectlError
 
 CRD_NAME = "kvcachepolicies.kvtier.io"
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
+    return polling.wait_for(what, probe, timeout_s, interval_s=0.2)
 
 
 def free_port() -> int:

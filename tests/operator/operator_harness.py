@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from kopf.testing import KopfRunner
 from kvtier_operator import certs
 from kvtier_operator.options import OperatorOptions
 from kvtier_testenv.kubectl import Kubectl
+from kvtier_testenv import polling
 from operator_cases import ROOT
 
 DEPLOY = ROOT / "operator" / "deploy"
@@ -25,14 +25,7 @@ OPERATOR_SA = "kvtier-operator"
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = 30.0, interval_s: float = 0.1) -> Any:
     """Poll `probe` until it returns something truthy; fail naming `what` and the last value."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
+    return polling.wait_for(what, probe, timeout_s, interval_s)
 
 
 def free_port() -> int:
