@@ -24,7 +24,6 @@ from kvtier.admission import DEFAULT_MIN_SIGHTINGS
 from kvtier.cache import LocalCache
 from kvtier.keys import KeyRoot
 from kvtier.sim.request import SimRequest
-from kvtier.sim.sketch import FastCountMinSketch
 
 
 class ReplicaCache(Protocol):
@@ -144,8 +143,7 @@ class KvtierCache:
     def __init__(self, capacity_bytes: int, block_bytes: int, block_size: int, clock,
                  min_sightings: int = DEFAULT_MIN_SIGHTINGS) -> None:
         self.cache = LocalCache(capacity_bytes, block_bytes, block_size, min_sightings,
-                                metadata_only=True, clock=clock, drain_budget_s=0.0,
-                                sketch=FastCountMinSketch())
+                                metadata_only=True, clock=clock, drain_budget_s=0.0)
         self.block_size = block_size
 
     def peek(self, req: SimRequest, root: KeyRoot) -> int:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.admission import (
     Admission,
@@ -127,3 +129,18 @@ def test_placement_is_inferred_from_reuse():
 def test_min_sightings_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="min_sightings"):
         Admission(min_sightings=bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=12), min_size=1, max_size=40))
+def test_short_input_path_counts_exactly_like_the_vectorised_path(batches):
+    few, many = CountMinSketch(width=64, sample_size=50), CountMinSketch(width=64, sample_size=50)
+    for hashes in batches:
+        few._add_few(hashes)
+        many._add_many(hashes)
+        assert np.array_equal(few._estimate_few(hashes), many._estimate_many(hashes))
+        assert np.array_equal(few.table, many.table)
+    sketch = CountMinSketch(width=64, sample_size=50)  # the public API mixes both paths
+    for hashes in batches:
+        sketch.add(hashes)
+    assert sketch.additions <= 50

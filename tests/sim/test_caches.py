@@ -1,13 +1,9 @@
 """The replica caches the simulator drives: kvtier's LocalCache, plain LRU, the oracle."""
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from kvtier.admission import CountMinSketch
 from kvtier.keys import KeyRoot
 from kvtier.sim.caches import KvtierCache, LruCache, OracleCache
 from kvtier.sim.request import HashCache, SimRequest
-from kvtier.sim.sketch import FastCountMinSketch
 
 ROOT = KeyRoot("t", "m", "sha256:v0", "fp16", "rope", "attn")
 BS = 4
@@ -65,15 +61,3 @@ def test_kvtier_cache_warms_a_peer_with_a_tenants_hot_prefix():
         src.serve(_req(prompt), ROOT, float(t))
     assert dst.warm_from(src, "t", 64 * 1024) == 4
     assert dst.serve(_req(prompt), ROOT, 5.0) == 16
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=10), min_size=1, max_size=40))
-def test_fast_sketch_counts_exactly_like_the_core_sketch(batches):
-    fast, core = FastCountMinSketch(width=64, sample_size=50), CountMinSketch(width=64, sample_size=50)
-    for hashes in batches:
-        fast.add(hashes)
-        core.add(hashes)
-        assert np.array_equal(fast.estimate(hashes), core.estimate(hashes))
-    assert np.array_equal(fast.table, core.table)
-    assert fast.additions == core.additions and fast.resets == core.resets
