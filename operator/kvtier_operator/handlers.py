@@ -9,6 +9,7 @@
     pod_changed          pod events wake the loops of their namespace's policies
     inject_sidecar       mutating admission webhook for pod CREATE
     policy_deleted       finalizer: Redis key and ConfigMaps
+    rollout_tick         timer per policy with a workloadRef (rollout_handlers.py)
 """
 from __future__ import annotations
 
@@ -175,3 +176,7 @@ async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, memo: kopf.
     for cm in (names.sidecar_config_map(name), names.affinity_config_map(name)):
         await memo.kube.delete_config_map(namespace, cm)
     memo.states.pop((namespace, name), None)
+
+
+# The rollout's timer lives in its own module; importing it registers it with kopf.
+from kvtier_operator import rollout_handlers  # noqa: E402,F401

@@ -20,6 +20,7 @@ class Kube:
 
     core: kubernetes.client.CoreV1Api
     custom: kubernetes.client.CustomObjectsApi
+    apps: kubernetes.client.AppsV1Api | None = None  # the rollout's workload
 
     @classmethod
     def from_environment(cls) -> "Kube":
@@ -30,7 +31,8 @@ class Kube:
             api = kubernetes.client.ApiClient()
         except kubernetes.config.ConfigException:
             api = kubernetes.config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"))
-        return cls(kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api))
+        return cls(kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api),
+                   kubernetes.client.AppsV1Api(api))
 
     def close(self) -> None:
         self.core.api_client.close()
@@ -103,3 +105,23 @@ class Kube:
         secret = await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace)
         raw = (secret.data or {}).get(key)
         return base64.b64decode(raw).decode() if raw else None
+
+    # --- the rollout's workload and its pods --------------------------------------------
+
+    async def read_stateful_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+        assert self.apps is not None
+        try:
+            sts = await asyncio.to_thread(self.apps.read_namespaced_stateful_set, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return self.core.api_client.sanitize_for_serialization(sts)
+
+    async def patch_stateful_set(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        assert self.apps is not None
+        await asyncio.to_thread(self.apps.patch_namespaced_stateful_set, name, namespace, patch)
+
+    async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        pods = await asyncio.to_thread(self.core.list_namespaced_pod, namespace, label_selector=label_selector)
+        return self.core.api_client.sanitize_for_serialization(pods).get("items") or []

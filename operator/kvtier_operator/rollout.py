@@ -6,7 +6,8 @@ and what the workload and its pods look like now, decide the one next action.
       |                                                   |
       |          ┌──────────── wait <───────────┐         v
       |          v                              |     step k (n_k new pods)
-      |   new pods ready and hit rate >= threshold x baseline over >= minLookups?
+      |   n_k new pods ready, and the pods step k restarted have hit rate
+      |   >= threshold x baseline over >= minLookups lookups?
       |          | yes                          | no, window not over
       |          v                              |
       |   k < last: advance (partition := R - n_{k+1}, history += recovered)
@@ -145,6 +146,21 @@ def hit_rate(pods: tuple[PodSample, ...] | list[PodSample]) -> tuple[int, int]:
     return sum(p.lookups or 0 for p in answered), sum(p.hits or 0 for p in answered)
 
 
+def step_pods(new_pods: list[PodSample], counts: list[int], step: int, replicas: int) -> list[PodSample]:
+    """The pods a step is judged on: those it restarted (ordinals [R - n_k, R - n_k-1)),
+    whose caches are the cold ones; pods recovered in earlier steps would only dilute
+    them. A step that restarts none (same count as the one before) is judged on all."""
+    low, high = replicas - counts[step - 1], replicas - (counts[step - 2] if step > 1 else 0)
+    fresh = [p for p in new_pods if low <= ordinal(p.name) < high]
+    return fresh or new_pods
+
+
+def ordinal(pod_name: str) -> int:
+    """A StatefulSet pod's ordinal: the number after its last '-' (-1 if none)."""
+    tail = pod_name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
 def cold_prefill_tokens_per_s(new_pods: int, baseline: float | None, replica_tokens_per_s: float) -> float:
     """Expected extra prefill on the restarted pods at full load: every token that was a
     hit on them (baseline hit rate) is recomputed until their caches refill."""
@@ -234,7 +250,7 @@ def _evaluate(ctx: _Ctx) -> Plan:
     n = ctx.schedule[step - 1]
     new_pods = [p for p in ctx.observed.pods if p.version == ctx.target]
     ready = sum(p.ready for p in new_pods)
-    lookups, hits = hit_rate(new_pods)
+    lookups, hits = hit_rate(step_pods(new_pods, ctx.schedule, step, ctx.observed.workload.replicas))
     rec = Recovery(lookups, hits, ctx.spec.recovery.threshold * (status.baseline_hit_rate or 0.0))
     patch = _step_patch(ctx, step)
     if ready >= n and rec.recovered(ctx.spec.recovery.min_lookups):

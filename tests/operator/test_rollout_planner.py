@@ -89,6 +89,16 @@ def test_recovered_step_advances_to_the_next_partition_and_records_history():
     assert (record.step, record.outcome, record.hit_rate, record.version) == (1, "recovered", 0.4, NEW)
 
 
+def test_a_step_is_judged_on_the_pods_it_restarted_not_on_earlier_recovered_ones():
+    # Step 2 restarted llm-2; llm-3 (the canary) recovered long ago.
+    samples = (PodSample("llm-0", OLD, True, 0, 0), PodSample("llm-1", OLD, True, 0, 0),
+               PodSample("llm-2", NEW, True, 0, 0), PodSample("llm-3", NEW, True, 1000, 900))
+    obs = Observed(Workload(4, NEW, 2), samples, T0 + timedelta(seconds=3), REPLICA_TOKENS_S)
+    p = rollout.plan(spec(), NEW, OLD, rolling(step=2), "RollingOut", obs)
+    assert p.kind == "wait" and p.rollout is None  # llm-2: no lookups yet, so no hit rate
+    assert rollout.ordinal("llm-12") == 12 and rollout.ordinal("engine") == -1
+
+
 def test_a_step_waits_for_its_pods_to_be_ready_on_the_new_version():
     obs = observed(NEW, 2, [OLD] * 3 + [NEW], now=T0 + timedelta(seconds=3), lookups=500, hits=500)
     assert rollout.plan(spec(), NEW, OLD, rolling(step=2), "RollingOut", obs).kind == "wait"
@@ -108,7 +118,7 @@ def test_window_over_without_recovery_rolls_every_pod_back_and_says_why():
     assert p.kind == "rollback" and p.phase == "RolledBack"
     assert p.workload == WorkloadPatch(OLD, 0)
     assert p.event[0] == "Warning" and p.event[1] == "RolledBack"
-    assert ("step 2: 2/2 new pods ready; hit rate 0.1000 over 600 lookups did not reach 0.8 x baseline 0.5000 = 0.4000 "
+    assert ("step 2: 2/2 new pods ready; hit rate 0.1000 over 300 lookups did not reach 0.8 x baseline 0.5000 = 0.4000 "
             "(min 100 lookups) within 20s") in p.event[2]
     assert p.rollout.history[-1].outcome == "rolledBack" and p.rollout.history[-1].step == 2
     assert {c.type: c.status for c in p.conditions} == {"RolloutProgressing": "False", "RolledBack": "True"}
@@ -181,13 +191,17 @@ def test_never_advances_without_recovery_and_never_leaves_a_failed_fleet_half_ro
     status, phase, serving, now = None, "Ready", OLD, T0
     for i, (lookups, rate, dt_s) in enumerate(ticks):
         now += timedelta(seconds=dt_s)
-        sample = tuple(PodSample(f"p{j}", v, True, lookups if v == NEW or i == 0 else 0,
+        sample = tuple(PodSample(f"llm-{j}", v, True, lookups if v == NEW or i == 0 else 0,
                                  int((rate if v == NEW else baseline_hits / 100) * (lookups if v == NEW or i == 0 else 0)))
                        for j, v in enumerate(versions))
         p = rollout.plan(rspec, NEW, serving, status, phase, Observed(workload, sample, now, REPLICA_TOKENS_S))
         if p.kind in ("advance", "complete"):
             new = [s for s in sample if s.version == NEW]
-            lk, hits = sum(s.lookups for s in new), sum(s.hits for s in new)
+            counts = rollout.schedule(rspec, replicas)
+            low = replicas - counts[status.step - 1]
+            high = replicas - (counts[status.step - 2] if status.step > 1 else 0)
+            judged = [s for s in new if low <= int(s.name.split("-")[1]) < high] or new
+            lk, hits = sum(s.lookups for s in judged), sum(s.hits for s in judged)
             needed = rspec.recovery.threshold * (status.baseline_hit_rate or 0.0)
             assert lk >= rspec.recovery.min_lookups and hits >= needed * lk
             assert sum(s.ready for s in new) >= rollout.schedule(rspec, replicas)[status.step - 1]
