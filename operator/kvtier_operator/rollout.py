@@ -102,7 +102,7 @@ class Plan:
 
 
 @dataclass(frozen=True, slots=True)
-class Recovery:
+class StepRecovery:
     """New-version pods' hit rate against the bar of one step."""
 
     lookups: int
@@ -251,7 +251,7 @@ def _evaluate(ctx: _Ctx) -> Plan:
     new_pods = [p for p in ctx.observed.pods if p.version == ctx.target]
     ready = sum(p.ready for p in new_pods)
     lookups, hits = hit_rate(step_pods(new_pods, ctx.schedule, step, ctx.observed.workload.replicas))
-    rec = Recovery(lookups, hits, ctx.spec.recovery.threshold * (status.baseline_hit_rate or 0.0))
+    rec = StepRecovery(lookups, hits, ctx.spec.recovery.threshold * (status.baseline_hit_rate or 0.0))
     patch = _step_patch(ctx, step)
     if ready >= n and rec.recovered(ctx.spec.recovery.min_lookups):
         return _complete(ctx, rec) if step == len(ctx.schedule) else _advance(ctx, step, rec)
@@ -275,7 +275,7 @@ def _evaluate(ctx: _Ctx) -> Plan:
                                         f"{ctx.spec.recovery.min_lookups}"),))
 
 
-def _advance(ctx: _Ctx, step: int, rec: Recovery) -> Plan:
+def _advance(ctx: _Ctx, step: int, rec: StepRecovery) -> Plan:
     status, w = ctx.status, ctx.observed.workload
     assert status is not None
     nxt = step + 1
@@ -294,7 +294,7 @@ def _advance(ctx: _Ctx, step: int, rec: Recovery) -> Plan:
                 event=("Normal", "RolloutStep", message))
 
 
-def _complete(ctx: _Ctx, rec: Recovery) -> Plan:
+def _complete(ctx: _Ctx, rec: StepRecovery) -> Plan:
     status = ctx.status
     assert status is not None
     record = _record(ctx, status.step, "completed", rec.hit_rate, f"{rec.lookups} lookups, needed {rec.needed:.4f}")
@@ -327,7 +327,7 @@ def _rollback(ctx: _Ctx, reason: str, observed_rate: float | None = None, reques
                 event=("Normal" if requested else "Warning", "RolledBack", message))
 
 
-def _pause(ctx: _Ctx, step: int, rec: Recovery, reason: str) -> Plan:
+def _pause(ctx: _Ctx, step: int, rec: StepRecovery, reason: str) -> Plan:
     status = ctx.status
     assert status is not None
     record = _record(ctx, step, "paused", rec.hit_rate, reason)
