@@ -404,8 +404,11 @@ class Sidecar:
         hot = await loop.run_in_executor(self._fetch_pool, self.transport.hot_prefixes, peer, tenant, max_bytes)
         moved = 0
         blocks = 0
+        serving = self.config.model.weights_version
         for root, tokens in hot.prefixes:
-            if root.tenant != tenant or moved >= max_bytes:
+            # Only what this pod's engine can use: during a rollout the old home still
+            # holds the previous weights version's prefixes, which would only take room.
+            if root.tenant != tenant or root.weights_version != serving or moved >= max_bytes:
                 continue
             n = len(tokens) // self.block_size
             have_hit = self.tier.lookup(root, np.append(tokens, 0).astype(np.uint32))

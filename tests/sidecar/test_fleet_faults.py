@@ -2,6 +2,8 @@
 workload, and the faults: Redis and peers SIGKILLed mid-run, bytes corrupted on the
 wire, a stalled peer. Every hit is checked against a recompute: zero wrong KV, zero
 errors on the request path."""
+import dataclasses
+import json
 import threading
 import time
 
@@ -58,6 +60,32 @@ def test_warm_pulls_a_tenants_hot_prefixes_from_a_peer(spawn, oracle, redis_url,
         cb.materialize(hit, dst)
         assert np.array_equal(dst, oracle.kv(oracle.root("moved"), p)[: 6 * BB])
     assert isinstance(cb.lookup(oracle.root("stays"), prompt(100, seed=9)), Miss)
+
+
+def jobs(sidecar) -> list[dict]:
+    status, body = sidecar.get("/cache/jobs")
+    assert status == 200, body
+    return list(json.loads(body).values())
+
+
+def test_warm_pulls_only_the_weights_version_this_pod_serves(spawn, oracle, secret_file):
+    """Mid-rollout the old home holds both versions; the new home takes only its own."""
+    a = spawn("a", "127.0.0.2", None, secret_file)
+    b = spawn("b", "127.0.0.3", None, secret_file)
+    ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
+    serving = oracle.root("moved")
+    previous = dataclasses.replace(serving, weights_version=serving.weights_version + "-previous")
+    p_now, p_old = prompt(100, seed=1), prompt(100, seed=2)
+    seed_cache(ca, oracle, "moved", p_now)
+    for _ in range(2):  # two sightings: the store is admitted on the second (rule 8)
+        ca.release(ca.lookup(previous, p_old))
+        ca.store(previous, p_old, oracle.kv(previous, p_old))
+    poll(lambda: ca.lookup(previous, p_old).matched_tokens == 96)
+    status, body = b.post("/cache/warm", {"tenant": "moved", "from_peer": a.peer, "max_bytes": 1 << 20})
+    assert status == 202, body
+    poll(lambda: any(j.get("finished_s") for j in jobs(b)))
+    assert cb.lookup(serving, p_now).matched_tokens == 96
+    assert isinstance(cb.lookup(previous, p_old), Miss)
 
 
 def test_corrupted_peer_bytes_are_never_served(spawn, oracle, redis_url, secret_file, tmp_path):
