@@ -14,7 +14,7 @@ from kvtier_sidecar.client import Hit, SidecarClient
 from kvtier_sidecar.synthetic import prefill_kv
 from kvtier_testenv.kubectl import Kubectl
 from operator_harness import (
-    OPERATOR_NAMESPACE, OPERATOR_SA, RunningOperator, events, free_port, operator_options, register_webhook, wait_for,
+    RunningOperator, events, free_port, operator_options, register_webhook, wait_for,
 )
 from sidecar_fleet import BLOCK_BYTES, BLOCK_SIZE, DIGEST as OLD, PROMPT_TOKENS, PodSidecar, tiny_policy
 from test_operator_e2e import short_workdir, status_of
@@ -32,7 +32,6 @@ ROLLOUT_TIMEOUT_S = 180
 @pytest.fixture
 def operator(namespace, operator_kubeconfig, control_plane, tmp_path, monkeypatch):
     admin = Kubectl(control_plane.kubeconfig)
-    admin.in_namespace(namespace).apply(rollout_role(namespace))
     port = free_port()
     options = operator_options(tmp_path, port)
     hook = register_webhook(admin, namespace, open(options.webhook_cert, "rb").read(), port)
@@ -41,18 +40,6 @@ def operator(namespace, operator_kubeconfig, control_plane, tmp_path, monkeypatc
     if op.runner is not None:
         op.stop()
     admin.delete("mutatingwebhookconfiguration", hook)
-
-
-def rollout_role(namespace: str) -> list[dict]:
-    rule = {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["get", "list", "watch", "patch"]}
-    return [
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-         "metadata": {"name": "kvtier-rollout", "namespace": namespace}, "rules": [rule]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-         "metadata": {"name": "kvtier-rollout", "namespace": namespace},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "kvtier-rollout"},
-         "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}]},
-    ]
 
 
 def stateful_set(version: str) -> dict:
