@@ -167,3 +167,76 @@ def test_peer_protocol_fuzz_server_keeps_serving(tier):
     out = TcpTransport(lambda: b"").fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=4)
     assert out.verified_blocks == 4 and np.array_equal(sink.buf[: 4 * BB], kv[: 4 * BB])
     server.close()
+
+
+def _authenticated(address: str, secret: bytes) -> socket.socket:
+    host, port = address.split(":")
+    s = socket.create_connection((host, int(port)), timeout=2)
+    hello = s.recv(20, socket.MSG_WAITALL)
+    s.sendall(wire.auth_tag(secret, hello[4:]))
+    return s
+
+
+def test_connections_over_the_concurrency_bound_get_busy_and_their_slots_come_back(tier):
+    import time
+
+    toks = tokens_of(64)
+    kv = fill(tier, "a", toks)
+    server = PeerServer(tier, "127.0.0.1", 0, b"k", max_concurrency=2, timeout_s=5.0).start()
+    holders = [_authenticated(server.address, b"k") for _ in range(2)]
+    transport = TcpTransport(lambda: b"k")
+    out = transport.fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4)
+    assert out.error == "busy" and out.verified_blocks == 0 and server.counters["busy"] == 1
+    for s in holders:
+        s.close()
+    deadline = time.monotonic() + 5
+    while True:  # the server frees the slots once it sees the closes
+        sink = Sink()
+        out = transport.fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=4)
+        if out.error != "busy" or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert out.error is None and out.verified_blocks == 4
+    assert np.array_equal(sink.buf[: 4 * BB], kv[: 4 * BB])
+    server.close()
+
+
+def test_sendmsg_all_delivers_every_byte_in_order_through_a_small_socket_buffer():
+    import threading
+
+    from kvtier_sidecar.peer_tcp import sendmsg_all
+
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)  # forces many partial sends
+    head = b"HEAD" + bytes(range(60))
+    body = np.random.default_rng(5).integers(0, 256, 3 << 20, dtype=np.uint8)
+    got = bytearray()
+
+    def drain():
+        while len(got) < len(head) + body.nbytes:
+            chunk = b.recv(1 << 16)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    a.settimeout(5)
+    sendmsg_all(a, [head, memoryview(body)], deadline=float("inf"))
+    reader.join(10)
+    assert bytes(got) == head + body.tobytes()
+    a.close(); b.close()
+
+
+def test_sendmsg_all_gives_up_at_its_deadline_when_nobody_reads():
+    import time
+
+    from kvtier_sidecar.peer_tcp import sendmsg_all
+
+    a, b = socket.socketpair()
+    a.settimeout(0.2)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        sendmsg_all(a, [bytes(64 << 20)], deadline=time.monotonic() + 0.3)
+    assert time.monotonic() - t0 < 2
+    a.close(); b.close()
