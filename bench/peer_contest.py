@@ -39,7 +39,8 @@ import numpy as np
 
 # LMCache's default `chunk_size` (tokens per KV chunk, one Redis value per chunk).
 LMCACHE_CHUNK_TOKENS = 256
-# A RemoteMetadata blob is a few ints (length, shape, dtype, format): 28 bytes in LMCache.
+# LMCache's RemoteMetadata (length, shape, dtype, format) is a few ints: a few dozen bytes;
+# its exact size does not move the figure (the second GET's round trip does).
 LMCACHE_METADATA_BYTES = 28
 # LMCache's RedisConnector connection-pool bound.
 LMCACHE_MAX_CONNECTIONS = 150
