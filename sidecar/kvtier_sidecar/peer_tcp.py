@@ -33,6 +33,10 @@ log = logging.getLogger("kvtier.sidecar.peer")
 # smaller ones inline (a thread hand-off would cost more than the hash). With fewer
 # than 4 cores the sender, the receiver and the hash already contend: inline wins.
 THREADED_HASH_BYTES = 256 << 10 if (os.cpu_count() or 1) >= 4 else 1 << 62
+# How long and how much a refusing server reads of what the client still sends (its
+# AUTH and request are in flight): a well-behaved client closes within a round trip.
+DRAIN_BEFORE_CLOSE_S = 0.2
+DRAIN_BEFORE_CLOSE_BYTES = 1 << 20
 # Socket buffers big enough to keep a multi-MiB run in flight while the receiver hashes.
 SOCKET_BUFFER_BYTES = 8 << 20
 
@@ -102,6 +106,23 @@ def sendmsg_all(sock: socket.socket, views: list, deadline: float) -> None:
             views[0] = views[0][sent:]
             if time.monotonic() > deadline:
                 raise TimeoutError("peer stopped reading")
+
+
+def _drain_before_close(conn: socket.socket) -> None:
+    """Half-close, then read and drop what the client still sends, briefly.
+
+    An answer sent before the request was read in full (BUSY, UNAUTHORIZED,
+    BAD_REQUEST): closing with unread bytes makes the kernel send a reset, which can
+    reach the client before it read the answer, turning "busy" into a reset error."""
+    conn.shutdown(socket.SHUT_WR)
+    deadline = time.monotonic() + DRAIN_BEFORE_CLOSE_S
+    for _ in range(DRAIN_BEFORE_CLOSE_BYTES // 4096):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        conn.settimeout(left)
+        if not conn.recv(4096):
+            return
 
 
 class PeerServer:
@@ -181,6 +202,7 @@ class PeerServer:
     def _refuse_busy(self, conn: socket.socket) -> None:
         try:
             conn.sendall(wire.encode_response(wire.Status.BUSY, {"error": "peer at its concurrency limit"}))
+            _drain_before_close(conn)
         except OSError:
             pass
         finally:
@@ -192,6 +214,7 @@ class PeerServer:
             if not wire.auth_ok(self.secret, nonce, recv_exact(conn, wire.AUTH_BYTES)):
                 self.counters["unauthorized"] += 1
                 conn.sendall(wire.encode_response(wire.Status.UNAUTHORIZED, {"error": "bad peer credentials"}))
+                _drain_before_close(conn)
                 return
             while not self._stop.is_set():
                 try:
@@ -208,6 +231,7 @@ class PeerServer:
             self.counters["bad_requests"] += 1
             try:
                 conn.sendall(wire.encode_response(wire.Status.BAD_REQUEST, {"error": str(exc)}))
+                _drain_before_close(conn)
             except OSError:
                 pass
         except (OSError, ConnectionError):
