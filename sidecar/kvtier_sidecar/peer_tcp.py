@@ -4,7 +4,8 @@ and the client that receives them straight into reserved arena slots.
 Threads, not asyncio, on purpose: `socket.sendall` of an arena memoryview and
 `recv_into` an arena slot release the GIL and copy once in the kernel, which is what
 keeps a fetch near raw loopback throughput (asyncio's stream buffers add a copy).
-Concurrency is bounded by a semaphore; a peer over the bound gets BUSY at once.
+Concurrency is bounded by a semaphore and served by a fixed set of worker threads; a
+peer over the bound gets BUSY at once. Measurements: bench/notes/peer-throughput.md.
 Every socket operation has a deadline. Framing lives in `wire`.
 """
 from __future__ import annotations
