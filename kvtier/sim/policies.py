@@ -202,7 +202,23 @@ class _RoutedBlocks:
                     del self._where[h]
 
 
-class ApproxPrefixPolicy(RoutingPolicy):
+class _RoutedBlocksPolicy(RoutingPolicy):
+    """A router that remembers which blocks it sent where (`routed_blocks`), as the
+    Gateway API prefix plugin and SGLang's router do, rather than asking the caches."""
+
+    routed_blocks: _RoutedBlocks
+
+    def routed(self, req, replica):
+        self.routed_blocks.add(replica, req.hashes(self.roots.root(req.tenant, 0)))
+
+    def membership_changed(self):
+        for r in list(self.routed_blocks._lru):
+            if not self.fleet.alive[r]:
+                self.routed_blocks.forget(r)
+        return None
+
+
+class ApproxPrefixPolicy(_RoutedBlocksPolicy):
     """Gateway API inference extension prefix plugin, with its queue and KV scorers.
 
     score = w_prefix x matched/total blocks + w_queue x (max_q - q)/(max_q - min_q)
@@ -234,14 +250,6 @@ class ApproxPrefixPolicy(RoutingPolicy):
                 best.append(r)
         return best[0] if len(best) == 1 else best[self._rng.randrange(len(best))]
 
-    def routed(self, req, replica):
-        self.routed_blocks.add(replica, req.hashes(self.roots.root(req.tenant, 0)))
-
-    def membership_changed(self):
-        for r in list(self.routed_blocks._lru):
-            if not self.fleet.alive[r]:
-                self.routed_blocks.forget(r)
-        return None
 
 
 class PrecisePrefixPolicy(RoutingPolicy):
@@ -274,7 +282,7 @@ class PrecisePrefixPolicy(RoutingPolicy):
         return best
 
 
-class SglangPolicy(RoutingPolicy):
+class SglangPolicy(_RoutedBlocksPolicy):
     """SGLang cache-aware routing: prefix match when balanced, shortest queue when not.
 
     Imbalanced when max_load - min_load > abs_threshold AND max_load > rel_threshold x
@@ -303,14 +311,6 @@ class SglangPolicy(RoutingPolicy):
             return best
         return min(live, key=self.routed_blocks.size)
 
-    def routed(self, req, replica):
-        self.routed_blocks.add(replica, req.hashes(self.roots.root(req.tenant, 0)))
-
-    def membership_changed(self):
-        for r in list(self.routed_blocks._lru):
-            if not self.fleet.alive[r]:
-                self.routed_blocks.forget(r)
-        return None
 
 
 class _MemoTable:

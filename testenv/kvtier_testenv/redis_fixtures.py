@@ -143,20 +143,14 @@ class RedisServer:
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    try:
+    with RedisServer() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture()
 def redis_server_fn() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    try:
+    with RedisServer() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture()
