@@ -1,0 +1,17 @@
+# The image the Helm chart runs: the operator (`kvtier-operator`) and the injected
+# sidecar (`kvtier-sidecar`) share it. Non-root, no build tools left behind.
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY kvtier kvtier
+COPY sidecar sidecar
+COPY operator operator
+COPY testenv testenv
+RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+
+FROM python:3.11-slim
+RUN useradd --uid 10001 --create-home kvtier
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+USER 10001
+ENTRYPOINT ["kvtier-operator"]
