@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import logging
 import random
 import time
@@ -72,6 +73,8 @@ if cand then
 end
 return out
 """
+# Redis names a script by the SHA-1 of its text, so the client knows it without asking.
+LONGEST_PREFIX_SHA = hashlib.sha1(LONGEST_PREFIX_LUA.encode()).hexdigest()
 
 
 @dataclass(slots=True)
@@ -89,13 +92,15 @@ class GlobalIndex:
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
-        kwargs = dict(socket_timeout=max(timeout_s, 0.5), socket_connect_timeout=0.5,
-                      retry_on_timeout=False)
+        kwargs = dict(socket_timeout=max(timeout_s, 0.5), socket_connect_timeout=0.5)
         if cluster:
-            self.redis = aioredis.RedisCluster.from_url(url, **kwargs)
+            # No retry_on_timeout here: the cluster client rejects it (it retries
+            # through its own Retry object, and every call is bounded by wait_for).
+            # Partial coverage is fine: while one shard is down the roots hashed to
+            # the others keep answering.
+            self.redis = aioredis.RedisCluster.from_url(url, require_full_coverage=False, **kwargs)
         else:
-            self.redis = aioredis.Redis.from_url(url, **kwargs)
-        self._sha: str | None = None
+            self.redis = aioredis.Redis.from_url(url, retry_on_timeout=False, **kwargs)
         self._pending: collections.deque[tuple[str, list[str]]] = collections.deque(maxlen=MAX_PENDING_REGISTRATIONS)
         self._remembered: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._wake = asyncio.Event()
@@ -155,13 +160,13 @@ class GlobalIndex:
 
     async def _eval(self, keys: list[str]) -> list:
         args = [int(time.time()), self.host]
-        if self._sha is None:
-            self._sha = await self.redis.script_load(LONGEST_PREFIX_LUA)
         try:
-            return await self.redis.evalsha(self._sha, len(keys), *keys, *args)
-        except NoScriptError:  # Redis restarted and lost its script cache
-            self._sha = await self.redis.script_load(LONGEST_PREFIX_LUA)
-            return await self.redis.evalsha(self._sha, len(keys), *keys, *args)
+            return await self.redis.evalsha(LONGEST_PREFIX_SHA, len(keys), *keys, *args)
+        except NoScriptError:
+            # First call on this node, or it restarted and lost its script cache. EVAL
+            # runs and caches the script on the node owning these keys' slot only;
+            # SCRIPT LOAD would go to every cluster primary and fail while any is down.
+            return await self.redis.eval(LONGEST_PREFIX_LUA, len(keys), *keys, *args)
 
     # -- registration -------------------------------------------------------------------
 

@@ -1,0 +1,252 @@
+"""The global index on a REAL Redis Cluster (three redis-server primaries joined with
+`redis-cli --cluster create`): hash-tagged keys put one key root's blocks on one shard,
+so the one-call Lua query works there; roots spread over shards; a SIGKILLed shard is
+a miss, never an exception; two sidecar processes find each other through it."""
+import asyncio
+import hashlib
+import time
+
+import numpy as np
+import redis as redis_sync
+
+from kvtier.keys import block_hashes
+from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.global_index import GlobalIndex
+
+from .test_sidecar_process import poll, prompt, seed_cache
+
+BB = 8192
+HOST_A, HOST_B, ME = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.9:1"
+# Eight fixed key roots: their slots fall on every shard of a three-primary cluster.
+TAGS = [hashlib.md5(f"root-{i}".encode()).hexdigest() for i in range(8)]
+# A request-path call may wait out its timeout plus cancellation, never seconds.
+REQUEST_PATH_BOUND_S = 1.0
+
+
+def hashes(n: int, salt: str = "") -> list[str]:
+    return [hashlib.md5(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def client(cluster) -> redis_sync.RedisCluster:
+    return redis_sync.RedisCluster.from_url(cluster.url)
+
+
+def shard_of(cluster, tag: str) -> int:
+    """Index in cluster.nodes of the shard holding this root's keys."""
+    rc = client(cluster)
+    try:
+        return cluster.node_for_port(rc.get_node_from_key(f"kvt:{{{tag}}}:x").port)
+    finally:
+        rc.close()
+
+
+def script_calls(cluster) -> tuple[int, int]:
+    """(EVALSHA, EVAL) calls summed over every shard."""
+    evalsha = evals = 0
+    for node in cluster.nodes:
+        raw = node.command("INFO", "commandstats").decode()
+        for line in raw.splitlines():
+            if line.startswith(("cmdstat_evalsha:", "cmdstat_eval:")):
+                calls = int(line.split("calls=")[1].split(",")[0])
+                if line.startswith("cmdstat_evalsha:"):
+                    evalsha += calls
+                else:
+                    evals += calls
+    return evalsha, evals
+
+
+def test_roots_spread_over_shards_and_each_prompt_is_answered_by_one_script_call(redis_cluster):
+    async def go():
+        a = GlobalIndex(redis_cluster.url, HOST_A, cluster=True)
+        b = GlobalIndex(redis_cluster.url, HOST_B, cluster=True)
+        me = GlobalIndex(redis_cluster.url, ME, cluster=True)
+        # Root i: A holds 10 + i blocks, B holds 30 + 2i; a 125-block (2,000-token) prompt.
+        for i, tag in enumerate(TAGS):
+            a.register(tag, hashes(10 + i))
+            b.register(tag, hashes(30 + 2 * i))
+        assert await a.flush() and await b.flush()
+        holding = [i for i in range(len(redis_cluster.nodes)) if redis_cluster.dbsize(i) > 0]
+        assert len(holding) >= 2, f"all keys on one shard: {[redis_cluster.dbsize(i) for i in range(3)]}"
+        assert {shard_of(redis_cluster, t) for t in TAGS} == set(holding)
+
+        prompt_hashes = hashes(125)
+        for tag in TAGS:  # first call per shard may load the script (EVALSHA miss -> EVAL)
+            await me.longest_prefix(tag, prompt_hashes)
+        before = script_calls(redis_cluster)
+        for i, tag in enumerate(TAGS):
+            answer = await me.longest_prefix(tag, prompt_hashes)
+            assert answer is not None and answer.matched_blocks == 30 + 2 * i and answer.hosts == [HOST_B]
+            # B asks: A's shorter run is the longest prefix another host holds.
+            from_b = await b.longest_prefix(tag, prompt_hashes)
+            assert from_b.matched_blocks == 10 + i and from_b.hosts == [HOST_A]
+        after = script_calls(redis_cluster)
+        assert (after[0] - before[0], after[1] - before[1]) == (2 * len(TAGS), 0)
+
+        # A prompt that diverges after 5 blocks matches 5, whoever holds more.
+        diverged = hashes(5) + hashes(20, salt="other")
+        assert (await me.longest_prefix(TAGS[0], diverged)).matched_blocks == 5
+        assert await me.longest_prefix(hashlib.md5(b"unknown").hexdigest(), prompt_hashes) is None
+        assert me.stats["lookup_errors"] == 0 and a.stats["register_errors"] == 0
+        for idx in (a, b, me):
+            await idx.close()
+    run(go())
+
+
+def test_expired_host_entries_stop_matching_and_expired_keys_leave_the_shards(redis_cluster):
+    async def go():
+        old = GlobalIndex(redis_cluster.url, HOST_A, ttl_s=1, cluster=True)
+        fresh = GlobalIndex(redis_cluster.url, HOST_B, ttl_s=600, cluster=True)
+        me = GlobalIndex(redis_cluster.url, ME, cluster=True)
+        for tag in TAGS[:4]:
+            old.register(tag, hashes(8))
+            fresh.register(tag, hashes(3))
+        old.register(TAGS[4], hashes(6))  # only the short-lived host holds this root
+        assert await old.flush() and await fresh.flush()
+        assert (await me.longest_prefix(TAGS[0], hashes(8))).matched_blocks == 8
+        deadline = time.monotonic() + 6
+        while True:
+            answers = [await me.longest_prefix(t, hashes(8)) for t in TAGS[:5]]
+            if all(a is not None and a.hosts == [HOST_B] for a in answers[:4]) and answers[4] is None:
+                break
+            assert time.monotonic() < deadline, f"entries did not expire: {answers}"
+            await asyncio.sleep(0.2)
+        assert all(a.matched_blocks == 3 for a in answers[:4])
+        rc = client(redis_cluster)
+        try:
+            # The key TTL, not only the field expiry, cleans up: the only-old root's keys go.
+            poll(lambda: rc.exists(*[f"kvt:{{{TAGS[4]}}}:{h}" for h in hashes(6)]) == 0, timeout_s=5)
+        finally:
+            rc.close()
+        for idx in (old, fresh, me):
+            await idx.close()
+    run(go())
+
+
+def test_deregistration_withdraws_the_hosts_entries_and_membership_on_every_shard(redis_cluster):
+    async def go():
+        a = GlobalIndex(redis_cluster.url, HOST_A, cluster=True)
+        b = GlobalIndex(redis_cluster.url, HOST_B, cluster=True)
+        me = GlobalIndex(redis_cluster.url, ME, cluster=True)
+        for tag in TAGS:
+            a.register(tag, hashes(12))
+            b.register(tag, hashes(4))
+        assert await a.flush() and await b.flush()
+        for idx in (a, b, me):
+            await idx.heartbeat()
+        assert {HOST_A, HOST_B} <= me._members
+        await a.deregister()
+        await me.heartbeat()
+        assert HOST_A not in me._members and HOST_B in me._members
+        for tag in TAGS:  # every shard lost A's field; B's shorter entries remain
+            answer = await me.longest_prefix(tag, hashes(12))
+            assert answer.hosts == [HOST_B] and answer.matched_blocks == 4
+        rc = client(redis_cluster)
+        try:
+            assert not any(rc.hexists(f"kvt:{{{t}}}:{h}", HOST_A) for t in TAGS for h in hashes(12))
+        finally:
+            rc.close()
+        for idx in (a, b, me):
+            await idx.close()
+    run(go())
+
+
+def test_a_sigkilled_shard_is_a_miss_without_an_exception_and_the_index_recovers(redis_cluster):
+    async def go():
+        a = GlobalIndex(redis_cluster.url, HOST_A, cluster=True)
+        me = GlobalIndex(redis_cluster.url, ME, timeout_s=0.2, cluster=True)
+        for tag in TAGS:
+            a.register(tag, hashes(20))
+        assert await a.flush()
+        shards = {tag: shard_of(redis_cluster, tag) for tag in TAGS}
+        # Never the startup node (0): clients created later still bootstrap from it.
+        victim = next(s for s in shards.values() if s != 0)
+        dead = [t for t in TAGS if shards[t] == victim]
+        live = [t for t in TAGS if shards[t] != victim]
+        assert dead and live
+        for tag in TAGS:
+            assert (await me.longest_prefix(tag, hashes(20))).matched_blocks == 20
+
+        redis_cluster.kill(victim)
+        # Request path during the outage: every call returns (a hint or nothing), fast,
+        # and never a wrong answer; registrations queue without raising.
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            for tag in TAGS:
+                t0 = time.monotonic()
+                answer = await me.longest_prefix(tag, hashes(20))
+                assert time.monotonic() - t0 < REQUEST_PATH_BOUND_S
+                assert answer is None or (tag in live and answer.matched_blocks == 20 and answer.hosts == [HOST_A])
+            a.register(dead[0], hashes(20, salt="during"))
+            await asyncio.sleep(0.05)
+        assert me.stats["lookup_errors"] > 0  # the dead shard was really asked
+        redis_cluster.wait_marked_failed(victim)
+        # Roots on the surviving shards answer again once the breaker lets a call through.
+        live_answer = await poll_async(lambda: me.longest_prefix(live[0], hashes(20)))
+        assert live_answer.matched_blocks == 20
+        # Shards that lost their script cache during the outage (restarted, failed over)
+        # need it again: loading it must not need every primary (SCRIPT LOAD fans out
+        # to all of them and fails while one is down, costing a miss and a breaker trip).
+        for node in redis_cluster.nodes:
+            if node.running:
+                assert node.command("SCRIPT", "FLUSH").startswith(b"+OK")
+        late = GlobalIndex(redis_cluster.url, "10.0.0.8:1", timeout_s=0.5, cluster=True)
+        late_answer = await late.longest_prefix(live[0], hashes(20))  # the first call answers
+        assert late_answer is not None and late_answer.matched_blocks == 20 and late_answer.hosts == [HOST_A]
+        assert late.stats["lookup_errors"] == 0
+        await late.close()
+
+        redis_cluster.restart(victim)  # back on its port with its slots, empty
+        await poll_async(a.flush)  # the queued registrations land once the shard is back
+        for tag in dead:
+            a.register(tag, hashes(20))
+        await poll_async(a.flush)
+        for tag in dead:
+            answer = await poll_async(lambda: me.longest_prefix(tag, hashes(20)))
+            assert answer.matched_blocks == 20 and answer.hosts == [HOST_A]
+        answer = await poll_async(lambda: me.longest_prefix(dead[0], hashes(20, salt="during")))
+        assert answer.matched_blocks == 20
+        for idx in (a, me):
+            await idx.close()
+    run(go())
+
+
+async def poll_async(fn, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await fn()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        await asyncio.sleep(0.05)
+
+
+def test_a_miss_on_one_sidecar_is_served_by_the_peer_found_through_the_cluster_index(
+        spawn, oracle, redis_cluster, secret_file):
+    a = spawn("a", "127.0.0.2", redis_cluster.url, secret_file, redis_cluster=True)
+    b = spawn("b", "127.0.0.3", redis_cluster.url, secret_file, redis_cluster=True)
+    ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
+    rc = client(redis_cluster)
+    try:
+        for tenant in ("acme", "globex", "initech"):
+            root, tokens = oracle.root(tenant), prompt(200, seed=len(tenant))
+            seed_cache(ca, oracle, tenant, tokens)
+            last = block_hashes(root, tokens, 16)[-1].hex()
+            poll(lambda: rc.hexists(f"kvt:{{{root.digest().hex()}}}:{last}", a.peer))
+            hit = cb.lookup(root, tokens)
+            assert isinstance(hit, Hit) and hit.tier == "peer" and hit.matched_tokens == 192
+            dst = np.zeros(12 * BB, np.uint8)
+            cb.materialize(hit, dst)
+            assert np.array_equal(dst, oracle.kv(root, tokens)[: 12 * BB])
+            cb.release(hit)
+        assert b.stats("acme")["hits_by_tier"]["peer"] == 1
+        # Graceful shutdown withdraws A's entries from the cluster.
+        root, tokens = oracle.root("acme"), prompt(200, seed=4)
+        last = block_hashes(root, tokens, 16)[-1].hex()
+        a.stop()
+        poll(lambda: not rc.hexists(f"kvt:{{{root.digest().hex()}}}:{last}", a.peer))
+    finally:
+        rc.close()
