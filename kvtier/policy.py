@@ -416,6 +416,11 @@ class RedisSpec(_Wire):
 
     url: str | None = Field(default=None, max_length=2048, pattern=REDIS_URL_PATTERN)
     secret_ref: SecretKeyRef | None = None
+    cluster: bool = Field(
+        default=False,
+        description="the URL names one node of a Redis Cluster; the sidecars and the operator "
+                    "use the cluster client (keys of one key root share a hash tag)",
+    )
 
     CEL_RULES = (
         CelRule(

@@ -57,19 +57,29 @@ def read_table(config_map: Mapping[str, Any] | None) -> AffinityTable | None:
         return None
 
 
-async def publish_redis(url: str, namespace: str, policy_name: str, table: AffinityTable,
-                        members: Mapping[str, Member]) -> bool:
-    """SET the table and PUBLISH its epoch. False (logged) if Redis is unreachable."""
+def _redis_client(url: str, cluster: bool):
     import redis.asyncio as aioredis
 
+    timeouts = {"socket_timeout": REDIS_TIMEOUT_S, "socket_connect_timeout": REDIS_TIMEOUT_S}
+    if cluster:
+        return aioredis.RedisCluster.from_url(url, **timeouts)
+    return aioredis.from_url(url, **timeouts)
+
+
+async def publish_redis(url: str, namespace: str, policy_name: str, table: AffinityTable,
+                        members: Mapping[str, Member], cluster: bool = False) -> bool:
+    """SET the table, then PUBLISH its epoch (in that order, so a subscriber that reads
+    on the message sees the new table). False (logged) if Redis is unreachable."""
     key = names.REDIS_AFFINITY_KEY.format(namespace=namespace, name=policy_name)
     payload = json.dumps(_redis_payload(table, members))
-    client = aioredis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     try:
-        async with client.pipeline(transaction=True) as pipe:
-            pipe.set(key, payload)
-            pipe.publish(names.REDIS_AFFINITY_CHANNEL, json.dumps({"key": key, "epoch": table.epoch}))
-            await pipe.execute()
+        client = _redis_client(url, cluster)
+    except Exception as exc:  # a cluster client contacts a node on construction
+        log.warning("could not publish affinity epoch %s to Redis: %s", table.epoch, exc)
+        return False
+    try:
+        await client.set(key, payload)
+        await client.publish(names.REDIS_AFFINITY_CHANNEL, json.dumps({"key": key, "epoch": table.epoch}))
         return True
     except Exception as exc:  # any Redis fault: the ConfigMap is still the record
         log.warning("could not publish affinity epoch %s to Redis: %s", table.epoch, exc)
@@ -79,37 +89,38 @@ async def publish_redis(url: str, namespace: str, policy_name: str, table: Affin
 
 
 async def ensure_redis(url: str, namespace: str, policy_name: str, table: AffinityTable,
-                       members: Mapping[str, Member]) -> bool:
+                       members: Mapping[str, Member], cluster: bool = False) -> bool:
     """Publish unless Redis already holds exactly this table and these addresses (one
     GET when it does). False (logged) if Redis is unreachable."""
-    import redis.asyncio as aioredis
-
     key = names.REDIS_AFFINITY_KEY.format(namespace=namespace, name=policy_name)
-    client = aioredis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     try:
-        current = await client.get(key)
+        client = _redis_client(url, cluster)
+        try:
+            current = await client.get(key)
+        finally:
+            await client.aclose()
     except Exception as exc:  # any Redis fault: retried on the next pass
         log.info("could not read the Redis affinity key: %s", exc)
         return False
-    finally:
-        await client.aclose()
     try:
         if current is not None and _redis_payload(table, members) == json.loads(current):
             return True
     except ValueError:
         pass  # unreadable: overwrite it
 
-    return await publish_redis(url, namespace, policy_name, table, members)
+    return await publish_redis(url, namespace, policy_name, table, members, cluster)
 
 
 def _redis_payload(table: AffinityTable, members: Mapping[str, Member]) -> dict[str, Any]:
     return {"table": json.loads(table.to_json()), "addresses": addresses(members)}
 
 
-async def delete_redis(url: str, namespace: str, policy_name: str) -> None:
-    import redis.asyncio as aioredis
-
-    client = aioredis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+async def delete_redis(url: str, namespace: str, policy_name: str, cluster: bool = False) -> None:
+    try:
+        client = _redis_client(url, cluster)
+    except Exception as exc:
+        log.warning("could not delete the Redis affinity key: %s", exc)
+        return
     try:
         await client.delete(names.REDIS_AFFINITY_KEY.format(namespace=namespace, name=policy_name))
     except Exception as exc:

@@ -47,6 +47,7 @@ def sidecar_config(spec: policy.KVCachePolicySpec) -> SidecarConfig:
         peer_enabled=spec.tiers.peer.enabled,
         nvme=NvmeConfig(mode=nvme.mode, path=nvme.path),
         redis_url=spec.redis.url if spec.redis else None,
+        redis_cluster=bool(spec.redis and spec.redis.cluster),
         platform_prefixes=[p.token_ids for p in spec.shared_prefixes],
     )
 
