@@ -13,6 +13,9 @@ Added to the pod:
                 + kvtier-nvme      (hostPath spec.tiers.nvme.path, unless nvme mode is off)
     every existing container mounts kvtier-shm at /dev/shm and kvtier-run at
     /var/run/kvtier, unless it already mounts something there
+    terminationGracePeriodSeconds raised (never lowered) to cover the sidecar's drain:
+                                    after SIGTERM it serves peers while the operator warms
+                                    its tenants on their new homes
     metadata.annotations[kvtier.io/injected-by] = <policy name>
 """
 from __future__ import annotations
@@ -22,12 +25,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier import policy
-from kvtier.sidecar_config import SidecarConfig
+from kvtier.sidecar_config import DEFAULT_DRAIN_TIMEOUT_S, SidecarConfig
 
 from kvtier_operator import names
 
 # Memory-backed volume headroom over the arena: the allocator's and Python's own pages.
 SHM_HEADROOM_BYTES = 64 << 20
+# Kubernetes' terminationGracePeriodSeconds when a pod names none.
+KUBERNETES_DEFAULT_GRACE_S = 30
+# After its drain the sidecar flushes and deregisters from the global index and unlinks
+# its arena: a few seconds, given margin so SIGKILL never cuts the deregistration short.
+SIDECAR_SHUTDOWN_HEADROOM_S = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +83,20 @@ def inject(
     volumes = list(pod_spec.get("volumes") or [])
     taken = {v.get("name") for v in volumes}
     volumes += [v for v in _volumes(policy_name, spec) if v["name"] not in taken]
+    patch_spec: dict[str, Any] = {"containers": new_containers, "volumes": volumes}
+    grace = pod_spec.get("terminationGracePeriodSeconds")
+    needed = sidecar_grace_s()
+    if (KUBERNETES_DEFAULT_GRACE_S if grace is None else grace) < needed:
+        patch_spec["terminationGracePeriodSeconds"] = needed
     return {
         "metadata": {"annotations": {names.INJECTED_ANNOTATION: policy_name}},
-        "spec": {"containers": new_containers, "volumes": volumes},
+        "spec": patch_spec,
     }
+
+
+def sidecar_grace_s(drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
+    """The pod grace period the sidecar needs to drain and then shut down cleanly."""
+    return int(-(-drain_timeout_s // 1)) + SIDECAR_SHUTDOWN_HEADROOM_S
 
 
 def _with_shared_mounts(container: dict[str, Any]) -> dict[str, Any]:

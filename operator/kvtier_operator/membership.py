@@ -3,6 +3,10 @@
 The index (`handlers.pods_by_namespace`) keeps one `PodView` per pod; a policy's
 members are the views in its namespace that its selector picks, that are Ready, have
 an IP, and are not being deleted. Pure: the handler passes the index's contents.
+
+A member that stops serving (deleted, or no longer Ready) while still holding an IP is
+a leaving candidate: if its sidecar says it is draining, it is a LEAVER — planned out of
+the next epoch, yet still the best source to warm its tenants' new homes from.
 """
 from __future__ import annotations
 
@@ -80,6 +84,19 @@ def members(views: Iterable[PodView], selector: policy.LabelSelector) -> dict[Me
         MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight)
         for v in views
         if v.serving and v.selected_by(selector)
+    }
+    return dict(sorted(out.items()))
+
+
+def leaving(views: Iterable[PodView], selector: policy.LabelSelector,
+            previous: Iterable[str]) -> dict[MemberName, Member]:
+    """Pods in the `previous` (published) member set that no longer serve but still
+    have an IP: candidates to warm from before they go (their sidecars decide)."""
+    was = set(previous)
+    out = {
+        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight)
+        for v in views
+        if v.name in was and v.ip and not v.serving and v.selected_by(selector)
     }
     return dict(sorted(out.items()))
 

@@ -2,7 +2,14 @@
 reads top to bottom:
 
 - `reconcile_spec`: sidecar ConfigMap + tier verdicts + conditions (create/update/resume)
-- `reconcile_membership`: members -> plan -> warm-ups -> publish -> status + Event
+- `reconcile_membership`: members (+ leavers) -> plan -> warm-ups -> publish ->
+  release the leavers -> status + Event
+
+A leaver is a published member whose pod stopped serving (deleted, or not Ready) while
+its sidecar still answers stats with `draining: true`: it is planned out of the new
+epoch, but its moved tenants' new homes warm from it first (it held them), falling back
+to a surviving old home; once the epoch is published it is told it may go
+(`POST /cache/drain/done`).
 
 Both are idempotent: run twice on the same world they write nothing the second time.
 """
@@ -10,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import aiohttp
 import kopf
 
 from kvtier import policy
@@ -20,7 +29,7 @@ from kvtier.affinity import AffinityTable, Assignment, load_imbalance, plan_memb
 
 from kvtier_operator import conditions, economics, membership, names, publish, sidecar_render, warmup
 from kvtier_operator.kube import Kube
-from kvtier_operator.sidecar_client import SidecarClient
+from kvtier_operator.sidecar_client import STATS_TIMEOUT_S, FleetStats, SidecarClient, SidecarStats, parse_stats
 
 log = logging.getLogger("kvtier.operator")
 
@@ -121,7 +130,11 @@ async def reconcile_membership(
     base = published or _empty_table(spec, old_status.epoch or 0)
     base = _with_knobs(base, spec)
 
+    candidates = membership.leaving(views, spec.selector, published.members if published else ())
+    leavers, leaver_stats = await _draining(candidates) if candidates else ({}, [])
     stats = await sidecars.fleet_stats(members)
+    if leaver_stats:  # a leaver's tenants move too: the planner must know them
+        stats = FleetStats(stats.per_member + tuple(leaver_stats))
     tenants = sorted(set(stats.tenants))
     measured = _nvme_remeasured(spec, old_status, stats)
     # An assignment over no tenants is no help to the planner (and trips its row reuse).
@@ -137,12 +150,15 @@ async def reconcile_membership(
     new_epoch = published is None or plan.changed or knobs_changed
 
     if new_epoch:
-        await _warm_then_publish(kube, sidecars, body, spec, members, plan, table)
+        await _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers)
     else:
         if published_cm and _addresses_stale(published_cm, members):
             await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
         if spec.redis and spec.redis.url:  # level-based: a Redis that missed an epoch catches up
             await publish.ensure_redis(spec.redis.url, namespace, name, table, members)
+
+    if leavers:  # the published table no longer names them: they may go
+        await _release(leavers)
 
     fields = _membership_status(name, old_status, members, table, plan, stats, new_epoch)
     observed = [conditions.Observation("AffinityPublished", "True", "Published",
@@ -162,8 +178,9 @@ async def reconcile_membership(
              namespace, name, table.epoch, len(members), new_epoch)
 
 
-async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table) -> None:
-    """Warm moved tenants on their new homes, journaled, then publish the new epoch."""
+async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers=None) -> None:
+    """Warm moved tenants on their new homes (from a leaver first), journaled, then
+    publish the new epoch."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     digest = warmup.members_digest(members)
@@ -172,14 +189,22 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table) -
         journal = warmup.PendingEpoch(table.epoch, digest)
     # Peer tier off: sidecars cannot pull from each other, so moved tenants start cold.
     moves = plan.moves if spec.tiers.peer.enabled else []
-    warm_plan = warmup.plan(moves, members, spec.affinity.warm_max_bytes_int)
+    leavers = leavers or {}
+    warm_plan = warmup.plan(moves, members, spec.affinity.warm_max_bytes_int, leavers)
     todo = journal.remaining(warm_plan.requests)
     if todo:
         writer = _JournalWriter(kube, namespace, name, journal)
+        deadline = time.monotonic() + spec.affinity.warm_timeout_s
         try:
             await writer.write()
-            await sidecars.warm_all(todo, members, spec.affinity.warm_timeout_s,
+            await sidecars.warm_all(todo, {**leavers, **members}, spec.affinity.warm_timeout_s,
                                     ref_prefix=journal.ref_prefix, on_done=writer.done)
+            # A leaver that did not answer: warm from the surviving old home instead
+            # (its own refs: the sidecar remembers the failed job under the first ones).
+            retry = [r.from_fallback() for r in todo if r.key not in journal.done and r.fallback]
+            if retry and time.monotonic() < deadline:
+                await sidecars.warm_all(retry, members, deadline - time.monotonic(),
+                                        ref_prefix=f"{journal.ref_prefix}/fallback", on_done=writer.done)
         finally:
             await writer.close()
         log.info("epoch %s: %d/%d warm-ups done, %d tenants cold", table.epoch,
@@ -188,6 +213,39 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table) -
     if spec.redis and spec.redis.url:
         await publish.publish_redis(spec.redis.url, namespace, name, table, members)
     await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
+
+
+async def _draining(candidates: dict[str, membership.Member]) -> tuple[dict[str, membership.Member], list[SidecarStats]]:
+    """The candidates whose sidecars answer stats with `draining: true` (the leavers),
+    and their stats. A silent or non-draining one is simply gone: it is no source."""
+    leavers: dict[str, membership.Member] = {}
+    stats: list[SidecarStats] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as session:
+        async def ask(member: membership.Member) -> None:
+            try:
+                async with session.get(f"{member.http_url()}/cache/stats") as resp:
+                    body = await resp.json() if resp.status == 200 else {}
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                log.info("leaving pod %s does not answer: %s", member.name, exc)
+                return
+            if isinstance(body, dict) and body.get("draining") is True:
+                leavers[member.name] = member
+                stats.append(parse_stats(member.name, body))
+        await asyncio.gather(*(ask(m) for m in candidates.values()))
+    return dict(sorted(leavers.items())), stats
+
+
+async def _release(leavers: dict[str, membership.Member]) -> None:
+    """Tell each leaver it may exit now. Best effort: one that misses this exits when
+    its drain goes idle or times out."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as session:
+        async def done(member: membership.Member) -> None:
+            try:
+                async with session.post(f"{member.http_url()}/cache/drain/done", json={}) as resp:
+                    log.info("released leaving pod %s: %s", member.name, resp.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.info("leaving pod %s not released: %s", member.name, exc)
+        await asyncio.gather(*(done(m) for m in leavers.values()))
 
 
 class _JournalWriter:

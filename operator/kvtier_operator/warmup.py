@@ -1,9 +1,14 @@
 """Which warm-ups precede a new affinity epoch, and how far a resumed operator got.
 
-For every moved tenant, each home it gained is asked to warm the tenant's hottest
-prefixes from an old home that is still serving (its best-ranked one): the new home
-then has the blocks before any router sends it the tenant's traffic. A tenant whose
-old homes are all gone has nowhere to warm from; it starts cold (counted, not hidden).
+For every moved tenant, each home it gained — and a surviving home promoted to first
+home (where `routing.pick` now sends the tenant: after a leave it may have seen only
+the tenant's spill traffic) — is asked to warm the tenant's hottest
+prefixes from an old home: a LEAVER first (a departing pod still draining: it was the
+tenant's home, so it holds what the tenant will ask for), else the best-ranked old home
+that is still serving; a leaver's request names that surviving home as its fallback,
+used when the leaver does not answer. The new home then has the blocks before any
+router sends it the tenant's traffic. A tenant whose old homes are all gone has nowhere
+to warm from; it starts cold (counted, not hidden).
 
 Bounded: at most `max_bytes_per_tenant` per request and the whole phase within the
 policy's warm timeout (the I/O side enforces time). Pure.
@@ -28,6 +33,12 @@ class WarmRequest:
     target: str
     source: str
     max_bytes: int
+    fallback: str | None = None  # a surviving old home, when `source` is a leaver
+
+    def from_fallback(self) -> "WarmRequest | None":
+        if self.fallback is None:
+            return None
+        return WarmRequest(self.tenant, self.target, self.fallback, self.max_bytes)
 
     @property
     def key(self) -> str:
@@ -40,19 +51,36 @@ class WarmPlan:
     cold_tenants: tuple[str, ...]  # moved, but no surviving old home to warm from
 
 
-def plan(moves: Iterable[TenantMove], members: Mapping[str, Member], max_bytes_per_tenant: int) -> WarmPlan:
+def plan(moves: Iterable[TenantMove], members: Mapping[str, Member], max_bytes_per_tenant: int,
+         leavers: Mapping[str, Member] | None = None) -> WarmPlan:
+    leavers = leavers or {}
     requests: list[WarmRequest] = []
     cold: list[str] = []
     for move in moves:
-        sources = [m for m in move.old_homes if m in members]
-        targets = [m for m in move.gained if m in members]
+        survivors = [m for m in move.old_homes if m in members]
+        departing = [m for m in move.old_homes if m in leavers and m not in members]
+        targets = [m for m in warm_targets(move) if m in members]
         if not targets:
             continue
-        if not sources:
+        if departing:
+            source, fallback = departing[0], (survivors[0] if survivors else None)
+        elif survivors:
+            source, fallback = survivors[0], None
+        else:
             cold.append(move.tenant)
             continue
-        requests += [WarmRequest(move.tenant, t, sources[0], max_bytes_per_tenant) for t in targets]
+        requests += [WarmRequest(move.tenant, t, source, max_bytes_per_tenant, fallback if fallback != t else None)
+                     for t in targets if t != source]
     return WarmPlan(tuple(requests), tuple(cold))
+
+
+def warm_targets(move: TenantMove) -> tuple[str, ...]:
+    """The homes to warm for a moved tenant: its new first home when that changed (a
+    promoted home may have seen only spill traffic; the sidecar skips blocks it has),
+    then the homes it gained."""
+    first = move.new_homes[:1]
+    promoted = first if first and first != move.old_homes[:1] and first[0] not in move.gained else ()
+    return tuple(promoted) + move.gained
 
 
 def members_digest(members: Mapping[str, Member]) -> str:

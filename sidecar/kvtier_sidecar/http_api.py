@@ -4,6 +4,7 @@
     POST /cache/invalidate       {"model_version": V}            -> 202, dropped in background
     POST /cache/warm             {"tenant", "from_peer", "max_bytes", "ref"?} -> 202, pulled in background
                                  (409 when the peer tier is off; a known ref answers its job)
+    POST /cache/drain/done       a draining sidecar may exit now (409 when not draining)
     GET  /cache/jobs             background jobs: state, started_s/finished_s (wall clock), bytes
     GET  /metrics                Prometheus text, top-N tenants + "other"
     GET  /healthz, /readyz
@@ -96,6 +97,11 @@ def make_app(service) -> web.Application:
             return _bad(str(exc), 409)
         return web.json_response({"accepted": True, "job": job, "started": started}, status=202)
 
+    async def drain_done(request: web.Request) -> web.Response:
+        if not service.finish_drain():
+            return _bad("not draining: this sidecar has not been asked to stop", 409)
+        return web.json_response({"draining": True, "done": True}, status=202)
+
     async def jobs(request: web.Request) -> web.Response:
         return web.json_response(service.jobs())
 
@@ -124,6 +130,7 @@ def make_app(service) -> web.Application:
     app.router.add_get("/cache/stats", stats)
     app.router.add_post("/cache/invalidate", invalidate)
     app.router.add_post("/cache/warm", warm)
+    app.router.add_post("/cache/drain/done", drain_done)
     app.router.add_get("/cache/jobs", jobs)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)

@@ -4,8 +4,12 @@
 
 Start-up order: arena -> DRAM tier -> peer server -> global index -> engine socket ->
 HTTP. `--ready-file` receives a JSON object with the bound addresses once everything
-listens (tests and the fleet use port 0 and read it). SIGTERM/SIGINT: stop taking
-requests, deregister from the global index, unlink the socket and the arena.
+listens (tests and the fleet use port 0 and read it). SIGTERM/SIGINT: drain first —
+`/readyz` fails (the pod drops out of membership) while the engine socket and the peer
+server keep serving, so the operator can warm this pod's tenants on their new homes
+from it — until `POST /cache/drain/done`, `drain_timeout_s`, `drain_idle_s` without a
+peer connection, or a second signal; then stop taking requests, deregister from the
+global index, unlink the socket and the arena.
 Exit status 2 names the bad flag or config field.
 """
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -40,6 +45,8 @@ log = logging.getLogger("kvtier.sidecar")
 
 CONFIG_POLL_S = 1.0
 TICKET_SWEEP_S = 1.0
+# How often a draining sidecar checks whether it may go (small against drain_idle_s).
+DRAIN_POLL_S = 0.1
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -62,6 +69,7 @@ class SidecarProcess:
         self.config_path = config_path
         self._config_stamp = self._stamp()
         self._stop = asyncio.Event()
+        self._force = asyncio.Event()  # a second signal: skip (the rest of) the drain
 
     def _stamp(self) -> tuple | None:
         if not self.config_path:
@@ -112,7 +120,7 @@ class SidecarProcess:
         self._start_nvme_probe(c.nvme)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
+            loop.add_signal_handler(sig, self._on_signal)
         ready = {"pid": os.getpid(), "http": f"{c.pod_ip}:{http_port}", "peer": advertise,
                  "peer_bound": self.peer_server.address if self.peer_server else "", "engine_socket": socket_path,
                  "shm_name": self.arena.name,
@@ -123,6 +131,7 @@ class SidecarProcess:
             tmp.replace(ready_file)
         log.info("sidecar serving", extra=ready)
         await self._stop.wait()
+        await self._drain()
         log.info("sidecar shutting down")
         await engine.close()
         if self.peer_server is not None:
@@ -135,6 +144,35 @@ class SidecarProcess:
             await self.index.close()
         await runner.cleanup()
         self.service.close()
+
+    def _on_signal(self) -> None:
+        (self._force if self._stop.is_set() else self._stop).set()
+
+    async def _drain(self) -> None:
+        """Keep serving peers while the fleet warms this pod's tenants elsewhere. Idle
+        means no new peer connection (fetches and hot-prefix listings both connect) and
+        no stats/jobs request (the operator reads stats before it starts warming)."""
+        c = self.config
+        if self.peer_server is None or c.drain_timeout_s <= 0:
+            return
+        self.service.start_drain()
+        started = last_activity = time.monotonic()
+        seen = self.peer_server.counters["connections"]
+        log.info("sidecar draining", extra={"timeout_s": c.drain_timeout_s, "idle_s": c.drain_idle_s})
+        why = "timeout"
+        while time.monotonic() - started < self.config.drain_timeout_s:
+            if self.service.drain_done.is_set() or self._force.is_set():
+                why = "done" if self.service.drain_done.is_set() else "signal"
+                break
+            connections = self.peer_server.counters["connections"]
+            if connections != seen:
+                seen, last_activity = connections, time.monotonic()
+            last_activity = max(last_activity, self.service.last_control_s)
+            if time.monotonic() - last_activity >= self.config.drain_idle_s:
+                why = "idle"
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        log.info("drain finished", extra={"reason": why, "drained_s": round(time.monotonic() - started, 3)})
 
     def _start_nvme_probe(self, nvme: cfgmod.NvmeConfig) -> None:
         """(Re)start the shadow probe for `nvme`; mode off stops it."""

@@ -105,6 +105,11 @@ class Sidecar:
         self._background: set[asyncio.Task] = set()
         self.started_s = time.time()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Graceful leave (see main.SidecarProcess): set on SIGTERM; readiness fails so the
+        # pod leaves membership while peers may still fetch from it.
+        self.draining = False
+        self.drain_done = asyncio.Event()
+        self.last_control_s = time.monotonic()  # the operator's stats/warm/jobs calls
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """The event loop that owns the index client (fetch threads hand work to it)."""
@@ -315,6 +320,7 @@ class Sidecar:
     # -- control ------------------------------------------------------------------------
 
     def stats(self, tenant: str | None) -> dict:
+        self.last_control_s = time.monotonic()
         counters = self.metrics.tenants.get(tenant) if tenant else self.metrics.total()
         out = (counters or metrics_mod.TenantCounters()).as_dict()
         out["tenant"] = tenant
@@ -325,6 +331,7 @@ class Sidecar:
             out["tenants"], out["tenants_total"] = self._tenant_summary(self.config.stats_max_tenants)
             out["peer_enabled"] = self.transport is not None
             out["thrash_ratio"] = self.config.thrash_ratio
+            out["draining"] = self.draining
             if self.nvme is not None:
                 out["nvme"] = self.nvme.report()
         return out
@@ -374,6 +381,7 @@ class Sidecar:
                 self._job_refs.pop(old["ref"], None)
 
     def jobs(self) -> dict:
+        self.last_control_s = time.monotonic()
         return {job: dict(record) for job, record in self._jobs.items()}
 
     def invalidate_version(self, version: str) -> str:
@@ -435,6 +443,8 @@ class Sidecar:
         return metrics_mod.render(self.metrics, self.config.metrics_top_tenants, gauges, counters)
 
     def readiness(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining: leaving the fleet, still serving peers"
         return True, "serving the DRAM tier" + ("" if not self.index or self.index.available else "; global index unavailable")
 
     def apply_config(self, config: SidecarConfig) -> None:
@@ -445,6 +455,16 @@ class Sidecar:
         if self.index is not None:
             self.index.ttl_s = config.index_ttl_s
             self.index.timeout_s = config.index_lookup_timeout_s
+
+    def start_drain(self) -> None:
+        self.draining = True
+
+    def finish_drain(self) -> bool:
+        """The operator has warmed what it wanted from this pod; False when not draining."""
+        if not self.draining:
+            return False
+        self.drain_done.set()
+        return True
 
     def release_all(self, hit_ids, tickets) -> None:
         for h in list(hit_ids):

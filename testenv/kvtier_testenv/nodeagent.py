@@ -25,8 +25,12 @@ containers we can run natively (by default the one named `kvtier-sidecar`):
          other containers (an engine image we cannot run) count as running and ready;
       7. on exit of a process, follows restartPolicy: Always restarts it (pod not
          Ready meanwhile, restartCount+1); otherwise the pod turns Failed/Succeeded;
-      8. on deletion (or replacement by a new uid) stops the processes and confirms
-         the deletion with grace 0, as kubelet does.
+      8. on deletion sends SIGTERM and, like kubelet, leaves the pod Terminating (its
+         deletionTimestamp set, its processes still serving) until they exit or the
+         pod's grace period (deletionGracePeriodSeconds, else
+         terminationGracePeriodSeconds; capped at MAX_GRACE_S) ends in SIGKILL; then
+         confirms the deletion with grace 0. The loop keeps running meanwhile. A pod
+         that vanished or was replaced by a new uid is stopped at once (SHUTDOWN_GRACE_S).
 
 With `service_account_tokens=True` the agent also stands in for the ServiceAccount
 admission plugin the test control plane turns off (envtest's choice): a pod that names
@@ -82,8 +86,12 @@ VOLUME_SYNC_S = 1.0
 MAX_PROBE_PERIOD_S = 1.0
 # kubelet's crash back-off starts at 10 s; one second keeps restart tests quick.
 RESTART_BACKOFF_S = 1.0
-# Cap on terminationGracePeriodSeconds (default 30) so a stuck process cannot stall a test.
-MAX_GRACE_S = 5.0
+# Cap on a pod's grace period: a draining sidecar needs its (default 30 s) grace, and
+# the loop keeps serving other pods meanwhile, so only a stuck process waits this long.
+MAX_GRACE_S = 60.0
+# Grace for processes of pods that vanished, and for all of them when the agent stops
+# (a test's teardown): short, so a stuck process cannot stall a test.
+SHUTDOWN_GRACE_S = 5.0
 HTTP_TIMEOUT_S = 10.0
 # kubelet renews a projected token once 80% of its lifetime has passed.
 TOKEN_RENEW_FRACTION = 0.8
@@ -472,6 +480,7 @@ class PodRun:
     message: str = ""
     last_status: dict[str, Any] | None = None
     start_time: str = field(default_factory=now_rfc3339)
+    kill_at: float | None = None  # monotonic SIGKILL time once SIGTERM was sent
 
 
 # --- the agent -------------------------------------------------------------------------
@@ -532,7 +541,10 @@ class NodeAgent:
             self._thread.join(timeout=30)
             self._thread = None
         with self._lock:
-            for run in list(self._runs.values()):
+            runs = list(self._runs.values())
+            for run in runs:  # all at once: the grace periods overlap
+                self._begin_stop(run, SHUTDOWN_GRACE_S)
+            for run in runs:
                 self._stop_run(run)
             self._runs.clear()
         if delete_node:
@@ -679,9 +691,17 @@ class NodeAgent:
         meta, uid = pod["metadata"], pod["metadata"]["uid"]
         if meta.get("deletionTimestamp"):
             with self._lock:
-                run = self._runs.pop(uid, None)
-            if run:
-                self._stop_run(run, grace_s=pod["spec"].get("terminationGracePeriodSeconds", 30))
+                run = self._runs.get(uid)
+            if run is not None:
+                grace = meta.get("deletionGracePeriodSeconds")
+                if grace is None:
+                    grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+                self._begin_stop(run, grace)
+                if time.monotonic() < run.kill_at and any(cp.alive() for cp in run.containers.values()):
+                    return  # Terminating: the pod object stays until its processes exit
+                with self._lock:
+                    self._runs.pop(uid, None)
+                self._stop_run(run)
             self._confirm_deletion(pod)
             return
         if not pod["spec"].get("nodeName"):
@@ -987,13 +1007,21 @@ class NodeAgent:
         if run is not None:
             run.last_status = status
 
-    def _stop_run(self, run: PodRun, grace_s: float = MAX_GRACE_S) -> None:
-        grace = min(float(grace_s), MAX_GRACE_S)
+    def _begin_stop(self, run: PodRun, grace_s: float) -> None:
+        """SIGTERM the pod's processes, once; SIGKILL is due at `run.kill_at`."""
+        if run.kill_at is not None:
+            return
+        run.kill_at = time.monotonic() + min(max(float(grace_s), 0.0), MAX_GRACE_S)
         for cp in run.containers.values():
             if cp.alive():
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(cp.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
+
+    def _stop_run(self, run: PodRun, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Waits for the processes until `run.kill_at` (set here if no SIGTERM was sent
+        yet), SIGKILLs what is left, removes the pod's directory."""
+        self._begin_stop(run, grace_s)
+        deadline = run.kill_at
         for cp in run.containers.values():
             if cp.proc is None:
                 continue
