@@ -1,0 +1,89 @@
+"""A leaver that stops answering before its tenants are warmed: the operator's warm-up
+falls back to a surviving old home, and the epoch is published only after that
+finished. Real sidecar processes on their default ports (as in a pod), a recording
+stand-in for the Kubernetes API (the rest of the reconcile is covered end to end)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from kvtier import policy
+from kvtier import sidecar_config as cfgmod
+from kvtier.affinity import AffinityTable, TenantMove
+from kvtier_operator import membership, names, reconcile, sidecar_render
+from kvtier_operator.sidecar_client import SidecarClient
+from kvtier_sidecar.fleet import SidecarHandle
+from sidecar_fleet import PodSidecar, tiny_policy
+
+# Loopback addresses no other test uses: the sidecars bind the pod ports 8081/8082.
+IPS = {"keep": "127.3.0.2", "new": "127.3.0.3", "gone": "127.3.0.4"}  # nothing listens on "gone"
+
+
+class RecordingKube:
+    """What `_warm_then_publish` writes, in order."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, object]] = []
+
+    async def patch_annotations(self, namespace, name, annotations) -> None:
+        self.writes.append(("annotations", annotations[names.PENDING_EPOCH_ANNOTATION]))
+
+    async def apply_config_map(self, body) -> bool:
+        self.writes.append(("configmap", body["metadata"]["name"]))
+        return True
+
+
+class Plan:
+    def __init__(self, moves):
+        self.moves = moves
+
+
+@pytest.fixture
+def sidecars(tmp_path):
+    spec = policy.parse_policy(tiny_policy("fallback", "fallback")).spec
+    base = cfgmod.parse_text(sidecar_render.render(spec).text)
+    handles = {}
+    try:
+        for name in ("keep", "new"):
+            config = {**base, "pod_name": name, "pod_ip": IPS[name], "log_level": "WARNING",
+                      "engine_socket": str(tmp_path / f"{name}.sock")}
+            handles[name] = SidecarHandle(name, IPS[name], tmp_path, config).start()
+        yield spec, handles
+    finally:
+        for h in handles.values():
+            h.kill()
+
+
+def test_warm_up_falls_back_to_a_surviving_old_home_when_the_leaver_does_not_answer(sidecars):
+    spec, handles = sidecars
+    keep, new = (PodSidecar(n, IPS[n], handles[n].socket) for n in ("keep", "new"))
+    keep.seed("moved", 2)
+    members = {n: membership.Member(membership.MemberName(n), IPS[n], 1.0) for n in ("keep", "new")}
+    leavers = {"gone": membership.Member(membership.MemberName("gone"), IPS["gone"], 1.0)}
+    table = AffinityTable(epoch=8, members={"keep": 1.0, "new": 1.0}, homes=2)
+    body = {"metadata": {"name": "fallback", "namespace": "ns", "uid": "u-1", "annotations": {}},
+            "apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy"}
+    kube = RecordingKube()
+
+    async def run() -> None:
+        client = SidecarClient.create()
+        try:
+            await reconcile._warm_then_publish(kube, client, body, spec, members,
+                                               Plan([TenantMove("moved", ("gone", "keep"), ("keep", "new"))]),
+                                               table, leavers)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    jobs = new.warm_jobs()
+    by_source = {j["from_peer"]: j for j in jobs}
+    assert set(by_source) == {f"{IPS['gone']}:8082", f"{IPS['keep']}:8082"}, jobs
+    assert by_source[f"{IPS['gone']}:8082"]["state"] == "failed"
+    assert by_source[f"{IPS['keep']}:8082"]["state"] == "done"
+    assert new.holds("moved", 2)
+    kinds = [k for k, _ in kube.writes]
+    assert kinds[-2:] == ["configmap", "annotations"] and kube.writes[-1][1] is None  # published, journal cleared
+    journals = [json.loads(v) for k, v in kube.writes if k == "annotations" and v]
+    assert journals and "moved@new" in journals[-1]["done"]
