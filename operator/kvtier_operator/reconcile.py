@@ -155,7 +155,7 @@ async def reconcile_membership(
         if published_cm and _addresses_stale(published_cm, members):
             await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
         if spec.redis and spec.redis.url:  # level-based: a Redis that missed an epoch catches up
-            await publish.ensure_redis(spec.redis.url, namespace, name, table, members)
+            await publish.ensure_redis(spec.redis.url, namespace, name, table, members, spec.redis.cluster)
 
     if leavers:  # the published table no longer names them: they may go
         await _release(leavers)
@@ -211,7 +211,7 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
                  len(journal.done), len(warm_plan.requests), len(warm_plan.cold_tenants))
     await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
     if spec.redis and spec.redis.url:
-        await publish.publish_redis(spec.redis.url, namespace, name, table, members)
+        await publish.publish_redis(spec.redis.url, namespace, name, table, members, spec.redis.cluster)
     await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
 
 
