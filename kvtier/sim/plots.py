@@ -6,6 +6,15 @@ from pathlib import Path
 from kvtier.sim.scenarios import ScenarioReport
 
 
+def _label(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Axis labels, title, legend and grid, the same on every line plot."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
 def _pyplot():
     import matplotlib
 
@@ -44,11 +53,7 @@ def _capacity(rep: ScenarioReport, out_dir: Path) -> Path:
     sizes = sorted({x for pts in curves.values() for x, _ in pts})
     ax.set_xticks(sizes, [f"{x:g}" for x in sizes])
     ax.minorticks_off()
-    ax.set_xlabel("DRAM tier per replica (GiB)")
-    ax.set_ylabel("token hit rate (prefill avoided)")
-    ax.set_title("Hit rate vs DRAM capacity per routing policy")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    _label(ax, "DRAM tier per replica (GiB)", "token hit rate (prefill avoided)", "Hit rate vs DRAM capacity per routing policy")
     return _save(fig, plt, out_dir / "hit_rate_vs_capacity.png")
 
 
@@ -65,11 +70,7 @@ def _over_time(rep: ScenarioReport, out_dir: Path) -> Path:
                 continue
             seen.add(key)
             ax.axvline(ev["time_s"], color="grey", alpha=0.3, linewidth=0.8)
-    ax.set_xlabel("simulated time (s)")
-    ax.set_ylabel("token hit rate per bucket")
-    ax.set_title(f"Hit rate over time: {rep.name}")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    _label(ax, "simulated time (s)", "token hit rate per bucket", f"Hit rate over time: {rep.name}")
     return _save(fig, plt, out_dir / f"hit_rate_over_time_{rep.name}.png")
 
 
@@ -78,11 +79,7 @@ def _prefill_over_time(rep: ScenarioReport, out_dir: Path) -> Path:
     fig, ax = plt.subplots(figsize=(9, 5))
     for r in rep.results:
         ax.plot(r.series_t_s[:-1], r.series_prefill_load[:-1], label=r.label)
-    ax.set_xlabel("simulated time (s)")
-    ax.set_ylabel("prefill load (replicas' worth of prefill)")
-    ax.set_title(f"Prefill load over time: {rep.name}")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    _label(ax, "simulated time (s)", "prefill load (replicas' worth of prefill)", f"Prefill load over time: {rep.name}")
     return _save(fig, plt, out_dir / f"prefill_load_{rep.name}.png")
 
 

@@ -21,21 +21,27 @@ from .test_sidecar_process import poll, prompt, seed_cache
 BB = 8192
 
 
-def test_a_miss_on_one_sidecar_is_served_by_the_peer_that_stored_it(spawn, oracle, redis_url, secret_file):
-    a = spawn("a", "127.0.0.2", redis_url, secret_file)
-    b = spawn("b", "127.0.0.3", redis_url, secret_file)
-    ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
-    root, tokens = oracle.root("acme"), prompt(200)
-    seed_cache(ca, oracle, "acme", tokens)
-    r = redis_sync.Redis.from_url(redis_url)
+def assert_peer_serves_the_miss(ca, cb, a_peer: str, index, oracle, tenant: str, tokens) -> None:
+    """Store a prompt through sidecar A, wait until the global index names A for its
+    last block, then B's lookup must be a byte-exact peer hit of 192 tokens."""
+    root = oracle.root(tenant)
+    seed_cache(ca, oracle, tenant, tokens)
     last = block_hashes(root, tokens, 16)[-1].hex()
-    poll(lambda: r.hexists(f"kvt:{{{root.digest().hex()}}}:{last}", a.peer))
+    poll(lambda: index.hexists(f"kvt:{{{root.digest().hex()}}}:{last}", a_peer))
     hit = cb.lookup(root, tokens)
     assert isinstance(hit, Hit) and hit.tier == "peer" and hit.matched_tokens == 192
     dst = np.zeros(12 * BB, np.uint8)
     cb.materialize(hit, dst)
     assert np.array_equal(dst, oracle.kv(root, tokens)[: 12 * BB])
     cb.release(hit)
+
+
+def test_a_miss_on_one_sidecar_is_served_by_the_peer_that_stored_it(spawn, oracle, redis_url, secret_file):
+    a = spawn("a", "127.0.0.2", redis_url, secret_file)
+    b = spawn("b", "127.0.0.3", redis_url, secret_file)
+    ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
+    root, tokens = oracle.root("acme"), prompt(200)
+    assert_peer_serves_the_miss(ca, cb, a.peer, redis_sync.Redis.from_url(redis_url), oracle, "acme", tokens)
     again = cb.lookup(root, tokens)
     assert again.tier == "dram" and again.matched_tokens == 192
     stats = b.stats("acme")

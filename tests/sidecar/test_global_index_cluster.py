@@ -6,16 +6,15 @@ import asyncio
 import hashlib
 import time
 
-import numpy as np
 import redis as redis_sync
 
 from kvtier.keys import block_hashes
-from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.client import SidecarClient
 from kvtier_sidecar.global_index import GlobalIndex
 
-from .test_sidecar_process import poll, prompt, seed_cache
+from .test_fleet_faults import assert_peer_serves_the_miss
+from .test_sidecar_process import poll, prompt
 
-BB = 8192
 HOST_A, HOST_B, ME = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.9:1"
 # Eight fixed key roots: their slots fall on every shard of a three-primary cluster.
 TAGS = [hashlib.md5(f"root-{i}".encode()).hexdigest() for i in range(8)]
@@ -232,16 +231,7 @@ def test_a_miss_on_one_sidecar_is_served_by_the_peer_found_through_the_cluster_i
     rc = client(redis_cluster)
     try:
         for tenant in ("acme", "globex", "initech"):
-            root, tokens = oracle.root(tenant), prompt(200, seed=len(tenant))
-            seed_cache(ca, oracle, tenant, tokens)
-            last = block_hashes(root, tokens, 16)[-1].hex()
-            poll(lambda: rc.hexists(f"kvt:{{{root.digest().hex()}}}:{last}", a.peer))
-            hit = cb.lookup(root, tokens)
-            assert isinstance(hit, Hit) and hit.tier == "peer" and hit.matched_tokens == 192
-            dst = np.zeros(12 * BB, np.uint8)
-            cb.materialize(hit, dst)
-            assert np.array_equal(dst, oracle.kv(root, tokens)[: 12 * BB])
-            cb.release(hit)
+            assert_peer_serves_the_miss(ca, cb, a.peer, rc, oracle, tenant, prompt(200, seed=len(tenant)))
         assert b.stats("acme")["hits_by_tier"]["peer"] == 1
         # Graceful shutdown withdraws A's entries from the cluster.
         root, tokens = oracle.root("acme"), prompt(200, seed=4)
