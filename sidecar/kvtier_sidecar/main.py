@@ -90,7 +90,7 @@ class SidecarProcess:
 
     async def _run(self, ready_file: str | None) -> None:
         c = self.config
-        tier = DramTier(self.arena, c.block_size, c.min_sightings, c.model.kv_heads, c.thrash_ratio)
+        tier = DramTier(self.arena, c.block_size, c.min_sightings, c.model.kv_heads)
         # Peer tier off: no listener, no fetches, no warm-ups, and so no global index
         # (it only ever names peers to fetch from).
         self.peer_server = self.index = self.transport = None
