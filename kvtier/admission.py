@@ -157,9 +157,18 @@ class CountMinSketch:
     def estimate_one(self, h: BlockHash) -> int:
         """Estimated sightings of one hash (the eviction duel's hot path)."""
         flat = self._flat
-        est = min(flat[c] for c in self._cells(h))
-        if self._door_flat is not None:
-            est += self._door_seen(h)
+        lo = int.from_bytes(h[:8], "little")
+        hi = int.from_bytes(h[8:16], "little")
+        if self.depth == 4:  # unrolled, as in `_cells`
+            m, w = self.width - 1, self.width
+            est = min(flat[lo & m], flat[w + ((lo + hi) & m)], flat[2 * w + ((lo + 2 * hi) & m)],
+                      flat[3 * w + ((lo + 3 * hi) & m)])
+        else:
+            est = min(flat[c] for c in self._cells(h))
+        door = self._door_flat
+        if door is not None:
+            dm = self._door_mask
+            est += door[lo & dm] & door[hi & dm]
         return est
 
     def _halves(self, hashes: list[BlockHash]) -> np.ndarray:

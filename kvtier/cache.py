@@ -260,6 +260,7 @@ class LocalCache:
         self._stores_applied = 0
         self._invalidated_blocks = 0
         self._reserved_blocks = 0
+        self._chain_memo: tuple[KeyRoot, bytes, int, list[BlockHash]] | None = None
 
     # ------------------------------------------------------------------ engine API
 
@@ -345,7 +346,7 @@ class LocalCache:
             first = m.cached_blocks
             if first == n_full:
                 return False
-            sightings = self._first_new_sightings(m, root, tb)
+            sightings = max(1, self._admission.frequency(self._chain_from(m, root, tb)[0]))
             pending = _PendingStore(root, tokens, n_full, kv, sightings)
             dropped = self._queue.push(n_full * self.block_size * sightings, pending)
             self._stores_enqueued += 1
@@ -381,7 +382,7 @@ class LocalCache:
             first = m.cached_blocks
             if first == n_full:
                 return None
-            sightings = self._admission.bar if force else self._first_new_sightings(m, root, tb)
+            sightings = self._admission.bar if force else None
             return self._reserve_from(m, root, tokens, n_full, sightings, forced=force)
 
     def commit(self, res: Reservation, num_blocks: int | None = None) -> int:
@@ -571,7 +572,7 @@ class LocalCache:
         all of them."""
         hashes = self._index.hashes_to(m)
         if m.cached_blocks < n_full:
-            hashes += chain_hashes(m.last_hash() or root.digest(), tb, self.block_size, m.cached_blocks)
+            hashes += self._chain_from(m, root, tb)
         self._admission.sight(hashes)
         return hashes
 
@@ -583,10 +584,16 @@ class LocalCache:
         elif self._climber is not None and self._climber.record(len(hashes), matched):
             self._set_targets(self._climber.window_target)
 
-    def _first_new_sightings(self, m: Match, root: KeyRoot, tb: bytes) -> int:
-        """Sightings of the first block a store would add (the store queue's value)."""
-        first = chain_hashes(m.last_hash() or root.digest(), tb, self.block_size, m.cached_blocks, 1)
-        return max(1, self._admission.frequency(first[0]))
+    def _chain_from(self, m: Match, root: KeyRoot, tb: bytes) -> list[BlockHash]:
+        """Hashes of the prompt's full blocks after the match. The last prompt's are
+        kept: a lookup, its store and the store's reservation chain the same blocks."""
+        first = m.cached_blocks
+        memo = self._chain_memo
+        if memo is not None and memo[2] <= first and memo[0] == root and memo[1] == tb:
+            return memo[3][first - memo[2]:]
+        hashes = chain_hashes(m.last_hash() or root.digest(), tb, self.block_size, first)
+        self._chain_memo = (root, tb, first, hashes)
+        return hashes
 
     def _duel_tails(self, candidate: Node, victim: Node) -> bool:
         return self._admission.duel(candidate.hashes[-1],
@@ -615,18 +622,21 @@ class LocalCache:
         return self._reserve_from(m, p.root, p.token_ids, p.end_block, p.sightings)
 
     def _reserve_from(self, m: Match, root: KeyRoot, tokens: np.ndarray, end: int,
-                      sightings: int, forced: bool = False) -> Reservation | None:
-        """Pin the cached prefix, take slots for blocks [cached, end)."""
+                      sightings: int | None, forced: bool = False) -> Reservation | None:
+        """Pin the cached prefix, take slots for blocks [cached, end). `sightings`
+        (for placement) defaults to the sketch's count of the first new block."""
         first = m.cached_blocks
         tb = tokens.tobytes()
-        parent_hash = m.last_hash() or root.digest()
+        hashes = self._chain_from(m, root, tb)[:end - first]
+        if sightings is None:
+            sightings = self._admission.frequency(hashes[0])
         parent = self._index.pin(m, touch=False) if first > 0 else None
         slots = self._allocate(end - first)
         if not slots:
             if parent is not None:
                 self._pool.give_back(self._index.unpin(parent))
             return None
-        hashes = chain_hashes(parent_hash, tb, self.block_size, first, len(slots))
+        hashes = hashes[:len(slots)]
         where = placement(sightings, end * self.block_bytes, self._admission.bar,
                           self.pin_max_bytes, self.hot_sightings)
         fits_hot = self._index.hot_blocks + end <= self.pinned_budget_blocks

@@ -62,6 +62,7 @@ class Node:
     region: int = WINDOW
     alive: bool = True
     version: int = 0
+    queued: int = -1  # the version last queued as an eviction victim
 
     @property
     def num_blocks(self) -> int:
@@ -313,11 +314,10 @@ class PrefixIndex:
         while len(freed) < num_blocks:
             need = num_blocks - len(freed)
             cand = self._window_candidate() if self.region_blocks[WINDOW] > self.window_target else None
-            victim = self._pop_victim()
+            victim = self._peek_victim()
             if victim is not None and victim.hot:
                 other = cand or self._window_candidate()
                 if other is not None:  # hot leaves outlast every ordinary block
-                    self._push(victim)
                     freed.extend(self._trim_tail(other, need))
                     continue
             if cand is not None:
@@ -327,7 +327,6 @@ class PrefixIndex:
                     self._to_main(cand)
                     freed.extend(self._trim_tail(victim, need))
                 else:
-                    self._push(victim)
                     freed.extend(self._trim_tail(cand, need))
                 continue
             node = victim or self._window_candidate()
@@ -369,14 +368,20 @@ class PrefixIndex:
         if self._evictable(n):
             self._push(n)
 
-    def _pop_victim(self) -> Node | None:
-        while self._heap:
-            entry = heapq.heappop(self._heap)
+    def _peek_victim(self) -> Node | None:
+        """Main's lowest-scored evictable leaf, left in the heap (a duel it wins
+        keeps it there)."""
+        heap = self._heap
+        while heap:
+            entry = heap[0]
             node, version = entry[5], entry[4]
             if node.region != MAIN or not self._evictable(node):
+                heapq.heappop(heap)
                 continue
             if version != node.version:
-                self._push(node)  # stale key: requeue with its current score
+                heapq.heappop(heap)
+                if node.queued != node.version:
+                    self._push(node)  # stale key: requeue with its current score
                 continue
             return node
         return None
@@ -395,8 +400,8 @@ class PrefixIndex:
         t = node.root.tenant
         self.tenant_evictions[t] = self.tenant_evictions.get(t, 0) + k
         if keep:
-            if node.region == MAIN:
-                self._push(node)
+            node.version += 1  # its queued entry (if any) is stale now
+            self._push(node)
             return freed
         parent = node.parent
         assert parent is not None
@@ -519,13 +524,17 @@ class PrefixIndex:
         if n.region != MAIN:
             return
         hot, score, last = self._key(n)
+        n.queued = n.version
         heapq.heappush(self._heap, (hot, score, last, next(self._seq), n.version, n))
         if len(self._heap) > 4 * self.num_nodes + 1024:
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
-        self._heap = [(*self._key(n), next(self._seq), n.version, n)
-                      for n in self.iter_nodes() if n.region == MAIN and self._evictable(n)]
+        self._heap = []
+        for n in self.iter_nodes():
+            if n.region == MAIN and self._evictable(n):
+                n.queued = n.version
+                self._heap.append((*self._key(n), next(self._seq), n.version, n))
         heapq.heapify(self._heap)
 
     def _drop_empty_root(self, sentinel: Node) -> None:

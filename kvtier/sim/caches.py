@@ -134,8 +134,8 @@ class OracleCache:
 class KvtierCache:
     """kvtier's real `LocalCache`, metadata-only, on the simulation's clock.
 
-    Stores are applied before the replica's next request (`flush`), so the sim does
-    not model store-queue overflow; the W-TinyLFU policy (window, frequency duel,
+    Stores take the zero-copy path (`reserve` + `commit`) before the replica's next
+    request, so the sim does not model store-queue overflow; the W-TinyLFU policy (window, frequency duel,
     hill climbing), the pinned tier and leaf-first eviction run exactly as in the
     sidecar. `policy` replaces the default policy (ablations).
     """
@@ -156,8 +156,9 @@ class KvtierCache:
         hit = cache.lookup(root, req.tokens)
         matched = hit.matched_tokens
         cache.release(hit)
-        if cache.store(root, req.tokens, None):
-            cache.flush()
+        res = cache.reserve(root, req.tokens)  # the zero-copy store path, applied at once
+        if res is not None:
+            cache.commit(res)
         return matched
 
     def used_blocks(self) -> int:
