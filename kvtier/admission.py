@@ -220,15 +220,13 @@ class CountMinSketch:
     def _add_few(self, hashes: list[BlockHash]) -> None:
         flat = self._flat
         door = self._door_flat
-        if door is not None:
+        if door is not None:  # read every probe before setting any, as numpy does
             m = self._door_mask
-            counted = []
-            for h in dict.fromkeys(hashes):
-                p1, p2 = int.from_bytes(h[:8], "little") & m, int.from_bytes(h[8:16], "little") & m
-                if door[p1] and door[p2]:
-                    counted.append(h)
+            probes = [(h, int.from_bytes(h[:8], "little") & m, int.from_bytes(h[8:16], "little") & m)
+                      for h in hashes]
+            hashes = [h for h, p1, p2 in probes if door[p1] and door[p2]]
+            for _, p1, p2 in probes:
                 door[p1] = door[p2] = 1
-            hashes = counted
             if not hashes:
                 return
         # One increment per distinct counter, as numpy's fancy-index += does.
@@ -283,7 +281,11 @@ class Admission:
     def duel(self, candidate: BlockHash, victim_frequency: float) -> bool:
         """Does the window's candidate (its tail block's sightings) displace main's
         victim (its decayed hit frequency)?"""
-        won = admits(self.frequency(candidate), victim_frequency, self.min_sightings)
+        return self.duel_sightings(self.frequency(candidate), victim_frequency)
+
+    def duel_sightings(self, sightings: int, victim_frequency: float) -> bool:
+        """The duel for a candidate whose sightings are already known."""
+        won = admits(sightings, victim_frequency, self.min_sightings)
         if won:
             self.admits += 1
         else:

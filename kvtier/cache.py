@@ -631,7 +631,7 @@ class LocalCache:
         if sightings is None:
             sightings = self._admission.frequency(hashes[0])
         parent = self._index.pin(m, touch=False) if first > 0 else None
-        slots = self._allocate(end - first)
+        slots = self._allocate(end - first, None if forced else sightings)
         if not slots:
             if parent is not None:
                 self._pool.give_back(self._index.unpin(parent))
@@ -647,13 +647,19 @@ class LocalCache:
         self._reserved_blocks += len(slots)
         return res
 
-    def _allocate(self, n: int) -> list[int]:
+    def _allocate(self, n: int, sightings: int | None = None) -> list[int]:
         """Up to n slots: free ones first (free space is never refused), then evicted
         ones, W-TinyLFU deciding which (evicting only now, so released blocks stay
-        hittable until their memory is needed)."""
+        hittable until their memory is needed). `sightings` are the new blocks'
+        for their own duel when they overflow the window; None (a forced warm-up)
+        takes what the policy gives."""
         slots = self._pool.take(n)
         if len(slots) < n:
-            freed = self._index.evict(n - len(slots), self._duel)
+            incoming = None
+            if sightings is not None and self.policy.duel:
+                incoming = lambda victim: self._admission.duel_sightings(  # noqa: E731
+                    sightings, self._index.policy.frequency(victim.freq, self.clock()))
+            freed = self._index.evict(n - len(slots), self._duel, incoming)
             if freed:
                 self._evictions += len(freed)
                 self._pool.give_back(freed)

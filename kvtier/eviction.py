@@ -171,11 +171,12 @@ class HillClimber:
         previous, self._previous = self._previous, rate
         if previous is None:
             return self._move()
+        if rate < previous:
+            self._direction = -self._direction
         if abs(rate - previous) >= CLIMB_RESTART_THRESHOLD:
             self.step = self.capacity * CLIMB_STEP_FRACTION
-        elif rate < previous:
-            self._direction = -self._direction
-        self.step *= CLIMB_STEP_DECAY
+        else:
+            self.step *= CLIMB_STEP_DECAY
         return self._move()
 
     def _move(self) -> bool:

@@ -299,7 +299,8 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ eviction
 
-    def evict(self, num_blocks: int, duel: Duel | None = None) -> list[int]:
+    def evict(self, num_blocks: int, duel: Duel | None = None,
+              incoming: Callable[[Node], bool] | None = None) -> list[int]:
         """Free up to `num_blocks` blocks from unpinned leaves, each leaf from its tail.
         Returns the freed slots (fewer if everything else is pinned).
 
@@ -307,14 +308,23 @@ class PrefixIndex:
         leaf (the candidate) meets main's lowest-scored leaf (the victim):
         `duel(candidate, victim)` true moves the candidate into main and the victim
         pays; false evicts the candidate. Without a duel the candidate always moves.
+        When the window has no leaf left to offer and the blocks being made room
+        for would overflow it, they are the candidate themselves: `incoming(victim)`
+        false stops here (fewer slots; free space was already used up).
         Otherwise main's victim goes, then the window's least recent leaf; hot
         (pinned-tier) leaves go only when nothing else is left.
         """
         freed: list[int] = []
         while len(freed) < num_blocks:
             need = num_blocks - len(freed)
-            cand = self._window_candidate() if self.region_blocks[WINDOW] > self.window_target else None
+            over = self.region_blocks[WINDOW] + num_blocks > self.window_target
+            cand = self._window_candidate() if over else None
             victim = self._peek_victim()
+            if over and cand is None and victim is not None and incoming is not None and not victim.hot:
+                if not incoming(victim):
+                    break
+                freed.extend(self._trim_tail(victim, need))
+                continue
             if victim is not None and victim.hot:
                 other = cand or self._window_candidate()
                 if other is not None:  # hot leaves outlast every ordinary block
