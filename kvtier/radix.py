@@ -308,9 +308,10 @@ class PrefixIndex:
         leaf (the candidate) meets main's lowest-scored leaf (the victim):
         `duel(candidate, victim)` true moves the candidate into main and the victim
         pays; false evicts the candidate. Without a duel the candidate always moves.
-        When the window has no leaf left to offer and the blocks being made room
-        for would overflow it, they are the candidate themselves: `incoming(victim)`
-        false stops here (fewer slots; free space was already used up).
+        When the blocks being made room for are more than the whole window may
+        hold and it has no leaf left to offer, they are the candidate themselves:
+        `incoming(victim)` false stops here (fewer slots; free space was already
+        used up).
         Otherwise main's victim goes, then the window's least recent leaf; hot
         (pinned-tier) leaves go only when nothing else is left.
         """
@@ -320,7 +321,8 @@ class PrefixIndex:
             over = self.region_blocks[WINDOW] + num_blocks > self.window_target
             cand = self._window_candidate() if over else None
             victim = self._peek_victim()
-            if over and cand is None and victim is not None and incoming is not None and not victim.hot:
+            if over and cand is None and num_blocks > self.window_target and victim is not None \
+                    and incoming is not None and not victim.hot:
                 if not incoming(victim):
                     break
                 freed.extend(self._trim_tail(victim, need))
