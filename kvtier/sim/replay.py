@@ -99,29 +99,29 @@ class TraceReport:
 
 # ---------------------------------------------------------------------- capacities
 
-_TOKENS = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([kKMG]?)$")
-_SUFFIX = {"": 1, "k": 1_000, "K": 1_000, "M": 1_000_000, "G": 1_000_000_000}
+_TOKENS = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([kKMG])$|^([0-9]+)$")
+_SUFFIX = {"k": 1_000, "K": 1_000, "M": 1_000_000, "G": 1_000_000_000}
 
 
 def capacity_blocks(spec: str, trace: Trace) -> int:
-    """A capacity given as a share of the unique blocks ("0.05", "5%") or as tokens
-    ("3M", "250000"), in blocks (at least one). TraceError when malformed."""
+    """A capacity given as a share of the distinct blocks ("0.05", "5%") or as tokens
+    ("3M", "250000"), in blocks. TraceError when malformed or under one block."""
     text = spec.strip()
-    unique = trace.unique_blocks()
+    hint = (f"capacity {spec!r}: give a share of the distinct blocks in (0, 1] (0.05 or 5%) "
+            f"or a token count of at least one block ({trace.block_tokens}; 3M, 250000)")
+    m = _TOKENS.match(text)
+    if m and (m.group(2) or int(m.group(3)) > 1):
+        tokens = float(m.group(1)) * _SUFFIX[m.group(2)] if m.group(2) else int(m.group(3))
+        if tokens < trace.block_tokens:
+            raise TraceError(hint)
+        return int(tokens) // trace.block_tokens
     try:
-        if text.endswith("%"):
-            share = float(text[:-1]) / 100
-        elif _TOKENS.match(text) and (text[-1] in _SUFFIX and text[-1].isalpha() or float(text) > 1):
-            value, suffix = _TOKENS.match(text).groups()  # type: ignore[union-attr]
-            return max(1, int(float(value) * _SUFFIX[suffix]) // trace.block_tokens)
-        else:
-            share = float(text)
+        share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
-        share = -1.0
+        raise TraceError(hint) from None
     if not 0 < share <= 1:
-        raise TraceError(f"capacity {spec!r}: give a share of the unique blocks in (0, 1] (0.05 or 5%) "
-                         "or a token count (3M, 250000)")
-    return max(1, round(share * unique))
+        raise TraceError(hint)
+    return max(1, round(share * trace.unique_blocks()))
 
 
 # ---------------------------------------------------------------------- requests
