@@ -29,7 +29,7 @@ from kvtier.affinity import AffinityTable, Assignment, load_imbalance, plan_memb
 
 from kvtier_operator import conditions, economics, membership, names, publish, sidecar_render, warmup
 from kvtier_operator.kube import Kube
-from kvtier_operator.sidecar_client import STATS_TIMEOUT_S, FleetStats, SidecarClient, SidecarStats, parse_stats
+from kvtier_operator.sidecar_client import STATS_TIMEOUT_S, FleetStats, MemberStats, SidecarClient, parse_stats
 
 log = logging.getLogger("kvtier.operator")
 
@@ -215,22 +215,23 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
     await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
 
 
-async def _draining(candidates: dict[str, membership.Member]) -> tuple[dict[str, membership.Member], list[SidecarStats]]:
+async def _draining(candidates: dict[str, membership.Member]) -> tuple[dict[str, membership.Member], list[MemberStats]]:
     """The candidates whose sidecars answer stats with `draining: true` (the leavers),
     and their stats. A silent or non-draining one is simply gone: it is no source."""
     leavers: dict[str, membership.Member] = {}
-    stats: list[SidecarStats] = []
+    stats: list[MemberStats] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as session:
         async def ask(member: membership.Member) -> None:
             try:
                 async with session.get(f"{member.http_url()}/cache/stats") as resp:
-                    body = await resp.json() if resp.status == 200 else {}
+                    body = await resp.json() if resp.status == 200 else None
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 log.info("leaving pod %s does not answer: %s", member.name, exc)
                 return
-            if isinstance(body, dict) and body.get("draining") is True:
+            answer = parse_stats(member.name, body) if resp.status == 200 else None
+            if answer is not None and answer.draining:
                 leavers[member.name] = member
-                stats.append(parse_stats(member.name, body))
+                stats.append(answer)
         await asyncio.gather(*(ask(m) for m in candidates.values()))
     return dict(sorted(leavers.items())), stats
 
