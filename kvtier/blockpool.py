@@ -65,7 +65,7 @@ def slot_runs(slots: list[SlotId] | list[int]) -> list[tuple[int, int, int]]:
     """Split a block list into contiguous slot runs.
 
     Returns (first_block_index, first_slot, length) per run, so a copy of the blocks
-    in order is one copy per run rather than one per block.
+    in order is one copy per run rather than one per block (one memcpy, one send).
     """
     runs: list[tuple[int, int, int]] = []
     if not slots:

@@ -6,7 +6,6 @@ a message naming the flag; nothing else is printed.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 

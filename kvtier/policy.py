@@ -12,12 +12,10 @@ both spellings are accepted on input.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field
 
 from kvtier import presets
 from kvtier.presets import ModelShape

@@ -139,7 +139,7 @@ class PrefixIndex:
 
     def truncate(self, m: Match, blocks: int) -> Match:
         """The same walk cut back to its first `blocks` blocks (<= m.cached_blocks)."""
-        node, within, cached = m.node, m.within, m.cached_blocks
+        node, cached = m.node, m.cached_blocks
         if blocks >= cached:
             return m
         while node is not None and node.start_block >= blocks and node.parent is not None:

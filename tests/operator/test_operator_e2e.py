@@ -20,7 +20,8 @@ from kvtier.affinity import AffinityTable
 from kvtier_operator import names, sidecar_render
 from kvtier_testenv.kubectl import Kubectl
 from operator_cases import EXAMPLES_DIR
-from operator_harness import RunningOperator, events, free_port, operator_options, register_webhook, wait_for
+from kvtier_testenv.ports import free_port
+from operator_harness import RunningOperator, events, operator_options, register_webhook, wait_for
 from sidecar_fleet import BLOCK_BYTES, PodSidecar, serving_pod, tiny_policy
 
 
