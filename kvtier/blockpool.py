@@ -4,7 +4,8 @@ A slot is a `block_bytes` region of the arena at `slot * block_bytes`. The pool 
 tracks which slots are free; it never decides what to evict. Cached blocks stay in
 the index (hittable) after their last reader releases them: a slot leaves the index
 only when the cache takes it back for new data (`LocalCache` evicts on allocation),
-so "freed" KV stays hittable until its memory is actually reused (rule 5).
+so "freed" KV stays hittable until its memory is actually reused (rule:
+pinned-never-evicted).
 """
 from __future__ import annotations
 

@@ -40,17 +40,18 @@ SHORT_NAMES = ("kvcp",)
 DEFAULT_WARM_MAX_BYTES = "1Gi"
 # A new epoch waits at most this long for warm-ups: membership changes must not stall.
 DEFAULT_WARM_TIMEOUT = "30s"
-# Default rollout: one canary pod, then 10%, 50%, 100% (DESIGN.md "Rollout").
+# Default rollout: one canary pod, then 10%, 50%, 100%: each step doubles or more the
+# pods that start cold, and the canary shows a bad version on one pod first.
 DEFAULT_CANARY_PODS = 1
 DEFAULT_ROLLOUT_STEPS = (10, 50, 100)
 # New-version pods must recover to this fraction of the old baseline hit rate ...
 DEFAULT_RECOVERY_THRESHOLD = 0.8
-# ... within this window (DESIGN.md: default 30 min) ...
+# ... within this window (long enough for a cold pod to re-earn its hot prefixes) ...
 DEFAULT_RECOVERY_WINDOW = "30m"
 # ... judged on at least this many lookups, so a quiet canary is not failed on noise.
 DEFAULT_RECOVERY_MIN_LOOKUPS = 1000
-# Media bandwidths, GB/s (DESIGN.md "The numbers"): DRAM over PCIe5 x16, RDMA/200GbE,
-# local NVMe.
+# Media bandwidths, GB/s (docs/ARCHITECTURE.md "The numbers"): DRAM over PCIe5 x16,
+# RDMA/200GbE, local NVMe.
 DEFAULT_DRAM_GBPS = 64.0
 DEFAULT_RDMA_GBPS = 25.0
 DEFAULT_NVME_GBPS = 7.0
@@ -349,7 +350,7 @@ class RedisSpec(_Wire):
 
 class SharedPrefix(_Wire):
     """A platform-owned prefix (e.g. the platform's own system prompt) that may be
-    shared across tenants (DESIGN.md rule 7); every other prefix stays per tenant."""
+    shared across tenants (rule: tenant-isolation); every other prefix stays per tenant."""
 
     name: str = Field(min_length=1, max_length=63)
     token_ids: list[int] = Field(
