@@ -1,4 +1,4 @@
-"""Admission and placement (rule 8): who earns a place, in what order, on which tier.
+"""Admission and placement (rule: admission): who earns a place, in what order, on which tier.
 
 * `CountMinSketch` counts sightings of block hashes in fixed memory, with TinyLFU's
   periodic halving as decay, so old popularity fades, and a doorkeeper: a block's
@@ -16,9 +16,10 @@
 There is no thrash detector any more: the old one raised a sightings bar when
 evictions outpaced stores, which also fired on a cache that was behaving (fresh
 conversation turns are stored and evicted unused by design when they lose the
-duel) and then refused stores into free space. The adaptive window covers the case
-it was for: under a one-shot stream the window's candidates lose their duels and
-the hill climber shrinks the window, so the stream never displaces the reused set.
+duel) and then refused stores into free space. The W-TinyLFU duel covers the case
+it was for: under a one-shot stream the window's candidates lose their duels, so the
+stream never displaces the reused set, and the window's share is steered against a
+shadow LRU of the same size (`kvtier.eviction`), never by eviction counts.
 
 Everything here is pure bookkeeping over values.
 """
@@ -40,6 +41,11 @@ DEFAULT_MIN_SIGHTINGS = 2
 HOT_SIGHTINGS = 4
 """Sightings after which a small prefix is treated as hot (a system prompt or an agent
 transcript re-sent every step earns it by its fourth use)."""
+
+THRASH_RATIO = 0.9
+"""Retired knob, still accepted (KVCachePolicy `admission.thrashRatio`, sidecar
+`thrash_ratio`) so existing objects and configs keep validating; the cache no longer
+reads it (see the module docstring: the duel and the shadow LRU replaced it)."""
 
 SKETCH_WIDTH = 1 << 16
 SKETCH_DEPTH = 4

@@ -2,7 +2,7 @@
 
 Each edge holds a whole number of blocks (tokens in the canonical little-endian
 uint32 encoding) plus, per block, the slot holding its KV and its chained hash.
-Matching compares TOKENS, never hashes (rule 4): a child is found by the exact bytes
+Matching compares TOKENS, never hashes (rule: tokens-not-hashes): a child is found by the exact bytes
 of its first block and the rest of the edge is compared token for token, so two
 prompts whose hashes collide still get only their own KV.
 
@@ -153,7 +153,7 @@ class PrefixIndex:
 
     def truncate(self, m: Match, blocks: int) -> Match:
         """The same walk cut back to its first `blocks` blocks (<= m.cached_blocks)."""
-        node, within, cached = m.node, m.within, m.cached_blocks
+        node, cached = m.node, m.cached_blocks
         if blocks >= cached:
             return m
         while node is not None and node.start_block >= blocks and node.parent is not None:
@@ -346,14 +346,6 @@ class PrefixIndex:
                 break
             freed.extend(self._trim_tail(node, need))
         return freed
-
-    def evictable_order(self) -> Iterator[Node]:
-        """Current evictable leaves: the window's, least recent first, then main's in
-        score order (for tests and diagnostics)."""
-        window = [n for n in self._window if self._evictable(n)]
-        main = [n for n in self.iter_nodes() if n.region == MAIN and self._evictable(n)]
-        main.sort(key=self._key)
-        return iter(window + main)
 
     def _window_candidate(self) -> Node | None:
         """The window's least recent evictable leaf. Window nodes met on the way that

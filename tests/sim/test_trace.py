@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvtier import cli
+from kvtier_app import cli
 from kvtier.sim import replay, tracegen
 from kvtier.sim.caches import KvtierCache
 from kvtier.sim.trace import TracePrompts, TraceError, load_trace, parse_trace

@@ -102,10 +102,15 @@ def main(argv: list[str]) -> int:
 
 
 def _fleet(args, trace, caps, policies) -> int:
-    from kvtier.sim.plots import plot as plot_scenario
     from kvtier.sim.report import render as render_scenario
+    from kvtier_app.plots import plot as plot_scenario
 
     progress = not args.no_progress and sys.stderr.isatty()
+    if progress:
+        from kvtier.sim import engine
+        from kvtier_app.simulate import _tqdm_progress
+
+        engine.progress_factory = _tqdm_progress
     reports = [fleet(trace, args.fleet, blocks, policies, args.block_elems, progress) for blocks in caps]
     _emit(args, "\n\n".join(render_scenario(r) for r in reports), [r.as_dict() for r in reports],
           lambda out: [p for r in reports for p in plot_scenario(r, out)])
@@ -162,7 +167,7 @@ def render(rep: TraceReport) -> str:
 
 def plot(rep: TraceReport, out_dir: Path) -> list[Path]:
     """Hit rate vs capacity, one curve per policy, infinite capacity as a line."""
-    from kvtier.sim.plots import _label, _pyplot, _save
+    from kvtier_app.plots import _label, _pyplot, _save
 
     out_dir.mkdir(parents=True, exist_ok=True)
     plt = _pyplot()

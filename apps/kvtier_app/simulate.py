@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvtier.sim import scenarios
+from kvtier.sim import engine, scenarios
 from kvtier.sim.policies import POLICIES
 
 SCENARIOS = ("design-notes", "compare", "capacity", "membership", "rollout", "thrash")
@@ -48,7 +48,7 @@ def _fail(flag: str, message: str) -> int:
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "trace":
-        from kvtier.sim import trace_cli
+        from kvtier_app import trace_cli
 
         return trace_cli.main(argv[1:])
     try:
@@ -74,6 +74,8 @@ def main(argv: list[str]) -> int:
             return _fail("--dram-gib", "sizes must be > 0")
     names = SCENARIOS if args.scenario == "all" else (args.scenario,)
     progress = not args.no_progress and sys.stderr.isatty()
+    if progress:
+        engine.progress_factory = _tqdm_progress
     reports = []
     from kvtier.sim.report import render, to_json
 
@@ -92,12 +94,18 @@ def main(argv: list[str]) -> int:
             Path(args.json).write_text(text)
             print(f"wrote {args.json}")
     if args.plots:
-        from kvtier.sim.plots import plot
+        from kvtier_app.plots import plot
 
         for rep in reports:
             for path in plot(rep, Path(args.plots)):
                 print(f"wrote {path}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
+
+
+def _tqdm_progress(total: int, label: str) -> engine.Progress:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", mininterval=0.5, desc=label)
 
 
 def _run(name, n, policies, dram, seed, progress, cache="kvtier"):
