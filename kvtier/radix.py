@@ -381,9 +381,13 @@ class PrefixIndex:
             node, version = entry[5], entry[4]
             if node.region != MAIN or not self._evictable(node):
                 heapq.heappop(heap)
+                if node.queued == version:
+                    node.queued = -1  # not queued any more: a later push must go in
                 continue
             if version != node.version:
                 heapq.heappop(heap)
+                if node.queued == version:
+                    node.queued = -1
                 if node.queued != node.version:
                     self._push(node)  # stale key: requeue with its current score
                 continue
@@ -525,8 +529,8 @@ class PrefixIndex:
     def _push(self, n: Node) -> None:
         """Queue a main-region leaf as an eviction victim (window leaves are listed
         in the window's LRU order instead)."""
-        if n.region != MAIN:
-            return
+        if n.region != MAIN or n.queued == n.version:
+            return  # window leaves are not queued; this version already is
         hot, score, last = self._key(n)
         n.queued = n.version
         heapq.heappush(self._heap, (hot, score, last, next(self._seq), n.version, n))
@@ -536,6 +540,7 @@ class PrefixIndex:
     def _rebuild_heap(self) -> None:
         self._heap = []
         for n in self.iter_nodes():
+            n.queued = -1
             if n.region == MAIN and self._evictable(n):
                 n.queued = n.version
                 self._heap.append((*self._key(n), next(self._seq), n.version, n))
