@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Iterable
+from typing import Hashable
 
 WINDOW, MAIN = 0, 1
 """The two regions a cached node can be in."""

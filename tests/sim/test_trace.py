@@ -59,9 +59,9 @@ def test_prompts_sharing_their_first_ids_share_exactly_those_blocks():
 
 
 def test_single_cache_replay_runs_the_real_local_cache():
-    t = tracegen.documents(300)
     cache = replay.make_cache("kvtier", 100, 16, replay._Clock())
     assert isinstance(cache, KvtierCache) and cache.cache.metadata_only
+    assert cache.cache.num_slots == 100
 
 
 def test_infinite_bounds_every_policy_and_belady_is_at_least_lru():
