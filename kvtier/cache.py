@@ -21,9 +21,9 @@ and what the sidecar and the simulator build on:
 
 The policy is W-TinyLFU over the prefix tree (`kvtier.eviction`): every store lands
 in a small LRU window (free space is never refused); when the cache is full, a block
-leaving the window enters the segmented main region only if the frequency sketch
-(every lookup sights every block of its prompt) rates it at least as high as main's
-victim; the window's share is tuned by hill climbing on the hit rate; eviction
+leaving the window enters the main region only if the frequency sketch (every
+lookup sights every block of its prompt) has seen it at least as often as main's
+victim (ordered by decayed hit frequency) is still being hit; the window's share is steered against a shadow LRU of the same size; eviction
 takes unpinned leaves, tails first, so no block outlives its parent.
 
 Queued stores are applied in small time-bounded slices by whoever calls `store` or

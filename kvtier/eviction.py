@@ -11,10 +11,13 @@ Caffeine's W-TinyLFU, adapted to a tree whose leaves alone may be evicted:
   `min_sightings` times and at least as often as the victim is still being hit
   (`admits`); otherwise the candidate is evicted. So a stream of one-shot prompts
   churns through the window and never displaces what is reused.
-* The window's share is tuned online by hill climbing on the hit rate (`HillClimber`):
-  recency-heavy traffic (conversations, whose blocks' first reuse is the next turn)
-  grows it toward plain LRU; frequency-heavy traffic (hot prompts under a scan)
-  shrinks it toward pure frequency-based admission.
+* The window's share is tuned online against a shadow LRU of the same size
+  (`LruReferenceTuner`): when LRU would have matched more blocks over a sample, the
+  window grows toward plain LRU (recency-heavy traffic: conversations, whose blocks'
+  first reuse is the next turn); otherwise it shrinks toward strict frequency-based
+  admission (hot prompts under a scan). Caffeine's hill climbing on the hit rate
+  (`HillClimber`) is kept as an ablation: measured on the shipped conversation trace,
+  its per-sample hit rates were too noisy to steer by (docs/TRACE_REPLAY.md).
 
 Main's order is not Caffeine's segmented LRU: each node keeps a decayed hit count
 
@@ -48,10 +51,10 @@ DEFAULT_HALF_LIFE_S = 300.0
 prompt across a quiet spell, short enough that a finished conversation ages out."""
 
 WINDOW_INITIAL_FRACTION = 0.01
-"""Caffeine's starting window: 1% of the capacity, then the climber moves it."""
+"""Caffeine's starting window: 1% of the capacity, then the tuner moves it."""
 
 WINDOW_MAX_FRACTION = 1.0
-"""The climber may grow the window to the whole cache (plain LRU)."""
+"""The tuner may grow the window to the whole cache (plain LRU)."""
 
 CLIMB_STEP_FRACTION = 0.0625
 """First hill-climbing step: 6.25% of the capacity (Caffeine's)."""

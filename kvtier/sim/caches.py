@@ -135,9 +135,9 @@ class KvtierCache:
     """kvtier's real `LocalCache`, metadata-only, on the simulation's clock.
 
     Stores take the zero-copy path (`reserve` + `commit`) before the replica's next
-    request, so the sim does not model store-queue overflow; the W-TinyLFU policy (window, frequency duel,
-    hill climbing), the pinned tier and leaf-first eviction run exactly as in the
-    sidecar. `policy` replaces the default policy (ablations).
+    request, so the sim does not model store-queue overflow; the W-TinyLFU policy
+    (window, frequency duel, window steered against a shadow LRU), the pinned tier
+    and leaf-first eviction run exactly as in the sidecar. `policy` replaces the default policy (ablations).
     """
 
     needs_hashes = False
