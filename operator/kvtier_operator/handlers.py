@@ -17,11 +17,12 @@ import asyncio
 import logging
 from typing import Any
 
+import aiohttp
 import kopf
 
 from kvtier import policy
 
-from kvtier_operator import injection, names, publish, reconcile
+from kvtier_operator import injection, metrics, names, publish, reconcile
 from kvtier_operator.kube import Kube
 from kvtier_operator.membership import PodView, pod_view
 from kvtier_operator.options import (
@@ -59,6 +60,11 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.triggers = {}  # (namespace, name) -> asyncio.Event, one per membership loop
     memo.locks = {}  # (namespace, name) -> asyncio.Lock: one status writer at a time
     memo.states = {}  # (namespace, name) -> reconcile.PolicyState
+    memo.http = aiohttp.ClientSession()  # rollout analysis: Prometheus and Alertmanager
+    memo.rollout_metrics = metrics.RolloutMetrics()
+    memo.metrics_runner = None
+    if options.metrics_port:
+        memo.metrics_runner = await metrics.serve(memo.rollout_metrics, options.metrics_host, options.metrics_port)
 
 
 @kopf.on.login()
@@ -70,6 +76,9 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     await memo.sidecars.close()
+    await memo.http.close()
+    if memo.metrics_runner is not None:
+        await memo.metrics_runner.cleanup()
     memo.kube.close()
 
 

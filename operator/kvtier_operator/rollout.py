@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
-from kvtier.policy import Rollout, RolloutRecord, RolloutStatus
+from kvtier.policy import KVCachePolicyStatus, Rollout, RolloutRecord, RolloutStatus
 
 from kvtier_operator import analysis
 from kvtier_operator.conditions import Observation
@@ -104,6 +104,10 @@ class Plan:
     workload: WorkloadPatch | None = None
     conditions: tuple[Observation, ...] = ()
     event: tuple[str, str, str] | None = None  # (type, reason, message)
+    # Filled by the handler after it applied the plan, for the operator's metrics.
+    status: "KVCachePolicyStatus | None" = None
+    steps: int = 0
+    threshold: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

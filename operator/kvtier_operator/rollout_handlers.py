@@ -6,12 +6,14 @@ workload, post the Event — in that order, so a restart resumes from status and
 re-applies at most the same patch.
 
 Only StatefulSets are driven (partition); a Deployment workloadRef gets a condition
-saying so. The prometheus recovery source is validated by the CRD but refused here
-with a condition (the planner's `RecoverySourceUnsupported`).
+saying so. With the prometheus or alarm recovery source, a measurement is taken when
+one is due (`analysis.due`): the templated query or the alerts API, through
+`prom_client`, whose every failure is a `Probe(error=...)` the planner calls inconclusive.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from datetime import datetime, timezone
 from typing import Any
@@ -20,7 +22,7 @@ import kopf
 
 from kvtier import breakeven, policy
 
-from kvtier_operator import conditions, economics, names, rollout
+from kvtier_operator import analysis, conditions, economics, names, prom_client, rollout
 from kvtier_operator.conditions import Observation
 from kvtier_operator.membership import Member, MemberName
 
@@ -42,10 +44,21 @@ async def rollout_tick(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
         body = await memo.kube.read_policy(namespace, name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return
-        await reconcile_rollout(memo.kube, memo.sidecars, body)
+        plan = await reconcile_rollout(memo.kube, memo.sidecars, body, memo.http)
+        _observe_metrics(memo, namespace, name, plan)
 
 
-async def reconcile_rollout(kube, sidecars, body: dict[str, Any]) -> rollout.Plan | None:
+def _observe_metrics(memo: kopf.Memo, namespace: str, name: str, plan: rollout.Plan | None) -> None:
+    metrics = memo.get("rollout_metrics")
+    if metrics is None or plan is None:
+        return
+    if plan.kind not in ("idle", "wait", "hold"):
+        metrics.decided(namespace, name, plan.kind)
+    if plan.status is not None:
+        metrics.observe(namespace, name, plan.status, plan.steps, plan.threshold)
+
+
+async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None) -> rollout.Plan | None:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     try:
@@ -63,12 +76,20 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any]) -> rollout.Pla
     if sts is None:
         await _only_condition(kube, body, status, "WorkloadNotFound", f"StatefulSet {ref.name} not found")
         return None
+    workload = _workload(sts)
+    now = datetime.now(timezone.utc).replace(microsecond=0)
     observed = rollout.Observed(
-        workload=_workload(sts), pods=await _samples(kube, sidecars, namespace, sts),
-        now=datetime.now(timezone.utc).replace(microsecond=0), replica_prefill_tokens_per_s=_replica_tokens_s(spec),
+        workload=workload, pods=await _samples(kube, sidecars, namespace, sts),
+        now=now, replica_prefill_tokens_per_s=_replica_tokens_s(spec),
+        probe=await _probe(http, spec, status, namespace, name, now),
     )
     plan = rollout.plan(spec.rollout, spec.model.weights_version, status.version, status.rollout, status.phase,
                         observed)
+    if plan.kind == "start" and spec.rollout.recovery.source == "prometheus" and http is not None:
+        old = workload.template_version if workload.template_version != spec.model.weights_version else status.version
+        observed = dataclasses.replace(observed, baseline_probe=await _query(http, spec, namespace, name, old or ""))
+        plan = rollout.plan(spec.rollout, spec.model.weights_version, status.version, status.rollout, status.phase,
+                            observed)
     fields = _status_fields(plan, status, meta.get("generation"))
     if fields:
         await kube.patch_status(namespace, name, fields)
@@ -78,7 +99,33 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any]) -> rollout.Pla
         kopf.event(body, type=plan.event[0], reason=plan.event[1], message=plan.event[2])
     if plan.kind not in ("idle", "wait", "hold"):
         log.info("rollout of %s/%s: %s", namespace, name, plan.kind)
-    return plan
+    after = status.model_copy(update={
+        "phase": plan.phase or status.phase, "rollout": plan.rollout or status.rollout})
+    return dataclasses.replace(plan, status=after, steps=len(rollout.schedule(spec.rollout, workload.replicas)),
+                               threshold=spec.rollout.recovery.threshold)
+
+
+async def _probe(http, spec: policy.KVCachePolicySpec, status: policy.KVCachePolicyStatus, namespace: str,
+                 name: str, now: datetime) -> analysis.Probe | None:
+    """This tick's look at the new version, when the source is not the sidecars, a
+    rollout is in flight and a measurement is due; None otherwise."""
+    rec, r = spec.rollout.recovery, status.rollout
+    if (rec.source == "sidecar" or http is None or r is None or r.target_version is None
+            or status.phase not in ("RollingOut", "Paused") or not analysis.due(rec, r.analysis, now)):
+        return None
+    if rec.source == "alarm":
+        assert rec.alarm is not None
+        return await prom_client.firing(http, rec.alarm.url, rec.alarm.api, rec.alarm.alert_name,
+                                        {"namespace": namespace, "policy": name, "version": r.target_version})
+    return await _query(http, spec, namespace, name, r.target_version)
+
+
+async def _query(http, spec: policy.KVCachePolicySpec, namespace: str, name: str, version: str) -> analysis.Probe:
+    rec = spec.rollout.recovery
+    assert rec.prometheus is not None
+    expr = analysis.render_query(rec.prometheus.query, namespace=namespace, policy=name, version=version,
+                                 window=rec.analysis_window, min_lookups=rec.min_lookups)
+    return await prom_client.query_value(http, rec.prometheus.url, expr)
 
 
 def workload_patch(patch: rollout.WorkloadPatch) -> dict[str, Any]:

@@ -34,14 +34,14 @@ groups:
         labels:
           severity: warning
         annotations:
-          summary: {{`kvtier hit rate of {{ $labels.version }} dropped ({{ $labels.namespace }}/{{ $labels.policy }})`}}
+          summary: {{ `kvtier hit rate of {{ $labels.version }} dropped ({{ $labels.namespace }}/{{ $labels.policy }})` | quote }}
           description: {{ printf "Version {{ $labels.version }} of policy {{ $labels.namespace }}/{{ $labels.policy }} hits {{ $value | humanizePercentage }} of its lookups, below %v x the policy's best version; a rollout gated on this alarm rolls it back." $r.hitRateDropRatio | quote }}
       - alert: KVTierRolloutStalled
         expr: time() - max by (namespace, policy, target_version) (kvtier_rollout_step_started_timestamp_seconds) > {{ $r.rolloutStalledAfterSeconds }}
         labels:
           severity: warning
         annotations:
-          summary: {{`kvtier rollout of {{ $labels.target_version }} stalled ({{ $labels.namespace }}/{{ $labels.policy }})`}}
+          summary: {{ `kvtier rollout of {{ $labels.target_version }} stalled ({{ $labels.namespace }}/{{ $labels.policy }})` | quote }}
           description: {{ printf "The rollout step of {{ $labels.namespace }}/{{ $labels.policy }} started {{ $value | humanizeDuration }} ago (more than %vs): it is paused, or its pods neither recover nor fail. See kubectl kvtier status." $r.rolloutStalledAfterSeconds | quote }}
       - alert: KVTierThrashing
         expr: max by (namespace, policy, pod) (kvtier_thrashing) == 1
@@ -49,8 +49,8 @@ groups:
         labels:
           severity: warning
         annotations:
-          summary: {{`kvtier DRAM tier of {{ $labels.pod }} is thrashing`}}
-          description: {{`Blocks are evicted before they are reused on {{ $labels.namespace }}/{{ $labels.pod }}; admission is raised. The working set exceeds the tier: add DRAM or replicas.`}}
+          summary: {{ `kvtier DRAM tier of {{ $labels.pod }} is thrashing` | quote }}
+          description: {{ `Blocks are evicted before they are reused on {{ $labels.namespace }}/{{ $labels.pod }}; admission is raised. The working set exceeds the tier: add DRAM or replicas.` | quote }}
       - alert: KVTierGlobalIndexDown
         # No sidecar of the policy reaches the global index: peer hits stop (misses, not errors).
         expr: max by (namespace, policy) (kvtier_index_up) == 0
@@ -58,8 +58,8 @@ groups:
         labels:
           severity: critical
         annotations:
-          summary: {{`kvtier global index down for {{ $labels.namespace }}/{{ $labels.policy }}`}}
-          description: {{`No sidecar of {{ $labels.namespace }}/{{ $labels.policy }} reaches Redis; the peer tier serves nothing until it returns.`}}
+          summary: {{ `kvtier global index down for {{ $labels.namespace }}/{{ $labels.policy }}` | quote }}
+          description: {{ `No sidecar of {{ $labels.namespace }}/{{ $labels.policy }} reaches Redis; the peer tier serves nothing until it returns.` | quote }}
       - alert: KVTierPeerErrors
         expr: |-
           sum by (namespace, policy) (rate(kvtier_peer_errors_total[{{ $r.window }}]))
@@ -69,6 +69,6 @@ groups:
         labels:
           severity: warning
         annotations:
-          summary: {{`kvtier peer fetches failing for {{ $labels.namespace }}/{{ $labels.policy }}`}}
+          summary: {{ `kvtier peer fetches failing for {{ $labels.namespace }}/{{ $labels.policy }}` | quote }}
           description: {{ printf "{{ $value | humanizePercentage }} of peer fetches of {{ $labels.namespace }}/{{ $labels.policy }} end early (above %v): check the peer secret, the network and the pods' logs." $r.peerErrorRatio | quote }}
 {{- end -}}
