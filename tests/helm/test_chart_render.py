@@ -25,6 +25,7 @@ def test_default_render_has_every_object_least_privilege_and_hardening():
         ("ClusterRoleBinding", "kvtier-operator"), ("Deployment", "kvtier-operator"),
         ("Service", "kvtier-operator"), ("Secret", "kvtier-webhook-tls"),
         ("MutatingWebhookConfiguration", "kvtier-sidecar-injector"),
+        ("ConfigMap", "kvtier-alert-rules"), ("ConfigMap", "kvtier-dashboard"),
     }
     rules = objects[("ClusterRole", "kvtier-operator")]["rules"]
     granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
