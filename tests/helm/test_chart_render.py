@@ -116,7 +116,8 @@ def test_user_provided_certificate_renders_no_secret_and_uses_the_given_ca_bundl
 
 def test_webhook_disabled_renders_no_webhook_service_or_flags():
     objects = render({"webhook": {"enabled": False}})
-    assert {kind for kind, _ in objects} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"}
+    assert {kind for kind, _ in objects} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
+                                             "ConfigMap"}  # the monitoring ConfigMaps
     assert not any(a.startswith("--webhook") for a in operator_container(objects)["args"])
 
 
