@@ -42,6 +42,7 @@ from kvtier_operator.conditions import Observation
 PROGRESSING = "RolloutProgressing"
 ROLLED_BACK = "RolledBack"
 DEGRADED = "RolloutDegraded"
+REQUEST = "RolloutRequest"  # the last kvtier.io/rollout-request: accepted or rejected
 # status.rollout.history is bounded by the CRD (policy._MAX_HISTORY): keep the newest.
 HISTORY_KEPT = 32
 # Hit rates in status and messages: four decimals are plenty and keep writes quiet.
@@ -90,6 +91,9 @@ class Observed:
     # and, when a rollout may start, the prometheus query for the old version.
     probe: analysis.Probe | None = None
     baseline_probe: analysis.Probe | None = None
+    # A person's request (annotation kvtier.io/rollout-request: "<action>[/<id>]"),
+    # acted on once: status.rollout.handledRequest remembers the last one.
+    request: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +195,9 @@ def plan(
     `serving` is status.version, `status`/`phase` the policy's status as last written."""
     ctx = _Ctx(spec, target, serving, status, phase, observed, schedule(spec, observed.workload.replicas))
     in_flight = status is not None and status.target_version is not None and phase in ("RollingOut", "Paused")
+    request = observed.request
+    if request and request != (status.handled_request if status else None):
+        return _handled(ctx, request, _request(ctx, request.split("/", 1)[0], in_flight))
     if in_flight:
         assert status is not None and status.target_version is not None
         if target == serving:
@@ -216,6 +223,76 @@ def plan(
     return _steady(ctx)
 
 
+REQUESTS = ("promote", "abort", "retry", "pause", "resume")
+
+
+def _request(ctx: _Ctx, action: str, in_flight: bool) -> Plan:
+    """A person's promote / abort / retry / pause / resume, as Argo Rollouts' controls:
+    promote skips the current step's wait, abort rolls back now, retry restarts a
+    rolled-back target, pause holds, resume goes on with a fresh window."""
+    status = ctx.status
+    if action not in REQUESTS:
+        return _rejected(ctx, action, f"unknown action; use one of {', '.join(REQUESTS)}")
+    if action == "retry":
+        if ctx.phase == "RolledBack" and status is not None and status.target_version == ctx.target:
+            return _start(ctx, retry=True)
+        return _rejected(ctx, action, "only a rolled-back rollout of the current target can be retried")
+    if not in_flight:
+        return _rejected(ctx, action, "no rollout in flight")
+    assert status is not None
+    step = min(max(status.step, 1), len(ctx.schedule))
+    rate = status.current_hit_rate
+    if action == "abort":
+        return _rollback(ctx, f"step {step}: aborted by request", observed_rate=rate, cause="Aborted",
+                         outcome="aborted")
+    if action == "promote":
+        evidence = f"promoted by request at step {step} (hit rate {_fmt(rate)})"
+        resumed = ctx.status.model_copy(update={"paused_reason": None}) if ctx.phase == "Paused" else None
+        c = ctx if resumed is None else _Ctx(ctx.spec, ctx.target, ctx.serving, resumed, "RollingOut", ctx.observed,
+                                              ctx.schedule)
+        if step == len(ctx.schedule):
+            return _complete_with(c, rate, evidence)
+        plan = _advance_with(c, step, rate, evidence, outcome="promoted")
+        return Plan(plan.kind, rollout=plan.rollout, phase="RollingOut", workload=plan.workload,
+                    conditions=plan.conditions + (Observation(DEGRADED, "False", "Promoted", evidence),),
+                    event=plan.event)
+    if action == "pause":
+        if ctx.phase == "Paused":
+            return _rejected(ctx, action, "already paused")
+        return _pause_with(ctx, step, rate, f"step {step}: paused by request", "manual", status.analysis)
+    if ctx.phase != "Paused":
+        return _rejected(ctx, action, "not paused")
+    message = f"resumed {status.target_version} at step {step} by request; the step's recovery window restarts"
+    rollout = status.model_copy(update={
+        "paused_reason": None, "step_started_at": ctx.observed.now, "analysis": None,
+        "history": _appended(status.history, _record(ctx, step, "resumed", rate, message))})
+    return Plan("resume", rollout=rollout, phase="RollingOut",
+                conditions=(Observation(PROGRESSING, "True", "Resumed", message),
+                            Observation(DEGRADED, "False", "Resumed", message)),
+                event=("Normal", "RolloutResumed", message))
+
+
+def _rejected(ctx: _Ctx, action: str, why: str) -> Plan:
+    message = f"rollout request {action!r} ignored: {why} (phase {ctx.phase})"
+    return Plan("refuse", conditions=(Observation(REQUEST, "False", "Rejected", message),),
+                event=("Warning", "RolloutRequestRejected", message))
+
+
+def _handled(ctx: _Ctx, request: str, plan: Plan) -> Plan:
+    """The plan with the request recorded as handled (acted on once), and the
+    RolloutRequest condition naming it, accepted or rejected."""
+    base = plan.rollout or ctx.status or RolloutStatus()
+    rollout = base.model_copy(update={"handled_request": request[:128]})
+    conds = plan.conditions
+    if not any(c.type == REQUEST for c in conds):
+        conds += (Observation(REQUEST, "True", "Accepted", f"rollout request {request}: {plan.kind}"),)
+    else:
+        conds = tuple(c if c.type != REQUEST else Observation(c.type, c.status, c.reason, f"{c.message} [{request}]")
+                      for c in conds)
+    return Plan(plan.kind, rollout=rollout, phase=plan.phase, version=plan.version, workload=plan.workload,
+                conditions=conds, event=plan.event)
+
+
 def _steady(ctx: _Ctx) -> Plan:
     """Fleet on the target: finish an interrupted completion (partition back to 0) and
     leave a terminal rollout phase once the spec names the serving version again."""
@@ -228,7 +305,7 @@ def _steady(ctx: _Ctx) -> Plan:
     return Plan("idle", phase=phase, version=version, workload=patch)
 
 
-def _start(ctx: _Ctx, superseding: str | None = None) -> Plan:
+def _start(ctx: _Ctx, superseding: str | None = None, retry: bool = False) -> Plan:
     w = ctx.observed.workload
     # The old version is what the fleet runs now (mid-rollout: what it ran before).
     old = ctx.serving if superseding else (w.template_version or ctx.serving)
@@ -245,7 +322,7 @@ def _start(ctx: _Ctx, superseding: str | None = None) -> Plan:
         expected_cold_prefill_tokens_per_s=cold_prefill_tokens_per_s(n, baseline, ctx.observed.replica_prefill_tokens_per_s),
         history=list(ctx.status.history) if ctx.status else [],
     )
-    why = f"superseding {superseding}; " if superseding else ""
+    why = f"superseding {superseding}; " if superseding else ("retried by request; " if retry else "")
     message = (f"rolling out {ctx.target} from {old}: {why}baseline hit rate {_fmt(baseline)} over {lookups} lookups; "
                f"{_step_text(ctx, 1, rollout)}")
     return Plan("start", rollout=rollout, phase="RollingOut", version=old,
@@ -429,12 +506,12 @@ def _complete_with(ctx: _Ctx, rate: float | None, evidence: str) -> Plan:
 
 
 def _rollback(ctx: _Ctx, reason: str, observed_rate: float | None = None, requested: bool = False,
-              cause: str = "HitRateNotRecovered") -> Plan:
+              cause: str = "HitRateNotRecovered", outcome: str = "rolledBack") -> Plan:
     """Every pod back on the old version: template restored and partition 0, so no pod
     is left on the new version whatever step the rollout had reached."""
     status = ctx.status
     assert status is not None and ctx.serving is not None
-    record = _record(ctx, status.step, "rolledBack", observed_rate, reason)
+    record = _record(ctx, status.step, outcome, observed_rate, reason)
     rollout = status.model_copy(update={"current_hit_rate": observed_rate, "canary_percent": 0,
                                         "expected_cold_prefill_tokens_per_s": 0.0, "paused_reason": None,
                                         "history": _appended(status.history, record)})

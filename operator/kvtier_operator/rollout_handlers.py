@@ -82,6 +82,7 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None) -> 
         workload=workload, pods=await _samples(kube, sidecars, namespace, sts),
         now=now, replica_prefill_tokens_per_s=_replica_tokens_s(spec),
         probe=await _probe(http, spec, status, namespace, name, now),
+        request=(meta.get("annotations") or {}).get(names.ROLLOUT_REQUEST_ANNOTATION),
     )
     plan = rollout.plan(spec.rollout, spec.model.weights_version, status.version, status.rollout, status.phase,
                         observed)

@@ -153,3 +153,47 @@ def test_no_probe_this_tick_changes_nothing():
     status = rolling(AnalysisStatus(successes=1, measured_at=T0))
     p = rollout.plan(prom_spec(), NEW, OLD, status, "RollingOut", obs(2, None))
     assert p.kind == "wait" and p.rollout is None and p.workload is None
+
+
+# --- a person's controls (kvtier.io/rollout-request) -------------------------------------
+
+
+def requested(request: str, status: RolloutStatus, phase: str, seconds: float = 5) -> rollout.Plan:
+    o = obs(seconds, None)
+    o = Observed(o.workload, o.pods, o.now, REPLICA_TOKENS_S, request=request)
+    return rollout.plan(prom_spec(), NEW, OLD, status, phase, o)
+
+
+def test_promote_skips_the_wait_once_and_is_remembered():
+    p = requested("promote/1", rolling(), "RollingOut")
+    assert p.kind == "advance" and p.rollout.step == 2 and p.workload == WorkloadPatch(NEW, 2)
+    assert p.rollout.handled_request == "promote/1" and p.rollout.history[-1].outcome == "promoted"
+    again = requested("promote/1", p.rollout, "RollingOut")
+    assert again.kind != "advance"  # the same request is not acted on twice
+
+
+def test_abort_rolls_back_now_and_retry_starts_over():
+    p = requested("abort/1", rolling(), "RollingOut")
+    assert p.kind == "rollback" and p.phase == "RolledBack" and p.workload == WorkloadPatch(OLD, 0)
+    assert p.rollout.history[-1].outcome == "aborted" and p.conditions[1].reason == "Aborted"
+    o = Observed(Workload(4, OLD, 0), tuple(PodSample(f"llm-{i}", OLD, True, 100, 80) for i in range(4)), T0,
+                 REPLICA_TOKENS_S, request="retry/2")
+    r = rollout.plan(prom_spec(), NEW, OLD, p.rollout, "RolledBack", o)
+    assert r.kind == "start" and r.phase == "RollingOut" and r.workload == WorkloadPatch(NEW, 3)
+    assert "retried by request" in r.event[2] and r.rollout.handled_request == "retry/2"
+    assert [h.outcome for h in r.rollout.history] == ["aborted"]
+
+
+def test_pause_holds_and_resume_restarts_the_window():
+    p = requested("pause/1", rolling(), "RollingOut")
+    assert p.kind == "pause" and p.rollout.paused_reason == "manual" and p.workload is None
+    r = requested("resume/2", p.rollout, "Paused", seconds=30)
+    assert r.kind == "resume" and r.phase == "RollingOut" and r.rollout.step_started_at == T0 + timedelta(seconds=30)
+
+
+def test_requests_that_do_not_apply_are_rejected_with_a_reason_and_change_nothing():
+    p = requested("retry/1", rolling(), "RollingOut")
+    assert p.kind == "refuse" and p.workload is None and p.phase is None
+    assert "only a rolled-back rollout" in p.event[2] and p.rollout.handled_request == "retry/1"
+    assert requested("jump/1", rolling(), "RollingOut").event[1] == "RolloutRequestRejected"
+    assert "not paused" in requested("resume/1", rolling(), "RollingOut").event[2]
