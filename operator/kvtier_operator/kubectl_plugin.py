@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Any
 
+from kvtier.affinity import AffinityTable
+
 from kvtier_operator import names
 
 KUBECTL_ENV = "KVTIER_KUBECTL"
@@ -95,18 +97,14 @@ def status_lines(policy: dict[str, Any]) -> list[str]:
     return lines
 
 
-def affinity_lines(table: dict[str, Any]) -> list[str]:
-    lines = [f"Epoch:   {table.get('epoch')}", "Members:"]
-    weights = table.get("weights") or {}
-    for m in table.get("members") or []:
-        lines.append(f"  {m}  weight {weights.get(m, 1.0)}")
-    overrides = table.get("overrides") or {}
-    if overrides:
+def affinity_lines(table: AffinityTable, tenants: list[str]) -> list[str]:
+    lines = [f"Epoch:   {table.epoch}   homes per tenant: {table.homes}", "Members:"]
+    lines += [f"  {m}  weight {w}" for m, w in sorted(table.members.items())]
+    if table.home_overrides:
         lines.append("Overrides:")
-        for tenant, homes in sorted(overrides.items()):
-            lines.append(f"  {tenant}: {', '.join(homes) if isinstance(homes, list) else homes}")
-    for key in sorted(set(table) - {"epoch", "members", "weights", "overrides"}):
-        lines.append(f"{key}: {json.dumps(table[key])[:200]}")
+        lines += [f"  {t}: {', '.join(h)}" for t, h in sorted(table.home_overrides.items())]
+    for t in tenants:
+        lines.append(f"Tenant {t}: homes {', '.join(table.homes_for(t))}")
     return lines
 
 
@@ -143,10 +141,12 @@ def cmd_rollout(cluster: Cluster, action: str, policy: str, wait_s: float) -> in
     return 2
 
 
-def cmd_affinity(cluster: Cluster, policy: str) -> int:
+def cmd_affinity(cluster: Cluster, policy: str, tenants: list[str]) -> int:
     cm = cluster.json("get", "configmap", names.affinity_config_map(policy))
-    table = json.loads((cm.get("data") or {}).get(names.AFFINITY_KEY) or "{}")
-    print("\n".join(affinity_lines(table)))
+    text = (cm.get("data") or {}).get(names.AFFINITY_KEY)
+    if not text:
+        raise PluginError(f"ConfigMap {names.affinity_config_map(policy)} holds no {names.AFFINITY_KEY} yet")
+    print("\n".join(affinity_lines(AffinityTable.from_json(text), tenants)))
     return 0
 
 
@@ -166,6 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     a = sub.add_parser("affinity", help="the affinity table")
     a.add_argument("what", choices=("show",))
     a.add_argument("policy")
+    a.add_argument("--tenant", action="append", default=[], help="also print this tenant's homes (repeatable)")
     return p
 
 
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_status(cluster, args.policy)
         if args.command == "rollout":
             return cmd_rollout(cluster, args.action, args.policy, args.wait)
-        return cmd_affinity(cluster, args.policy)
+        return cmd_affinity(cluster, args.policy, args.tenant)
     except PluginError as exc:
         print(f"kubectl kvtier: {exc}", file=sys.stderr)
         return 1
