@@ -11,7 +11,7 @@ import pytest
 from kvtier.keys import KeyRoot
 from kvtier_operator import names, rollout_handlers
 from kvtier_sidecar.client import Hit, SidecarClient
-from kvtier_sidecar.synthetic import prefill_kv
+from kvtier_testenv.synthetic import prefill_kv
 from kvtier_testenv.kubectl import Kubectl
 from operator_harness import (
     RunningOperator, events, free_port, operator_options, register_webhook, wait_for,

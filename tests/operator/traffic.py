@@ -17,7 +17,7 @@ import numpy as np
 from kvtier.keys import KeyRoot
 from kvtier_operator import names
 from kvtier_sidecar.client import SidecarClient
-from kvtier_sidecar.synthetic import prefill_kv
+from kvtier_testenv.synthetic import prefill_kv
 from kvtier_testenv.kubectl import Kubectl
 from sidecar_fleet import BLOCK_BYTES, BLOCK_SIZE, PROMPT_TOKENS, PodSidecar
 

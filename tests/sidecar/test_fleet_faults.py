@@ -12,8 +12,8 @@ import redis as redis_sync
 
 from kvtier.keys import block_hashes
 from kvtier_sidecar.client import Hit, Miss, SidecarClient
-from kvtier_sidecar.fleet import run_engines, split_requests
-from kvtier_sidecar.workload import make_workload
+from kvtier_testenv.fleet import run_engines, split_requests
+from kvtier_testenv.workload import make_workload
 
 from .proxy import FaultyProxy
 from .test_sidecar_process import poll, prompt, seed_cache
@@ -172,7 +172,7 @@ def test_fleet_under_redis_and_peer_sigkill_serves_zero_wrong_kv(spawn, oracle, 
 
 
 def test_fleet_with_reference_engines_reports_tier_hit_rates_and_serves_no_wrong_kv(tmp_path):
-    from kvtier_sidecar.fleet import run_fleet
+    from kvtier_testenv.fleet import run_fleet
 
     report = run_fleet(sidecars=2, tenants=4, templates=2, requests=120, oracle="reference", workdir=str(tmp_path))
     assert report["errors"] == 0, report["error_samples"]
