@@ -6,7 +6,8 @@
 #     environment (testenv/, its own project), re-installed only when either
 #     pyproject.toml changes,
 #   - the real Kubernetes control plane (kube-apiserver, kube-controller-manager,
-#     etcd, kubectl, helm), built or unpacked once into a versioned cache outside git.
+#     etcd, kubectl, helm), built or unpacked once into a versioned cache outside git,
+#   - Prometheus with Kubernetes service discovery (hack/prometheus.sh), likewise.
 # A second run is a no-op that takes a few seconds.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -44,8 +45,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# --- Kubernetes control plane, kubectl, helm ----------------------------------------
+# --- Kubernetes control plane, kubectl, helm; Prometheus with Kubernetes discovery -----
 if [ "${KVTIER_SKIP_CONTROLPLANE:-0}" != 1 ]; then
   bash hack/controlplane.sh
+  bash hack/prometheus.sh
 fi
 log "ready"

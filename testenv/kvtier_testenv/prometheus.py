@@ -1,9 +1,11 @@
 """A real Prometheus and Alertmanager on free loopback ports, for tests and the demo.
 
-Debian's `prometheus` (with `promtool`) and `prometheus-alertmanager` packages, installed
-by scripts/setup.sh. Where systemd runs, the packages start system instances on 9090 and
-9093; these helpers never touch them: each server here gets its own port, its own data
-directory and its own configuration.
+Prometheus is built by hack/prometheus.sh from its Go module with Kubernetes service
+discovery (Debian's package leaves that out); `promtool` and Alertmanager are Debian's
+`prometheus` and `prometheus-alertmanager` packages. scripts/setup.sh installs all
+three. Where systemd runs, the packages start system instances on 9090 and 9093; these
+helpers never touch them: each server here gets its own port, its own data directory
+and its own configuration.
 
 Prometheus finds what to scrape as it would in a cluster: `kubernetes_sd_configs` (pod
 role) against the test's kube-apiserver, authenticated by a client certificate whose
@@ -54,6 +56,7 @@ TEST_RULE_VALUES = {"window": "10s", "for": "2s", "minLookupsPerSecond": 0.05, "
 
 
 def _binary(env: str, *names: str) -> str:
+    """$env, else the first of `names` on PATH or in /usr/bin; RuntimeError with the fix."""
     for candidate in (os.environ.get(env), *(shutil.which(n) for n in names), *(f"/usr/bin/{n}" for n in names)):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
@@ -61,8 +64,21 @@ def _binary(env: str, *names: str) -> str:
                        f"prometheus-alertmanager) or point {env} at the binary")
 
 
+PROMETHEUS_BUILD = binaries.REPO_ROOT / "hack" / "prometheus.sh"
+
+
 def prometheus_binary() -> str:
-    return _binary(PROMETHEUS_ENV, "prometheus")
+    """The Prometheus built by hack/prometheus.sh (with Kubernetes discovery), or
+    $KVTIER_PROMETHEUS; Debian's /usr/bin/prometheus cannot discover pods."""
+    explicit = os.environ.get(PROMETHEUS_ENV)
+    if explicit:
+        return _binary(PROMETHEUS_ENV, "prometheus")
+    path = subprocess.run(["bash", str(PROMETHEUS_BUILD), "--print-path"], capture_output=True, text=True,
+                          timeout=60).stdout.strip()
+    if not path or not os.access(path, os.X_OK):
+        raise RuntimeError(f"Prometheus with Kubernetes discovery not built at {path or '?'}: run scripts/setup.sh "
+                           f"(or hack/prometheus.sh), or point {PROMETHEUS_ENV} at such a binary")
+    return path
 
 
 def alertmanager_binary() -> str:
