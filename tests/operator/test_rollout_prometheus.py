@@ -14,6 +14,7 @@ evaluates the chart's own alert rules (rendered by `helm template`).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -133,7 +134,9 @@ def test_prometheus_gated_rollout_completes_and_every_dashboard_panel_has_data(
     history = done["rollout"]["history"]
     assert [(h["step"], h["outcome"]) for h in history] == [(1, "recovered"), (2, "recovered"), (3, "completed")]
     assert all(h["hitRate"] >= 0.5 * done["rollout"]["baselineHitRate"] for h in history)
-    assert all("2/2 successful measurements" in h["message"] for h in history)
+    # Each step passed on >= count (2) successful measurements (the last one may collect
+    # more while its pods become ready).
+    assert all(int(re.search(r"(\d+)/2 successful measurements", h["message"]).group(1)) >= 2 for h in history)
     [step1, step2] = sorted(events(kubectl, "llm", "RolloutStep"), key=lambda e: e["firstTimestamp"])
     assert f"prometheus {prom.url}" in step1["message"] and "step 1 recovered" in step1["message"]
     sts = w.sts()
