@@ -8,7 +8,8 @@ Argo Rollouts' AnalysisRun semantics, on what one step of a kvtier rollout needs
       pending       value below the bar while `window` is not over (a cold cache is
                     expected to start low: not a failure yet)
       failed        value below the bar after `window`, or the named alert fires
-      inconclusive  no series / NaN (too few lookups), or too few lookups for alarm
+      inconclusive  no series / NaN (too few lookups); for alarm: too few lookups, or the
+                    alert pending (its condition holds, not yet for its `for:`)
       error         Prometheus or Alertmanager unreachable or answering garbage
 
     failures > failureLimit                 -> fail (roll back, or pause on onFailure: pause)
@@ -42,11 +43,13 @@ ALERT_LABELS = ("namespace", "policy", "version")
 class Probe:
     """What one look at Prometheus or Alertmanager returned. `error` set: it could not
     be asked (unreachable, HTTP error, unparsable answer). `value`: the query's single
-    sample (None: no series). `firing`: descriptions of the matching firing alerts."""
+    sample (None: no series). `firing`/`pending`: descriptions of the matching alerts
+    in each state (Alertmanager only ever reports firing ones)."""
 
     value: float | None = None
     error: str | None = None
     firing: tuple[str, ...] = ()
+    pending: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,8 @@ def measure_alarm(probe: Probe, alert: str, version: str, lookups: int, min_look
         return Measurement("error", None, f"alerts query failed: {probe.error}")
     if probe.firing:
         return Measurement("failed", None, f"alert {alert} firing for {version}: {'; '.join(probe.firing)}"[:1024])
+    if probe.pending:  # the condition holds but not for long yet: neither silence nor failure
+        return Measurement("inconclusive", None, f"alert {alert} pending for {version}: {'; '.join(probe.pending)}"[:1024])
     if lookups < min_lookups:
         return Measurement("inconclusive", None,
                            f"alert {alert} silent but the new pods served {lookups} < {min_lookups} lookups")
@@ -140,15 +145,16 @@ def conclusive(m: Measurement) -> bool:
     return m.result in ("successful", "failed", "pending")
 
 
-def matching_alerts(alerts: list[dict], alert: str, labels: dict[str, str]) -> tuple[str, ...]:
-    """Descriptions of the firing alerts named `alert` whose labels include `labels`.
-    Accepts both shapes: Prometheus' /api/v1/alerts (state "firing") and Alertmanager's
-    /api/v2/alerts (status.state "active")."""
+def matching_alerts(alerts: list[dict], alert: str, labels: dict[str, str],
+                    states: tuple[str, ...] = ("firing", "active")) -> tuple[str, ...]:
+    """Descriptions of the alerts named `alert` in one of `states` whose labels include
+    `labels`. Accepts both shapes: Prometheus' /api/v1/alerts (state "firing" or
+    "pending") and Alertmanager's /api/v2/alerts (status.state "active")."""
     out = []
     for a in alerts:
         got = a.get("labels") or {}
         state = a.get("state") or (a.get("status") or {}).get("state")
-        if got.get("alertname") != alert or state not in ("firing", "active"):
+        if got.get("alertname") != alert or state not in states:
             continue
         if any(got.get(k) != v for k, v in labels.items()):
             continue

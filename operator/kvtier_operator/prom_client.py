@@ -63,4 +63,5 @@ async def firing(session: aiohttp.ClientSession, url: str, api: str, alert: str,
     alerts = body if api == "alertmanager" else (body.get("data") or {}).get("alerts")
     if not isinstance(alerts, list):
         return Probe(error=f"unexpected answer from {endpoint}")
-    return Probe(firing=matching_alerts(alerts, alert, labels))
+    return Probe(firing=matching_alerts(alerts, alert, labels),
+                 pending=matching_alerts(alerts, alert, labels, states=("pending",)))

@@ -56,6 +56,7 @@ def test_measurements_classify_values_missing_data_and_errors():
     assert analysis.measure_hit_rate(Probe(error="refused"), 0.4, True).result == "error"
     assert analysis.measure_alarm(Probe(firing=("since t",)), "A", NEW, 100, 10).result == "failed"
     assert analysis.measure_alarm(Probe(), "A", NEW, 9, 10).result == "inconclusive"
+    assert analysis.measure_alarm(Probe(pending=("since t",)), "A", NEW, 100, 10).result == "inconclusive"
     assert analysis.measure_alarm(Probe(), "A", NEW, 10, 10).result == "successful"
 
 
@@ -65,6 +66,7 @@ def test_alerts_match_by_name_state_and_labels_in_both_apis():
             {"labels": {"alertname": "KVTierHitRateDrop", **labels, "version": OLD}, "state": "firing"},
             {"labels": {"alertname": "KVTierHitRateDrop", **labels}, "state": "pending"}]
     assert analysis.matching_alerts(prom, "KVTierHitRateDrop", labels) == ("since t1, value 0",)
+    assert analysis.matching_alerts(prom, "KVTierHitRateDrop", labels, states=("pending",)) == ("since ?",)
     am = [{"labels": {"alertname": "KVTierHitRateDrop", **labels}, "status": {"state": "active"}, "startsAt": "t2"}]
     assert analysis.matching_alerts(am, "KVTierHitRateDrop", labels) == ("since t2",)
     assert analysis.matching_alerts(am, "Other", labels) == ()

@@ -1,6 +1,6 @@
 """Rollouts gated on a real Prometheus and Alertmanager: the real apiserver and
 controller-manager move the StatefulSet's pods, the node agent runs their real injected
-sidecars, steady engine traffic flows through them (tests/operator/traffic.py), and
+sidecars, steady engine traffic flows through them (kvtier_testenv.traffic), and
 Prometheus discovers the sidecars through the apiserver, scrapes them every second and
 evaluates the chart's own alert rules (rendered by `helm template`).
 
@@ -22,10 +22,10 @@ from kvtier_operator import names
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.prometheus import CHART, wait_for_series
 from operator_harness import RunningOperator, events, free_port, operator_options, register_webhook, wait_for
-from sidecar_fleet import DIGEST as OLD, tiny_policy
+from kvtier_testenv.traffic import Traffic
+from sidecar_fleet import BLOCK_BYTES, BLOCK_SIZE, DIGEST as OLD, tiny_policy
 from test_operator_e2e import short_workdir, status_of
-from test_rollout_e2e import APP, NEW, REPLICAS, ROLLOUT_TIMEOUT_S, Workload, stateful_set
-from traffic import Traffic
+from test_rollout_e2e import APP, NEW, REPLICAS, ROLLOUT_TIMEOUT_S, Workload, root, stateful_set
 
 MIN_LOOKUPS = 20
 # Generous for a 2-core CI box: each step includes its pods' restarts.
@@ -69,7 +69,7 @@ def start(kubectl: Kubectl, agent, body: dict, prom) -> tuple[Workload, Traffic]
     kubectl.apply(stateful_set(OLD))
     w = Workload(kubectl, agent)
     w.on(set())
-    traffic = Traffic(kubectl, agent, APP, {OLD: "hits"}).start()
+    traffic = Traffic(kubectl, agent, f"app={APP}", {OLD: "hits"}, root, BLOCK_SIZE, BLOCK_BYTES).start()
     wait_for("every sidecar discovered and scraped, labelled with its policy",
              lambda: len([t for t in prom.up_targets("kvtier-sidecars").values()
                           if t.get("policy") == "llm" and t.get("namespace") == kubectl.namespace]) == REPLICAS,
@@ -130,6 +130,7 @@ def test_prometheus_gated_rollout_completes_and_every_dashboard_panel_has_data(
                         timeout_s=ROLLOUT_TIMEOUT_S * 2)
     finally:
         traffic.stop()
+    assert traffic.wrong_kv == 0 and traffic.hits.get(NEW, 0) > 0
     assert done["phase"] == "Ready"
     history = done["rollout"]["history"]
     assert [(h["step"], h["outcome"]) for h in history] == [(1, "recovered"), (2, "recovered"), (3, "completed")]
@@ -166,6 +167,7 @@ def test_alarm_firing_for_the_new_version_rolls_it_back(
         w.on(set())
     finally:
         traffic.stop()
+    assert traffic.wrong_kv == 0 and traffic.hits.get(NEW, 0) == 0  # the bad version never hit
     assert rolled["version"] == OLD
     [record] = rolled["rollout"]["history"]
     assert (record["step"], record["outcome"], record["version"]) == (1, "rolledBack", NEW)
