@@ -184,7 +184,8 @@ def run_local(
 def verdicts(replay: LocalReplay, config: EngineConfig = DEMO_ENGINE) -> dict[str, breakeven.BreakEvenReport]:
     """Break-even for the engine's shape at its measured FLOP rate (with LocalCache's
     measured copy bandwidth as a medium), and for 70B on H100 at TP4."""
-    own = ModelShape("reference-engine", config.layers, config.kv_heads, config.head_dim, float(config.matmul_params))
+    own = ModelShape(name="reference-engine", layers=config.layers, kv_heads=config.kv_heads,
+                     head_dim=config.head_dim, params=float(config.matmul_params))
     media = [Medium("localcache-measured", replay.materialize_gbps), *presets.MEDIA.values()]
     return {
         "engine": breakeven.evaluate(own, tflops_per_gpu=replay.engine_tflops, kv_dtype=config.dtype,

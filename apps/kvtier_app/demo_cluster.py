@@ -134,7 +134,7 @@ class ClusterDemo:
     def start(self) -> None:
         from kvtier_testenv.workload import make_oracle
         from kvtier_testenv.controlplane import ControlPlane
-        from kvtier_testenv.controlplane import free_port
+        from kvtier_testenv.ports import free_port
         from kvtier_testenv.kubectl import Helm, Kubectl
         from kvtier_testenv.nodeagent import NodeAgent
         from kvtier_testenv.redis_fixtures import RedisServer

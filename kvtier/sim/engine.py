@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvtier.admission import DEFAULT_MIN_SIGHTINGS
 from kvtier.sim.caches import KvtierCache, LruCache, OracleCache
 from kvtier.sim.fleet import Fleet, FleetSpec
 from kvtier.sim.policies import KvtierPolicy, RootBook, make_policy
@@ -67,7 +68,7 @@ class SimConfig:
     policy: str = "kvtier"
     cache: str = "kvtier"
     block_tokens: int = 16
-    min_sightings: int = 2
+    min_sightings: int = DEFAULT_MIN_SIGHTINGS
     bucket_s: float = 30.0
     warm_moved_tenants: bool = True
     progress: bool = False

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
-from kvtier.policy import KVCachePolicyStatus, Rollout, RolloutRecord, RolloutStatus
+from kvtier.policy import MAX_HISTORY, KVCachePolicyStatus, Rollout, RolloutRecord, RolloutStatus
 
 from kvtier_operator import analysis
 from kvtier_operator.conditions import Observation
@@ -43,8 +43,8 @@ PROGRESSING = "RolloutProgressing"
 ROLLED_BACK = "RolledBack"
 DEGRADED = "RolloutDegraded"
 REQUEST = "RolloutRequest"  # the last kvtier.io/rollout-request: accepted or rejected
-# status.rollout.history is bounded by the CRD (policy._MAX_HISTORY): keep the newest.
-HISTORY_KEPT = 32
+# status.rollout.history is bounded by the CRD: keep the newest.
+HISTORY_KEPT = MAX_HISTORY
 # Hit rates in status and messages: four decimals are plenty and keep writes quiet.
 RATE_DIGITS = 4
 

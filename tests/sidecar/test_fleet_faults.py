@@ -83,7 +83,7 @@ def test_warm_pulls_only_the_weights_version_this_pod_serves(spawn, oracle, secr
     previous = dataclasses.replace(serving, weights_version=serving.weights_version + "-previous")
     p_now, p_old = prompt(100, seed=1), prompt(100, seed=2)
     seed_cache(ca, oracle, "moved", p_now)
-    for _ in range(2):  # two sightings: the store is admitted on the second (rule 8)
+    for _ in range(2):  # two sightings: the store is admitted on the second (rule: admission)
         ca.release(ca.lookup(previous, p_old))
         ca.store(previous, p_old, oracle.kv(previous, p_old))
     poll(lambda: ca.lookup(previous, p_old).matched_tokens == 96)
