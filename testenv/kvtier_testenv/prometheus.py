@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from kvtier_testenv import binaries
-from kvtier_testenv.controlplane import HOST, free_port
+from kvtier_testenv.ports import HOST, free_port
 from kvtier_testenv.polling import wait_for
 
 PROMETHEUS_ENV = "KVTIER_PROMETHEUS"

@@ -22,7 +22,8 @@ from kvtier.affinity import AffinityTable
 from kvtier_operator import certs, names
 from kvtier_testenv import binaries
 from kvtier_testenv.kubectl import Kubectl
-from operator_harness import events, free_port, register_webhook, wait_for
+from kvtier_testenv.ports import free_port
+from operator_harness import events, register_webhook, wait_for
 from sidecar_fleet import DIGEST as OLD, tiny_policy
 from test_operator_e2e import short_workdir, status_of
 from test_rollout_e2e import APP, NEW, Workload, stateful_set
