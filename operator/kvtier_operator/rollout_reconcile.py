@@ -4,8 +4,9 @@ their sidecars' hit counters, ask the pure planner (`rollout.plan`) for the next
 then write status, patch the workload, post the Event — in that order, so a restart
 resumes from status and re-applies at most the same patch.
 
-Only StatefulSets are driven (partition); a Deployment workloadRef gets a condition
-saying so. With the prometheus or alarm recovery source, a measurement is taken when
+A StatefulSet is driven by partition; a Deployment by a stable/canary pair
+(`deployment_pair`: the planner sees the same workload shape, the pair converges to
+each patch without a zero-ready window). With the prometheus or alarm recovery source, a measurement is taken when
 one is due (`analysis.due`): the templated query or the alerts API, through
 `prom_client`, whose every failure is a `Probe(error=...)` the planner calls
 inconclusive. A person's request (annotation kvtier.io/rollout-request) goes to the
@@ -23,7 +24,7 @@ import kopf
 
 from kvtier import breakeven, policy
 
-from kvtier_operator import analysis, conditions, economics, names, prom_client, rollout
+from kvtier_operator import analysis, conditions, deployment_pair, economics, names, prom_client, rollout
 from kvtier_operator.conditions import Observation
 from kvtier_operator.membership import Member, MemberName, pod_view
 
@@ -42,18 +43,21 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None) -> 
     spec, status = pol.spec, pol.status or policy.KVCachePolicyStatus()
     ref = spec.workload_ref
     assert ref is not None  # the timer's `when`
-    if ref.kind != "StatefulSet":
-        await _only_condition(kube, body, status, "WorkloadKindUnsupported",
-                              f"workloadRef kind {ref.kind}: this operator rolls out StatefulSets only")
+    pair: deployment_pair.Pair | None = None
+    if ref.kind == "Deployment":
+        target = await kube.read_deployment(namespace, ref.name)
+        if target is not None:
+            canary = await kube.read_deployment(namespace, deployment_pair.canary_name(ref.name))
+            pair = deployment_pair.pair_of(target, canary)
+    else:
+        target = await kube.read_stateful_set(namespace, ref.name)
+    if target is None:
+        await _only_condition(kube, body, status, "WorkloadNotFound", f"{ref.kind} {ref.name} not found")
         return None
-    sts = await kube.read_stateful_set(namespace, ref.name)
-    if sts is None:
-        await _only_condition(kube, body, status, "WorkloadNotFound", f"StatefulSet {ref.name} not found")
-        return None
-    workload = _workload(sts)
+    workload = pair.workload if pair is not None else _workload(target)
     now = datetime.now(timezone.utc).replace(microsecond=0)
     observed = rollout.Observed(
-        workload=workload, pods=await _samples(kube, sidecars, namespace, sts),
+        workload=workload, pods=await _samples(kube, sidecars, namespace, target, ref.kind),
         now=now, replica_prefill_tokens_per_s=_replica_tokens_s(spec),
         probe=await _probe(http, spec, status, namespace, name, now),
         request=(meta.get("annotations") or {}).get(names.ROLLOUT_REQUEST_ANNOTATION),
@@ -69,7 +73,10 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None) -> 
     fields = _status_fields(plan, status, meta.get("generation"))
     if fields:
         await kube.patch_status(namespace, name, fields)
-    if plan.workload is not None:
+    if pair is not None:
+        in_flight = (plan.phase or status.phase) in ("RollingOut", "Paused")
+        await _converge_pair(kube, namespace, ref.name, target, pair, plan.workload, in_flight)
+    elif plan.workload is not None:
         await kube.patch_stateful_set(namespace, ref.name, workload_patch(plan.workload))
     if plan.event is not None:
         kopf.event(body, type=plan.event[0], reason=plan.event[1], message=plan.event[2])
@@ -78,6 +85,26 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None) -> 
     after = status.model_copy(update={"phase": plan.phase or status.phase, "rollout": plan.rollout or status.rollout})
     return dataclasses.replace(plan, status=after, steps=len(rollout.schedule(spec.rollout, workload.replicas)),
                                threshold=spec.rollout.recovery.threshold)
+
+
+async def _converge_pair(kube, namespace: str, name: str, stable: dict[str, Any], pair: deployment_pair.Pair,
+                         patch: rollout.WorkloadPatch | None, in_flight: bool) -> None:
+    """Deployment pair: every tick, not only when the plan changed, because a shrink
+    waits for the other side's ready pods (`deployment_pair.converge`)."""
+    if patch is None:
+        if pair.canary is None:
+            return
+        patch = rollout.WorkloadPatch(pair.workload.template_version or "", pair.workload.partition)
+    writes = deployment_pair.converge(pair, patch, in_flight, stable)
+    canary = deployment_pair.canary_name(name)
+    if writes.canary_create is not None:
+        await kube.create_deployment(namespace, writes.canary_create)
+    if writes.canary is not None:
+        await kube.patch_deployment(namespace, canary, writes.canary)
+    if writes.stable is not None:
+        await kube.patch_deployment(namespace, name, writes.stable)
+    if writes.canary_delete:
+        await kube.delete_deployment(namespace, canary)
 
 
 async def _probe(http, spec: policy.KVCachePolicySpec, status: policy.KVCachePolicyStatus, namespace: str,
@@ -120,13 +147,16 @@ def _workload(sts: dict[str, Any]) -> rollout.Workload:
                             int(partition))
 
 
-async def _samples(kube, sidecars, namespace: str, sts: dict[str, Any]) -> tuple[rollout.PodSample, ...]:
-    labels = ((sts.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+async def _samples(kube, sidecars, namespace: str, workload: dict[str, Any],
+                   kind: str = "StatefulSet") -> tuple[rollout.PodSample, ...]:
+    """The workload's pods: a StatefulSet's own; for a Deployment, every pod its selector
+    matches (its ReplicaSets' and the canary's, whose selector only adds the track label)."""
+    labels = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
     selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-    owner = sts["metadata"]["name"]
+    owner = workload["metadata"]["name"]
     pods = [p for p in await kube.list_pods(namespace, selector)
-            if any(o.get("kind") == "StatefulSet" and o.get("name") == owner
-                   for o in p["metadata"].get("ownerReferences") or [])]
+            if kind == "Deployment" or any(o.get("kind") == "StatefulSet" and o.get("name") == owner
+                                           for o in p["metadata"].get("ownerReferences") or [])]
     ready = {p["metadata"]["name"]: pod_view(p).serving for p in pods}
     members = {MemberName(n): Member(MemberName(n), p["status"]["podIP"], 1.0)
                for p in pods if ready[(n := p["metadata"]["name"])]}

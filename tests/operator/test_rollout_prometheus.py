@@ -218,3 +218,87 @@ def test_prometheus_killed_mid_step_pauses_instead_of_rolling_back_and_resumes_w
         traffic.stop()
     assert status_of(kubectl, "llm")["phase"] == "RollingOut"
     assert [h["outcome"] for h in rollout_status(kubectl)["history"]] == ["paused", "resumed", "recovered"]
+
+
+DEPLOYMENT = "dep"
+
+
+def deployment(version: str) -> dict:
+    engine = {"name": "engine", "image": "engine:1", "command": ["sleep", "infinity"]}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": DEPLOYMENT},
+            "spec": {"replicas": REPLICAS, "selector": {"matchLabels": {"app": DEPLOYMENT}},
+                     "template": {"metadata": {"labels": {"app": DEPLOYMENT},
+                                               "annotations": {names.WEIGHTS_VERSION_ANNOTATION: version}},
+                                  "spec": {"terminationGracePeriodSeconds": 0, "containers": [engine]}}}}
+
+
+class ReadyWatch:
+    """Samples, until stopped, how many of the workload's pods are Ready (the fewest seen)."""
+
+    def __init__(self, kubectl: Kubectl, selector: str) -> None:
+        import threading
+
+        self.kubectl, self.selector, self.fewest, self.samples = kubectl, selector, None, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pods = self.kubectl.get_json("pods", "-l", self.selector)["items"]
+            ready = sum(1 for p in pods if not p["metadata"].get("deletionTimestamp") and any(
+                c.get("type") == "Ready" and c.get("status") == "True" for c in p["status"].get("conditions") or []))
+            self.fewest = ready if self.fewest is None else min(self.fewest, ready)
+            self.samples += 1
+            self._stop.wait(0.2)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def test_prometheus_gated_deployment_rollout_walks_a_canary_pair_and_never_empties_the_fleet(
+        operator, kubectl, node_agent_factory, prometheus_factory):
+    prom = prometheus_factory()
+    body = tiny_policy("llm", DEPLOYMENT, workloadRef={"kind": "Deployment", "name": DEPLOYMENT}, rollout={
+        "canaryPods": 1, "steps": [50, 100], "recovery": {
+            "threshold": 0.5, "minLookups": MIN_LOOKUPS, "source": "prometheus", "prometheus": {"url": prom.url},
+            "window": RECOVER_WINDOW, "interval": "1s", "count": 2, "analysisWindow": "10s",
+            "inconclusiveLimit": 1000}})
+    kubectl.apply(body)
+    wait_for("sidecar ConfigMap", lambda: kubectl.run(
+        "get", "configmap", names.sidecar_config_map("llm"), check=False).returncode == 0)
+    kubectl.apply(deployment(OLD))
+    agent = node_agent_factory(workdir=short_workdir())
+    agent.wait_ready(REPLICAS, selector=f"app={DEPLOYMENT}", timeout_s=ROLLOUT_TIMEOUT_S)
+    traffic = Traffic(kubectl, agent, f"app={DEPLOYMENT}", {OLD: "hits", NEW: "hits"}, root, BLOCK_SIZE,
+                      BLOCK_BYTES).start()
+    watch = None
+    try:
+        wait_for("the policy at rest on the old version",
+                 lambda: (s := status_of(kubectl, "llm")).get("version") == OLD and s.get("phase") == "Ready")
+        wait_for_series(prom, f'kvtier:hit_rate:ratio{{namespace="{kubectl.namespace}", version="{OLD}"}}')
+        watch = ReadyWatch(kubectl, f"app={DEPLOYMENT}")
+        roll_out(kubectl)
+        canary = wait_for("the canary Deployment", lambda: kubectl.run(
+            "get", "deployment", f"{DEPLOYMENT}-kvtier-canary", "-o", "json", check=False).stdout, timeout_s=60)
+        assert json.loads(canary)["metadata"]["annotations"]["kvtier.io/fleet-replicas"] == str(REPLICAS)
+        done = wait_for("rollout completed", lambda: (s := status_of(kubectl, "llm")).get("version") == NEW and s,
+                        timeout_s=ROLLOUT_TIMEOUT_S * 2)
+        wait_for("the canary handed back and removed", lambda: kubectl.run(
+            "get", "deployment", f"{DEPLOYMENT}-kvtier-canary", check=False).returncode != 0,
+            timeout_s=ROLLOUT_TIMEOUT_S)
+        stable = kubectl.get_json("deployment", DEPLOYMENT)
+        assert stable["spec"]["replicas"] == REPLICAS
+        assert stable["spec"]["template"]["metadata"]["annotations"][names.WEIGHTS_VERSION_ANNOTATION] == NEW
+        agent.wait_ready(REPLICAS, selector=f"app={DEPLOYMENT}", timeout_s=ROLLOUT_TIMEOUT_S)
+    finally:
+        traffic.stop()
+        if watch is not None:
+            watch.stop()
+    assert traffic.wrong_kv == 0
+    assert [(h["step"], h["outcome"]) for h in done["rollout"]["history"]] == [
+        (1, "recovered"), (2, "recovered"), (3, "completed")]
+    # Never a zero-ready window: new pods served before old ones went, at every step
+    # and at the hand-back.
+    assert watch.samples > 10 and watch.fewest >= REPLICAS // 2, (watch.fewest, watch.samples)
