@@ -114,6 +114,21 @@ def sidecar_scrape_config(kubeconfig: Path | str, namespaces: list[str] | None =
     }
 
 
+def operator_pod_scrape_config(kubeconfig: Path | str, namespaces: list[str]) -> dict[str, Any]:
+    """The operator's pod (the chart's Deployment) on its `metrics` port, found through
+    the apiserver; honor_labels keeps the policy's namespace on the rollout series."""
+    return {
+        "job_name": "kvtier-operator",
+        "scrape_interval": SCRAPE_INTERVAL,
+        "honor_labels": True,
+        "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig),
+                                   "namespaces": {"names": list(namespaces)}}],
+        "relabel_configs": [
+            {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": "metrics", "action": "keep"},
+        ],
+    }
+
+
 def operator_scrape_config(targets: list[str]) -> dict[str, Any]:
     return {"job_name": "kvtier-operator", "scrape_interval": SCRAPE_INTERVAL, "honor_labels": True,
             "static_configs": [{"targets": list(targets)}]}
