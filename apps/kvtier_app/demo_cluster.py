@@ -43,7 +43,7 @@ from typing import Any
 
 from kvtier_testenv import polling
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # apps/kvtier_app/ -> the checkout
 CHART = REPO / "charts" / "kvtier"
 RELEASE = "kvtier"
 SYSTEM_NAMESPACE = "kvtier-system"
