@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import tempfile
 import time
@@ -452,6 +453,11 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     }
 
 
+def short(text: str) -> str:
+    """Weights digests cut to their first 8 hex digits, so messages fit a terminal line."""
+    return re.sub(r"sha256:([0-9a-f]{8})[0-9a-f]{56}", r"sha256:\1..", text)
+
+
 def render(result: dict[str, Any]) -> str:
     lines = [f"kvtier cluster demo: helm-installed operator, {INITIAL_REPLICAS} -> {SCALED_REPLICAS} serving pods, "
              "injected sidecars, reference engines as clients", "", "$ kubectl get kvcp -o wide",
@@ -475,10 +481,10 @@ def render(result: dict[str, Any]) -> str:
               f"rollout of v3 ({BAD_VERSION[:15]}...), whose prompts share no prefix:",
               f"  alert {r['bad']['alert']['labels'].get('alertname')} firing since {r['bad']['alert']['activeAt']} "
               f"(hit rate {r['bad']['alert']['value']})"]
-    lines += [f"  step {h['step']} {h['outcome']:<10} {h.get('message', '')[:200]}" for h in r["bad"]["history"]
+    lines += [f"  step {h['step']} {h['outcome']:<10} {short(h.get('message', ''))}" for h in r["bad"]["history"]
               if h["version"] == BAD_VERSION]
     lines += ["$ kubectl get kvcp -o wide", r["bad"]["kubectl_get_kvcp"], "", "$ kubectl get events (rollouts)"]
-    lines += [f"  {e[:240]}" for e in r["events"]]
+    lines += [f"  {short(e)}" for e in r["events"]]
     lines.append(f"rollout traffic     {sum(r['traffic']['lookups'].values())} lookups, "
                  f"{sum(r['traffic']['hits'].values())} hits checked, wrong KV {r['traffic']['wrong_kv']}")
     samples = result["phases"]["before"]["error_samples"] + result["phases"]["after"]["error_samples"]
