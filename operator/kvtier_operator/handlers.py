@@ -177,6 +177,7 @@ async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, memo: kopf.
     for cm in (names.sidecar_config_map(name), names.affinity_config_map(name)):
         await memo.kube.delete_config_map(namespace, cm)
     memo.policies.forget(PolicyKey(namespace, name))
+    memo.rollout_metrics.forget(namespace, name)  # no stale rollout series (and no stalled alert)
 
 
 # The rollout's timer lives in its own module; importing it registers it with kopf.
