@@ -108,7 +108,7 @@ def converge(pair: Pair, patch: WorkloadPatch, in_flight: bool, stable: dict[str
                        version=patch.template_version, stable=stable)
     # Completed: the stable takes the new version (it holds no pods now, or only new
     # ones), grows back to R, and the canary goes once the stable serves.
-    return Writes(stable=_stable_patch(r, patch.template_version))
+    return Writes(stable=_scaled_to(r, patch.template_version))
 
 
 def _toward(pair: Pair, stable_want: int, canary_want: int, version: str | None, stable: dict[str, Any]) -> Writes:
@@ -122,7 +122,7 @@ def _toward(pair: Pair, stable_want: int, canary_want: int, version: str | None,
         if c is None:
             create = canary_manifest(stable, version or "", canary_want, pair.fleet)
         elif c.replicas < canary_want or (version is not None and c.version != version):
-            canary_patch = _canary_patch(max(c.replicas, canary_want), version or c.version or "")
+            canary_patch = _scaled_to(max(c.replicas, canary_want), version or c.version or "")
     # Shrink only behind the other side's ready pods.
     canary_ready = c.ready if c is not None and (version is None or c.version == version) else 0
     if s.replicas > stable_want and canary_ready >= canary_want:
@@ -131,16 +131,12 @@ def _toward(pair: Pair, stable_want: int, canary_want: int, version: str | None,
         if canary_want == 0:
             delete = True
         elif c.replicas > canary_want:
-            canary_patch = _canary_patch(canary_want, version or c.version or "")
+            canary_patch = _scaled_to(canary_want, version or c.version or "")
     return Writes(stable_patch, create, canary_patch, delete)
 
 
-def _stable_patch(replicas: int, version: str) -> dict[str, Any]:
-    return {"spec": {"replicas": replicas,
-                     "template": {"metadata": {"annotations": {names.WEIGHTS_VERSION_ANNOTATION: version}}}}}
-
-
-def _canary_patch(replicas: int, version: str) -> dict[str, Any]:
+def _scaled_to(replicas: int, version: str) -> dict[str, Any]:
+    """Replicas and pod-template version in one merge patch."""
     return {"spec": {"replicas": replicas,
                      "template": {"metadata": {"annotations": {names.WEIGHTS_VERSION_ANNOTATION: version}}}}}
 
