@@ -347,9 +347,18 @@ class ClusterDemo:
         except polling.WaitTimeout as exc:
             raise DemoFailed(f"{exc}\n{self.operator_log()}") from None
 
-    def firing(self, version: str) -> list[dict[str, Any]]:
-        return [a for a in self.prom.alerts() if a["labels"].get("alertname") == "KVTierHitRateDrop"
-                and a["labels"].get("version") == version and a["state"] == "firing"]
+    def fired(self, version: str) -> dict[str, Any] | None:
+        """KVTierHitRateDrop for `version` as Prometheus recorded it: when it went off and
+        the hit rate it saw (it may have resolved since: the rollback removed the pods)."""
+        labels = {"namespace": NAMESPACE, "policy": POLICY, "version": version}
+        if not self.prom.fired("KVTierHitRateDrop", labels):
+            return None
+        since = self.prom.query(f'min_over_time(ALERTS_FOR_STATE{{alertname="KVTierHitRateDrop", '
+                                f'version="{version}"}}[15m])')
+        rate = self.prom.query(f'min_over_time(kvtier:hit_rate:ratio{{version="{version}"}}[15m])')
+        return {"labels": {"alertname": "KVTierHitRateDrop", **labels}, "state": "firing",
+                "activeAt": float(since[0]["value"][1]) if since else None,
+                "value": float(rate[0]["value"][1]) if rate else None}
 
     def events(self) -> list[str]:
         items = self.kubectl.get_json("events", "--field-selector", f"involvedObject.name={POLICY}")["items"]
@@ -420,9 +429,9 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         kvcp_good = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
         demo.roll_out(BAD_VERSION, "v3 (its prompts share no prefix)")
         bad = demo.wait_rollout(BAD_VERSION, "RolledBack")
-        alarm = demo.firing(BAD_VERSION)
+        alarm = demo.fired(BAD_VERSION)
         if not alarm:
-            raise DemoFailed("v3 was rolled back but KVTierHitRateDrop is not firing for it in Prometheus")
+            raise DemoFailed("v3 was rolled back but KVTierHitRateDrop never fired for it in Prometheus")
         demo.agent.wait_ready(SCALED_REPLICAS, NAMESPACE, f"app={APP_LABEL}", timeout_s=STEP_TIMEOUT_S)
         kvcp_bad = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
         rollout_events = demo.events()
@@ -439,7 +448,7 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
             "good": {"version": GOOD_VERSION, "history": good["rollout"]["history"],
                      "baseline_hit_rate": good["rollout"].get("baselineHitRate"), "kubectl_get_kvcp": kvcp_good},
             "bad": {"version": BAD_VERSION, "history": bad["rollout"]["history"], "serving": bad.get("version"),
-                    "alert": {k: alarm[0].get(k) for k in ("labels", "state", "activeAt", "value")},
+                    "alert": alarm,
                     "kubectl_get_kvcp": kvcp_bad},
             "events": rollout_events,
             "traffic": traffic,
@@ -479,8 +488,8 @@ def render(result: dict[str, Any]) -> str:
               if h["version"] == GOOD_VERSION]
     lines += ["$ kubectl get kvcp -o wide", r["good"]["kubectl_get_kvcp"], "",
               f"rollout of v3 ({BAD_VERSION[:15]}...), whose prompts share no prefix:",
-              f"  alert {r['bad']['alert']['labels'].get('alertname')} firing since {r['bad']['alert']['activeAt']} "
-              f"(hit rate {r['bad']['alert']['value']})"]
+              f"  alert {r['bad']['alert']['labels']['alertname']} fired in Prometheus (active since unix time "
+              f"{r['bad']['alert']['activeAt']}; v3's hit rate as low as {r['bad']['alert']['value']})"]
     lines += [f"  step {h['step']} {h['outcome']:<10} {short(h.get('message', ''))}" for h in r["bad"]["history"]
               if h["version"] == BAD_VERSION]
     lines += ["$ kubectl get kvcp -o wide", r["bad"]["kubectl_get_kvcp"], "", "$ kubectl get events (rollouts)"]

@@ -311,6 +311,13 @@ class Prometheus(_Server):
     def alerts(self) -> list[dict[str, Any]]:
         return _get_json(self.url + "/api/v1/alerts")["data"]["alerts"]
 
+    def fired(self, alert: str, labels: dict[str, str], within: str = "15m") -> list[dict[str, Any]]:
+        """The alert's series that were firing at some point in the last `within`, from
+        Prometheus' own ALERTS series (an alert resolved since still counts)."""
+        matchers = ", ".join([f'alertname="{alert}"', 'alertstate="firing"',
+                              *(f'{k}="{v}"' for k, v in sorted(labels.items()))])
+        return self.query(f"max_over_time(ALERTS{{{matchers}}}[{within}])")
+
     def up_targets(self, job: str) -> dict[str, dict[str, str]]:
         """{scrape URL: labels} of the job's targets whose last scrape succeeded."""
         return {t["scrapeUrl"]: t["labels"] for t in self.targets()
