@@ -225,18 +225,25 @@ class CountMinSketch:
 
     def _add_few(self, hashes: list[BlockHash]) -> None:
         flat = self._flat
+        halves = [(int.from_bytes(h[:8], "little"), int.from_bytes(h[8:16], "little")) for h in hashes]
         door = self._door_flat
         if door is not None:  # read every probe before setting any, as numpy does
-            m = self._door_mask
-            probes = [(h, int.from_bytes(h[:8], "little") & m, int.from_bytes(h[8:16], "little") & m)
-                      for h in hashes]
-            hashes = [h for h, p1, p2 in probes if door[p1] and door[p2]]
-            for _, p1, p2 in probes:
-                door[p1] = door[p2] = 1
-            if not hashes:
+            dm = self._door_mask
+            seen = [door[lo & dm] and door[hi & dm] for lo, hi in halves]
+            for lo, hi in halves:
+                door[lo & dm] = door[hi & dm] = 1
+            halves = [pair for pair, s in zip(halves, seen) if s]
+            if not halves:
                 return
         # One increment per distinct counter, as numpy's fancy-index += does.
-        cells = self._cells(hashes[0]) if len(hashes) == 1 else {c for h in hashes for c in self._cells(h)}
+        m, w = self.width - 1, self.width
+        if self.depth == 4:  # the default depth, unrolled: the simulator's hot path
+            cells = set()
+            for lo, hi in halves:
+                cells.update((lo & m, w + ((lo + hi) & m), 2 * w + ((lo + 2 * hi) & m),
+                              3 * w + ((lo + 3 * hi) & m)))
+        else:
+            cells = {i * w + ((lo + i * hi) & m) for lo, hi in halves for i in range(self.depth)}
         for c in cells:
             flat[c] = (flat[c] + 1) & 0xFFFFFFFF
 
