@@ -13,10 +13,11 @@
 * `StoreQueue` holds stores ordered by value (tokens x sightings); when full it
   drops its LEAST valuable entry, never simply the newest.
 
-There is no thrash detector any more: the old one raised a sightings bar when
-evictions outpaced stores, which also fired on a cache that was behaving (fresh
-conversation turns are stored and evicted unused by design when they lose the
-duel) and then refused stores into free space. The W-TinyLFU duel covers the case
+The old thrash detector is retired: it raised a sightings bar when evictions
+outpaced stores, which also fired on a cache that was behaving (fresh conversation
+turns are stored and evicted unused by design when they lose the duel) and then
+refused stores into free space. "Thrashing" is now only reported, and measured
+against a shadow LRU (`THRASH_RATIO`). The W-TinyLFU duel covers the case
 it was for: under a one-shot stream the window's candidates lose their duels, so the
 stream never displaces the reused set, and the window's share is steered against a
 shadow LRU of the same size (`kvtier.eviction`), never by eviction counts.
@@ -43,9 +44,10 @@ HOT_SIGHTINGS = 4
 transcript re-sent every step earns it by its fourth use)."""
 
 THRASH_RATIO = 0.9
-"""Retired knob, still accepted (KVCachePolicy `admission.thrashRatio`, sidecar
-`thrash_ratio`) so existing objects and configs keep validating; the cache no longer
-reads it (see the module docstring: the duel and the shadow LRU replaced it)."""
+"""Thrash, redefined against a shadow LRU of the same size: over the last sample the
+cache matched fewer than this fraction of the blocks plain LRU would have. A cache
+that evicts a lot but matches what LRU would is behaving, and is not thrashing.
+It only reports (a gauge and an alert); it no longer moves any admission bar."""
 
 SKETCH_WIDTH = 1 << 16
 SKETCH_DEPTH = 4

@@ -42,6 +42,7 @@ import numpy as np
 
 from kvtier.admission import (
     DEFAULT_MIN_SIGHTINGS,
+    THRASH_RATIO,
     HOT_SIGHTINGS,
     Admission,
     CountMinSketch,
@@ -197,6 +198,8 @@ class CacheStats:
     window_blocks: int
     window_target_blocks: int
     main_blocks: int
+    thrashing: bool
+    thrash_events: int
     queue_depth: int
     queue_capacity: int
     queue_drops: int
@@ -219,14 +222,17 @@ class LocalCache:
                  drain_budget_s: float = DEFAULT_DRAIN_BUDGET_S,
                  half_life_s: float = DEFAULT_HALF_LIFE_S, hot_sightings: int = HOT_SIGHTINGS,
                  pinned_fraction: float = PINNED_FRACTION, pin_max_bytes: int | None = None,
-                 sketch: CountMinSketch | None = None, policy: PolicyConfig | None = None) -> None:
+                 sketch: CountMinSketch | None = None, policy: PolicyConfig | None = None,
+                 thrash_ratio: float = THRASH_RATIO) -> None:
         for name, v in (("capacity_bytes", capacity_bytes), ("block_bytes", block_bytes)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if capacity_bytes < block_bytes:
             raise ValueError(f"capacity_bytes ({capacity_bytes}) must hold at least one block of {block_bytes} bytes")
-        if drain_budget_s < 0 or not 0 <= pinned_fraction <= 1:
-            raise ValueError("drain_budget_s must be >= 0 and pinned_fraction in [0, 1]")
+        if drain_budget_s < 0 or not 0 <= pinned_fraction <= 1 or not 0 < thrash_ratio <= 1:
+            raise ValueError("drain_budget_s must be >= 0, pinned_fraction in [0, 1] and thrash_ratio in (0, 1]")
+        self.thrash_ratio = thrash_ratio
+        self._thrash_events = 0
         self.block_size = check_block_size(block_size)
         self.block_bytes = int(block_bytes)
         self.num_slots = int(capacity_bytes) // self.block_bytes
@@ -539,7 +545,7 @@ class LocalCache:
                 admission_bar=a.bar, min_sightings=a.min_sightings, admission_admits=a.admits,
                 admission_rejects=a.rejects, window_blocks=regions[WINDOW],
                 window_target_blocks=int(min(self._index.window_target, self.num_slots)),
-                main_blocks=regions[MAIN],
+                main_blocks=regions[MAIN], thrashing=self._thrashing(), thrash_events=self._thrash_events,
                 queue_depth=len(self._queue), queue_capacity=self._queue.capacity,
                 queue_drops=self._queue.drops, stores_enqueued=self._stores_enqueued,
                 stores_applied=self._stores_applied, invalidated_blocks=self._invalidated_blocks,
@@ -579,8 +585,12 @@ class LocalCache:
     def _adapt(self, hashes: list[BlockHash], limit: int, matched: int) -> None:
         """Move the window's share from what this lookup says (see `kvtier.eviction`)."""
         if self._reference is not None:
-            if self._reference.record(hashes, limit, matched):
-                self._set_targets(self._reference.window_target)
+            ref = self._reference
+            sampled = ref.adjustments
+            if ref.record(hashes, limit, matched):
+                self._set_targets(ref.window_target)
+            if ref.adjustments != sampled and self._thrashing():
+                self._thrash_events += 1
         elif self._climber is not None and self._climber.record(len(hashes), matched):
             self._set_targets(self._climber.window_target)
 
@@ -598,6 +608,11 @@ class LocalCache:
     def _duel_tails(self, candidate: Node, victim: Node) -> bool:
         return self._admission.duel(candidate.hashes[-1],
                                     self._index.policy.frequency(victim.freq, self.clock()))
+
+    def _thrashing(self) -> bool:
+        """Over the last sample, fewer matches than `thrash_ratio` x a same-size LRU's."""
+        ref = self._reference
+        return ref is not None and ref.last_ours < self.thrash_ratio * ref.last_lru
 
     def _set_targets(self, window_blocks: float) -> None:
         self._index.window_target = window_blocks

@@ -235,7 +235,8 @@ class LruReferenceTuner:
     signal than the change of the hit rate between two samples.
     """
 
-    __slots__ = ("capacity", "window_target", "step", "shadow", "_looked", "_ours", "_lru", "adjustments")
+    __slots__ = ("capacity", "window_target", "step", "shadow", "_looked", "_ours", "_lru", "adjustments",
+                 "last_ours", "last_lru")
 
     def __init__(self, capacity_blocks: int, window_fraction: float = WINDOW_INITIAL_FRACTION) -> None:
         self.capacity = capacity_blocks
@@ -244,6 +245,7 @@ class LruReferenceTuner:
         self.shadow = ShadowLru(capacity_blocks)
         self._looked = self._ours = self._lru = 0
         self.adjustments = 0
+        self.last_ours = self.last_lru = 0  # blocks matched over the last whole sample
 
     def record(self, hashes: list, limit: int, matched: int) -> bool:
         """Account one lookup (all its full blocks' hashes, the last-token limit and
@@ -254,6 +256,7 @@ class LruReferenceTuner:
         if self._looked < self.capacity * CLIMB_SAMPLE_FACTOR:
             return False
         behind = self._ours < self._lru
+        self.last_ours, self.last_lru = self._ours, self._lru
         self._looked = self._ours = self._lru = 0
         before = self.window_target
         target = before + self.step if behind else before - self.step

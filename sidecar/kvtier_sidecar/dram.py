@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvtier.admission import THRASH_RATIO
 from kvtier.cache import Hit, LocalCache, Reservation
 from kvtier.keys import KeyRoot
 
@@ -41,13 +42,14 @@ class DramTier:
     mismatch and treats it as a miss).
     """
 
-    def __init__(self, arena: Arena, block_size: int, min_sightings: int, kv_heads: int) -> None:
+    def __init__(self, arena: Arena, block_size: int, min_sightings: int, kv_heads: int,
+                 thrash_ratio: float = THRASH_RATIO) -> None:
         self.arena = arena
         self.block_bytes = arena.block_bytes
         self.block_size = block_size
         self.kv_heads = kv_heads
         self.cache = LocalCache(arena.slots * arena.block_bytes, arena.block_bytes, block_size,
-                                min_sightings=min_sightings, arena=arena.array)
+                                min_sightings=min_sightings, arena=arena.array, thrash_ratio=thrash_ratio)
         self._digest = np.zeros(arena.slots, dtype=np.uint64)
         self._generation = np.zeros(arena.slots, dtype=np.int64)
         self._digest_gen = np.full(arena.slots, -1, dtype=np.int64)
@@ -172,4 +174,4 @@ class DramTier:
         s = self.cache.stats(None)
         return {"bytes_used": s.bytes_used, "capacity_bytes": s.capacity_bytes, "evictions": s.evictions,
                 "reserved_blocks": s.reserved_blocks, "admission_bar": s.admission_bar,
-                "window_blocks": s.window_blocks}
+                "thrashing": float(s.thrashing), "window_blocks": s.window_blocks}

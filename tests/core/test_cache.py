@@ -116,6 +116,18 @@ def test_a_one_shot_stream_through_a_full_cache_never_displaces_a_reused_prefix(
     assert s.admission_rejects > 0 and s.evictions > 0 and s.blocks_used == 16
 
 
+def test_a_one_shot_stream_that_evicts_a_lot_is_not_thrash_when_lru_would_do_no_better():
+    c = make(blocks=8)
+    for d in range(200):                             # every prompt new: no policy can hit
+        doc = np.arange(10_000 + 64 * d, 10_064 + 64 * d, dtype=np.uint32)
+        c.release(c.lookup(ROOT, doc))
+        c.store(ROOT, doc, kv(doc))
+        c.flush()
+    s = c.stats()
+    assert s.evictions > 100 and s.lookups == 200
+    assert not s.thrashing and s.thrash_events == 0
+
+
 def test_min_sightings_is_the_least_a_newcomer_needs_to_displace_anything():
     for min_sightings, wins in ((3, False), (2, True)):
         clock = Clock()
