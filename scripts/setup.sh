@@ -4,7 +4,8 @@
 #   - a local venv (.venv) with kvtier and its dev dependencies, re-installed only
 #     when pyproject.toml changes,
 #   - the real Kubernetes control plane (kube-apiserver, kube-controller-manager,
-#     etcd, kubectl, helm), built or unpacked once into a versioned cache outside git.
+#     etcd, kubectl, helm), built or unpacked once into a versioned cache outside git,
+#   - vLLM's CPU build in its own venv, cached the same way (hack/vllm.sh).
 # A second run is a no-op that takes a few seconds.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -42,5 +43,11 @@ fi
 # --- Kubernetes control plane, kubectl, helm ----------------------------------------
 if [ "${KVTIER_SKIP_CONTROLPLANE:-0}" != 1 ]; then
   bash hack/controlplane.sh
+fi
+
+# --- vLLM (CPU build) for the connector's tests, in its own cached venv --------------
+# KVTIER_SKIP_VLLM=1 is for quick dev loops only: the vLLM tests fail without it.
+if [ "${KVTIER_SKIP_VLLM:-0}" != 1 ]; then
+  bash hack/vllm.sh >/dev/null
 fi
 log "ready"

@@ -196,7 +196,8 @@ class KvtierConnector(KVConnectorBase_V1):
         layers = []
         for name in names:
             tensor = kv_caches[name]
-            layout = layout_for(backend, tensor.shape, local_heads, self.head_dim)
+            kernel = self._cpu_kernel(backend, tensor)
+            layout = layout_for(backend, tensor.shape, local_heads, self.head_dim, cpu_kernel=kernel)
             layers.append(block_views(tensor, layout, self.head_dim, self.block_size))
             self.page_tokens = kv_views(tensor, layout, self.head_dim)[0].shape[2]
             self.dtype = tensor.dtype
@@ -211,6 +212,15 @@ class KvtierConnector(KVConnectorBase_V1):
             log.warning("kvtier sidecar at %s not reachable yet; serving without it until it is", self.cfg.socket)
         log.info("KvtierConnector worker rank %d/%d: %d layers, backend %s, layout %s, page %d tokens",
                  self.rank, self.tp, len(layers), backend, layout.value, self.page_tokens)
+
+    def _cpu_kernel(self, backend: str, tensor: torch.Tensor) -> str | None:
+        """vLLM's CPU attention kernel for this cache (it decides how K is packed)."""
+        if backend != "CPU_ATTN":
+            return None
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return _get_attn_isa(tensor.dtype, int(tensor.shape[2]), self.head_dim,
+                             self._vllm_config.cache_config.cache_dtype)
 
     def _backend_name(self) -> str:
         try:

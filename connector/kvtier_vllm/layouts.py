@@ -5,9 +5,13 @@ kvtier stores every block as (layers, K|V, kv_heads, block_tokens, head_dim)
 keeps one tensor per attention layer, in pages of `page_tokens` tokens, laid out by
 the attention backend:
 
-  CPU_ROWS     vLLM's CPU backend (CPU_ATTN): a page is [kv_heads, page_tokens, 2*head_dim]
-               as allocated, but the kernels read each (page, head) as page_tokens K
-               rows followed by page_tokens V rows: [kv_heads, 2*page_tokens, head_dim].
+  CPU_VEC      vLLM's CPU backend (CPU_ATTN) with its "vec" kernels (AVX2/AVX-512, fp32,
+               fp16 or bf16 without AMX): a page is allocated as [kv_heads, page_tokens,
+               2*head_dim], but each (page, head) holds K TRANSPOSED, [head_dim,
+               page_tokens], followed by V as rows, [page_tokens, head_dim] (what
+               cpu_attn_reshape_and_cache writes; tests/vllm pins it against the kernel).
+               The other CPU kernels (amx, vec16, neon, ...) pack K differently and are
+               refused.
   SPLIT_LAST   vLLM >= 0.32 GPU backends (FLASH_ATTN, TRITON_ATTN, FLASHINFER): a
                logical [pages, kv_heads, page_tokens, K|V] view (K in the first
                head_dim channels of each token, V in the rest), whatever the strides.
@@ -35,13 +39,13 @@ Array = Any
 
 
 class PagedLayout(enum.Enum):
-    CPU_ROWS = "cpu_rows"
+    CPU_VEC = "cpu_vec"
     SPLIT_LAST = "split_last"
     KV_FIRST = "kv_first"
 
 
 BACKEND_LAYOUTS = {
-    "CPU_ATTN": PagedLayout.CPU_ROWS,
+    "CPU_ATTN": PagedLayout.CPU_VEC,
     "FLASH_ATTN": PagedLayout.SPLIT_LAST,
     "TRITON_ATTN": PagedLayout.SPLIT_LAST,
     "FLASHINFER": PagedLayout.SPLIT_LAST,
@@ -53,9 +57,15 @@ class LayoutError(ValueError):
     """A KV tensor this connector does not know how to read: refused at start-up."""
 
 
-def layout_for(backend: str, shape: Sequence[int], kv_heads: int, head_dim: int) -> PagedLayout:
-    """The layout of a layer tensor of `shape` from attention backend `backend`;
-    LayoutError (naming what was seen) when it is not one this module knows."""
+CPU_KERNELS = ("vec",)
+"""vLLM CPU attention kernels (its "isa") whose block interior CPU_VEC describes."""
+
+
+def layout_for(backend: str, shape: Sequence[int], kv_heads: int, head_dim: int,
+               cpu_kernel: str | None = None) -> PagedLayout:
+    """The layout of a layer tensor of `shape` from attention backend `backend` (and,
+    on CPU, kernel `cpu_kernel`); LayoutError naming what was seen when it is not one
+    this module knows."""
     shape = tuple(int(s) for s in shape)
     if len(shape) == 5 and shape[0] == 2 and shape[3] == kv_heads and shape[4] == head_dim:
         return PagedLayout.KV_FIRST
@@ -64,6 +74,9 @@ def layout_for(backend: str, shape: Sequence[int], kv_heads: int, head_dim: int)
         raise LayoutError(
             f"attention backend {backend!r} has a KV layout kvtier does not know "
             f"(known: {sorted(BACKEND_LAYOUTS)}); serve with one of those or without the connector")
+    if layout is PagedLayout.CPU_VEC and cpu_kernel is not None and cpu_kernel not in CPU_KERNELS:
+        raise LayoutError(f"vLLM's CPU attention kernel {cpu_kernel!r} packs KV in a way kvtier does not know "
+                          f"(known: {list(CPU_KERNELS)}); serve fp32/fp16 with head_dim a multiple of 32")
     if len(shape) != 4 or shape[1] != kv_heads or shape[3] != 2 * head_dim:
         raise LayoutError(
             f"attention backend {backend!r} gave a KV tensor of shape {shape}; expected "
@@ -76,21 +89,24 @@ def _permute(a: Array, axes: tuple[int, ...]) -> Array:
 
 
 def _split_rows(a: Array, shape: tuple[int, ...]) -> Array:
-    """A view of `a` with its last two dims regrouped; never a copy (a copy would
-    make writes vanish)."""
+    """`a` reshaped as a view, never a copy (a copy would make writes vanish)."""
     if hasattr(a, "permute"):
         return a.view(*shape)
     out = a.view()
-    out.shape = shape  # raises instead of copying when no view exists
+    try:
+        out.shape = shape  # raises instead of copying when no view exists
+    except AttributeError as exc:
+        raise LayoutError(f"a KV tensor of shape {a.shape} cannot be viewed as {shape}: {exc}") from None
     return out
 
 
 def kv_views(layer: Array, layout: PagedLayout, head_dim: int) -> tuple[Array, Array]:
     """K and V of one layer tensor as (pages, kv_heads, page_tokens, head_dim) views."""
-    if layout is PagedLayout.CPU_ROWS:
+    if layout is PagedLayout.CPU_VEC:
         pages, heads, tokens, _ = layer.shape
-        rows = _split_rows(layer, (pages, heads, 2 * tokens, head_dim))
-        return rows[:, :, :tokens], rows[:, :, tokens:]
+        halves = _split_rows(layer, (pages, heads, 2, tokens * head_dim))
+        k_t = _split_rows(halves[:, :, 0], (pages, heads, head_dim, tokens))
+        return _permute(k_t, (0, 1, 3, 2)), _split_rows(halves[:, :, 1], (pages, heads, tokens, head_dim))
     if layout is PagedLayout.SPLIT_LAST:
         return layer[..., :head_dim], layer[..., head_dim:]
     if layout is PagedLayout.KV_FIRST:
