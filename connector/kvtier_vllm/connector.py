@@ -38,7 +38,8 @@ from .config import (
     rope_config_hash,
     tenant_of,
 )
-from .layouts import LayoutError, block_places, block_views, copy_run, kv_views, layout_for, plan_runs
+from .layouts import LayoutError, block_places, kv_views, layout_for
+from .paged import PagedKV
 from .plan import LoadSpec, SchedulerBook, StepSpecs, StoreSpec, root_from_fields
 from .stats import KvtierConnectorStats
 
@@ -113,9 +114,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self.book = SchedulerBook(self.client, self.block_size, self.vllm_block_size, self.cfg.verify_checksums)
         # worker side, set by register_kv_caches
         self.rank = 0
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.page_tokens = self.vllm_block_size
-        self.dtype: torch.dtype | None = None
+        self.paged: PagedKV | None = None
         self._load_errors: set[int] = set()
         log.info("KvtierConnector %s: socket %s, block size %d (vLLM %d), identity %s", role.name,
                  self.cfg.socket, self.block_size, self.vllm_block_size, self.identity.model_dump())
@@ -193,25 +192,23 @@ class KvtierConnector(KVConnectorBase_V1):
         names = sorted(kv_caches, key=_layer_index)
         if len(names) != self.num_layers:
             raise LayoutError(f"vLLM registered {len(names)} KV caches for a {self.num_layers}-layer model")
-        layers = []
-        for name in names:
-            tensor = kv_caches[name]
-            kernel = self._cpu_kernel(backend, tensor)
-            layout = layout_for(backend, tensor.shape, local_heads, self.head_dim, cpu_kernel=kernel)
-            layers.append(block_views(tensor, layout, self.head_dim, self.block_size))
-            self.page_tokens = kv_views(tensor, layout, self.head_dim)[0].shape[2]
-            self.dtype = tensor.dtype
-        check_block_sizes(self.block_size, self.page_tokens)
-        self.layers = layers
-        self.block_shape = (self.num_layers, 2, self.total_kv_heads, self.block_size, self.head_dim)
+        tensors = [kv_caches[name] for name in names]
+        kernel = self._cpu_kernel(backend, tensors[0])
+        layout = layout_for(backend, tensors[0].shape, local_heads, self.head_dim, cpu_kernel=kernel)
+        if any(tuple(t.shape) != tuple(tensors[0].shape) for t in tensors):
+            raise LayoutError("vLLM's layers have KV caches of different shapes; KvtierConnector needs one shape")
+        page_tokens = kv_views(tensors[0], layout, self.head_dim)[0].shape[2]
+        check_block_sizes(self.block_size, page_tokens)
+        self.paged = PagedKV.from_tensors(tensors, layout, self.total_kv_heads, self.head_dim, self.block_size,
+                                          self.vllm_block_size, self.tp, self.rank)
         if self.client.connect():
             problem = self._arena_mismatch()
             if problem:
                 raise ConfigError(problem)
         else:
             log.warning("kvtier sidecar at %s not reachable yet; serving without it until it is", self.cfg.socket)
-        log.info("KvtierConnector worker rank %d/%d: %d layers, backend %s, layout %s, page %d tokens",
-                 self.rank, self.tp, len(layers), backend, layout.value, self.page_tokens)
+        log.info("KvtierConnector worker rank %d/%d: %d layers, backend %s (%s), layout %s, page %d tokens",
+                 self.rank, self.tp, len(tensors), backend, kernel, layout.value, page_tokens)
 
     def _cpu_kernel(self, backend: str, tensor: torch.Tensor) -> str | None:
         """vLLM's CPU attention kernel for this cache (it decides how K is packed)."""
@@ -233,8 +230,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def _arena_mismatch(self) -> str | None:
         info = self.client.info
-        want = list(self.block_shape)
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        want = list(self.paged.block_shape)
+        itemsize = self.paged.itemsize
         if list(info.get("block_shape", [])) != want or info.get("dtype") != f"u{itemsize}":
             return (f"the kvtier sidecar's blocks are {info.get('block_shape')} of {info.get('dtype')} "
                     f"(layers, K|V, kv heads, block size {info.get('block_size')}, head dim) but this engine's are "
@@ -264,7 +261,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def _load(self, spec: LoadSpec) -> int:
         """Copy the spec's blocks in; returns how many leading blocks were copied."""
         self.client.connect()
-        if self.client.info.get("instance") != spec.instance or self._arena_mismatch():
+        if self.paged is None or self.client.info.get("instance") != spec.instance or self._arena_mismatch():
             return 0  # the pins went with the sidecar that handed them out
         arena = self.client.arena
         n = len(spec.slots)
@@ -275,22 +272,9 @@ class KvtierConnector(KVConnectorBase_V1):
                                 spec.first_block + j, spec.req_id)
                     n = j
                     break
-        self._copy(arena, spec.slots[:n], spec.block_ids, spec.first_block, to_paged=True)
+        self.paged.copy(arena, spec.slots[:n], spec.block_ids, spec.first_block, to_paged=True)
         self.stats.add("loaded_bytes", n * arena.block_bytes // self.tp)
         return n
-
-    def _copy(self, arena, slots: list[int], block_ids: list[int], first_block: int, to_paged: bool) -> None:
-        if not slots:
-            return
-        places = block_places(block_ids, first_block, len(slots), self.block_size, self.vllm_block_size,
-                              self.page_tokens)
-        per_page = self.page_tokens // self.block_size
-        for run in plan_runs(slots, places, per_page):
-            raw = torch.from_numpy(arena.slot_array(run.slot, run.count))
-            canon = raw.view(self.dtype).view(run.count, *self.block_shape)
-            if self.tp > 1:
-                canon = canon[:, :, :, self.rank :: self.tp]
-            copy_run(self.layers, canon, run, to_paged)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv copies every layer before the forward pass
@@ -310,14 +294,14 @@ class KvtierConnector(KVConnectorBase_V1):
                 log.exception("kvtier store failed; the blocks stay uncached")
 
     def _store(self, spec: StoreSpec) -> None:
-        if not self.layers or not self.client.connect() or self._arena_mismatch():
+        if self.paged is None or not self.client.connect() or self._arena_mismatch():
             return
         res = self.client.begin_store(root_from_fields(spec.root), spec.token_ids, self.tp, self.rank)
         if res is None:
             self.stats.add("store_declined", 1)
             return
         try:
-            self._copy(res.arena, res.slots, spec.block_ids, res.first_block, to_paged=False)
+            self.paged.copy(res.arena, res.slots, spec.block_ids, res.first_block, to_paged=False)
         except Exception:
             self.client.abort_store(res)
             raise
