@@ -61,8 +61,8 @@ def _load(quick: bool) -> list[Result]:
 def _lookup(quick: bool) -> list[Result]:
     from kvtier.keys import KeyRoot
     from kvtier_sidecar.client import SidecarClient
-    from kvtier_sidecar.fleet import SidecarHandle, sidecar_config
-    from kvtier_sidecar.workload import SyntheticOracle
+    from kvtier_testenv.fleet import SidecarHandle, sidecar_config
+    from kvtier_testenv.workload import SyntheticOracle
     from kvtier_vllm.config import EngineIdentity, parse_config, tenant_of
     from kvtier_vllm.plan import SchedulerBook
 
@@ -114,7 +114,7 @@ def _lookup(quick: bool) -> list[Result]:
 
 
 def _ttft(quick: bool) -> list[Result]:
-    from kvtier_sidecar.fleet import SidecarHandle
+    from kvtier_testenv.fleet import SidecarHandle
     from kvtier_testenv.tiny_llama import TinyLlama, write_model
     from kvtier_testenv.vllm_engine import VllmEngine, connector_config, sidecar_model
 

@@ -1,5 +1,6 @@
-"""Real vLLM engines for tests and benchmarks: `vllm_driver.py` run by the cached vLLM
-venv's python (built by hack/vllm.sh), one process serving many generate commands.
+"""Real vLLM engines for tests and benchmarks: `python -m kvtier_vllm.driver` run by the
+cached vLLM venv's python (built by hack/vllm.sh), one process serving many generate
+commands.
 
     eng = VllmEngine(workdir, model_dir, connector=connector_config(sock, "sha256:..")).start()
     out = eng.generate([[1, 2, 3, ...]], salts=["tenant-a"], max_tokens=8)
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-DRIVER = Path(__file__).with_name("vllm_driver.py")
+DRIVER_MODULE = "kvtier_vllm.driver"
 START_TIMEOUT_S = 600.0
 """Engine start-up on two busy cores: imports, model load, KV allocation, warm-up."""
 GENERATE_TIMEOUT_S = 300.0
@@ -66,7 +67,7 @@ class VllmEngine:
                "VLLM_CACHE_ROOT": str(self.workdir / f"{self.name}-cache"),
                "VLLM_CONFIGURE_LOGGING": "1", "PYTHONUNBUFFERED": "1"}
         env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen([vllm_python(), str(DRIVER), json.dumps(spec)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([vllm_python(), "-m", DRIVER_MODULE, json.dumps(spec)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      cwd=self.workdir, start_new_session=True)
         self._log = open(self.workdir / f"{self.name}.log", "a")

@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from kvtier_sidecar.arena import Arena
-from kvtier_sidecar.fleet import SidecarHandle
+from kvtier_testenv.fleet import SidecarHandle
 from kvtier_testenv.polling import wait_for
 from kvtier_testenv.tiny_llama import TinyLlama, write_model
 from kvtier_testenv.vllm_engine import VllmEngine, connector_config, sidecar_model

@@ -1,9 +1,8 @@
-"""Runs one real vLLM engine (offline `vllm.LLM`) and serves generate commands over
-stdin/stdout, so a test keeps one engine for many prompts and can act in between.
+"""One real vLLM engine (offline `vllm.LLM`, token-id prompts) serving generate
+commands over stdin/stdout: tests, benchmarks and the demo keep one engine for many
+prompts and act in between.
 
-Run with the vLLM venv's python (hack/vllm.sh), never imported by the test suite:
-
-    python vllm_driver.py '{"model": DIR, "kv_transfer_config": {...} | null, ...}'
+    python -m kvtier_vllm.driver '{"model": DIR, "kv_transfer_config": {...} | null, ...}'
 
 stdin, one JSON object per line:
     {"op": "generate", "prompts": [[ids...], ...], "salts": [str|null, ...], "max_tokens": 8}
