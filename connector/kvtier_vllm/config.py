@@ -23,6 +23,7 @@ from typing import Any, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvtier.keys import KeyRoot
+from kvtier.sidecar_config import SidecarConfig
 
 WEIGHTS_ENV = "KVTIER_WEIGHTS_VERSION"
 """The downward-API variable the webhook sets from the pod's weights annotation."""
@@ -64,17 +65,26 @@ def parse_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] = os.en
         raise ConfigError(f"kv_connector_extra_config for KvtierConnector is invalid: {problems}") from None
     updates = {}
     if cfg.socket is None:
-        updates["socket"] = env.get(SOCKET_ENV) or None
+        updates["socket"] = env.get(SOCKET_ENV) or _pod_socket(env)
     if cfg.weights_version is None:
         updates["weights_version"] = env.get(WEIGHTS_ENV) or None
     cfg = cfg.model_copy(update=updates)
     if not cfg.socket:
         raise ConfigError(f"KvtierConnector needs the sidecar's engine socket: set "
-                          f"kv_connector_extra_config.socket or {SOCKET_ENV}")
+                          f"kv_connector_extra_config.socket or {SOCKET_ENV} (in a pod the webhook "
+                          "injected, POD_NAME and POD_NAMESPACE locate it)")
     if not cfg.weights_version:
         raise ConfigError(f"KvtierConnector needs the exact weights digest: set "
                           f"kv_connector_extra_config.weights_version or {WEIGHTS_ENV} (never a path or a tag)")
     return cfg
+
+
+def _pod_socket(env: Mapping[str, str]) -> str | None:
+    """In an injected pod: the socket path the sidecar derives from the same pod identity."""
+    name, namespace = env.get("POD_NAME"), env.get("POD_NAMESPACE")
+    if not name or not namespace:
+        return None
+    return SidecarConfig(pod_name=name, pod_namespace=namespace).engine_socket_path(env)
 
 
 def check_block_sizes(kvtier_block: int, vllm_block: int) -> None:
