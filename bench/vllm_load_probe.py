@@ -28,8 +28,8 @@ try:
     arena.array[:] = np.random.default_rng(0).integers(0, 255, arena.array.size, dtype=np.uint8) & 0x3F
     slots = list(range(2, 2 + n))
     block_ids = list(range(pages - n, pages))   # the request's vLLM blocks, contiguous like a fresh engine's
-    plain = torch.empty(n * block_bytes, dtype=torch.uint8)
-    src = torch.from_numpy(arena.slot_array(slots[0], n))
+    plain = np.empty(n * block_bytes, dtype=np.uint8)
+    src = arena.slot_array(slots[0], n)
 
     def timed(fn) -> float:
         fn()
@@ -41,8 +41,11 @@ try:
         return statistics.median(samples)
 
     load_s = timed(lambda: paged.copy(arena, slots, block_ids, 0, to_paged=True))
-    memcpy_s = timed(lambda: plain.copy_(src))
-    print(json.dumps({"bytes": n * block_bytes, "tokens": n * block, "load_s": load_s, "memcpy_s": memcpy_s,
-                      "threads": torch.get_num_threads()}))
+    memcpy_s = timed(lambda: np.copyto(plain, src))
+    # the bytes landed where vLLM's kernels read them: block i's K of head 0, token 0
+    k0 = paged.layers[0][0][block_ids[0], 0, 0, 0]
+    canon0 = arena.slot_array(slots[0]).view(k0.dtype).reshape(paged.block_shape)[0, 0, 0, 0]
+    assert np.array_equal(k0, canon0)
+    print(json.dumps({"bytes": n * block_bytes, "tokens": n * block, "load_s": load_s, "memcpy_s": memcpy_s}))
 finally:
     arena.close()
