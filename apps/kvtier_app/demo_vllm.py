@@ -111,7 +111,7 @@ def _complete(ip: str, prompt: list[int], salt: str) -> tuple[list[int], int]:
 def _hit_tokens(ip: str) -> float:
     with urllib.request.urlopen(f"http://{ip}:{SIDECAR_HTTP_PORT}/metrics", timeout=5) as r:
         text = r.read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(r'^kvtier_hit_tokens_total\{[^}]*\} (\S+)$', text, re.M))
+    return sum(float(m.group(1)) for m in re.finditer(r'^kvtier_prefix_cache_hits_total\{[^}]*\} (\S+)$', text, re.M))
 
 
 def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
@@ -179,7 +179,7 @@ def render(r: dict[str, Any]) -> str:
              f"hits                {r['hits']} requests, {r['cached_tokens']:,} of {r['prompt_tokens']:,} prompt "
              "tokens loaded from kvtier (vLLM's own prefix cache off)",
              f"wrong answers       {r['wrong_answers']} (each checked against the prompt recomputed)",
-             "sidecar /metrics    " + ", ".join(f"{m}: kvtier_hit_tokens_total {v:,.0f}"
+             "sidecar /metrics    " + ", ".join(f"{m}: kvtier_prefix_cache_hits_total {v:,.0f}"
                                                  for m, v in r["sidecar_hit_tokens"].items())]
     if r["samples"]:
         lines.append(f"samples             {r['samples']}")

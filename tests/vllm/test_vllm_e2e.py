@@ -141,7 +141,7 @@ def test_fresh_engine_serves_prefix_stored_by_another_with_identical_outputs(wor
         got = world.ask(b, [name])
         assert got["outputs"] == [world.reference[name]], name
         assert got["cached"] == [cached], name
-    assert _metric(world.sidecars["s1"], "kvtier_hit_tokens_total", tier="dram") >= 2 * _hit("P")
+    assert _metric(world.sidecars["s1"], "kvtier_prefix_cache_hits_total", tier="dram") >= 2 * _hit("P")
 
 
 def _arena(sidecar: SidecarHandle) -> Arena:
