@@ -37,7 +37,8 @@ from kvtier.eviction import admits
 from kvtier.keys import BlockHash
 
 DEFAULT_MIN_SIGHTINGS = 2
-"""Store on the second sighting: one-shot prefixes never take a slot (TinyLFU)."""
+"""A block seen fewer times never displaces another in a full cache: one-shot
+prefixes only ever use free space or the window (TinyLFU)."""
 
 HOT_SIGHTINGS = 4
 """Sightings after which a small prefix is treated as hot (a system prompt or an agent
