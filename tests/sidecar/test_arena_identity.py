@@ -2,8 +2,12 @@
 started with the same identity (same namespace and pod name) on the same host
 replaces the segment under that name; an engine that attaches afterwards must not
 read the stranger's slots as its own sidecar's blocks (rule: fault-is-a-miss)."""
-import numpy as np
+import os
 
+import numpy as np
+import pytest
+
+from kvtier_sidecar.arena import Arena, ArenaError
 from kvtier_sidecar.client import Hit, Miss, SidecarClient
 
 from .test_sidecar_process import prompt, seed_cache
@@ -32,3 +36,15 @@ def test_an_engine_attaching_after_a_twin_took_the_shm_name_gets_a_miss_not_the_
     first.materialize(kept, dst)
     assert np.array_equal(dst, expected[: 7 * BB])
     first.release(kept)
+
+
+def test_attach_refuses_a_segment_whose_tag_is_not_its_creators():
+    owner = Arena.create(f"kvt-test-tag-{os.getpid()}", 4, BB)
+    try:
+        same = Arena.attach(owner.name, owner.size, BB, owner.tag)
+        assert same.tag == owner.tag and same.array.nbytes == 4 * BB
+        same.close()
+        with pytest.raises(ArenaError, match="another sidecar"):
+            Arena.attach(owner.name, owner.size, BB, bytes(len(owner.tag)))
+    finally:
+        owner.close()
