@@ -3,7 +3,8 @@
     GET  /cache/stats?tenant=T   per-tenant (or whole-cache) hit rates, tiers, bytes
     POST /cache/invalidate       {"model_version": V}            -> 202, dropped in background
     POST /cache/warm             {"tenant", "from_peer", "max_bytes", "ref"?} -> 202, pulled in background
-                                 (409 when the peer tier is off; a known ref answers its job)
+                                 (409 when the peer tier is off or a known ref comes with other
+                                 parameters; a known ref with the same ones answers its job)
     POST /cache/drain/done       a draining sidecar may exit now (409 when not draining)
     GET  /cache/jobs             background jobs: state, started_s/finished_s (wall clock), bytes
     GET  /metrics                Prometheus text, top-N tenants + "other"
@@ -16,17 +17,19 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
-from .service import PeerTierDisabled
+from .peer_address import parse_peer
+from .service import PeerTierDisabled, RefConflict
 
 log = logging.getLogger("kvtier.sidecar.http")
 
 MAX_BODY_BYTES = 64 << 10
-_PEER_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,255}:\d{1,5}$")
+# Largest warm-up one request may ask for: 4 TiB is beyond any node's DRAM tier, and a
+# bound keeps a typo (10**30) a clear 422 instead of an integer no code path expects.
+MAX_WARM_BYTES = 4 << 40
 
 
 class InvalidateRequest(BaseModel):
@@ -40,13 +43,17 @@ class WarmRequest(BaseModel):
 
     tenant: str = Field(min_length=1, max_length=256)
     from_peer: str = Field(min_length=3, max_length=300)
-    max_bytes: int = Field(gt=0)
-    # Idempotency key: the same ref again answers the first job (see Sidecar.warm).
+    # Strict: true, "100" and 1.0 are refused rather than read as numbers.
+    max_bytes: StrictInt = Field(gt=0, le=MAX_WARM_BYTES)
+    # Idempotency key: the same ref with the same parameters answers the first job;
+    # with different parameters it is a 409 (see Sidecar.warm).
     ref: str | None = Field(default=None, min_length=1, max_length=256)
 
-    def model_post_init(self, _ctx) -> None:
-        if not _PEER_RE.match(self.from_peer):
-            raise ValueError("from_peer must be host:port")
+    @field_validator("from_peer")
+    @classmethod
+    def _peer(cls, value: str) -> str:
+        parse_peer(value)  # raises with what to fix
+        return value
 
 
 def _bad(message: str, status: int = 400) -> web.Response:
@@ -93,7 +100,7 @@ def make_app(service) -> web.Application:
             return body
         try:
             job, started = service.warm(body.tenant, body.from_peer, body.max_bytes, body.ref)
-        except PeerTierDisabled as exc:
+        except (PeerTierDisabled, RefConflict) as exc:
             return _bad(str(exc), 409)
         return web.json_response({"accepted": True, "job": job, "started": started}, status=202)
 

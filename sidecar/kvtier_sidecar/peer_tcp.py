@@ -26,6 +26,7 @@ from kvtier.keys import KeyRoot
 
 from . import wire
 from .arena import contiguous_runs
+from .peer_address import parse_peer
 from .transport import FetchOutcome, FetchSink, HotPrefixes
 
 log = logging.getLogger("kvtier.sidecar.peer")
@@ -313,8 +314,8 @@ class TcpTransport:
         self.timeout_s = timeout_s
 
     def _connect(self, peer: str, deadline: float) -> socket.socket:
-        host, _, port = peer.rpartition(":")
-        sock = socket.create_connection((host, int(port)), timeout=self.connect_timeout_s)
+        addr = parse_peer(peer)  # "[v6]:port" too
+        sock = socket.create_connection((addr.host, addr.port), timeout=self.connect_timeout_s)
         try:
             _tune(sock)
             sock.settimeout(max(0.001, deadline - time.monotonic()))

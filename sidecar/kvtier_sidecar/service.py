@@ -48,6 +48,10 @@ class PeerTierDisabled(RuntimeError):
     """A peer operation asked of a sidecar whose config turned the peer tier off."""
 
 
+class RefConflict(ValueError):
+    """A warm-up `ref` this sidecar remembers, asked again with other parameters."""
+
+
 @dataclass(slots=True)
 class LookupAnswer:
     hit_id: int
@@ -399,7 +403,13 @@ class Sidecar:
             raise PeerTierDisabled("the peer tier is disabled in this sidecar's config")
         if ref is not None and ref in self._job_refs:
             job = self._job_refs[ref]
-            self._jobs[job]["asks"] += 1
+            record = self._jobs[job]
+            asked = {"tenant": tenant, "from_peer": peer, "max_bytes": max_bytes}
+            first = {k: record[k] for k in asked}
+            if first != asked:
+                raise RefConflict(f"ref {ref!r} already names job {job} with {first}; "
+                                  f"use a new ref for {asked}")
+            record["asks"] += 1
             return job, False
         job = self._spawn("warm", self._warm(tenant, peer, max_bytes), tenant=tenant, from_peer=peer,
                           max_bytes=max_bytes, ref=ref, asks=1)
