@@ -29,7 +29,7 @@ from kvtier.sidecar_config import SidecarConfig
 
 from . import metrics as metrics_mod
 from .dram import DramTier, Reservation, TierHit
-from .global_index import GlobalIndex
+from .global_index import GlobalIndex, index_gauges
 from .transport import PeerTransport
 
 log = logging.getLogger("kvtier.sidecar.service")
@@ -357,8 +357,8 @@ class Sidecar:
     def _index_state(self) -> dict:
         if self.index is None:
             return {"enabled": False}
-        return {"enabled": True, "available": self.index.available, "pending_blocks": self.index.pending,
-                **dict(self.index.stats)}
+        return {"enabled": True, "available": self.index.available, "writable": self.index.writable,
+                **self.index.health(), "pending_blocks": self.index.pending, **dict(self.index.stats)}
 
     def _spawn(self, name: str, coro, **about) -> str:
         """Run `coro` in the background as a job; its record (wall-clock `started_s`,
@@ -448,8 +448,12 @@ class Sidecar:
     def metrics_text(self) -> bytes:
         gauges = {f"dram_{k}": float(v) for k, v in self.tier.occupancy().items()}
         gauges["index_available"] = float(bool(self.index and self.index.available))
+        if self.index is not None:
+            gauges.update(index_gauges(self.index))
         gauges["pinned_hits"] = float(len(self._hits))
         counters = {k: float(v) for k, v in self.counters.items()}
+        if self.index is not None:
+            counters.update({f"index_{k}": float(v) for k, v in self.index.stats.items()})
         return metrics_mod.render(self.metrics, self.config.metrics_top_tenants, gauges, counters)
 
     def readiness(self) -> tuple[bool, str]:
