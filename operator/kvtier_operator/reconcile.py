@@ -16,6 +16,7 @@ Both are idempotent: run twice on the same world they write nothing the second t
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from typing import Any, Callable
 
 import aiohttp
 import kopf
+from kubernetes.client.rest import ApiException
+from pydantic import ValidationError
 
 from kvtier import policy
 from kvtier.affinity import AffinityTable, Assignment, load_imbalance, plan_membership_change
@@ -64,28 +67,64 @@ async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn) -> di
         raise kopf.PermanentError(f"spec is invalid: {exc}") from exc
     old = _status(body)
 
-    rendered = sidecar_render.render(spec)
-    cm = sidecar_render.config_map(name, namespace, rendered)
-    kopf.adopt(cm, owner=body)
-    await kube.apply_config_map(cm)
-
     measured = _measured_nvme(old) if spec.tiers.nvme.mode != "off" else None
     tiers, observed = economics.verdicts(spec, measured)
     _post_verdict_changes(old, tiers, event)
-    observed.append(conditions.Observation("SidecarConfigRendered", "True", "Rendered",
-                                           f"ConfigMap {cm['metadata']['name']} digest {rendered.digest}"))
-    fields: dict[str, Any] = {
-        "observedGeneration": generation,
-        "sidecarConfigMap": cm["metadata"]["name"],
-        "sidecarConfigHash": rendered.digest,
-        "tiers": [v.wire() for v in tiers],
-        "conditions": [c.wire() for c in conditions.merge(old.conditions, observed, generation)],
-    }
+    fields: dict[str, Any] = {"observedGeneration": generation, "tiers": [v.wire() for v in tiers]}
+    failure = await _write_sidecar_config(kube, body, spec, fields)
+    if failure is None:
+        observed += [conditions.Observation("SidecarConfigRendered", "True", "Rendered",
+                                            f"ConfigMap {fields['sidecarConfigMap']} digest {fields['sidecarConfigHash']}"),
+                     conditions.Observation("Degraded", "False", "AsExpected")]
+    else:
+        reason, message = failure
+        observed += [conditions.Observation("SidecarConfigRendered", "False", reason, message),
+                     conditions.Observation("Degraded", "True", reason, message)]
+        before = conditions.find(old.conditions, "Degraded")
+        if before is None or before.message != message:
+            event("Warning", reason, message)
+    fields["conditions"] = [c.wire() for c in conditions.merge(old.conditions, observed, generation)]
     if old.version is None:
         fields["version"] = spec.model.weights_version
     if old.phase is None:
         fields["phase"] = "Pending"
     return fields
+
+
+# API answers that mean "this ConfigMap can never be written as it is": retrying won't help.
+_REJECTED_STATUSES = (400, 413, 422)
+
+
+async def _write_sidecar_config(kube: Kube, body: dict[str, Any], spec: policy.KVCachePolicySpec,
+                                fields: dict[str, Any]) -> tuple[str, str] | None:
+    """Render and write the sidecar ConfigMap, adding its name and digest to `fields`;
+    (reason, message) when it cannot be rendered or the API refuses it for good (the
+    policy is Degraded until its spec changes; other API errors raise and kopf retries)."""
+    meta = body["metadata"]
+    try:
+        rendered = sidecar_render.render(spec)
+    except sidecar_render.ConfigTooLarge as exc:
+        return "SidecarConfigTooLarge", str(exc)
+    except ValidationError as exc:  # a spec the CRD admits but the sidecar could not run
+        return "SidecarConfigInvalid", "the sidecar config would be invalid: " + "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
+    cm = sidecar_render.config_map(meta["name"], meta["namespace"], rendered)
+    kopf.adopt(cm, owner=body)
+    try:
+        await kube.apply_config_map(cm)
+    except ApiException as exc:
+        if exc.status not in _REJECTED_STATUSES:
+            raise
+        return "SidecarConfigRejected", f"the API server refused ConfigMap {cm['metadata']['name']}: {exc.status} {_api_reason(exc)}"
+    fields.update(sidecarConfigMap=cm["metadata"]["name"], sidecarConfigHash=rendered.digest)
+    return None
+
+
+def _api_reason(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body).get("message", exc.reason))[:512]
+    except (TypeError, ValueError):
+        return str(exc.reason)
 
 
 def _post_verdict_changes(old: policy.KVCachePolicyStatus, tiers: list[policy.TierVerdict], event: EventFn) -> None:
