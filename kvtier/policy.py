@@ -305,6 +305,11 @@ MIN_DRAM_CAPACITY = "1Mi"
 
 class DramTier(_Wire):
     capacity: str = Field("1Gi", max_length=32, pattern=QUANTITY_PATTERN, description=f"e.g. 64Gi; at least {MIN_DRAM_CAPACITY}")
+    sidecar_memory_headroom: str | None = Field(
+        default=None, max_length=32, pattern=QUANTITY_PATTERN,
+        description="memory the sidecar process needs beyond its arena; the injected container requests and "
+                    "is limited to capacity + headroom (default: measured base plus a per-slot allowance)",
+    )
 
     CEL_RULES = (
         CelRule(

@@ -13,6 +13,7 @@ Added to the pod:
                 + kvtier-nvme      (hostPath spec.tiers.nvme.path, unless nvme mode is off)
     every existing container mounts kvtier-shm at /dev/shm and kvtier-run at
     /var/run/kvtier, unless it already mounts something there
+    kvtier-sidecar resources: memory request = limit = arena + headroom (`arena_memory`)
     terminationGracePeriodSeconds raised (never lowered) to cover the sidecar's drain:
                                     after SIGTERM it serves peers while the operator warms
                                     its tenants on their new homes
@@ -27,7 +28,7 @@ from typing import Any
 from kvtier import policy
 from kvtier.sidecar_config import DEFAULT_DRAIN_TIMEOUT_S, SidecarConfig
 
-from kvtier_operator import names
+from kvtier_operator import arena_memory, names
 
 # Memory-backed volume headroom over the arena: the allocator's and Python's own pages.
 SHM_HEADROOM_BYTES = 64 << 20
@@ -159,6 +160,13 @@ def _sidecar_container(
     }
     if spec.tiers.nvme.mode != "off":  # the shadow probe (and a future tier) uses the node's disk
         container["volumeMounts"].append({"name": names.NVME_VOLUME, "mountPath": spec.tiers.nvme.path})
-    if image.resources:
-        container["resources"] = image.resources
+    container["resources"] = _resources(spec, image)
     return container
+
+
+def _resources(spec: policy.KVCachePolicySpec, image: SidecarImage) -> dict[str, Any]:
+    """The operator's default resources (CPU, say), with memory sized to the arena."""
+    out = copy.deepcopy(image.resources)
+    for kind, values in arena_memory.sidecar_resources(spec).items():
+        out.setdefault(kind, {}).update(values)
+    return out
