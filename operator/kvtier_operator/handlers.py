@@ -21,7 +21,7 @@ import kopf
 
 from kvtier import policy
 
-from kvtier_operator import injection, names, publish, reconcile
+from kvtier_operator import conflicts, injection, names, publish, reconcile
 from kvtier_operator.kube import Kube
 from kvtier_operator.membership import PodView, pod_view
 from kvtier_operator.options import (
@@ -74,8 +74,20 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.index(*POLICY)
-def policies_by_namespace(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict[str, tuple[str, dict]]:
-    return {namespace: (name, dict(spec))}
+def policies_by_namespace(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
+                          **_: Any) -> dict[str, tuple[str, dict, str]]:
+    return {namespace: (name, dict(spec), meta.get("creationTimestamp") or "")}
+
+
+def _policy_refs(entries: Any) -> list[conflicts.PolicyRef]:
+    """The namespace's valid policies from the index (an invalid one selects nothing)."""
+    refs = []
+    for name, raw, created in entries:
+        try:
+            refs.append(conflicts.PolicyRef(name, created, policy.LabelSelector.model_validate(raw.get("selector") or {})))
+        except ValueError:
+            continue
+    return refs
 
 
 @kopf.index("", "v1", "pods")
@@ -104,15 +116,16 @@ async def spec_changed(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
             return
         fields = await reconcile.reconcile_spec(memo.kube, body, _poster(body))
         await memo.kube.patch_status(namespace, name, fields)
-    trigger = memo.triggers.get(key)
-    if trigger is not None:
-        trigger.set()
+    # Every policy of the namespace: a changed selector may start or end an overlap.
+    for (ns, _name), trigger in list(memo.triggers.items()):
+        if ns == namespace:
+            trigger.set()
 
 
 @kopf.daemon(*POLICY, cancellation_timeout=5.0)
 async def membership_loop(
     name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped,
-    pods_by_namespace: kopf.Index, **_: Any,
+    pods_by_namespace: kopf.Index, policies_by_namespace: kopf.Index, **_: Any,
 ) -> None:
     key = (namespace, name)
     trigger = memo.triggers.setdefault(key, asyncio.Event())
@@ -122,11 +135,12 @@ async def membership_loop(
         while not stopped:
             trigger.clear()
             views = list(pods_by_namespace.get(namespace, []))
+            refs = _policy_refs(policies_by_namespace.get(namespace, []))
             try:
                 async with _lock(memo, key):
                     await reconcile.reconcile_membership(
                         memo.kube, memo.sidecars, namespace, name, views, state,
-                        lambda t, r, m: kopf.event(body, type=t, reason=r, message=m),
+                        lambda t, r, m: kopf.event(body, type=t, reason=r, message=m), refs,
                     )
             except Exception:  # keep the loop alive: the next trigger or resync retries
                 log.exception("membership reconcile of %s/%s failed; retrying", namespace, name)
@@ -152,17 +166,17 @@ def inject_sidecar(
     body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, policies_by_namespace: kopf.Index, **_: Any
 ) -> None:
     namespace = body.metadata.namespace
-    candidates: dict[str, policy.KVCachePolicySpec] = {}
-    for name, raw in policies_by_namespace.get(namespace, []):
-        try:
-            candidates[name] = policy.KVCachePolicySpec.model_validate(raw)
-        except ValueError:
-            continue  # an invalid policy selects nothing
-    chosen = injection.selecting_policy(dict(body), [(n, s.selector) for n, s in candidates.items()])
+    refs = _policy_refs(policies_by_namespace.get(namespace, []))
+    chosen = injection.selecting_policy(dict(body), refs)
     if chosen is None:
         return
+    spec = next((raw for name, raw, _created in policies_by_namespace.get(namespace, []) if name == chosen), None)
+    try:
+        chosen_spec = policy.KVCachePolicySpec.model_validate(spec)
+    except ValueError:
+        return  # the owner's spec is invalid: inject nothing rather than the wrong config
     options: OperatorOptions = memo.options
-    result = injection.inject(dict(body), chosen, candidates[chosen], injection.SidecarImage(image=options.sidecar_image))
+    result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(image=options.sidecar_image))
     if result is not None:
         patch["metadata"] = result["metadata"]
         patch["spec"] = result["spec"]

@@ -28,7 +28,7 @@ from typing import Any
 from kvtier import policy
 from kvtier.sidecar_config import DEFAULT_DRAIN_TIMEOUT_S, SidecarConfig
 
-from kvtier_operator import arena_memory, names
+from kvtier_operator import arena_memory, conflicts, names
 
 # Memory-backed volume headroom over the arena: the allocator's and Python's own pages.
 SHM_HEADROOM_BYTES = 64 << 20
@@ -49,18 +49,14 @@ class SidecarImage:
     resources: dict[str, Any] = field(default_factory=dict)
 
 
-def selecting_policy(
-    pod: dict[str, Any], policies: list[tuple[str, policy.LabelSelector]]
-) -> str | None:
-    """The policy (by name) whose selector picks the pod; the first by name on overlap,
-    so the choice is deterministic."""
-    labels = (pod.get("metadata") or {}).get("labels") or {}
+def selecting_policy(pod: dict[str, Any], policies: list[conflicts.PolicyRef]) -> str | None:
+    """The policy (by name) that owns the pod: on overlap the oldest selecting policy
+    (see `conflicts`), so a scale-up gets the same config as its siblings."""
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
     if labels.get(names.OPT_OUT_LABEL) == "false":
         return None
-    for name, selector in sorted(policies, key=lambda p: p[0]):
-        if selector.matches(labels):
-            return name
-    return None
+    return conflicts.owner(labels, (meta.get("annotations") or {}).get(names.INJECTED_ANNOTATION), policies)
 
 
 def inject(

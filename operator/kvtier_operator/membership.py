@@ -17,6 +17,8 @@ from typing import Any, NewType
 from kvtier import policy
 from kvtier.sidecar_config import SidecarConfig
 
+from kvtier_operator.names import INJECTED_ANNOTATION
+
 MemberName = NewType("MemberName", str)
 
 # Default home weight: replicas are assumed equal unless a pod says otherwise.
@@ -34,6 +36,7 @@ class PodView:
     ready: bool
     deleting: bool
     weight: float
+    injected_by: str | None = None  # the policy whose sidecar the webhook injected
 
     def selected_by(self, selector: policy.LabelSelector) -> bool:
         return selector.matches(dict(self.labels))
@@ -75,6 +78,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         ready=ready and status.get("phase") == "Running",
         deleting=bool(meta.get("deletionTimestamp")),
         weight=weight,
+        injected_by=(meta.get("annotations") or {}).get(INJECTED_ANNOTATION),
     )
 
 

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from kvtier import policy
 from kvtier.affinity import AffinityTable, Assignment, load_imbalance, plan_membership_change
 
-from kvtier_operator import conditions, economics, membership, names, publish, sidecar_render, warmup
+from kvtier_operator import conditions, conflicts, economics, membership, names, publish, sidecar_render, warmup
 from kvtier_operator.kube import Kube
 from kvtier_operator.sidecar_client import STATS_TIMEOUT_S, FleetStats, SidecarClient, SidecarStats, parse_stats
 
@@ -156,13 +156,20 @@ async def reconcile_membership(
     views: list[membership.PodView],
     state: PolicyState,
     event: EventFn,
+    policies: list[conflicts.PolicyRef] | None = None,
 ) -> None:
-    """Bring the published affinity table in line with the ready members (see module doc)."""
+    """Bring the published affinity table in line with the ready members (see module doc).
+    `policies`: the namespace's policies, for overlapping selectors (`conflicts`)."""
     body = await kube.read_policy(namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return
     spec = policy.KVCachePolicySpec.model_validate(body["spec"])
     old_status = _status(body)
+    this = conflicts.PolicyRef(name, body["metadata"].get("creationTimestamp") or "", spec.selector)
+    refs = [p for p in policies or [] if p.name != name] + [this]
+    overlap = conflicts.observation(this, conflicts.overlaps(
+        this, [conflicts.PodLabels(v.name, dict(v.labels), v.injected_by) for v in views], refs))
+    views = [v for v in views if conflicts.owner(dict(v.labels), v.injected_by, refs) == name]
     members = membership.members(views, spec.selector)
     published_cm = await kube.read_config_map(namespace, names.affinity_config_map(name))
     published = publish.read_table(published_cm)
@@ -201,7 +208,11 @@ async def reconcile_membership(
 
     fields = _membership_status(name, old_status, members, table, plan, stats, new_epoch)
     observed = [conditions.Observation("AffinityPublished", "True", "Published",
-                                       f"epoch {table.epoch}, {len(members)} members, {len(tenants)} known tenants")]
+                                       f"epoch {table.epoch}, {len(members)} members, {len(tenants)} known tenants"),
+                overlap]
+    before = conditions.find(old_status.conditions, overlap.type)
+    if overlap.status == "True" and (before is None or before.message != overlap.message):
+        event("Warning", "SelectorConflict", overlap.message)
     if measured is not None:
         tiers, tier_observations = economics.verdicts(spec, measured)
         fields["tiers"] = [v.wire() for v in tiers]
