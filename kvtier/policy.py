@@ -81,6 +81,7 @@ _MAX_PREFIX_TOKENS = 8192
 MAX_SHARED_PREFIX_TOKENS_TOTAL = 16384
 _MAX_CONDITIONS = 16
 _MAX_HISTORY = 32
+_MAX_UNINJECTED_NAMED = 20
 
 WEIGHTS_DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
@@ -577,6 +578,10 @@ class KVCachePolicyStatus(_Wire):
     epoch: int | None = Field(default=None, description="affinity table epoch last published")
     moved_tenants: int | None = Field(default=None, description="tenants whose homes changed at the last epoch")
     known_tenants: int | None = None
+    uninjected_pods: int | None = Field(default=None, description="selected pods running without the sidecar "
+                                        "(created while the webhook was unreachable)")
+    uninjected_pod_names: list[str] = Field(default_factory=list, max_length=_MAX_UNINJECTED_NAMED,
+                                            description=f"the first {_MAX_UNINJECTED_NAMED} of them, by name")
     fleet_hit_rate: float | None = None
     affinity_config_map: str | None = None
     sidecar_config_map: str | None = None

@@ -17,7 +17,7 @@ from typing import Any, NewType
 from kvtier import policy
 from kvtier.sidecar_config import SidecarConfig
 
-from kvtier_operator.names import INJECTED_ANNOTATION
+from kvtier_operator.names import INJECTED_ANNOTATION, OPT_OUT_LABEL
 
 MemberName = NewType("MemberName", str)
 
@@ -107,3 +107,11 @@ def leaving(views: Iterable[PodView], selector: policy.LabelSelector,
 
 def weights(members_: Mapping[MemberName, Member]) -> dict[str, float]:
     return {name: m.weight for name, m in members_.items()}
+
+
+def uninjected(views: Iterable[PodView], selector: policy.LabelSelector) -> list[str]:
+    """Selected pods, not leaving, that run without the sidecar (no injected-by
+    annotation and not opted out): the webhook was unreachable when they were created."""
+    return sorted(v.name for v in views
+                  if v.selected_by(selector) and not v.deleting and v.injected_by is None
+                  and dict(v.labels).get(OPT_OUT_LABEL) != "false")

@@ -171,6 +171,7 @@ async def reconcile_membership(
         this, [conflicts.PodLabels(v.name, dict(v.labels), v.injected_by) for v in views], refs))
     views = [v for v in views if conflicts.owner(dict(v.labels), v.injected_by, refs) == name]
     members = membership.members(views, spec.selector)
+    missing = membership.uninjected(views, spec.selector)
     published_cm = await kube.read_config_map(namespace, names.affinity_config_map(name))
     published = publish.read_table(published_cm)
     base = published or _empty_table(spec, old_status.epoch or 0)
@@ -209,7 +210,8 @@ async def reconcile_membership(
     fields = _membership_status(name, old_status, members, table, plan, stats, new_epoch)
     observed = [conditions.Observation("AffinityPublished", "True", "Published",
                                        f"epoch {table.epoch}, {len(members)} members, {len(tenants)} known tenants"),
-                overlap]
+                overlap, _injection_observation(missing, old_status, event)]
+    fields.update(uninjectedPods=len(missing), uninjectedPodNames=missing[:MAX_UNINJECTED_NAMED])
     before = conditions.find(old_status.conditions, overlap.type)
     if overlap.status == "True" and (before is None or before.message != overlap.message):
         event("Warning", "SelectorConflict", overlap.message)
@@ -226,6 +228,24 @@ async def reconcile_membership(
     state.last_members = members
     log.info("membership of %s/%s reconciled: epoch %d, %d members, new epoch: %s",
              namespace, name, table.epoch, len(members), new_epoch)
+
+
+# Pods named in status and in the condition; the count covers the rest.
+MAX_UNINJECTED_NAMED = 20
+
+
+def _injection_observation(missing: list[str], old: policy.KVCachePolicyStatus, event: EventFn) -> conditions.Observation:
+    """SidecarsInjected: False while selected pods run without the sidecar (an Event when
+    that starts or the set changes), so a webhook outage is never silent."""
+    if not missing:
+        return conditions.Observation("SidecarsInjected", "True", "AllInjected", "every selected pod runs the sidecar")
+    named = ", ".join(missing[:MAX_UNINJECTED_NAMED]) + (f" and {len(missing) - MAX_UNINJECTED_NAMED} more"
+                                                         if len(missing) > MAX_UNINJECTED_NAMED else "")
+    message = (f"{len(missing)} selected pods run without the sidecar (created while the injection webhook was "
+               f"unreachable): {named}; delete them or restart the workload to inject it")
+    if old.uninjected_pod_names != missing[:MAX_UNINJECTED_NAMED] or old.uninjected_pods != len(missing):
+        event("Warning", "PodsWithoutSidecar", message)
+    return conditions.Observation("SidecarsInjected", "False", "PodsWithoutSidecar", message)
 
 
 async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers=None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier_testenv import polling
 from kvtier_testenv.kubectl import Kubectl
 from operator_cases import CRDS_DIR
 
@@ -14,7 +15,9 @@ CRD_NAME = "kvcachepolicies.kvtier.io"
 def kvcp_crd(control_plane) -> str:
     admin = Kubectl(control_plane.kubeconfig)
     admin.run("apply", "-f", str(CRDS_DIR))
-    admin.run("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    # `kubectl wait` errors out (not waits) while the new CRD has no status.conditions yet.
+    polling.wait_for("CRD Established", lambda: admin.run(
+        "wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=10s", check=False).returncode == 0, 60.0, 0.2)
     return CRD_NAME
 
 
