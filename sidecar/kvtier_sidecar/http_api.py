@@ -10,7 +10,8 @@
     GET  /metrics                Prometheus text, top-N tenants + "other"
     GET  /healthz, /readyz
 
-Bodies are pydantic models; anything malformed is a 4xx with a message saying what
+Bodies and answers are the pydantic models of `kvtier.control_api` (the operator's
+client reads the same ones); anything malformed is a 4xx with a message saying what
 was wrong. Handlers are thin: the work is in `service.Sidecar`.
 """
 from __future__ import annotations
@@ -19,45 +20,19 @@ import json
 import logging
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, ValidationError
 
-from .peer_address import parse_peer
+from kvtier import control_api as api
+
 from .service import PeerTierDisabled, RefConflict
 
 log = logging.getLogger("kvtier.sidecar.http")
 
 MAX_BODY_BYTES = 64 << 10
-# Largest warm-up one request may ask for: 4 TiB is beyond any node's DRAM tier, and a
-# bound keeps a typo (10**30) a clear 422 instead of an integer no code path expects.
-MAX_WARM_BYTES = 4 << 40
-
-
-class InvalidateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model_version: str = Field(min_length=1, max_length=256)
-
-
-class WarmRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tenant: str = Field(min_length=1, max_length=256)
-    from_peer: str = Field(min_length=3, max_length=300)
-    # Strict: true, "100" and 1.0 are refused rather than read as numbers.
-    max_bytes: StrictInt = Field(gt=0, le=MAX_WARM_BYTES)
-    # Idempotency key: the same ref with the same parameters answers the first job;
-    # with different parameters it is a 409 (see Sidecar.warm).
-    ref: str | None = Field(default=None, min_length=1, max_length=256)
-
-    @field_validator("from_peer")
-    @classmethod
-    def _peer(cls, value: str) -> str:
-        parse_peer(value)  # raises with what to fix
-        return value
 
 
 def _bad(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+    return web.json_response(api.dump(api.ErrorBody(error=message)), status=status)
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel | web.Response:
@@ -83,34 +58,35 @@ async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel | web
 def make_app(service) -> web.Application:
     async def stats(request: web.Request) -> web.Response:
         tenant = request.query.get("tenant")
-        if tenant is not None and not (0 < len(tenant) <= 256):
-            return _bad("tenant must be 1-256 characters")
-        return web.json_response(service.stats(tenant))
+        if tenant is not None and not (0 < len(tenant) <= api.MAX_NAME_CHARS):
+            return _bad(f"tenant must be 1-{api.MAX_NAME_CHARS} characters")
+        return web.json_response(api.dump(service.stats(tenant)))
 
     async def invalidate(request: web.Request) -> web.Response:
-        body = await _body(request, InvalidateRequest)
+        body = await _body(request, api.InvalidateRequest)
         if isinstance(body, web.Response):
             return body
         job = service.invalidate_version(body.model_version)
-        return web.json_response({"accepted": True, "model_version": body.model_version, "job": job}, status=202)
+        return web.json_response(api.dump(api.InvalidateAccepted(model_version=body.model_version, job=job)),
+                                 status=202)
 
     async def warm(request: web.Request) -> web.Response:
-        body = await _body(request, WarmRequest)
+        body = await _body(request, api.WarmRequest)
         if isinstance(body, web.Response):
             return body
         try:
             job, started = service.warm(body.tenant, body.from_peer, body.max_bytes, body.ref)
         except (PeerTierDisabled, RefConflict) as exc:
             return _bad(str(exc), 409)
-        return web.json_response({"accepted": True, "job": job, "started": started}, status=202)
+        return web.json_response(api.dump(api.WarmAccepted(job=job, started=started)), status=202)
 
     async def drain_done(request: web.Request) -> web.Response:
         if not service.finish_drain():
             return _bad("not draining: this sidecar has not been asked to stop", 409)
-        return web.json_response({"draining": True, "done": True}, status=202)
+        return web.json_response(api.dump(api.DrainDone()), status=202)
 
     async def jobs(request: web.Request) -> web.Response:
-        return web.json_response(service.jobs())
+        return web.json_response(api.dump(api.Jobs(service.jobs())))
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=service.metrics_text(), content_type="text/plain", charset="utf-8",

@@ -110,10 +110,6 @@ class HotResponse(BaseModel):
     prefixes: list[HotPrefix]
 
 
-class ErrorBody(BaseModel):
-    error: str
-
-
 def auth_tag(secret: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, nonce + AUTH_CONTEXT, hashlib.sha256).digest()
 

@@ -19,7 +19,7 @@ import pytest
 from kvtier.sidecar_config import from_mapping
 from kvtier_operator.arena_memory import headroom_for_slots
 from kvtier_sidecar.client import SidecarClient
-from kvtier_sidecar.fleet import SidecarHandle, sidecar_config
+from kvtier_testenv.fleet import SidecarHandle, sidecar_config
 
 ARENA_BYTES = 64 << 20
 V1_ROOT = Path("/sys/fs/cgroup/memory")

@@ -156,13 +156,13 @@ def test_sidecar_under_redis_oom_keeps_peer_hits_and_shows_the_write_state_in_st
     ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
     before = prompt(200, seed=1)
     seed_cache(ca, oracle, "t", before)
-    poll(lambda: a.stats()["index"].get("registered_blocks", 0) >= 12)
+    poll(lambda: a.stats()["index"]["counters"].get("registered_blocks", 0) >= 12)
     admin = redis_sync.Redis.from_url(url)
     admin.config_set("maxmemory-policy", "noeviction")
     admin.config_set("maxmemory", 1)
     seed_cache(ca, oracle, "t", prompt(200, seed=2))
     index = poll(lambda: (i := a.stats()["index"])["writes"] == "oom" and i)
-    assert index["reads"] == "ok" and index["pending_blocks"] > 0 and index["register_errors_oom"] >= 1
+    assert index["reads"] == "ok" and index["pending_blocks"] > 0 and index["counters"]["register_errors_oom"] >= 1
     metrics = a.get("/metrics")[1].decode()
     assert "kvtier_index_writes_oom 1.0" in metrics and "kvtier_index_reads_ok 1.0" in metrics
     # B's lookup of what A registered before the OOM is still a peer hit.

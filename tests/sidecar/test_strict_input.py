@@ -6,8 +6,8 @@ import pytest
 
 from kvtier_sidecar.client import SidecarClient, root_payload
 from kvtier_sidecar.engine_proto import FRAME, EngineOp, encode
-from kvtier_sidecar.http_api import MAX_WARM_BYTES
-from kvtier_sidecar.peer_address import PeerAddress, parse_peer
+from kvtier.control_api import MAX_WARM_BYTES
+from kvtier.peer_address import PeerAddress, parse_peer
 from .test_sidecar_process import prompt, seed_cache
 
 
