@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 import kopf
+from kubernetes.client.rest import ApiException
 
 from kvtier import policy
 
@@ -136,9 +137,13 @@ async def membership_loop(
                         memo.kube, memo.sidecars, namespace, name, views, registry.entry(key).state,
                         lambda t, r, m: kopf.event(body, type=t, reason=r, message=m), refs,
                     )
-            except Exception:  # keep the loop alive: the next trigger or resync retries
-                log.exception("membership reconcile of %s/%s failed; retrying", namespace, name)
-                await asyncio.sleep(1.0)
+            except Exception as exc:  # keep the loop alive: the next trigger or resync retries
+                if isinstance(exc, ApiException) and exc.status == 404:
+                    # The policy was deleted between the read and the write: its daemon stops next.
+                    log.info("membership reconcile of %s/%s: the policy is gone", namespace, name)
+                else:
+                    log.exception("membership reconcile of %s/%s failed; retrying", namespace, name)
+                    await asyncio.sleep(1.0)
             try:
                 await asyncio.wait_for(trigger.wait(), timeout=options.resync_interval_s)
             except asyncio.TimeoutError:

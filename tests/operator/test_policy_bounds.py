@@ -18,7 +18,8 @@ from pydantic import ValidationError
 from kvtier import policy
 from kvtier_operator import names, sidecar_render
 from kvtier_testenv.kubectl import Kubectl
-from operator_harness import RunningOperator, events, free_port, operator_options, register_webhook, wait_for
+from kvtier_testenv.ports import free_port
+from operator_harness import RunningOperator, events, operator_options, register_webhook, wait_for
 from sidecar_fleet import tiny_policy
 
 # A ConfigMap's data may hold 1 MiB; the stated margin is 4x at the CRD's bound.

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from kvtier_operator import names
 from kvtier_testenv.kubectl import Kubectl
-from operator_harness import RunningOperator, events, free_port, operator_options, register_webhook, wait_for
+from kvtier_testenv.ports import free_port
+from operator_harness import RunningOperator, events, operator_options, register_webhook, wait_for
 from sidecar_fleet import serving_pod, tiny_policy
 from test_operator_e2e import status_of
 
