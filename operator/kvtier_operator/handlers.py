@@ -8,7 +8,8 @@
     membership_loop      daemon per policy: members -> epoch (woken by pod events)
     pod_changed          pod events wake the loops of their namespace's policies
     inject_sidecar       mutating admission webhook for pod CREATE
-    policy_deleted       finalizer: Redis key and ConfigMaps
+    policy_deleted       finalizer: a rollout in flight rolled back (rollout_teardown.py), then
+                         the Redis key and ConfigMaps
     rollout_tick         timer per policy with a workloadRef (rollout_handlers.py)
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kubernetes.client.rest import ApiException
 
 from kvtier import policy
 
-from kvtier_operator import conflicts, injection, names, publish, reconcile
+from kvtier_operator import conflicts, injection, names, publish, reconcile, rollout_teardown
 from kvtier_operator.kube import Kube
 from kvtier_operator.membership import PodView, pod_view
 from kvtier_operator.options import (
@@ -180,7 +181,11 @@ def inject_sidecar(
 
 
 @kopf.on.delete(*POLICY)
-async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
+async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body, memo: kopf.Memo,
+                         **_: Any) -> None:
+    # First the workload: a rollout in flight goes back to the stable version (retried
+    # by kopf until the pods converge), then the policy's own objects.
+    await rollout_teardown.settle_workload(memo.kube, dict(body), _poster(dict(body)))
     redis_spec = spec.get("redis") or {}
     if redis_spec.get("url"):
         await publish.delete_redis(redis_spec["url"], namespace, name, bool(redis_spec.get("cluster")))
