@@ -22,6 +22,14 @@ class RefConflict(ValueError):
     """A remembered `ref` asked again with other parameters (answered 409)."""
 
 
+class QueueFull(RuntimeError):
+    """Too many jobs of a kind are unfinished; `retry_after_s` says when to ask again."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class JobRegistry:
     def __init__(self) -> None:
         self._jobs: dict[JobId, Job] = {}
@@ -70,6 +78,9 @@ class JobRegistry:
             old = self._jobs.pop(next(iter(self._jobs)))
             if old.ref is not None:
                 self._refs.pop(old.ref, None)
+
+    def unfinished(self, kind: JobKind) -> int:
+        return sum(1 for r in self._jobs.values() if r.kind == kind and r.state == JobState.RUNNING)
 
     def snapshot(self) -> dict[JobId, Job]:
         return {job: record.model_copy() for job, record in self._jobs.items()}
