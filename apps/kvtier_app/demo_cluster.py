@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier_testenv import polling
+from kvtier_testenv.binaries import REPO_ROOT
 
-REPO = Path(__file__).resolve().parent.parent
-CHART = REPO / "charts" / "kvtier"
+CHART = REPO_ROOT / "charts" / "kvtier"
 RELEASE = "kvtier"
 SYSTEM_NAMESPACE = "kvtier-system"
 NAMESPACE = "kvtier-demo"

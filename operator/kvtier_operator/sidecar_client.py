@@ -114,6 +114,25 @@ class SidecarClient:
             log.info("no stats from %s: %s", member.name, exc)
             return None
 
+    async def draining(self, candidates: Mapping[str, Member]) -> tuple[dict[str, Member], list[MemberStats]]:
+        """The candidates whose sidecars answer stats with `draining: true` (the leavers),
+        and their stats. A silent or non-draining one is simply gone: it is no source."""
+        answers = await asyncio.gather(*(self._stats(m) for m in candidates.values()))
+        leaving = [s for s in answers if s is not None and s.draining]
+        return dict(sorted((s.member, candidates[s.member]) for s in leaving)), leaving
+
+    async def release(self, leavers: Mapping[str, Member]) -> None:
+        """Tell each leaver it may exit now (`POST /cache/drain/done`). Best effort: one
+        that misses this exits when its drain goes idle or times out."""
+        async def done(member: Member) -> None:
+            try:
+                async with self._session.post(f"{member.http_url()}/cache/drain/done", json={},
+                                              timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as resp:
+                    log.info("released leaving pod %s: %s", member.name, resp.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.info("leaving pod %s not released: %s", member.name, exc)
+        await asyncio.gather(*(done(m) for m in leavers.values()))
+
     async def warm_all(
         self, requests: Iterable[WarmTask], members: Mapping[str, Member], timeout_s: float,
         ref_prefix: str = "", on_done: Callable[[str], None] | None = None,
