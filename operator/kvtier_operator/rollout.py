@@ -194,6 +194,8 @@ def plan(
             return _start(ctx, superseding=status.target_version)
         if phase == "Paused":
             return _hold(ctx, _step_patch(ctx, status.step))
+        if observed.workload.replicas == 0:
+            return _scaled_to_zero(ctx)
         return _evaluate(ctx)
     if phase == "RolledBack" and status is not None and status.target_version == target:
         return _hold(ctx, WorkloadPatch(serving or target, 0))
@@ -273,6 +275,18 @@ def _evaluate(ctx: _Ctx) -> Plan:
                                         f"step {step}: {ready}/{n} new pods ready, hit rate {_fmt(rec.hit_rate)} over "
                                         f"{lookups} lookups; needs {rec.needed:.4f} over "
                                         f"{ctx.spec.recovery.min_lookups}"),))
+
+
+def _scaled_to_zero(ctx: _Ctx) -> Plan:
+    """No pods to judge: hold the step and keep restarting its clock, so the workload
+    scaled back up gets a whole recovery window instead of an instant rollback."""
+    status = ctx.status
+    assert status is not None
+    rollout = status.model_copy(update={"step_started_at": ctx.observed.now})
+    return Plan("hold", rollout=rollout,
+                conditions=(Observation(PROGRESSING, "True", "ScaledToZero",
+                                        f"step {status.step} on hold: the workload has 0 replicas; the step's "
+                                        f"recovery window starts again when pods return"),))
 
 
 def _advance(ctx: _Ctx, step: int, rec: StepRecovery) -> Plan:
