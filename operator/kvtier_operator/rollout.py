@@ -268,8 +268,8 @@ def _evaluate(ctx: _Ctx) -> Plan:
     rollout = status.model_copy(update={"current_hit_rate": rec.hit_rate})
     changed = rollout != status
     needs_patch = _differs(ctx.observed.workload, patch)
-    if not changed and not needs_patch:
-        return Plan("wait")
+    # Always say where the step stands (a merge of an identical condition writes nothing),
+    # so a condition from a pause in the judging (ScaledToZero) never outlives it.
     return Plan("wait", rollout=rollout if changed else None, workload=patch if needs_patch else None,
                 conditions=(Observation(PROGRESSING, "True", "WaitingForRecovery",
                                         f"step {step}: {ready}/{n} new pods ready, hit rate {_fmt(rec.hit_rate)} over "

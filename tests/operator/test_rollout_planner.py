@@ -227,4 +227,5 @@ def test_scaled_to_zero_mid_rollout_holds_the_step_and_restarts_its_clock_instea
     assert [(c.type, c.reason) for c in p.conditions] == [("RolloutProgressing", "ScaledToZero")]
     # Scaled back up: the step is judged from the restarted clock, so it waits, not rolls back.
     back = observed(NEW, 2, [OLD] * 2 + [NEW] * 2, now=later + timedelta(seconds=5), lookups=10, hits=0)
-    assert rollout.plan(spec(), NEW, OLD, p.rollout, "RollingOut", back).kind == "wait"
+    resumed = rollout.plan(spec(), NEW, OLD, p.rollout, "RollingOut", back)
+    assert resumed.kind == "wait" and [c.reason for c in resumed.conditions] == ["WaitingForRecovery"]
