@@ -115,6 +115,20 @@ class Kube:
         assert self.apps is not None
         await asyncio.to_thread(self.apps.patch_namespaced_stateful_set, name, namespace, patch)
 
+    async def node_allocatable_memory(self, name: str) -> int | None:
+        """A node's allocatable memory in bytes; None when the node or the figure is missing."""
+        try:
+            node = await asyncio.to_thread(self.core.read_node, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        memory = ((node.status.allocatable if node.status else None) or {}).get("memory")
+        try:
+            return policy.parse_quantity_bytes(memory) if memory else None
+        except ValueError:
+            return None
+
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         pods = await asyncio.to_thread(self.core.list_namespaced_pod, namespace, label_selector=label_selector)
         return self.core.api_client.sanitize_for_serialization(pods).get("items") or []

@@ -37,6 +37,7 @@ class PodView:
     deleting: bool
     weight: float
     injected_by: str | None = None  # the policy whose sidecar the webhook injected
+    node: str | None = None  # spec.nodeName once bound
 
     def selected_by(self, selector: policy.LabelSelector) -> bool:
         return selector.matches(dict(self.labels))
@@ -79,6 +80,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         deleting=bool(meta.get("deletionTimestamp")),
         weight=weight,
         injected_by=(meta.get("annotations") or {}).get(INJECTED_ANNOTATION),
+        node=(body.get("spec") or {}).get("nodeName") or None,
     )
 
 
@@ -115,3 +117,8 @@ def uninjected(views: Iterable[PodView], selector: policy.LabelSelector) -> list
     return sorted(v.name for v in views
                   if v.selected_by(selector) and not v.deleting and v.injected_by is None
                   and dict(v.labels).get(OPT_OUT_LABEL) != "false")
+
+
+def nodes(views: Iterable[PodView], selector: policy.LabelSelector) -> list[str]:
+    """The nodes the selected pods are bound to."""
+    return sorted({v.node for v in views if v.node and v.selected_by(selector) and not v.deleting})

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from kvtier import policy
 from kvtier.affinity import AffinityTable, load_imbalance, plan_membership_change
 
-from kvtier_operator import (conditions, conflicts, economics, epoch, membership, names, publish, sidecar_render,
+from kvtier_operator import (arena_memory, conditions, conflicts, economics, epoch, membership, names, publish, sidecar_render,
                              warmup)
 from kvtier_operator.kube import Kube
 from kvtier_operator.registry import PolicyState
@@ -197,7 +197,8 @@ async def reconcile_membership(
     fields = _membership_status(name, old_status, members, table, plan, stats, new_epoch)
     observed = [conditions.Observation("AffinityPublished", "True", "Published",
                                        f"epoch {table.epoch}, {len(members)} members, {len(tenants)} known tenants"),
-                overlap, _injection_observation(missing, old_status, event)]
+                overlap, _injection_observation(missing, old_status, event),
+                await _dram_fit_observation(kube, spec, membership.nodes(views, spec.selector), old_status, event)]
     fields.update(uninjectedPods=len(missing), uninjectedPodNames=missing[:MAX_UNINJECTED_NAMED])
     before = conditions.find(old_status.conditions, overlap.type)
     if overlap.status == "True" and (before is None or before.message != overlap.message):
@@ -214,6 +215,22 @@ async def reconcile_membership(
         event("Normal", "EpochChanged", _epoch_message(table, plan, len(tenants)))
     log.info("membership of %s/%s reconciled: epoch %d, %d members, new epoch: %s",
              namespace, name, table.epoch, len(members), new_epoch)
+
+
+async def _dram_fit_observation(kube: Kube, spec: policy.KVCachePolicySpec, node_names: list[str],
+                                old: policy.KVCachePolicyStatus, event: EventFn) -> conditions.Observation:
+    """DramFits: can each node the selected pods run on hold one sidecar (arena plus
+    headroom) in its allocatable memory? False names each node too small, with numbers."""
+    allocatable = {n: a for n in node_names if (a := await kube.node_allocatable_memory(n)) is not None}
+    message = arena_memory.fit_message(arena_memory.node_fits(spec, allocatable))
+    if message is None:
+        need = arena_memory.sidecar_memory_bytes(spec)
+        return conditions.Observation("DramFits", "True", "Fits",
+                                      f"{len(allocatable)} node(s) the pods run on each hold the sidecar's {need} bytes")
+    before = conditions.find(old.conditions, "DramFits")
+    if before is None or before.message != message:
+        event("Warning", "DramDoesNotFit", message)
+    return conditions.Observation("DramFits", "False", "NodeTooSmall", message)
 
 
 # Pods named in status and in the condition; the count covers the rest.
