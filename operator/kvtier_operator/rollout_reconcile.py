@@ -19,7 +19,7 @@ import kopf
 
 from kvtier import breakeven, policy
 
-from kvtier_operator import conditions, economics, names, rollout
+from kvtier_operator import conditions, crashpoints, economics, names, rollout
 from kvtier_operator.conditions import Observation
 from kvtier_operator.membership import Member, MemberName, pod_view
 
@@ -53,8 +53,10 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any]) -> rollout.Pla
     fields = _status_fields(plan, status, meta.get("generation"))
     if fields:
         await kube.patch_status(namespace, name, fields)
+        crashpoints.reached("rollout-status-written")
     if plan.workload is not None:
         await kube.patch_stateful_set(namespace, ref.name, workload_patch(plan.workload))
+        crashpoints.reached("rollout-workload-patched")
     if plan.event is not None:
         kopf.event(body, type=plan.event[0], reason=plan.event[1], message=plan.event[2])
     if plan.kind not in ("idle", "wait", "hold"):
