@@ -8,11 +8,9 @@ effect, so tests can check that a restart converges to the same end state.
 Unset (always, outside tests) it is one dictionary lookup. The points, in the order a
 rollout step performs its side effects (`rollout_reconcile.reconcile_rollout`):
 
+    rollout-event-posted      the step's Event created (under a deterministic name)
     rollout-status-written    status.rollout / phase / version written
     rollout-workload-patched  the StatefulSet's template and partition patched
-
-(The step's Event is queued by kopf and posted by its own task, so "after the Event"
-is not a point a process can stop at deterministically.)
 """
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ import os
 ENV = "KVTIER_CRASH_AT"
 # What a SIGKILLed process reports (128 + 9), so a crash reads the same as a kill.
 CRASH_EXIT_CODE = 137
-POINTS = ("rollout-status-written", "rollout-workload-patched")
+POINTS = ("rollout-event-posted", "rollout-status-written", "rollout-workload-patched")
 
 
 def reached(point: str) -> None:

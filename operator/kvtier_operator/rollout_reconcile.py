@@ -1,8 +1,10 @@
 """One rollout reconcile for a policy with a `workloadRef`: observe the StatefulSet, its
 pods' versions (the pod annotation the sidecar's KVTIER_WEIGHTS_VERSION comes from) and
 their sidecars' hit counters, ask the pure planner (`rollout.plan`) for the next action,
-then write status, patch the workload, post the Event — in that order, so a restart
-resumes from status and re-applies at most the same patch.
+then post the step's Event (under a deterministic name, so it is posted exactly once),
+write status, patch the workload — in that order, so a restart resumes from status,
+re-applies at most the same patch and neither loses nor repeats the Event
+(`crashpoints` kills the process after each of these in tests).
 
 Only StatefulSets are driven (partition); a Deployment workloadRef gets a condition
 saying so. The prometheus recovery source is validated by the CRD but refused here
@@ -11,11 +13,10 @@ the same rule membership uses (`membership.PodView.serving`).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from datetime import datetime, timezone
 from typing import Any
-
-import kopf
 
 from kvtier import breakeven, policy
 
@@ -50,6 +51,11 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any]) -> rollout.Pla
     )
     plan = rollout.plan(spec.rollout, spec.model.weights_version, status.version, status.rollout, status.phase,
                         observed)
+    if plan.event is not None:
+        # First, under a name derived from what happened: a crash after it and the
+        # re-planned step find it posted (409) instead of losing or repeating it.
+        await kube.create_event_once(step_event(body, plan))
+        crashpoints.reached("rollout-event-posted")
     fields = _status_fields(plan, status, meta.get("generation"))
     if fields:
         await kube.patch_status(namespace, name, fields)
@@ -57,11 +63,29 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any]) -> rollout.Pla
     if plan.workload is not None:
         await kube.patch_stateful_set(namespace, ref.name, workload_patch(plan.workload))
         crashpoints.reached("rollout-workload-patched")
-    if plan.event is not None:
-        kopf.event(body, type=plan.event[0], reason=plan.event[1], message=plan.event[2])
     if plan.kind not in ("idle", "wait", "hold"):
         log.info("rollout of %s/%s: %s", namespace, name, plan.kind)
     return plan
+
+
+def step_event(body: dict[str, Any], plan: rollout.Plan) -> dict[str, Any]:
+    """The step's Event, named by (policy, target version, step, history length,
+    reason): a re-planned step after a crash has the same name; a later rollout to the
+    same target (after a rollback grew the history) has another."""
+    meta = body["metadata"]
+    kind, reason, message = plan.event
+    r = plan.rollout
+    what = f"{meta.get('uid')}/{r.target_version}/{r.step}/{len(r.history)}" if r is not None else str(meta.get("uid"))
+    key = hashlib.sha256(f"{what}/{reason}".encode()).hexdigest()[:16]
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{key}", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": f"{policy.GROUP}/{policy.VERSION}", "kind": policy.KIND,
+                           "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid")},
+        "type": kind, "reason": reason, "message": message[:1024], "count": 1,
+        "firstTimestamp": now, "lastTimestamp": now, "source": {"component": "kvtier-operator"},
+    }
 
 
 def workload_patch(patch: rollout.WorkloadPatch) -> dict[str, Any]:
