@@ -30,6 +30,8 @@ class OperatorOptions:
     resync_interval_s: float = RESYNC_INTERVAL_S
     debounce_s: float = DEBOUNCE_S
     warms_per_target: int = WARMS_PER_TARGET
+    metrics_host: str = "0.0.0.0"  # the pod's metrics port: scraped from inside the cluster
+    metrics_port: int = 0  # 0: no metrics server
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "OperatorOptions":
@@ -44,6 +46,8 @@ class OperatorOptions:
             resync_interval_s=float(get("RESYNC_INTERVAL_S", cls.resync_interval_s)),
             debounce_s=float(get("DEBOUNCE_S", cls.debounce_s)),
             warms_per_target=int(get("WARMS_PER_TARGET", cls.warms_per_target)),
+            metrics_host=get("METRICS_HOST", cls.metrics_host),
+            metrics_port=int(get("METRICS_PORT", cls.metrics_port)),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -53,6 +57,8 @@ class OperatorOptions:
             "RESYNC_INTERVAL_S": str(self.resync_interval_s),
             "DEBOUNCE_S": str(self.debounce_s),
             "WARMS_PER_TARGET": str(self.warms_per_target),
+            "METRICS_HOST": self.metrics_host,
+            "METRICS_PORT": str(self.metrics_port),
         }
         for key, value in (("WEBHOOK_HOST", self.webhook_host), ("WEBHOOK_CERT", self.webhook_cert),
                            ("WEBHOOK_KEY", self.webhook_key)):

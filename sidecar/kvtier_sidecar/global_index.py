@@ -307,13 +307,3 @@ class GlobalIndex:
         except Exception:  # closing a broken connection must not mask shutdown
             pass
 
-
-def index_gauges(index: GlobalIndex) -> dict[str, float]:
-    """/metrics gauges: one 0/1 series per (operation, health), the write queue, and the
-    error counts by kind (e.g. `index_writes_oom 1` while Redis refuses writes for memory)."""
-    out: dict[str, float] = {"index_pending_blocks": float(index.pending),
-                             "index_writable": float(index.writable)}
-    for op, breaker in (("reads", index.reads), ("writes", index.writes)):
-        for health in Health:
-            out[f"index_{op}_{health.value}"] = float(breaker.state is health)
-    return out
