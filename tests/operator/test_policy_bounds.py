@@ -101,9 +101,10 @@ def test_configmap_the_api_refuses_is_a_degraded_condition_with_the_reason_and_a
         # The binding takes effect asynchronously: probe until a labelled ConfigMap is refused.
         probe = {"apiVersion": "v1", "kind": "ConfigMap",
                  "metadata": {"name": "probe", "labels": {names.COMPONENT_LABEL: "sidecar-config"}}}
-        wait_for("admission policy active", lambda: kubectl.run(
-            "create", "-f", "-", input=json.dumps(probe), check=False).returncode != 0)
-        kubectl.delete("configmap", "probe")
+        # Server-side dry run: admission runs, nothing is stored (so a probe admitted
+        # before the binding took effect cannot make a later one fail as AlreadyExists).
+        wait_for("admission policy active", lambda: "denied request" in kubectl.run(
+            "create", "--dry-run=server", "-f", "-", input=json.dumps(probe), check=False).stderr)
         kubectl.apply(tiny_policy("refused", "r"))
         degraded = wait_for("Degraded", lambda: (c := _condition(kubectl, "refused", "Degraded")) and c["status"] == "True" and c)
         assert degraded["reason"] == "SidecarConfigRejected"
