@@ -12,7 +12,9 @@ Added to the pod:
                 + kvtier-run       (emptyDir: the engine socket)
                 + kvtier-nvme      (hostPath spec.tiers.nvme.path, unless nvme mode is off)
     every existing container mounts kvtier-shm at /dev/shm and kvtier-run at
-    /var/run/kvtier, unless it already mounts something there
+    /var/run/kvtier, unless it already mounts something there, and gets the engine
+    env (`engine_env`: the policy-rendered --kv-transfer-config, the weights digest,
+    what locates the sidecar's socket) where it does not set it itself
     kvtier-sidecar resources: memory request = limit = arena + headroom (`arena_memory`)
     terminationGracePeriodSeconds raised (never lowered) to cover the sidecar's drain:
                                     after SIGTERM it serves peers while the operator warms
@@ -29,6 +31,7 @@ from kvtier import policy
 from kvtier.sidecar_config import DEFAULT_DRAIN_TIMEOUT_S, SidecarConfig
 
 from kvtier_operator import arena_memory, conflicts, names
+from kvtier_operator.engine_env import with_engine_env
 
 # Memory-backed volume headroom over the arena: the allocator's and Python's own pages.
 SHM_HEADROOM_BYTES = 64 << 20
@@ -74,7 +77,7 @@ def inject(
     ):
         return None
     sidecar_cfg = SidecarConfig()  # ports only; the real config is in the ConfigMap
-    new_containers = [_with_shared_mounts(c) for c in containers] + [
+    new_containers = [with_engine_env(_with_shared_mounts(c), spec) for c in containers] + [
         _sidecar_container(policy_name, spec, image, sidecar_cfg)
     ]
     volumes = list(pod_spec.get("volumes") or [])
