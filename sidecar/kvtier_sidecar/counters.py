@@ -16,6 +16,7 @@ class Count(StrEnum):
     STORED_BLOCKS = "stored_blocks"
     INVALIDATED_BLOCKS = "invalidated_blocks"
     WARMED_BLOCKS = "warmed_blocks"
+    WARM_REFUSED = "warm_refused"  # warm-ups answered 429: the queue was full
 
 
 class Counters:
