@@ -162,13 +162,15 @@ def start_sidecars(n: int, workdir: Path, oracle, redis_url: str | None, secret_
 
 
 def _replay_entry(args: tuple) -> ReplayStats:
-    socket_path, requests, oracle_kind, block_size, deadline_s = args
-    return replay(socket_path, requests, oracle_kind, block_size, deadline_s=deadline_s)
+    socket_path, requests, oracle_kind, block_size, deadline_s, stop_file = args
+    return replay(socket_path, requests, oracle_kind, block_size, deadline_s=deadline_s, stop_file=stop_file)
 
 
 def run_engines(assignments: list[tuple[str, list[Request]]], oracle_kind: str, block_size: int = 16,
-                duration_s: float | None = None) -> list[ReplayStats]:
-    """One engine process per (socket, requests); returns each one's ReplayStats."""
+                duration_s: float | None = None, stop_file: str | None = None) -> list[ReplayStats]:
+    """One engine process per (socket, requests); returns each one's ReplayStats.
+    Engines loop until `duration_s` has passed or `stop_file` exists, whichever
+    comes first (with neither, they replay their requests once)."""
     ctx = multiprocessing.get_context("spawn")
     # One BLAS thread per engine: several engines on a few cores otherwise oversubscribe.
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -180,7 +182,8 @@ def run_engines(assignments: list[tuple[str, list[Request]]], oracle_kind: str, 
             if duration_s is not None:
                 # Monotonic clocks are per boot, shared by processes: one deadline for all.
                 deadline = time.monotonic() + duration_s
-            jobs.append(pool.apply_async(_replay_entry, ((socket_path, reqs, oracle_kind, block_size, deadline),)))
+            jobs.append(pool.apply_async(_replay_entry, ((socket_path, reqs, oracle_kind, block_size, deadline,
+                                                               stop_file),)))
         return [j.get() for j in jobs]
 
 

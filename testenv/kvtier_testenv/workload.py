@@ -7,6 +7,7 @@ exception out of the client is `errors`; both must stay zero under every fault.
 """
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -162,14 +163,18 @@ def make_workload(tenants: int, templates: int, requests: int, seed: int = 0, vo
 
 
 def replay(socket_path: str, requests: list[Request], oracle_kind: str = "synthetic", block_size: int = 16,
-           deadline_s: float | None = None, loops: int = 1) -> ReplayStats:
-    """Replay `requests` (`loops` times, or until `deadline_s` on the monotonic clock)."""
+           deadline_s: float | None = None, loops: int = 1, stop_file: str | None = None) -> ReplayStats:
+    """Replay `requests` (`loops` times, or until `deadline_s` on the monotonic clock);
+    with `stop_file`, also stop as soon as that file exists (a caller that waits for
+    an event rather than a time)."""
     oracle = make_oracle(oracle_kind, block_size)
     client = SidecarClient(socket_path)
     stats = ReplayStats()
     i = 0
     total = len(requests) * loops
     while (deadline_s is None and i < total) or (deadline_s is not None and time.monotonic() < deadline_s):
+        if stop_file is not None and os.path.exists(stop_file):
+            break
         req = requests[i % len(requests)]
         i += 1
         try:
