@@ -70,6 +70,10 @@ DEFAULT_DRAIN_TIMEOUT_S = 20.0
 # before it warms) arrived for this long: nobody is warming from it. Under a test's
 # 10 s graceful stop, above an operator's reaction to a pod deletion.
 DEFAULT_DRAIN_IDLE_S = 5.0
+# Peer secret rotation: the previous secret stays accepted this long after the file
+# changed. A mounted Secret reaches pods up to the kubelet's sync period (60 s) plus its
+# cache TTL (60 s) apart; three minutes covers that with room.
+DEFAULT_PEER_SECRET_OVERLAP_S = 180.0
 
 RELOADABLE_FIELDS = frozenset({
     "log_level",
@@ -183,6 +187,7 @@ class SidecarConfig(BaseModel):
 
     peer_enabled: bool = True  # False: no peer server, no peer fetches, no warm-ups, no index
     peer_secret_file: str | None = None
+    peer_secret_overlap_s: float = Field(DEFAULT_PEER_SECRET_OVERLAP_S, ge=0, le=3600)
     peer_max_concurrency: int = Field(8, ge=1, le=1024)
     peer_timeout_s: float = Field(DEFAULT_PEER_TIMEOUT_S, gt=0)
     peer_connect_timeout_s: float = Field(0.25, gt=0)

@@ -38,6 +38,7 @@ from .engine_server import EngineServer
 from .global_index import GlobalIndex
 from .http_api import make_app
 from .nvme_probe import NvmeProbe
+from .peer_keys import PeerKeyring, SecretFileWatch
 from .peer_tcp import PeerServer, TcpTransport
 from .service import Sidecar
 
@@ -95,14 +96,18 @@ class SidecarProcess:
         # (it only ever names peers to fetch from).
         self.peer_server = self.index = self.transport = None
         advertise = ""
+        self.keyring = PeerKeyring(c.peer_secret(), c.peer_secret_overlap_s)
+        self.secret_watch = SecretFileWatch(c.peer_secret_file, self.keyring)
         if c.peer_enabled:
-            self.peer_server = PeerServer(tier, c.pod_ip, c.peer_port, c.peer_secret(), c.peer_max_concurrency,
-                                          c.peer_timeout_s).start()
+            self.peer_server = PeerServer(tier, c.pod_ip, c.peer_port, self.keyring, c.peer_max_concurrency,
+                                          c.peer_timeout_s)
             advertise = c.peer_advertise or self.peer_server.address
+            self.peer_server.endpoint = advertise
+            self.peer_server.start()
             if c.redis_url:
                 self.index = GlobalIndex(c.redis_url, advertise, c.index_key_prefix, c.index_ttl_s,
                                          c.index_lookup_timeout_s, c.redis_cluster)
-            self.transport = TcpTransport(self.config.peer_secret, c.peer_connect_timeout_s, c.peer_timeout_s)
+            self.transport = TcpTransport(self.keyring, c.peer_connect_timeout_s, c.peer_timeout_s, identity=advertise)
         self.service = Sidecar(c, tier, self.index, self.transport, instance=uuid.uuid4().hex)
         self.service.bind_loop(asyncio.get_running_loop())
         socket_path = c.engine_socket_path()
@@ -197,6 +202,9 @@ class SidecarProcess:
         logged and ignored (the running config stays)."""
         while True:
             await asyncio.sleep(CONFIG_POLL_S)
+            if self.secret_watch.poll():
+                log.info("peer secret rotated; the previous one stays accepted for the overlap",
+                         extra={"overlap_s": self.keyring.overlap_s})
             stamp = self._stamp()
             if stamp == self._config_stamp:
                 continue
@@ -216,8 +224,6 @@ class SidecarProcess:
         merged = self.config.model_copy(update=applicable)
         self.config = merged
         self.service.apply_config(merged)
-        if self.peer_server is not None:
-            self.peer_server.set_secret(merged.peer_secret())
         if "nvme" in applicable:
             self._start_nvme_probe(merged.nvme)
         if "log_level" in applicable:
