@@ -89,6 +89,7 @@ RELOADABLE_FIELDS = frozenset({
     "nvme",
     "drain_timeout_s",
     "drain_idle_s",
+    "warm_peers",
 })
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
@@ -188,6 +189,8 @@ class SidecarConfig(BaseModel):
     peer_enabled: bool = True  # False: no peer server, no peer fetches, no warm-ups, no index
     peer_secret_file: str | None = None
     peer_secret_overlap_s: float = Field(DEFAULT_PEER_SECRET_OVERLAP_S, ge=0, le=3600)
+    # Peers a warm-up may dial besides the global index's live members (host:port).
+    warm_peers: list[str] = Field(default_factory=list, max_length=10_000)
     peer_max_concurrency: int = Field(8, ge=1, le=1024)
     peer_timeout_s: float = Field(DEFAULT_PEER_TIMEOUT_S, gt=0)
     peer_connect_timeout_s: float = Field(0.25, gt=0)

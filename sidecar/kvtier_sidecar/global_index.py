@@ -44,6 +44,8 @@ MAX_REMEMBERED_KEYS = 1_000_000
 BACKOFF_MIN_S = 0.25
 BACKOFF_MAX_S = 5.0
 HEARTBEAT_S = 2.0
+# A warm-up's membership check is on the control path, not a lookup's: a second is fine.
+MEMBERSHIP_CHECK_TIMEOUT_S = 1.0
 # A member is live while its heartbeat is younger than this.
 MEMBER_TTL_S = 3 * HEARTBEAT_S
 
@@ -233,6 +235,16 @@ class GlobalIndex:
             self._succeeded()
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             self._failed("heartbeat", exc)
+
+    async def is_member(self, host: str) -> bool:
+        """Whether `host` heartbeats in this index's member set now (one round trip);
+        False when Redis cannot say (a warm-up source must be proven, not assumed)."""
+        try:
+            expiry = await asyncio.wait_for(self.redis.zscore(self.members_key, host), MEMBERSHIP_CHECK_TIMEOUT_S)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self._failed("membership check", exc)
+            return False
+        return expiry is not None and float(expiry) > time.time()
 
     def forget_member(self, host: str) -> None:
         """A peer that failed a fetch is skipped until its next heartbeat refresh."""

@@ -3,7 +3,8 @@
     GET  /cache/stats?tenant=T   per-tenant (or whole-cache) hit rates, tiers, bytes
     POST /cache/invalidate       {"model_version": V}            -> 202, dropped in background
     POST /cache/warm             {"tenant", "from_peer", "max_bytes", "ref"?} -> 202, pulled in background
-                                 (409 when the peer tier is off; a known ref answers its job)
+                                 (409 when the peer tier is off; 403 when from_peer is not a
+                                 member of this sidecar's fleet; a known ref answers its job)
     POST /cache/drain/done       a draining sidecar may exit now (409 when not draining)
     GET  /cache/jobs             background jobs: state, started_s/finished_s (wall clock), bytes
     GET  /metrics                Prometheus text, top-N tenants + "other"
@@ -91,6 +92,9 @@ def make_app(service) -> web.Application:
         body = await _body(request, WarmRequest)
         if isinstance(body, web.Response):
             return body
+        if not await service.may_warm_from(body.from_peer):
+            return _bad(f"from_peer {body.from_peer} is not a member of this sidecar's fleet "
+                        "(neither in warm_peers nor a live member of the global index)", 403)
         try:
             job, started = service.warm(body.tenant, body.from_peer, body.max_bytes, body.ref)
         except PeerTierDisabled as exc:

@@ -391,6 +391,17 @@ class Sidecar:
             return {"dropped_blocks": dropped}
         return self._spawn("invalidate", run())
 
+    async def may_warm_from(self, peer: str) -> bool:
+        """Warm-ups dial only this sidecar's own fleet: a peer listed in `warm_peers`, or
+        a live member of the global index (written only by sidecars holding the Redis
+        credentials). With neither configured the caller's word is all there is: the
+        control API's authentication is then the only gate (see docs/SECURITY.md)."""
+        if peer in self.config.warm_peers:
+            return True
+        if self.index is not None:
+            return await self.index.is_member(peer)
+        return not self.config.warm_peers
+
     def warm(self, tenant: str, peer: str, max_bytes: int, ref: str | None = None) -> tuple[str, bool]:
         """Start pulling `tenant`'s hot prefixes from `peer`; (job, started). A `ref`
         names the request: asking again with a ref this sidecar still remembers answers
