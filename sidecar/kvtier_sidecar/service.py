@@ -44,6 +44,10 @@ FETCH_THREADS = 8
 MAX_JOBS_KEPT = 1000
 
 
+class OwnershipError(ValueError):
+    """An engine connection named a hit or store ticket it does not hold."""
+
+
 class PeerTierDisabled(RuntimeError):
     """A peer operation asked of a sidecar whose config turned the peer tier off."""
 
@@ -63,6 +67,7 @@ class StoreTicket:
     reservation: Reservation
     tp: int
     created_s: float
+    ranks: dict[int, object]  # rank -> the engine connection that began it
     committed_ranks: set[int] = field(default_factory=set)
 
 
@@ -95,6 +100,7 @@ class Sidecar:
         self.metrics = metrics_mod.TenantMetrics()
         self.counters: collections.Counter = collections.Counter()
         self._hits: dict[int, TierHit] = {}
+        self._hit_owners: dict[int, object] = {}  # hit -> the engine connection that holds it
         self._tickets: dict[int, StoreTicket] = {}
         self._ticket_keys: dict[tuple, int] = {}
         self._ids = itertools.count(1)
@@ -118,7 +124,7 @@ class Sidecar:
 
     # -- engine path --------------------------------------------------------------------
 
-    async def lookup(self, root: KeyRoot, tokens: np.ndarray) -> LookupAnswer | None:
+    async def lookup(self, root: KeyRoot, tokens: np.ndarray, owner: object = None) -> LookupAnswer | None:
         hit = self.tier.lookup(root, tokens)
         tier_name = "dram" if hit else None
         peer_bytes = 0
@@ -146,10 +152,15 @@ class Sidecar:
             return None
         hit_id = next(self._ids)
         self._hits[hit_id] = hit
+        self._hit_owners[hit_id] = owner
         return LookupAnswer(hit_id, hit.matched_tokens, hit.slots, tier_name or "dram")
 
-    def release(self, hit_id: int) -> bool:
+    def release(self, hit_id: int, owner: object = None) -> bool:
+        """Unpin a hit; only the connection that looked it up may (OwnershipError)."""
+        if hit_id in self._hits and self._hit_owners.get(hit_id) is not owner:
+            raise OwnershipError(f"hit {hit_id} belongs to another engine connection")
         hit = self._hits.pop(hit_id, None)
+        self._hit_owners.pop(hit_id, None)
         if hit is None:
             return False
         self.tier.release(hit.handle)
@@ -223,31 +234,40 @@ class Sidecar:
 
     # -- stores -------------------------------------------------------------------------
 
-    def store_begin(self, root: KeyRoot, tokens: np.ndarray, tp: int, rank: int) -> tuple[int, int, list[int]]:
+    def store_begin(self, root: KeyRoot, tokens: np.ndarray, tp: int, rank: int,
+                    owner: object = None) -> tuple[int, int, list[int]]:
         """(ticket, first_block, slots) for the engine to write; ticket 0: declined.
-        All TP ranks of one prompt share a ticket; it commits when every rank did."""
+        All TP ranks of one prompt share a ticket, each rank joining from its own
+        connection (`owner`); it commits when every rank committed what it wrote."""
         if tp < 1 or not (0 <= rank < tp) or self.tier.kv_heads % tp:
             raise ValueError(f"tp={tp} rank={rank} does not divide {self.tier.kv_heads} kv heads")
         key = (root, tokens.tobytes(), tp)
         ticket_id = self._ticket_keys.get(key)
         if ticket_id is not None and ticket_id in self._tickets:
             t = self._tickets[ticket_id]
+            if t.ranks.setdefault(rank, owner) is not owner:
+                raise OwnershipError(f"rank {rank} of this store was begun by another engine connection")
             return ticket_id, t.reservation.first_block, t.reservation.slots
         reservation = self.tier.reserve(root, tokens, None, None, admit=True)
         self.metrics.store(root.tenant, reservation is not None)
         if reservation is None:
             return 0, 0, []
         ticket_id = next(self._ids)
-        self._tickets[ticket_id] = StoreTicket(root, tokens.copy(), reservation, tp, time.monotonic())
+        self._tickets[ticket_id] = StoreTicket(root, tokens.copy(), reservation, tp, time.monotonic(), {rank: owner})
         self._ticket_keys[key] = ticket_id
         return ticket_id, reservation.first_block, reservation.slots
 
-    def store_commit(self, ticket_id: int, rank: int) -> bool:
+    def store_commit(self, ticket_id: int, rank: int, owner: object = None) -> bool:
+        """Rank `rank` wrote its shard. The blocks are published only once every rank
+        0..tp-1 committed, each from the connection that began it (OwnershipError
+        otherwise, and nothing changes)."""
         t = self._tickets.get(ticket_id)
         if t is None:
             return False
+        if rank not in t.ranks or t.ranks[rank] is not owner:
+            raise OwnershipError(f"ticket {ticket_id} rank {rank} was not begun by this engine connection")
         t.committed_ranks.add(rank)
-        if len(t.committed_ranks) < t.tp:
+        if t.committed_ranks != set(range(t.tp)):
             return True
         self._forget_ticket(ticket_id)
         committed = self.tier.commit(t.reservation, len(t.reservation.slots))
@@ -269,8 +289,11 @@ class Sidecar:
         else:
             self._fetch_pool.submit(work)
 
-    def store_abort(self, ticket_id: int) -> None:
+    def store_abort(self, ticket_id: int, owner: object = None, expired: bool = False) -> None:
+        """Give up a store: a connection that joined it, or the expiry sweep."""
         t = self._tickets.get(ticket_id)
+        if t is not None and not expired and not any(o is owner for o in t.ranks.values()):
+            raise OwnershipError(f"ticket {ticket_id} belongs to another engine connection")
         if t is not None:
             self._forget_ticket(ticket_id)
             self.tier.abort(t.reservation)
@@ -283,7 +306,7 @@ class Sidecar:
         now = time.monotonic()
         stale = [tid for tid, t in self._tickets.items() if now - t.created_s > STORE_TICKET_TIMEOUT_S]
         for tid in stale:
-            self.store_abort(tid)
+            self.store_abort(tid, expired=True)
         return len(stale)
 
     def _copy_platform_prefix(self, t: StoreTicket) -> None:
@@ -477,11 +500,13 @@ class Sidecar:
         self.drain_done.set()
         return True
 
-    def release_all(self, hit_ids, tickets) -> None:
+    def release_all(self, hit_ids, tickets, owner: object = None) -> None:
+        """A connection went away: its pins and every store it joined (a TP group
+        missing a rank can never complete)."""
         for h in list(hit_ids):
-            self.release(h)
+            self.release(h, owner)
         for t in list(tickets):
-            self.store_abort(t)
+            self.store_abort(t, owner)
 
     def close(self) -> None:
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
