@@ -17,6 +17,14 @@ Added to the pod:
                                     after SIGTERM it serves peers while the operator warms
                                     its tenants on their new homes
     metadata.annotations[kvtier.io/injected-by] = <policy name>
+
+The sidecar itself needs no privilege: it satisfies the `restricted` Pod Security
+Standard (non-root, no privilege escalation, every capability dropped, the runtime's
+default seccomp profile, a read-only root filesystem whose writable paths are the
+volumes above; TMPDIR points at kvtier-run). It runs as the pod's user when the pod names one, else as the image's
+non-root user; the engine must run as the same user (the arena and the engine socket
+are private to it). `kvtier-nvme` is a hostPath volume, which `restricted` (and
+`baseline`) namespaces refuse: keep nvme off there.
 """
 from __future__ import annotations
 
@@ -119,6 +127,19 @@ def _volumes(policy_name: str, spec: policy.KVCachePolicySpec) -> list[dict[str,
          if spec.tiers.nvme.mode != "off" else [])
 
 
+def restricted_security_context() -> dict[str, Any]:
+    """The sidecar container's securityContext: what the `restricted` Pod Security
+    Standard asks of a container, and a read-only root filesystem."""
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
@@ -130,6 +151,8 @@ def _env(spec: policy.KVCachePolicySpec) -> list[dict[str, Any]]:
         _field_env("POD_IP", "status.podIP"),
         _field_env("KVTIER_WEIGHTS_VERSION", f"metadata.annotations['{names.WEIGHTS_VERSION_ANNOTATION}']"),
         {"name": "XDG_RUNTIME_DIR", "value": names.RUN_MOUNT_PATH},
+        # The root filesystem is read-only: temporary files go to the writable volume.
+        {"name": "TMPDIR", "value": names.RUN_MOUNT_PATH},
     ]
     if spec.redis and spec.redis.secret_ref:
         ref = spec.redis.secret_ref
@@ -156,6 +179,7 @@ def _sidecar_container(
             {"name": names.SHM_VOLUME, "mountPath": names.SHM_MOUNT_PATH},
             {"name": names.RUN_VOLUME, "mountPath": names.RUN_MOUNT_PATH},
         ],
+        "securityContext": restricted_security_context(),
     }
     if spec.tiers.nvme.mode != "off":  # the shadow probe (and a future tier) uses the node's disk
         container["volumeMounts"].append({"name": names.NVME_VOLUME, "mountPath": spec.tiers.nvme.path})
