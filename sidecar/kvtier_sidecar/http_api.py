@@ -12,6 +12,10 @@
 
 Bodies are pydantic models; anything malformed is a 4xx with a message saying what
 was wrong. Handlers are thin: the work is in `service.Sidecar`.
+
+Everything under /cache/ (and /metrics when `control_auth.protect_metrics`) needs the
+operator's token (see `control_auth`): 401 without a valid one, 403 for someone else,
+and nothing changes. /healthz and /readyz are always open (the kubelet probes them).
 """
 from __future__ import annotations
 
@@ -74,7 +78,11 @@ async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel | web
         return _bad(f"invalid request: {fields}", 422)
 
 
-def make_app(service) -> web.Application:
+PROTECTED_PREFIX = "/cache/"
+
+
+def make_app(service, auth=None, protect_metrics: bool = False) -> web.Application:
+    """`auth`: a control_auth.TokenReviewer, or None for an open control API."""
     async def stats(request: web.Request) -> web.Response:
         tenant = request.query.get("tenant")
         if tenant is not None and not (0 < len(tenant) <= 256):
@@ -130,7 +138,18 @@ def make_app(service) -> web.Application:
             log.exception("http handler failed", extra={"path": request.path})
             return _bad("internal error", 500)
 
-    app = web.Application(middlewares=[never_crash], client_max_size=MAX_BODY_BYTES)
+    @web.middleware
+    async def authenticated(request: web.Request, handler):
+        if auth is None or not (request.path.startswith(PROTECTED_PREFIX)
+                                or (protect_metrics and request.path == "/metrics")):
+            return await handler(request)
+        decision = await auth.check(request.headers.get("Authorization"))
+        if decision.allowed:
+            return await handler(request)
+        headers = {"WWW-Authenticate": 'Bearer realm="kvtier-sidecar"'} if decision.status == 401 else None
+        return web.json_response({"error": decision.reason}, status=decision.status, headers=headers)
+
+    app = web.Application(middlewares=[never_crash, authenticated], client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/cache/stats", stats)
     app.router.add_post("/cache/invalidate", invalidate)
     app.router.add_post("/cache/warm", warm)

@@ -33,6 +33,7 @@ from kvtier.sidecar_config import SidecarConfig
 
 from . import logs
 from .arena import Arena, ArenaError
+from .control_auth import TokenReviewer
 from .dram import DramTier
 from .engine_server import EngineServer
 from .global_index import GlobalIndex
@@ -113,7 +114,11 @@ class SidecarProcess:
         socket_path = c.engine_socket_path()
         engine = EngineServer(self.service, socket_path, hello_for(c, self.arena))
         await engine.start()
-        runner = web.AppRunner(make_app(self.service), access_log=None, handle_signals=False)
+        self.auth = TokenReviewer(c.control_auth, self.service.counters) if c.control_auth.mode == "tokenreview" else None
+        if self.auth is None:
+            log.warning("control API open: no token is checked (control_auth.mode=open)")
+        runner = web.AppRunner(make_app(self.service, self.auth, c.control_auth.protect_metrics),
+                               access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, c.pod_ip, c.http_port)
         await site.start()
@@ -148,6 +153,8 @@ class SidecarProcess:
             await self.index.deregister()
             await self.index.close()
         await runner.cleanup()
+        if self.auth is not None:
+            await self.auth.close()
         self.service.close()
 
     def _on_signal(self) -> None:
