@@ -307,6 +307,8 @@ ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
     "KVTIER_CONTROL_AUTH_MODE": ("control_auth", "mode"),
     "KVTIER_CONTROL_AUTH_USERS": ("control_auth", "allowed_users"),
     "KVTIER_CONTROL_AUTH_AUDIENCE": ("control_auth", "audience"),
+    "KVTIER_CONTROL_AUTH_TOKEN_FILE": ("control_auth", "token_file"),
+    "KVTIER_CONTROL_AUTH_CA_FILE": ("control_auth", "ca_file"),
 }
 # Environment variables holding a comma-separated list.
 LIST_ENV = frozenset({"KVTIER_CONTROL_AUTH_USERS"})

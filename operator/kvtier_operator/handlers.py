@@ -55,7 +55,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         )
     memo.options = options
     memo.kube = Kube.from_environment()
-    memo.sidecars = SidecarClient.create(options.warms_per_target)
+    memo.sidecars = SidecarClient.create(options.warms_per_target, options.sidecar_token_file)
     memo.triggers = {}  # (namespace, name) -> asyncio.Event, one per membership loop
     memo.locks = {}  # (namespace, name) -> asyncio.Lock: one status writer at a time
     memo.states = {}  # (namespace, name) -> reconcile.PolicyState
@@ -162,7 +162,8 @@ def inject_sidecar(
     if chosen is None:
         return
     options: OperatorOptions = memo.options
-    result = injection.inject(dict(body), chosen, candidates[chosen], injection.SidecarImage(image=options.sidecar_image))
+    result = injection.inject(dict(body), chosen, candidates[chosen], injection.SidecarImage(
+        image=options.sidecar_image, auth_mode=options.sidecar_auth, auth_users=options.sidecar_auth_users))
     if result is not None:
         patch["metadata"] = result["metadata"]
         patch["spec"] = result["spec"]

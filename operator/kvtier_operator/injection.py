@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier import policy
-from kvtier.sidecar_config import DEFAULT_DRAIN_TIMEOUT_S, SidecarConfig
+from kvtier.sidecar_config import DEFAULT_DRAIN_TIMEOUT_S, SERVICE_ACCOUNT_DIR, SidecarConfig
 
 from kvtier_operator import names
 
@@ -54,6 +54,9 @@ class SidecarImage:
     command: tuple[str, ...] = ("kvtier-sidecar",)
     pull_policy: str = "IfNotPresent"
     resources: dict[str, Any] = field(default_factory=dict)
+    # Who may call the sidecar's control API (the operator's identity, checked by TokenReview).
+    auth_mode: str = "tokenreview"
+    auth_users: str = ""
 
 
 def selecting_policy(
@@ -160,6 +163,19 @@ def _env(spec: policy.KVCachePolicySpec) -> list[dict[str, Any]]:
     return env
 
 
+def _auth_env(image: SidecarImage) -> list[dict[str, Any]]:
+    """The operator's identity travels with the pod, not the policy's ConfigMap: it is
+    the operator's deployment that decides who the operator is."""
+    env = [{"name": "KVTIER_CONTROL_AUTH_MODE", "value": image.auth_mode}]
+    if image.auth_mode == "tokenreview":
+        # The pod's own ServiceAccount token calls TokenReview (named here, so a runtime
+        # that maps mount paths sees them too).
+        env += [{"name": "KVTIER_CONTROL_AUTH_USERS", "value": image.auth_users},
+                {"name": "KVTIER_CONTROL_AUTH_TOKEN_FILE", "value": f"{SERVICE_ACCOUNT_DIR}/token"},
+                {"name": "KVTIER_CONTROL_AUTH_CA_FILE", "value": f"{SERVICE_ACCOUNT_DIR}/ca.crt"}]
+    return env
+
+
 def _sidecar_container(
     policy_name: str, spec: policy.KVCachePolicySpec, image: SidecarImage, cfg: SidecarConfig
 ) -> dict[str, Any]:
@@ -168,7 +184,7 @@ def _sidecar_container(
         "image": image.image,
         "imagePullPolicy": image.pull_policy,
         "command": [*image.command, "--config", f"{names.CONFIG_MOUNT_PATH}/{names.CONFIG_KEY}"],
-        "env": _env(spec),
+        "env": _env(spec) + _auth_env(image),
         "ports": [
             {"name": "kvtier-http", "containerPort": cfg.http_port, "protocol": "TCP"},
             {"name": "kvtier-peer", "containerPort": cfg.peer_port, "protocol": "TCP"},

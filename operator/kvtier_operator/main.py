@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="make a self-signed certificate in DIR (its cert.pem is the webhook's caBundle)")
     p.add_argument("--warms-per-target", type=int, default=_DEFAULTS.warms_per_target,
                    help="warm-ups in flight per new home when tenants move")
+    p.add_argument("--sidecar-auth", choices=("tokenreview", "open"), default=_DEFAULTS.sidecar_auth,
+                   help="the injected sidecars' control API: TokenReview-checked (default) or open")
+    p.add_argument("--sidecar-auth-user", action="append", default=[],
+                   help="identity the sidecars accept (repeatable), e.g. system:serviceaccount:NS:NAME")
+    p.add_argument("--sidecar-token-file",
+                   help="this operator's projected ServiceAccount token for the sidecars' audience")
     p.add_argument("--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--service-account-dir", type=Path, metavar="DIR",
                    help="in-cluster credentials (token, ca.crt, namespace) mounted here")
@@ -69,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     options = OperatorOptions(
         sidecar_image=args.sidecar_image, webhook_host=args.webhook_host, webhook_port=args.webhook_port,
         webhook_cert=cert, webhook_key=key, warms_per_target=args.warms_per_target,
+        sidecar_auth=args.sidecar_auth, sidecar_auth_users=",".join(args.sidecar_auth_user),
+        sidecar_token_file=args.sidecar_token_file,
     )
     os.environ.update(options.to_env())
 

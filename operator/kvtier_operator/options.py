@@ -30,6 +30,12 @@ class OperatorOptions:
     resync_interval_s: float = RESYNC_INTERVAL_S
     debounce_s: float = DEBOUNCE_S
     warms_per_target: int = WARMS_PER_TARGET
+    # The sidecars' control API: "tokenreview" (the injected sidecars accept only
+    # `sidecar_auth_users`, checked with TokenReview) or "open" (loopback tests only).
+    sidecar_auth: str = "tokenreview"
+    sidecar_auth_users: str = ""  # comma-separated; normally this operator's own ServiceAccount
+    # This operator's projected token for the sidecars' audience (re-read as kubelet rotates it).
+    sidecar_token_file: str | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "OperatorOptions":
@@ -44,6 +50,9 @@ class OperatorOptions:
             resync_interval_s=float(get("RESYNC_INTERVAL_S", cls.resync_interval_s)),
             debounce_s=float(get("DEBOUNCE_S", cls.debounce_s)),
             warms_per_target=int(get("WARMS_PER_TARGET", cls.warms_per_target)),
+            sidecar_auth=get("SIDECAR_AUTH", "tokenreview"),
+            sidecar_auth_users=get("SIDECAR_AUTH_USERS", ""),
+            sidecar_token_file=get("SIDECAR_TOKEN_FILE"),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -53,9 +62,11 @@ class OperatorOptions:
             "RESYNC_INTERVAL_S": str(self.resync_interval_s),
             "DEBOUNCE_S": str(self.debounce_s),
             "WARMS_PER_TARGET": str(self.warms_per_target),
+            "SIDECAR_AUTH": self.sidecar_auth,
         }
         for key, value in (("WEBHOOK_HOST", self.webhook_host), ("WEBHOOK_CERT", self.webhook_cert),
-                           ("WEBHOOK_KEY", self.webhook_key)):
+                           ("WEBHOOK_KEY", self.webhook_key), ("SIDECAR_AUTH_USERS", self.sidecar_auth_users),
+                           ("SIDECAR_TOKEN_FILE", self.sidecar_token_file)):
             if value:
                 out[key] = value
         return {ENV_PREFIX + k: v for k, v in out.items()}

@@ -131,7 +131,7 @@ async def reconcile_membership(
     base = _with_knobs(base, spec)
 
     candidates = membership.leaving(views, spec.selector, published.members if published else ())
-    leavers, leaver_stats = await _draining(candidates) if candidates else ({}, [])
+    leavers, leaver_stats = await _draining(candidates, sidecars.auth_headers()) if candidates else ({}, [])
     stats = await sidecars.fleet_stats(members)
     if leaver_stats:  # a leaver's tenants move too: the planner must know them
         stats = FleetStats(stats.per_member + tuple(leaver_stats))
@@ -158,7 +158,7 @@ async def reconcile_membership(
             await publish.ensure_redis(spec.redis.url, namespace, name, table, members, spec.redis.cluster)
 
     if leavers:  # the published table no longer names them: they may go
-        await _release(leavers)
+        await _release(leavers, sidecars.auth_headers())
 
     fields = _membership_status(name, old_status, members, table, plan, stats, new_epoch)
     observed = [conditions.Observation("AffinityPublished", "True", "Published",
@@ -215,7 +215,8 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
     await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
 
 
-async def _draining(candidates: dict[str, membership.Member]) -> tuple[dict[str, membership.Member], list[SidecarStats]]:
+async def _draining(candidates: dict[str, membership.Member],
+                    auth: dict[str, str] | None = None) -> tuple[dict[str, membership.Member], list[SidecarStats]]:
     """The candidates whose sidecars answer stats with `draining: true` (the leavers),
     and their stats. A silent or non-draining one is simply gone: it is no source."""
     leavers: dict[str, membership.Member] = {}
@@ -223,7 +224,7 @@ async def _draining(candidates: dict[str, membership.Member]) -> tuple[dict[str,
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as session:
         async def ask(member: membership.Member) -> None:
             try:
-                async with session.get(f"{member.http_url()}/cache/stats") as resp:
+                async with session.get(f"{member.http_url()}/cache/stats", headers=auth) as resp:
                     body = await resp.json() if resp.status == 200 else {}
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 log.info("leaving pod %s does not answer: %s", member.name, exc)
@@ -235,13 +236,13 @@ async def _draining(candidates: dict[str, membership.Member]) -> tuple[dict[str,
     return dict(sorted(leavers.items())), stats
 
 
-async def _release(leavers: dict[str, membership.Member]) -> None:
+async def _release(leavers: dict[str, membership.Member], auth: dict[str, str] | None = None) -> None:
     """Tell each leaver it may exit now. Best effort: one that misses this exits when
     its drain goes idle or times out."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as session:
         async def done(member: membership.Member) -> None:
             try:
-                async with session.post(f"{member.http_url()}/cache/drain/done", json={}) as resp:
+                async with session.post(f"{member.http_url()}/cache/drain/done", json={}, headers=auth) as resp:
                     log.info("released leaving pod %s: %s", member.name, resp.status)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 log.info("leaving pod %s not released: %s", member.name, exc)
