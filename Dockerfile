@@ -1,17 +1,18 @@
 # The image the Helm chart runs: the operator (`kvtier-operator`) and the injected
-# sidecar (`kvtier-sidecar`) share it. Non-root, no build tools left behind.
+# sidecar (`kvtier-sidecar`) share it. Non-root, no build tools left behind, and no
+# test environment: testenv/ is a separate project that never enters the image.
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvtier kvtier
 COPY sidecar sidecar
 COPY operator operator
-COPY testenv testenv
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+COPY apps apps
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[sidecar,operator]"
 
 FROM python:3.11-slim
 RUN useradd --uid 10001 --create-home kvtier
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+RUN pip install --no-cache-dir --no-index --find-links /wheels "kvtier[sidecar,operator]" && rm -rf /wheels
 USER 10001
 ENTRYPOINT ["kvtier-operator"]

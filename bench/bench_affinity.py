@@ -20,7 +20,7 @@ BALANCE_FACTOR = 1.25  # issue 5/6: max/mean home load <= 1 + epsilon (the CRD d
 CONFIGMAP_BYTES = 1 << 20  # a ConfigMap's data is capped at 1 MiB
 MOVEMENT_BOUND = 2.0  # moved tenants <= 2x the minimum plain rendezvous needs (the caps displace the rest)
 N_PODS, N_TENANTS, K = 1000, 20_000, 3
-# The design-notes fleet (DESIGN "The numbers"): ~136 tenants per replica at k = 3.
+# The design fleet (docs/ARCHITECTURE.md "The numbers"): ~136 tenants per replica at k = 3.
 DESIGN_PODS, DESIGN_TENANTS = 44, 2000
 
 

@@ -180,7 +180,7 @@ async def _concurrent_lookups(path: str, n: int, tokens: np.ndarray) -> tuple[in
 
 def run(quick: bool = False) -> list[Result]:
     from kvtier_sidecar.client import SidecarClient
-    from kvtier_sidecar.fleet import SidecarHandle, sidecar_config
+    from kvtier_testenv.fleet import SidecarHandle, sidecar_config
     from kvtier_testenv.redis_fixtures import RedisServer
 
     run_bytes = (16 if quick else 64) << 20

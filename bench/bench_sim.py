@@ -1,6 +1,6 @@
 """Fleet simulator: the design notes' case, thrash, rollout, and how fast it runs.
 
-Figures from issue 6, each measured in this run: kvtier's routing on the design
+Figures, each measured in this run: kvtier's routing on the design
 notes' workload (44 replicas, 2,000 tenants x 5 templates x 1,500 tokens, 320
 KiB/token, 500 GiB DRAM) against an oracle (infinite capacity, perfect routing) and
 against random routing, with its max/mean replica load; kvtier's admission against
@@ -17,12 +17,12 @@ from bench.common import Result
 from kvtier.sim import scenarios
 from kvtier.sim.report import render
 
-ORACLE_FRACTION = 0.9     # issue 6: kvtier hit rate >= 0.9x the oracle
-RANDOM_MULTIPLE = 5.0     # issue 6: ... and >= 5x random routing
-MAX_IMBALANCE = 1.25      # issue 6: max/mean replica load
-THRASH_MULTIPLE = 2.0     # issue 6: admission keeps >= 2x LRU's hit rate under thrash
-ROLLOUT_FRACTION = 1 / 3  # issue 6: gradual peak <= 1/3 of all-at-once
-FULL_REQUESTS = 1_000_000  # issue 6: the design-notes workload, >= 1M requests ...
+ORACLE_FRACTION = 0.9     # affinity must come close to perfect routing: >= 0.9x the oracle's hit rate
+RANDOM_MULTIPLE = 5.0     # ... and be worth having: >= 5x random routing's
+MAX_IMBALANCE = 1.25      # max/mean replica load: the balance factor's bound
+THRASH_MULTIPLE = 2.0     # admission keeps >= 2x LRU's hit rate under thrash
+ROLLOUT_FRACTION = 1 / 3  # a gradual rollout's peak extra prefill <= 1/3 of all-at-once
+FULL_REQUESTS = 1_000_000  # the design workload, >= 1M requests ...
 FULL_WALL_S = 60.0         # ... simulated in <= 60 s on the 2-core machine
 NOTES = Path(__file__).resolve().parent / "notes" / "sim-policies.md"
 

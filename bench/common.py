@@ -1,7 +1,7 @@
 """What every kvtier benchmark returns, so one runner can tabulate them all.
 
 Targets are ratios against a baseline measured in the same run on the same machine
-(or absolute bounds where the issue gives one); a bench module exposes
+(or absolute bounds where the design sets one); a bench module exposes
 `run(quick: bool = False) -> list[Result]`.
 """
 from __future__ import annotations

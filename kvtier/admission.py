@@ -1,4 +1,4 @@
-"""Admission and placement (rule 8): who earns a slot, in what order, on which tier.
+"""Admission and placement (rule: admission): who earns a slot, in what order, on which tier.
 
 * `CountMinSketch` counts sightings of block hashes in fixed memory, with TinyLFU's
   periodic halving as decay, so old popularity fades.

@@ -41,7 +41,7 @@ from kvtier.rendezvous import RENDEZVOUS_VERSION
 
 # Three homes per tenant: a hot tenant can use three replicas' capacity, and
 # 2,000 tenants over 44 replicas put ~136 tenants (~311 GiB) on each replica,
-# which fits one host's DRAM tier (DESIGN "The numbers").
+# which fits one host's DRAM tier (docs/ARCHITECTURE.md "The numbers").
 DEFAULT_HOMES = 3
 # KV occupancy is a cliff: above ~85-95% preemption re-prefills whole prompts.
 DEFAULT_SPILL_OCCUPANCY = 0.85

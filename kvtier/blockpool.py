@@ -4,7 +4,8 @@ A slot is a `block_bytes` region of the arena at `slot * block_bytes`. The pool 
 tracks which slots are free; it never decides what to evict. Cached blocks stay in
 the index (hittable) after their last reader releases them: a slot leaves the index
 only when the cache takes it back for new data (`LocalCache` evicts on allocation),
-so "freed" KV stays hittable until its memory is actually reused (rule 5).
+so "freed" KV stays hittable until its memory is actually reused (rule:
+pinned-never-evicted).
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def slot_runs(slots: list[SlotId] | list[int]) -> list[tuple[int, int, int]]:
     """Split a block list into contiguous slot runs.
 
     Returns (first_block_index, first_slot, length) per run, so a copy of the blocks
-    in order is one copy per run rather than one per block.
+    in order is one copy per run rather than one per block (one memcpy, one send).
     """
     runs: list[tuple[int, int, int]] = []
     if not slots:

@@ -6,10 +6,8 @@ a message naming the flag; nothing else is printed.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-from dataclasses import replace
 
 from kvtier import breakeven, presets
 from kvtier.presets import Medium, ModelShape
@@ -77,7 +75,8 @@ def _shape(args: argparse.Namespace) -> ModelShape:
     }
     if args.model is not None:
         try:
-            return replace(presets.model_preset(args.model), **overrides)
+            preset = presets.model_preset(args.model)
+            return ModelShape(**{**preset.model_dump(), **overrides}, name=preset.name)
         except ValueError as e:
             raise _FlagError(f"--model: {e}") from None
     if "params" not in overrides:

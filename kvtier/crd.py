@@ -31,8 +31,8 @@ DEFAULT_OUT_DIR = _REPO / "crds"
 CHART_CRD_DIR = _REPO / "charts" / "kvtier" / "crds"
 DEFAULT_OUT_DIRS = (DEFAULT_OUT_DIR, CHART_CRD_DIR)
 
-# kubectl get kvcp columns (the list): phase, version, rollout step and canary
-# share, fleet hit rate, members, age.
+# kubectl get kvcp columns: what an operator of the fleet checks first — phase, version,
+# rollout step and canary share, fleet hit rate, members, age.
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Version", "type": "string", "jsonPath": ".status.version"},

@@ -1,4 +1,5 @@
-"""Cache keys: the key root and chained block hashes (correctness rules 1, 2 and 4).
+"""Cache keys: the key root and chained block hashes (rule: key-root, rule:
+chained-hashes, rule: tokens-not-hashes; the rules are in docs/ARCHITECTURE.md).
 
 A block's identity is its key root plus every token from position 0 to the end of
 the block:

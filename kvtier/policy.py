@@ -12,14 +12,19 @@ both spellings are accepted on input.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field
 
 from kvtier import presets
+from kvtier.presets import ModelShape
+from kvtier.wire_model import CelRule
+from kvtier.wire_model import WireModel as _Wire
+from kvtier.admission import DEFAULT_MIN_SIGHTINGS
+from kvtier.admission import THRASH_RATIO as DEFAULT_THRASH_RATIO
+from kvtier.affinity import DEFAULT_BALANCE_FACTOR, DEFAULT_HOMES, DEFAULT_SPILL_OCCUPANCY
+from kvtier.keys import DEFAULT_BLOCK_SIZE
 
 GROUP = "kvtier.io"
 VERSION = "v1alpha1"
@@ -28,35 +33,25 @@ PLURAL = "kvcachepolicies"
 SINGULAR = "kvcachepolicy"
 SHORT_NAMES = ("kvcp",)
 
-# The design's block size (DESIGN.md rule 3): 16 tokens per block.
-DEFAULT_BLOCK_SIZE = 16
-# Store on the second sighting (DESIGN.md rule 8).
-DEFAULT_MIN_SIGHTINGS = 2
-# Evictions/s above 0.9 x stores/s, sustained, is thrash (DESIGN.md rule 8).
-DEFAULT_THRASH_RATIO = 0.9
-# k = 3 rendezvous homes: 44 replicas then hold ~136 tenants each, which fits (DESIGN.md).
-DEFAULT_HOMES = 3
-# KV occupancy is a cliff above ~85-95%: spill before it (DESIGN.md).
-DEFAULT_SPILL_OCCUPANCY = 0.85
-# A home spills only when it is also this much above the fleet mean: a uniformly busy
-# fleet gains nothing from spilling, and the margin keeps spill sticky.
-DEFAULT_BALANCE_FACTOR = 1.25
+# Block size, admission and affinity defaults are defined by the modules that own them
+# (keys, admission, affinity) and imported above.
 # Warm-up per moved tenant: a few thousand blocks of its hottest prefixes (at 320 KiB
 # per token a 2,000-token prefix is 625 MiB, so 1 GiB covers a 70B tenant's top prefix).
 DEFAULT_WARM_MAX_BYTES = "1Gi"
 # A new epoch waits at most this long for warm-ups: membership changes must not stall.
 DEFAULT_WARM_TIMEOUT = "30s"
-# Default rollout: one canary pod, then 10%, 50%, 100% (DESIGN.md "Rollout").
+# Default rollout: one canary pod, then 10%, 50%, 100%: each step doubles or more the
+# pods that start cold, and the canary shows a bad version on one pod first.
 DEFAULT_CANARY_PODS = 1
 DEFAULT_ROLLOUT_STEPS = (10, 50, 100)
 # New-version pods must recover to this fraction of the old baseline hit rate ...
 DEFAULT_RECOVERY_THRESHOLD = 0.8
-# ... within this window (DESIGN.md: default 30 min) ...
+# ... within this window (long enough for a cold pod to re-earn its hot prefixes) ...
 DEFAULT_RECOVERY_WINDOW = "30m"
 # ... judged on at least this many lookups, so a quiet canary is not failed on noise.
 DEFAULT_RECOVERY_MIN_LOOKUPS = 1000
-# Media bandwidths, GB/s (DESIGN.md "The numbers"): DRAM over PCIe5 x16, RDMA/200GbE,
-# local NVMe.
+# Media bandwidths, GB/s (docs/ARCHITECTURE.md "The numbers"): DRAM over PCIe5 x16,
+# RDMA/200GbE, local NVMe.
 DEFAULT_DRAM_GBPS = 64.0
 DEFAULT_RDMA_GBPS = 25.0
 DEFAULT_NVME_GBPS = 7.0
@@ -76,60 +71,14 @@ _MAX_STEPS = 10
 _MAX_SHARED_PREFIXES = 64
 _MAX_PREFIX_TOKENS = 8192
 _MAX_CONDITIONS = 16
-_MAX_HISTORY = 32
+# status.rollout.history entries kept (the operator keeps the newest).
+MAX_HISTORY = 32
 
 WEIGHTS_DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 DURATION_PATTERN = r"^([0-9]+h)?([0-9]+m)?([0-9]+s)?$"
 REDIS_URL_PATTERN = r"^(redis|rediss|unix)://.+$"
 LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
-
-
-@dataclass(frozen=True, slots=True)
-class CelRule:
-    """A cross-field rule, stated once: CEL for the apiserver, Python for the operator.
-
-    `holds` receives the validated model and must agree with `cel` on every input the
-    schema admits; tests apply the invalid examples to the real apiserver and to the
-    models and check both reject them with `message`.
-    """
-
-    cel: str
-    message: str
-    holds: Callable[[Any], bool]
-
-    def schema(self) -> dict[str, str]:
-        return {"rule": self.cel, "message": self.message}
-
-
-class _Wire(BaseModel):
-    """Base for every part of the resource: camelCase on the wire, strict keys, and
-    `CEL_RULES` both emitted into the schema and enforced on parse."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        json_schema_extra=lambda schema, cls: _emit_rules(schema, cls),
-    )
-    CEL_RULES: ClassVar[tuple[CelRule, ...]] = ()
-
-    @model_validator(mode="after")
-    def _cel_rules_hold(self) -> "_Wire":
-        for rule in self.CEL_RULES:
-            if not rule.holds(self):
-                raise ValueError(rule.message)
-        return self
-
-    def wire(self) -> dict[str, Any]:
-        """The camelCase JSON form, as stored in Kubernetes."""
-        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
-
-
-def _emit_rules(schema: dict[str, Any], cls: type) -> None:
-    rules = [rule.schema() for rule in cls.__dict__.get("CEL_RULES", ())]
-    if rules:
-        schema["x-kubernetes-validations"] = rules
 
 
 def _section(cls: type["_Wire"]) -> Any:
@@ -203,38 +152,6 @@ class WorkloadRef(_Wire):
 
 
 # --- model and hardware ----------------------------------------------------------------
-
-
-class ModelShape(_Wire):
-    """The dimensions that decide KV bytes per token and recompute FLOPs per token."""
-
-    layers: int = Field(ge=1, le=1024)
-    kv_heads: int = Field(ge=1, le=1024)
-    head_dim: int = Field(ge=1, le=4096)
-    params: float = Field(gt=0, description="total parameters (e.g. 70e9)")
-    active_params: float | None = Field(
-        default=None, gt=0, description="parameters active per token (MoE); defaults to params"
-    )
-    kv_elements_per_token: int | None = Field(
-        default=None, ge=1, description="caches that are not one K and one V per kv head (MLA): "
-        "elements cached per token, i.e. layers x kvHeads x headDim for one latent per layer",
-    )
-
-    CEL_RULES = (
-        CelRule(
-            "!has(self.activeParams) || self.activeParams <= self.params",
-            "model.shape.activeParams cannot exceed model.shape.params",
-            lambda s: s.active_params is None or s.active_params <= s.params,
-        ),
-        CelRule(
-            "!has(self.kvElementsPerToken) || self.kvElementsPerToken == self.layers * self.kvHeads * self.headDim"
-            " || self.kvElementsPerToken == 2 * self.layers * self.kvHeads * self.headDim",
-            "model.shape.kvElementsPerToken must be layers x kvHeads x headDim (one latent per layer, MLA) "
-            "or twice that (K and V)",
-            lambda s: s.kv_elements_per_token is None
-            or s.kv_elements_per_token in (s.layers * s.kv_heads * s.head_dim, 2 * s.layers * s.kv_heads * s.head_dim),
-        ),
-    )
 
 
 class ModelSpec(_Wire):
@@ -433,7 +350,7 @@ class RedisSpec(_Wire):
 
 class SharedPrefix(_Wire):
     """A platform-owned prefix (e.g. the platform's own system prompt) that may be
-    shared across tenants (DESIGN.md rule 7); every other prefix stays per tenant."""
+    shared across tenants (rule: tenant-isolation); every other prefix stays per tenant."""
 
     name: str = Field(min_length=1, max_length=63)
     token_ids: list[int] = Field(
@@ -528,7 +445,7 @@ class RolloutStatus(_Wire):
     current_hit_rate: float | None = None
     step_started_at: datetime | None = None
     expected_cold_prefill_tokens_per_s: float | None = None
-    history: list[RolloutRecord] = Field(default_factory=list, max_length=_MAX_HISTORY)
+    history: list[RolloutRecord] = Field(default_factory=list, max_length=MAX_HISTORY)
 
 
 class KVCachePolicyStatus(_Wire):

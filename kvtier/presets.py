@@ -1,7 +1,7 @@
 """Named model shapes, GPUs and fetch media for the break-even calculator.
 
 Parameter counts are the nominal ones the design's figures use (70B = 70e9), so
-the calculator reproduces DESIGN "The numbers" exactly. GPU figures are DENSE
+the calculator reproduces docs/ARCHITECTURE.md "The numbers" exactly. GPU figures are DENSE
 BF16 tensor throughput: the 2:4-sparsity headline (1,979 TFLOP/s on H100) is
 twice the real figure for dense LLM weights and is never used here.
 """
@@ -9,23 +9,55 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import Field
+from pydantic.json_schema import SkipJsonSchema
 
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """What decides KV bytes and recompute FLOPs per token.
+from kvtier.wire_model import CelRule, WireModel
 
-    `active_params` is what a mixture-of-experts runs per token (recompute uses it).
-    `kv_elements_per_token` overrides 2 x layers x kv_heads x head_dim for caches
-    that are not plain K and V, e.g. multi-head latent attention.
-    """
 
-    name: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    params: float
-    active_params: float | None = None
-    kv_elements_per_token: int | None = None
+def kv_elements_fit(layers: int, kv_heads: int, head_dim: int, kv_elements_per_token: int) -> bool:
+    """An explicit per-token cache size is whole planes of layers x kv_heads x head_dim:
+    one (a latent per layer, MLA) or two (K and V)."""
+    plane = layers * kv_heads * head_dim
+    return kv_elements_per_token in (plane, 2 * plane)
+
+
+# One shape for the presets below, the KVCachePolicy's `spec.model.shape` and the
+# break-even calculator. `active_params` is what a mixture-of-experts runs per token
+# (recompute uses it); `kv_elements_per_token` overrides 2 x layers x kv_heads x
+# head_dim for caches that are not plain K and V, e.g. multi-head latent attention.
+class ModelShape(WireModel):
+    """The dimensions that decide KV bytes per token and recompute FLOPs per token."""
+
+    # A label for reports (the preset's or the policy's model id); never on the wire.
+    name: SkipJsonSchema[str] = Field(default="custom", exclude=True)
+    layers: int = Field(ge=1, le=1024)
+    kv_heads: int = Field(ge=1, le=1024)
+    head_dim: int = Field(ge=1, le=4096)
+    params: float = Field(gt=0, description="total parameters (e.g. 70e9)")
+    active_params: float | None = Field(
+        default=None, gt=0, description="parameters active per token (MoE); defaults to params"
+    )
+    kv_elements_per_token: int | None = Field(
+        default=None, ge=1, description="caches that are not one K and one V per kv head (MLA): "
+        "elements cached per token, i.e. layers x kvHeads x headDim for one latent per layer",
+    )
+
+    CEL_RULES = (
+        CelRule(
+            "!has(self.activeParams) || self.activeParams <= self.params",
+            "model.shape.activeParams cannot exceed model.shape.params",
+            lambda s: s.active_params is None or s.active_params <= s.params,
+        ),
+        CelRule(
+            "!has(self.kvElementsPerToken) || self.kvElementsPerToken == self.layers * self.kvHeads * self.headDim"
+            " || self.kvElementsPerToken == 2 * self.layers * self.kvHeads * self.headDim",
+            "model.shape.kvElementsPerToken must be layers x kvHeads x headDim (one latent per layer, MLA) "
+            "or twice that (K and V)",
+            lambda s: s.kv_elements_per_token is None
+            or kv_elements_fit(s.layers, s.kv_heads, s.head_dim, s.kv_elements_per_token),
+        ),
+    )
 
     @property
     def recompute_params(self) -> float:
@@ -56,15 +88,15 @@ _DEEPSEEK_V3_LATENT = (512 + 64) * 61
 MODELS: dict[str, ModelShape] = {
     m.name: m
     for m in (
-        ModelShape("llama-3-8b", layers=32, kv_heads=8, head_dim=128, params=8e9),
-        ModelShape("llama-3-70b", layers=80, kv_heads=8, head_dim=128, params=70e9),
-        ModelShape("llama-3-405b", layers=126, kv_heads=8, head_dim=128, params=405e9),
-        ModelShape("mistral-7b", layers=32, kv_heads=8, head_dim=128, params=7.24e9),
+        ModelShape(name="llama-3-8b", layers=32, kv_heads=8, head_dim=128, params=8e9),
+        ModelShape(name="llama-3-70b", layers=80, kv_heads=8, head_dim=128, params=70e9),
+        ModelShape(name="llama-3-405b", layers=126, kv_heads=8, head_dim=128, params=405e9),
+        ModelShape(name="mistral-7b", layers=32, kv_heads=8, head_dim=128, params=7.24e9),
         # No GQA: every one of the 64 query heads has its own K and V.
-        ModelShape("llama-2-70b", layers=80, kv_heads=64, head_dim=128, params=70e9),
+        ModelShape(name="llama-2-70b", layers=80, kv_heads=64, head_dim=128, params=70e9),
         # MoE: 671B total, ~37B active per token; MLA cache (see above).
         ModelShape(
-            "deepseek-v3", layers=61, kv_heads=1, head_dim=576, params=671e9,
+            name="deepseek-v3", layers=61, kv_heads=1, head_dim=576, params=671e9,
             active_params=37e9, kv_elements_per_token=_DEEPSEEK_V3_LATENT,
         ),
     )
@@ -79,7 +111,7 @@ GPUS: dict[str, Gpu] = {
     )
 }
 
-# DESIGN "The numbers": the media a KV block can be fetched from.
+# docs/ARCHITECTURE.md "The numbers": the media a KV block can be fetched from.
 MEDIA: dict[str, Medium] = {
     m.name: m
     for m in (

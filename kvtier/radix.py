@@ -2,7 +2,7 @@
 
 Each edge holds a whole number of blocks (tokens in the canonical little-endian
 uint32 encoding) plus, per block, the slot holding its KV and its chained hash.
-Matching compares TOKENS, never hashes (rule 4): a child is found by the exact bytes
+Matching compares TOKENS, never hashes (rule: tokens-not-hashes): a child is found by the exact bytes
 of its first block and the rest of the edge is compared token for token, so two
 prompts whose hashes collide still get only their own KV.
 
@@ -139,7 +139,7 @@ class PrefixIndex:
 
     def truncate(self, m: Match, blocks: int) -> Match:
         """The same walk cut back to its first `blocks` blocks (<= m.cached_blocks)."""
-        node, within, cached = m.node, m.within, m.cached_blocks
+        node, cached = m.node, m.cached_blocks
         if blocks >= cached:
             return m
         while node is not None and node.start_block >= blocks and node.parent is not None:

@@ -40,8 +40,11 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# The design's block size: 16 tokens per block (DESIGN.md, rule 3).
-DEFAULT_BLOCK_SIZE = 16
+from kvtier.admission import DEFAULT_MIN_SIGHTINGS
+from kvtier.admission import THRASH_RATIO as DEFAULT_THRASH_RATIO
+from kvtier.keys import DEFAULT_BLOCK_SIZE
+from kvtier.presets import kv_elements_fit
+
 # 1 GiB of host DRAM: small enough for a laptop demo; production sets hundreds of GiB.
 DEFAULT_DRAM_CAPACITY_BYTES = 1 << 30
 # A peer fetch that has not finished in this time is slower than recomputing it.
@@ -53,8 +56,6 @@ DEFAULT_METRICS_TOP_TENANTS = 20
 # Tenants listed in whole-cache stats (most bytes first): the operator learns a
 # replica's tenants from them (~136 each in the design's fleet); bounded for a scrape.
 DEFAULT_STATS_MAX_TENANTS = 1000
-# Evictions/s above 0.9 x stores/s, sustained, is thrash (DESIGN.md rule 8).
-DEFAULT_THRASH_RATIO = 0.9
 # NVMe shadow probe: a few tens of MiB written, fsynced and read back measures the
 # device rather than its cache, in well under a second on a 7 GB/s drive ...
 DEFAULT_NVME_PROBE_BYTES = 32 << 20
@@ -105,8 +106,9 @@ RELOADABLE_FIELDS = frozenset({
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
 
 
-class ModelShape(BaseModel):
-    """The served model's identity (the key root) and KV shape (the block size in bytes)."""
+class ServedModel(BaseModel):
+    """The served model's identity (the key root) and KV layout (the block size in
+    bytes). Its dimensions are a `presets.ModelShape`'s, with the same override."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -121,33 +123,33 @@ class ModelShape(BaseModel):
     dtype_bytes: int = Field(4, ge=1, le=8)
     # Caches that are not one K and one V per kv head set this: multi-head latent
     # attention (DeepSeek-V3) keeps ONE latent of head_dim per layer, i.e.
-    # layers x kv_heads x head_dim x dtype_bytes; None means K and V (twice that).
-    kv_bytes_per_token_override: int | None = Field(None, ge=1)
+    # layers x kv_heads x head_dim elements; None means K and V (twice that).
+    kv_elements_per_token: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
-    def _override_is_whole_planes(self) -> "ModelShape":
-        if self.kv_bytes_per_token_override is not None and self.kv_bytes_per_token_override not in (
-            self._plane_bytes(), 2 * self._plane_bytes()
+    def _override_is_whole_planes(self) -> "ServedModel":
+        if self.kv_elements_per_token is not None and not kv_elements_fit(
+            self.layers, self.kv_heads, self.head_dim, self.kv_elements_per_token
         ):
             raise ValueError(
-                f"model.kv_bytes_per_token_override={self.kv_bytes_per_token_override} must be "
-                f"layers x kv_heads x head_dim x dtype_bytes = {self._plane_bytes()} (one latent per "
+                f"model.kv_elements_per_token={self.kv_elements_per_token} must be "
+                f"layers x kv_heads x head_dim = {self._plane_elements()} (one latent per "
                 f"layer, MLA) or twice that (K and V); adjust head_dim/kv_heads to the cache's shape"
             )
         return self
 
-    def _plane_bytes(self) -> int:
-        return self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+    def _plane_elements(self) -> int:
+        return self.layers * self.kv_heads * self.head_dim
 
     @property
     def kv_planes(self) -> int:
         """2 (K and V) for ordinary attention, 1 for a latent cache (MLA)."""
-        if self.kv_bytes_per_token_override is None:
+        if self.kv_elements_per_token is None:
             return 2
-        return self.kv_bytes_per_token_override // self._plane_bytes()
+        return self.kv_elements_per_token // self._plane_elements()
 
     def kv_bytes_per_token(self) -> int:
-        return self.kv_planes * self._plane_bytes()
+        return self.kv_planes * self._plane_elements() * self.dtype_bytes
 
 
 class NvmeConfig(BaseModel):
@@ -198,10 +200,10 @@ class SidecarConfig(BaseModel):
     pod_namespace: str = "default"
     pod_ip: str = "127.0.0.1"
 
-    model: ModelShape = ModelShape()
+    model: ServedModel = ServedModel()
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, le=4096)
     dram_capacity_bytes: int = Field(DEFAULT_DRAM_CAPACITY_BYTES, ge=1)
-    min_sightings: int = Field(2, ge=1, le=16)
+    min_sightings: int = Field(DEFAULT_MIN_SIGHTINGS, ge=1, le=16)
     thrash_ratio: float = Field(DEFAULT_THRASH_RATIO, gt=0, le=1)
     nvme: NvmeConfig = NvmeConfig()
 

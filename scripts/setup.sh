@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything kvtier's demo and tests need, idempotently:
 #   - Debian packages (redis-server) when missing,
-#   - a local venv (.venv) with kvtier and its dev dependencies, re-installed only
-#     when pyproject.toml changes,
+#   - a local venv (.venv) with kvtier and its dev dependencies plus the test
+#     environment (testenv/, its own project), re-installed only when either
+#     pyproject.toml changes,
 #   - the real Kubernetes control plane (kube-apiserver, kube-controller-manager,
 #     etcd, kubectl, helm), built or unpacked once into a versioned cache outside git.
 # A second run is a no-op that takes a few seconds.
@@ -27,7 +28,7 @@ fi
 # --- Python venv -------------------------------------------------------------------
 py=${PYTHON:-python3}
 stamp=.venv/.kvtier-installed
-want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml testenv/pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
   "$py" -m venv .venv
@@ -35,7 +36,7 @@ fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing kvtier and dependencies into .venv"
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[dev]'
+  .venv/bin/python -m pip install -q -e '.[dev]' -e ./testenv
   echo "$want" > "$stamp"
 fi
 

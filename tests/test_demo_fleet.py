@@ -5,7 +5,7 @@ import sys
 
 
 def test_fleet_demo_hits_in_dram_and_peer_tiers_with_no_wrong_kv():
-    out = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--mode", "fleet", "--requests", "20",
+    out = subprocess.run([sys.executable, "-m", "kvtier_app", "demo", "--mode", "fleet", "--requests", "20",
                           "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)

@@ -14,10 +14,13 @@ the loop itself only does what a router and a cache would do.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
+from kvtier.admission import DEFAULT_MIN_SIGHTINGS
 from kvtier.sim.caches import KvtierCache, LruCache, OracleCache
 from kvtier.sim.fleet import Fleet, FleetSpec
 from kvtier.sim.policies import KvtierPolicy, RootBook, make_policy
@@ -28,6 +31,27 @@ CACHE_KINDS = ("kvtier", "lru")
 # Requests between progress-bar updates: often enough to look alive, rare enough
 # that tqdm costs nothing.
 _PROGRESS_EVERY = 8192
+
+
+class Progress(Protocol):
+    """What the loop reports progress to (the `kvtier simulate` front-end draws a bar)."""
+
+    def update(self, n: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _Silent:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# Builds a progress sink from (total requests, label). The simulator itself does no
+# I/O: a front-end that wants a bar sets this (kvtier_app.simulate installs tqdm).
+progress_factory: Callable[[int, str], Progress] = lambda total, label: _Silent()
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +68,7 @@ class SimConfig:
     policy: str = "kvtier"
     cache: str = "kvtier"
     block_tokens: int = 16
-    min_sightings: int = 2
+    min_sightings: int = DEFAULT_MIN_SIGHTINGS
     bucket_s: float = 30.0
     warm_moved_tenants: bool = True
     progress: bool = False
@@ -153,8 +177,6 @@ class Simulation:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> SimResult:
-        from tqdm import tqdm
-
         cfg, w, fleet, policy, caches, roots = self.cfg, self.workload, self.fleet, self.policy, self.caches, self.roots
         unit = cfg.workload.token_unit
         n = len(w)
@@ -172,7 +194,8 @@ class Simulation:
         events = list(self.events)
         next_event_s = events[0].time_s if events else float("inf")
         version = fleet.version
-        bar = tqdm(total=n, disable=not cfg.progress, unit="req", mininterval=0.5, desc=self.label)
+        bar = progress_factory(n, self.label) if cfg.progress else _Silent()
+        reported = 0
         t0, c0 = time.perf_counter(), time.process_time()
         for i in range(n):
             now = times[i]
@@ -197,7 +220,8 @@ class Simulation:
             policy.routed(req, r)
             if not (i + 1) % _PROGRESS_EVERY:
                 bar.update(_PROGRESS_EVERY)
-        bar.update(n - bar.n)
+                reported += _PROGRESS_EVERY
+        bar.update(n - reported)
         bar.close()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return self._result(np.asarray(prompt_tokens, dtype=np.int64), matched_col, replica_col, ttft_col, wall, cpu)

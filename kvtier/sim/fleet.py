@@ -40,7 +40,7 @@ DECODE_S_PER_TOKEN = 0.030
 # (what ~100 GiB of KV holds at ~1,800 tokens each) stepping every 30 ms. Turns
 # output tokens into replica-seconds of load.
 DECODE_TOKENS_PER_S = 6_000.0
-# Host DRAM -> HBM over PCIe5 x16 (DESIGN "Media").
+# Host DRAM -> HBM over PCIe5 x16 (docs/ARCHITECTURE.md "The numbers").
 DRAM_GBPS = 64.0
 
 

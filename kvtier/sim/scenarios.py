@@ -13,7 +13,7 @@
 - `thrash`        working set far above capacity: kvtier's admission vs plain LRU.
 
 Each function returns a `ScenarioReport`: the runs' results plus named figures
-(with the target where the issue gives one), and notes saying where a competitor
+(with the target where the design sets one), and notes saying where a competitor
 does better. Sizes scale with `scale` so tests run small and benches run full.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ ROLLOUT_STEPS = (10, 50, 100)
 
 @dataclass(slots=True)
 class Figure:
-    """One number the scenario reports, with its target when the issue sets one."""
+    """One number the scenario reports, with its target when the design sets one."""
 
     name: str
     value: float

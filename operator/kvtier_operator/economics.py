@@ -25,9 +25,7 @@ def resolved_shape(model: ModelSpec) -> presets.ModelShape:
     if model.preset is not None:
         return presets.model_preset(model.preset)
     assert model.shape is not None  # the model's CEL rule: exactly one of preset or shape
-    s = model.shape
-    return presets.ModelShape(model.id, s.layers, s.kv_heads, s.head_dim, s.params, s.active_params,
-                              s.kv_elements_per_token)
+    return model.shape.model_copy(update={"name": model.id})
 
 
 def tflops_per_gpu(spec: KVCachePolicySpec) -> tuple[float, str]:

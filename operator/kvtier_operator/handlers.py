@@ -27,6 +27,7 @@ from kvtier_operator.membership import PodView, pod_view
 from kvtier_operator.options import (
     WATCH_CLIENT_TIMEOUT_S, WATCH_CONNECT_TIMEOUT_S, WATCH_SERVER_TIMEOUT_S, OperatorOptions,
 )
+from kvtier_operator.registry import PolicyKey, PolicyRegistry
 from kvtier_operator.sidecar_client import SidecarClient
 
 POLICY = (policy.GROUP, policy.VERSION, policy.PLURAL)
@@ -56,9 +57,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.options = options
     memo.kube = Kube.from_environment()
     memo.sidecars = SidecarClient.create(options.warms_per_target, options.sidecar_token_file)
-    memo.triggers = {}  # (namespace, name) -> asyncio.Event, one per membership loop
-    memo.locks = {}  # (namespace, name) -> asyncio.Lock: one status writer at a time
-    memo.states = {}  # (namespace, name) -> reconcile.PolicyState
+    memo.policies = PolicyRegistry()
 
 
 @kopf.on.login()
@@ -83,10 +82,6 @@ def pods_by_namespace(namespace: str, body: kopf.Body, **_: Any) -> dict[str, Po
     return {namespace: pod_view(body)}
 
 
-def _lock(memo: kopf.Memo, key: tuple[str, str]) -> asyncio.Lock:
-    return memo.locks.setdefault(key, asyncio.Lock())
-
-
 def _poster(body: dict[str, Any]):
     def post(type_: str, reason: str, message: str) -> None:
         kopf.event(body, type=type_, reason=reason, message=message)
@@ -97,16 +92,15 @@ def _poster(body: dict[str, Any]):
 @kopf.on.create(*POLICY)
 @kopf.on.update(*POLICY, field="spec")
 async def spec_changed(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    key = (namespace, name)
-    async with _lock(memo, key):
+    key = PolicyKey(namespace, name)
+    registry: PolicyRegistry = memo.policies
+    async with registry.lock(key):
         body = await memo.kube.read_policy(namespace, name)
         if body is None:
             return
         fields = await reconcile.reconcile_spec(memo.kube, body, _poster(body))
         await memo.kube.patch_status(namespace, name, fields)
-    trigger = memo.triggers.get(key)
-    if trigger is not None:
-        trigger.set()
+    registry.wake(key)
 
 
 @kopf.daemon(*POLICY, cancellation_timeout=5.0)
@@ -114,18 +108,18 @@ async def membership_loop(
     name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped,
     pods_by_namespace: kopf.Index, **_: Any,
 ) -> None:
-    key = (namespace, name)
-    trigger = memo.triggers.setdefault(key, asyncio.Event())
-    state = memo.states.setdefault(key, reconcile.PolicyState())
+    key = PolicyKey(namespace, name)
+    registry: PolicyRegistry = memo.policies
+    trigger = registry.open_trigger(key)
     options: OperatorOptions = memo.options
     try:
         while not stopped:
             trigger.clear()
             views = list(pods_by_namespace.get(namespace, []))
             try:
-                async with _lock(memo, key):
+                async with registry.lock(key):
                     await reconcile.reconcile_membership(
-                        memo.kube, memo.sidecars, namespace, name, views, state,
+                        memo.kube, memo.sidecars, namespace, name, views, registry.entry(key).state,
                         lambda t, r, m: kopf.event(body, type=t, reason=r, message=m),
                     )
             except Exception:  # keep the loop alive: the next trigger or resync retries
@@ -137,14 +131,12 @@ async def membership_loop(
                 pass
             await asyncio.sleep(options.debounce_s)  # let a burst of pod events settle
     finally:
-        memo.triggers.pop(key, None)
+        registry.close_trigger(key)
 
 
 @kopf.on.event("", "v1", "pods")
 def pod_changed(namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    for (ns, _name), trigger in list(memo.triggers.items()):
-        if ns == namespace:
-            trigger.set()
+    memo.policies.wake_namespace(namespace)
 
 
 @kopf.on.mutate("", "v1", "pods", operations=["CREATE"], id="inject-sidecar", ignore_failures=True)
@@ -176,7 +168,7 @@ async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, memo: kopf.
         await publish.delete_redis(redis_spec["url"], namespace, name, bool(redis_spec.get("cluster")))
     for cm in (names.sidecar_config_map(name), names.affinity_config_map(name)):
         await memo.kube.delete_config_map(namespace, cm)
-    memo.states.pop((namespace, name), None)
+    memo.policies.forget(PolicyKey(namespace, name))
 
 
 # The rollout's timer lives in its own module; importing it registers it with kopf.

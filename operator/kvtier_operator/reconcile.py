@@ -18,33 +18,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import aiohttp
 import kopf
 
 from kvtier import policy
-from kvtier.affinity import AffinityTable, Assignment, load_imbalance, plan_membership_change
+from kvtier.affinity import AffinityTable, load_imbalance, plan_membership_change
 
-from kvtier_operator import conditions, economics, membership, names, publish, sidecar_render, warmup
+from kvtier_operator import conditions, economics, epoch, membership, names, publish, sidecar_render, warmup
 from kvtier_operator.kube import Kube
-from kvtier_operator.sidecar_client import STATS_TIMEOUT_S, FleetStats, SidecarClient, SidecarStats, parse_stats
+from kvtier_operator.registry import PolicyState
+from kvtier_operator.sidecar_client import STATS_TIMEOUT_S, FleetStats, MemberStats, SidecarClient, parse_stats
 
 log = logging.getLogger("kvtier.operator")
 
 # Rollout phases belong to the rollout controller; membership never overwrites them.
 _ROLLOUT_PHASES = {"RollingOut", "Paused", "RolledBack"}
 EventFn = Callable[[str, str, str], None]  # (type, reason, message)
-
-
-@dataclass(slots=True)
-class PolicyState:
-    """In-memory, per policy: the last assignment (a planner speed-up only; losing it
-    on restart costs one full recompute, never a wrong plan)."""
-
-    assignment: Assignment | None = None
-    last_members: dict[str, membership.Member] = field(default_factory=dict)
 
 
 def _status(body: dict[str, Any]) -> policy.KVCachePolicyStatus:
@@ -127,8 +118,7 @@ async def reconcile_membership(
     members = membership.members(views, spec.selector)
     published_cm = await kube.read_config_map(namespace, names.affinity_config_map(name))
     published = publish.read_table(published_cm)
-    base = published or _empty_table(spec, old_status.epoch or 0)
-    base = _with_knobs(base, spec)
+    base = epoch.with_knobs(published or epoch.empty_table(spec, old_status.epoch or 0), spec)
 
     candidates = membership.leaving(views, spec.selector, published.members if published else ())
     leavers, leaver_stats = await _draining(candidates, sidecars.auth_headers()) if candidates else ({}, [])
@@ -143,11 +133,8 @@ async def reconcile_membership(
         base, membership.weights(members), tenants, current=current, homes=spec.affinity.homes
     )
     state.assignment = plan.assignment
-    knobs_changed = published is not None and _knobs(published) != _knobs(base)
-    table = plan.table if plan.changed else base
-    if knobs_changed and not plan.changed:
-        table = base.model_copy(update={"epoch": base.epoch + 1})
-    new_epoch = published is None or plan.changed or knobs_changed
+    decision = epoch.decide_epoch(published, base, plan)
+    table, new_epoch = decision.table, decision.new_epoch
 
     if new_epoch:
         await _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers)
@@ -173,7 +160,6 @@ async def reconcile_membership(
     await kube.patch_status(namespace, name, fields)
     if new_epoch or (old_status.epoch or 0) < table.epoch:
         event("Normal", "EpochChanged", _epoch_message(table, plan, len(tenants)))
-    state.last_members = members
     log.info("membership of %s/%s reconciled: epoch %d, %d members, new epoch: %s",
              namespace, name, table.epoch, len(members), new_epoch)
 
@@ -216,22 +202,23 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
 
 
 async def _draining(candidates: dict[str, membership.Member],
-                    auth: dict[str, str] | None = None) -> tuple[dict[str, membership.Member], list[SidecarStats]]:
+                    auth: dict[str, str] | None = None) -> tuple[dict[str, membership.Member], list[MemberStats]]:
     """The candidates whose sidecars answer stats with `draining: true` (the leavers),
     and their stats. A silent or non-draining one is simply gone: it is no source."""
     leavers: dict[str, membership.Member] = {}
-    stats: list[SidecarStats] = []
+    stats: list[MemberStats] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as session:
         async def ask(member: membership.Member) -> None:
             try:
                 async with session.get(f"{member.http_url()}/cache/stats", headers=auth) as resp:
-                    body = await resp.json() if resp.status == 200 else {}
+                    body = await resp.json() if resp.status == 200 else None
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 log.info("leaving pod %s does not answer: %s", member.name, exc)
                 return
-            if isinstance(body, dict) and body.get("draining") is True:
+            answer = parse_stats(member.name, body) if resp.status == 200 else None
+            if answer is not None and answer.draining:
                 leavers[member.name] = member
-                stats.append(parse_stats(member.name, body))
+                stats.append(answer)
         await asyncio.gather(*(ask(m) for m in candidates.values()))
     return dict(sorted(leavers.items())), stats
 
@@ -311,22 +298,6 @@ def _epoch_message(table: AffinityTable, plan, known: int) -> str:
     if plan.assignment.tenants and table.members:
         parts.append(f"max/mean home load {load_imbalance(plan.assignment, table):.2f}")
     return "; ".join(parts)
-
-
-def _empty_table(spec: policy.KVCachePolicySpec, epoch: int) -> AffinityTable:
-    return AffinityTable(epoch=epoch, members={}, homes=spec.affinity.homes,
-                         spill_occupancy=spec.affinity.spill_occupancy, balance_factor=spec.affinity.balance_factor)
-
-
-def _knobs(table: AffinityTable) -> tuple[float, float]:
-    return (table.spill_occupancy, table.balance_factor)
-
-
-def _with_knobs(table: AffinityTable, spec: policy.KVCachePolicySpec) -> AffinityTable:
-    want = {"spill_occupancy": spec.affinity.spill_occupancy, "balance_factor": spec.affinity.balance_factor}
-    if _knobs(table) == (want["spill_occupancy"], want["balance_factor"]):
-        return table
-    return table.model_copy(update=want)
 
 
 def _addresses_stale(cm: dict[str, Any], members: dict[str, membership.Member]) -> bool:

@@ -34,15 +34,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
-from kvtier.policy import Rollout, RolloutRecord, RolloutStatus
+from kvtier.policy import MAX_HISTORY, Rollout, RolloutRecord, RolloutStatus
 
 from kvtier_operator.conditions import Observation
 
 PROGRESSING = "RolloutProgressing"
 ROLLED_BACK = "RolledBack"
 DEGRADED = "RolloutDegraded"
-# status.rollout.history is bounded by the CRD (policy._MAX_HISTORY): keep the newest.
-HISTORY_KEPT = 32
+# status.rollout.history is bounded by the CRD: keep the newest.
+HISTORY_KEPT = MAX_HISTORY
 # Hit rates in status and messages: four decimals are plenty and keep writes quiet.
 RATE_DIGITS = 4
 

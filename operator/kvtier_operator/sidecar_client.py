@@ -12,10 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from pydantic import ValidationError
+
+from kvtier import control_api as api
 
 from kvtier_operator.membership import Member
 from kvtier_operator.options import WARMS_PER_TARGET
-from kvtier_operator.warmup import WarmRequest
+from kvtier_operator.warmup import WarmTask
 
 log = logging.getLogger("kvtier.operator.sidecars")
 
@@ -28,17 +31,20 @@ JOB_POLL_INTERVAL_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
-class SidecarStats:
+class MemberStats:
+    """What the operator keeps of one member's `GET /cache/stats`."""
+
     member: str
     lookups: int
     hits: int
     tenants: tuple[str, ...]
     nvme_gbps: float | None = None  # shadow mode's measured read bandwidth of the pod's disk
+    draining: bool = False  # the pod is leaving: its sidecar still serves peers
 
 
 @dataclass(frozen=True, slots=True)
 class FleetStats:
-    per_member: tuple[SidecarStats, ...]
+    per_member: tuple[MemberStats, ...]
 
     @property
     def tenants(self) -> list[str]:
@@ -60,20 +66,22 @@ class FleetStats:
         return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
-def parse_stats(member: str, body: Mapping[str, Any]) -> SidecarStats:
-    """Reads the fields the operator needs from `GET /cache/stats`; tolerant of extras."""
-    tenants = body.get("tenants")
-    if tenants is None:
-        tenants = (body.get("cache") or {}).get("tenants", [])
-    if isinstance(tenants, Mapping):
-        tenants = list(tenants)
-    measured = (body.get("nvme") or {}).get("measured_gbps")
-    return SidecarStats(
+def parse_stats(member: str, body: Mapping[str, Any]) -> MemberStats | None:
+    """A member's `GET /cache/stats` answer (`control_api.SidecarStats`); None when it
+    is not one (a missing answer, like a sidecar that did not answer)."""
+    try:
+        stats = api.SidecarStats.model_validate(body)
+    except ValidationError as exc:
+        log.info("stats from %s do not parse: %s", member, exc)
+        return None
+    measured = stats.nvme.measured_gbps if stats.nvme is not None else None
+    return MemberStats(
         member=member,
-        lookups=int(body.get("lookups", 0) or 0),
-        hits=int(body.get("hits", 0) or 0),
-        tenants=tuple(sorted(str(t) for t in tenants or [])),
-        nvme_gbps=float(measured) if isinstance(measured, (int, float)) and measured > 0 else None,
+        lookups=stats.lookups,
+        hits=stats.hits,
+        tenants=tuple(sorted(stats.tenants)),
+        nvme_gbps=measured if measured is not None and measured > 0 else None,
+        draining=stats.draining,
     )
 
 
@@ -124,7 +132,7 @@ class SidecarClient:
         answers = await asyncio.gather(*(self._stats(m) for m in members.values()))
         return FleetStats(tuple(a for a in answers if a is not None))
 
-    async def _stats(self, member: Member) -> SidecarStats | None:
+    async def _stats(self, member: Member) -> MemberStats | None:
         try:
             async with self._session.get(
                 f"{member.http_url()}/cache/stats", timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S),
@@ -138,7 +146,7 @@ class SidecarClient:
             return None
 
     async def warm_all(
-        self, requests: Iterable[WarmRequest], members: Mapping[str, Member], timeout_s: float,
+        self, requests: Iterable[WarmTask], members: Mapping[str, Member], timeout_s: float,
         ref_prefix: str = "", on_done: Callable[[str], None] | None = None,
     ) -> set[str]:
         """Run the warm-ups (bounded concurrency) until done or `timeout_s` passes;
@@ -152,7 +160,7 @@ class SidecarClient:
         per_target: dict[str, asyncio.Semaphore] = {}
         done: set[str] = set()
 
-        async def one(req: WarmRequest) -> None:
+        async def one(req: WarmTask) -> None:
             target = per_target.setdefault(req.target, asyncio.Semaphore(self.warms_per_target))
             async with fleet, target:
                 if await self._warm(req, members, deadline, f"{ref_prefix}/{req.key}"):
@@ -170,34 +178,34 @@ class SidecarClient:
             await asyncio.gather(*tasks, return_exceptions=True)
         return done
 
-    async def _warm(self, req: WarmRequest, members: Mapping[str, Member], deadline: float, ref: str) -> bool:
+    async def _warm(self, req: WarmTask, members: Mapping[str, Member], deadline: float, ref: str) -> bool:
         target, source = members.get(req.target), members.get(req.source)
         if target is None or source is None:
             return False
-        body = {"tenant": req.tenant, "from_peer": source.peer_address(), "max_bytes": req.max_bytes, "ref": ref}
+        body = api.WarmRequest(tenant=req.tenant, from_peer=source.peer_address(), max_bytes=req.max_bytes, ref=ref)
         try:
             remaining = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
-            async with self._session.post(f"{target.http_url()}/cache/warm", json=body, timeout=remaining,
-                                          headers=self._token.headers()) as resp:
-                if resp.status not in (200, 202):
+            async with self._session.post(f"{target.http_url()}/cache/warm", json=api.dump(body),
+                                          timeout=remaining, headers=self._token.headers()) as resp:
+                if resp.status != 202:
                     log.warning("warm %s on %s refused: %s %s", req.tenant, req.target, resp.status, await resp.text())
                     return False
-                job = (await resp.json()).get("job")
-            return await self._wait_job(target, job, deadline) if job else True
+                accepted = api.WarmAccepted.model_validate(await resp.json())
+            return await self._wait_job(target, accepted.job, deadline)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             log.info("warm %s on %s failed: %s", req.tenant, req.target, exc)
             return False
 
-    async def _wait_job(self, target: Member, job: str, deadline: float) -> bool:
+    async def _wait_job(self, target: Member, job: api.JobId, deadline: float) -> bool:
         """Warm-ups run in the background on the sidecar: wait for the job to finish."""
         while time.monotonic() < deadline:
             timeout = aiohttp.ClientTimeout(total=max(0.1, min(STATS_TIMEOUT_S, deadline - time.monotonic())))
             async with self._session.get(f"{target.http_url()}/cache/jobs", timeout=timeout,
                                          headers=self._token.headers()) as resp:
-                state = ((await resp.json()).get(job) or {}).get("state") if resp.status == 200 else None
-            if state == "done":
+                record = api.Jobs.model_validate(await resp.json()).root.get(job) if resp.status == 200 else None
+            if record is not None and record.state == api.JobState.DONE:
                 return True
-            if state == "failed":
+            if record is not None and record.state == api.JobState.FAILED:
                 return False
             await asyncio.sleep(JOB_POLL_INTERVAL_S)
         return False

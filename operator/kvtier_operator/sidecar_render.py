@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier import policy
-from kvtier.sidecar_config import ModelShape as SidecarModel
-from kvtier.sidecar_config import NvmeConfig, SidecarConfig, dump_yaml
+from kvtier.sidecar_config import NvmeConfig, ServedModel, SidecarConfig, dump_yaml
 
 from kvtier_operator import names
 from kvtier_operator.economics import resolved_shape
@@ -25,10 +24,9 @@ def sidecar_config(spec: policy.KVCachePolicySpec) -> SidecarConfig:
     API at run time; a `redis.secretRef` is injected as KVTIER_REDIS_URL, not written here."""
     shape = resolved_shape(spec.model)
     dtype_bytes = spec.model.dtype_bytes
-    latent = shape.kv_elements_per_token  # MLA (e.g. the deepseek-v3 preset): not K and V
     nvme = spec.tiers.nvme
     return SidecarConfig(
-        model=SidecarModel(
+        model=ServedModel(
             model_id=spec.model.id,
             weights_version=spec.model.weights_version,
             kv_dtype=spec.model.kv_dtype,
@@ -38,7 +36,7 @@ def sidecar_config(spec: policy.KVCachePolicySpec) -> SidecarConfig:
             kv_heads=shape.kv_heads,
             head_dim=shape.head_dim,
             dtype_bytes=dtype_bytes,
-            kv_bytes_per_token_override=latent * dtype_bytes if latent is not None else None,
+            kv_elements_per_token=shape.kv_elements_per_token,
         ),
         block_size=spec.block_size,
         dram_capacity_bytes=policy.parse_quantity_bytes(spec.tiers.dram.capacity),

@@ -26,8 +26,9 @@ from kvtier_operator.membership import Member
 
 
 @dataclass(frozen=True, slots=True)
-class WarmRequest:
-    """POST /cache/warm on `target`: copy `tenant`'s hottest prefixes from `source`."""
+class WarmTask:
+    """One planned warm-up: `target` copies `tenant`'s hottest prefixes from `source`
+    (sent as a `control_api.WarmRequest` to the target's `POST /cache/warm`)."""
 
     tenant: str
     target: str
@@ -35,10 +36,10 @@ class WarmRequest:
     max_bytes: int
     fallback: str | None = None  # a surviving old home, when `source` is a leaver
 
-    def from_fallback(self) -> "WarmRequest | None":
+    def from_fallback(self) -> "WarmTask | None":
         if self.fallback is None:
             return None
-        return WarmRequest(self.tenant, self.target, self.fallback, self.max_bytes)
+        return WarmTask(self.tenant, self.target, self.fallback, self.max_bytes)
 
     @property
     def key(self) -> str:
@@ -47,14 +48,14 @@ class WarmRequest:
 
 @dataclass(frozen=True, slots=True)
 class WarmPlan:
-    requests: tuple[WarmRequest, ...]
+    requests: tuple[WarmTask, ...]
     cold_tenants: tuple[str, ...]  # moved, but no surviving old home to warm from
 
 
 def plan(moves: Iterable[TenantMove], members: Mapping[str, Member], max_bytes_per_tenant: int,
          leavers: Mapping[str, Member] | None = None) -> WarmPlan:
     leavers = leavers or {}
-    requests: list[WarmRequest] = []
+    requests: list[WarmTask] = []
     cold: list[str] = []
     for move in moves:
         survivors = [m for m in move.old_homes if m in members]
@@ -69,7 +70,7 @@ def plan(moves: Iterable[TenantMove], members: Mapping[str, Member], max_bytes_p
         else:
             cold.append(move.tenant)
             continue
-        requests += [WarmRequest(move.tenant, t, source, max_bytes_per_tenant, fallback if fallback != t else None)
+        requests += [WarmTask(move.tenant, t, source, max_bytes_per_tenant, fallback if fallback != t else None)
                      for t in targets if t != source]
     return WarmPlan(tuple(requests), tuple(cold))
 
@@ -126,5 +127,5 @@ class PendingEpoch:
     def matches(self, epoch: int, digest: str) -> bool:
         return self.epoch == epoch and self.members == digest
 
-    def remaining(self, requests: Iterable[WarmRequest]) -> list[WarmRequest]:
+    def remaining(self, requests: Iterable[WarmTask]) -> list[WarmTask]:
         return [r for r in requests if r.key not in self.done]

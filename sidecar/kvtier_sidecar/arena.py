@@ -97,17 +97,3 @@ class Arena:
                 pass
 
 
-def contiguous_runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """Group slot ids into runs: (index of first block, first slot, length).
-
-    A run is the unit of copy and of transfer: consecutive blocks in consecutive slots
-    move with one memcpy / one send.
-    """
-    runs: list[tuple[int, int, int]] = []
-    start = 0
-    for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1:
-            if slots:
-                runs.append((start, slots[start], i - start))
-            start = i
-    return runs

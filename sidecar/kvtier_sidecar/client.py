@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier.blockpool import slot_runs
 from kvtier.keys import KeyRoot, as_token_array
 from kvtier.layout import shard_for_rank
 
-from .arena import Arena, ArenaError, contiguous_runs
+from .arena import Arena, ArenaError
 from .engine_proto import FRAME, EngineOp, FrameError, decode_header, encode, split_body
+from .sockio import recv_exact
 
 # How long a dead sidecar is left alone before the next reconnect attempt.
 RECONNECT_BACKOFF_S = 0.5
@@ -130,9 +132,9 @@ class SidecarClient:
         rid = self._next_id
         self._next_id = (self._next_id + 1) & 0xFFFFFFFF
         sock.sendall(encode(op, rid, payload, tail))
-        header = _recv_exact(sock, FRAME.size)
+        header = recv_exact(sock, FRAME.size)
         body_len, rop, rrid, json_len = decode_header(header)
-        rest = _recv_exact(sock, body_len - 4)
+        rest = recv_exact(sock, body_len - 4)
         if rop != op or rrid != rid:
             raise FrameError("answer does not match the request")
         answer, tail_out = split_body(rest, json_len)
@@ -206,7 +208,7 @@ class SidecarClient:
             need = len(hit.blocks) * bb
             if out.size < need:
                 raise ValueError(f"dst holds {out.size} bytes, the hit needs {need}")
-            for first, slot, count in contiguous_runs(hit.blocks):
+            for first, slot, count in slot_runs(hit.blocks):
                 np.copyto(out[first * bb : (first + count) * bb], arena.slot_array(slot, count))
             return need
         shape = self._block_shape()
@@ -258,7 +260,7 @@ class SidecarClient:
             need = len(slots) * bb
             if src.size < need:
                 raise ValueError(f"kv_blocks hold {src.size} bytes, {len(slots)} blocks need {need}")
-            for first, slot, count in contiguous_runs(slots):
+            for first, slot, count in slot_runs(slots):
                 np.copyto(arena.slot_array(slot, count), src[first * bb : (first + count) * bb])
             return
         shape = self._block_shape()
@@ -280,13 +282,3 @@ def _as_bytes(a) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("sidecar closed the connection")
-        got += k
-    return bytes(buf)

@@ -26,6 +26,8 @@ import aiohttp
 
 from kvtier.sidecar_config import ControlAuthConfig
 
+from .counters import Count, Counters
+
 log = logging.getLogger("kvtier.sidecar.auth")
 
 # Distinct tokens remembered at once; beyond, the oldest answer is forgotten.
@@ -96,17 +98,17 @@ def api_server_url(config: ControlAuthConfig, env: dict[str, str] | None = None)
 class TokenReviewer:
     """Asks the API server; caches answers (200/401/403) per token for the TTL."""
 
-    def __init__(self, config: ControlAuthConfig, counters: collections.Counter | None = None) -> None:
+    def __init__(self, config: ControlAuthConfig, counters: Counters | None = None) -> None:
         self.config = config
         self._cache: collections.OrderedDict[str, tuple[Decision, float]] = collections.OrderedDict()
         self._session: aiohttp.ClientSession | None = None
         self._gate = asyncio.Semaphore(MAX_REVIEWS_IN_FLIGHT)
-        self.counters = collections.Counter() if counters is None else counters
+        self.counters = Counters() if counters is None else counters
 
     async def check(self, authorization: str | None) -> Decision:
         token = bearer_token(authorization)
         if token is None:
-            self.counters["auth_missing"] += 1
+            self.counters.add(Count.AUTH_MISSING)
             return Decision(401, reason="a bearer token is required")
         key = hashlib.sha256(token.encode()).hexdigest()
         cached = self._cache.get(key)
@@ -116,7 +118,7 @@ class TokenReviewer:
         try:
             review = await self._review(token)
         except ReviewUnavailable as exc:
-            self.counters["auth_unavailable"] += 1
+            self.counters.add(Count.AUTH_UNAVAILABLE)
             log.warning("cannot review a control-API token", extra={"error": str(exc)})
             return Decision(503, reason="cannot verify credentials now")
         decision = decide(review, self.config.audience, self.config.allowed_users)
@@ -137,7 +139,7 @@ class TokenReviewer:
         except (OSError, ssl.SSLError) as exc:
             raise ReviewUnavailable(f"no credentials to call TokenReview: {exc}") from None
         async with self._gate:
-            self.counters["token_reviews"] += 1
+            self.counters.add(Count.TOKEN_REVIEWS)
             try:
                 async with self._session.post(
                         f"{url}/apis/authentication.k8s.io/v1/tokenreviews", json=review_body(token, self.config.audience),

@@ -10,7 +10,8 @@
     GET  /metrics                Prometheus text, top-N tenants + "other"
     GET  /healthz, /readyz
 
-Bodies are pydantic models; anything malformed is a 4xx with a message saying what
+Bodies and answers are the pydantic models of `kvtier.control_api` (the operator's
+client reads the same ones); anything malformed is a 4xx with a message saying what
 was wrong. Handlers are thin: the work is in `service.Sidecar`.
 
 Everything under /cache/ (and /metrics when `control_auth.protect_metrics`) needs the
@@ -21,41 +22,21 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
+
+from kvtier import control_api as api
 
 from .service import PeerTierDisabled
 
 log = logging.getLogger("kvtier.sidecar.http")
 
 MAX_BODY_BYTES = 64 << 10
-_PEER_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,255}:\d{1,5}$")
-
-
-class InvalidateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model_version: str = Field(min_length=1, max_length=256)
-
-
-class WarmRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tenant: str = Field(min_length=1, max_length=256)
-    from_peer: str = Field(min_length=3, max_length=300)
-    max_bytes: int = Field(gt=0)
-    # Idempotency key: the same ref again answers the first job (see Sidecar.warm).
-    ref: str | None = Field(default=None, min_length=1, max_length=256)
-
-    def model_post_init(self, _ctx) -> None:
-        if not _PEER_RE.match(self.from_peer):
-            raise ValueError("from_peer must be host:port")
 
 
 def _bad(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+    return web.json_response(api.dump(api.ErrorBody(error=message)), status=status)
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel | web.Response:
@@ -85,19 +66,20 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
     """`auth`: a control_auth.TokenReviewer, or None for an open control API."""
     async def stats(request: web.Request) -> web.Response:
         tenant = request.query.get("tenant")
-        if tenant is not None and not (0 < len(tenant) <= 256):
-            return _bad("tenant must be 1-256 characters")
-        return web.json_response(service.stats(tenant))
+        if tenant is not None and not (0 < len(tenant) <= api.MAX_NAME_CHARS):
+            return _bad(f"tenant must be 1-{api.MAX_NAME_CHARS} characters")
+        return web.json_response(api.dump(service.stats(tenant)))
 
     async def invalidate(request: web.Request) -> web.Response:
-        body = await _body(request, InvalidateRequest)
+        body = await _body(request, api.InvalidateRequest)
         if isinstance(body, web.Response):
             return body
         job = service.invalidate_version(body.model_version)
-        return web.json_response({"accepted": True, "model_version": body.model_version, "job": job}, status=202)
+        return web.json_response(api.dump(api.InvalidateAccepted(model_version=body.model_version, job=job)),
+                                 status=202)
 
     async def warm(request: web.Request) -> web.Response:
-        body = await _body(request, WarmRequest)
+        body = await _body(request, api.WarmRequest)
         if isinstance(body, web.Response):
             return body
         if not await service.may_warm_from(body.from_peer):
@@ -107,15 +89,15 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
             job, started = service.warm(body.tenant, body.from_peer, body.max_bytes, body.ref)
         except PeerTierDisabled as exc:
             return _bad(str(exc), 409)
-        return web.json_response({"accepted": True, "job": job, "started": started}, status=202)
+        return web.json_response(api.dump(api.WarmAccepted(job=job, started=started)), status=202)
 
     async def drain_done(request: web.Request) -> web.Response:
         if not service.finish_drain():
             return _bad("not draining: this sidecar has not been asked to stop", 409)
-        return web.json_response({"draining": True, "done": True}, status=202)
+        return web.json_response(api.dump(api.DrainDone()), status=202)
 
     async def jobs(request: web.Request) -> web.Response:
-        return web.json_response(service.jobs())
+        return web.json_response(api.dump(api.Jobs(service.jobs())))
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=service.metrics_text(), content_type="text/plain", charset="utf-8",

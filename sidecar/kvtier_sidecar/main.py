@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -83,15 +84,20 @@ class SidecarProcess:
             return None
 
     async def run(self, ready_file: str | None) -> None:
+        """Serve until a signal, then drain and tear down. Every resource is registered
+        for teardown as soon as it exists, so a failure half-way through start-up (a
+        port in use, Redis misconfigured) still releases what was already taken —
+        the arena above all — in reverse order."""
+        async with contextlib.AsyncExitStack() as stack:
+            await self._start(stack, ready_file)
+            await self._stop.wait()
+            await self._drain()
+            log.info("sidecar shutting down")
+
+    async def _start(self, stack: contextlib.AsyncExitStack, ready_file: str | None) -> None:
         c = self.config
         self.arena = Arena.create(c.shm_name, c.slots, c.block_bytes)
-        try:
-            await self._run(ready_file)
-        finally:
-            self.arena.close()
-
-    async def _run(self, ready_file: str | None) -> None:
-        c = self.config
+        stack.callback(self.arena.close)
         tier = DramTier(self.arena, c.block_size, c.min_sightings, c.model.kv_heads, c.thrash_ratio)
         # Peer tier off: no listener, no fetches, no warm-ups, and so no global index
         # (it only ever names peers to fetch from).
@@ -105,21 +111,28 @@ class SidecarProcess:
             advertise = c.peer_advertise or self.peer_server.address
             self.peer_server.endpoint = advertise
             self.peer_server.start()
+            stack.callback(self.peer_server.close)
             if c.redis_url:
                 self.index = GlobalIndex(c.redis_url, advertise, c.index_key_prefix, c.index_ttl_s,
                                          c.index_lookup_timeout_s, c.redis_cluster)
+                stack.push_async_callback(self._leave_index, self.index)
             self.transport = TcpTransport(self.keyring, c.peer_connect_timeout_s, c.peer_timeout_s, identity=advertise)
         self.service = Sidecar(c, tier, self.index, self.transport, instance=uuid.uuid4().hex)
+        stack.callback(self.service.close)
         self.service.bind_loop(asyncio.get_running_loop())
-        socket_path = c.engine_socket_path()
-        engine = EngineServer(self.service, socket_path, hello_for(c, self.arena))
-        await engine.start()
         self.auth = TokenReviewer(c.control_auth, self.service.counters) if c.control_auth.mode == "tokenreview" else None
         if self.auth is None:
             log.warning("control API open: no token is checked (control_auth.mode=open)")
+        else:
+            stack.push_async_callback(self.auth.close)
         runner = web.AppRunner(make_app(self.service, self.auth, c.control_auth.protect_metrics),
                                access_log=None, handle_signals=False)
         await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        socket_path = c.engine_socket_path()
+        engine = EngineServer(self.service, socket_path, hello_for(c, self.arena))
+        await engine.start()
+        stack.push_async_callback(engine.close)  # the first to stop: no new engine requests
         site = web.TCPSite(runner, c.pod_ip, c.http_port)
         await site.start()
         http_port = runner.addresses[0][1]
@@ -127,6 +140,8 @@ class SidecarProcess:
         if self.index is not None:
             background.append(asyncio.create_task(self.index.run()))
         self._nvme_task: asyncio.Task | None = None
+        stack.push_async_callback(self._cancel, background)
+        stack.push_async_callback(lambda: self._cancel([self._nvme_task] if self._nvme_task else []))
         self._start_nvme_probe(c.nvme)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -140,22 +155,19 @@ class SidecarProcess:
             tmp.write_text(json.dumps(ready))
             tmp.replace(ready_file)
         log.info("sidecar serving", extra=ready)
-        await self._stop.wait()
-        await self._drain()
-        log.info("sidecar shutting down")
-        await engine.close()
-        if self.peer_server is not None:
-            self.peer_server.close()
-        for task in background + ([self._nvme_task] if self._nvme_task else []):
+
+    @staticmethod
+    async def _cancel(tasks: list[asyncio.Task]) -> None:
+        for task in tasks:
             task.cancel()
-        if self.index is not None:
-            await self.index.flush()
-            await self.index.deregister()
-            await self.index.close()
-        await runner.cleanup()
-        if self.auth is not None:
-            await self.auth.close()
-        self.service.close()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @staticmethod
+    async def _leave_index(index: GlobalIndex) -> None:
+        """Write what is queued, then take this sidecar's entries out of the index."""
+        await index.flush()
+        await index.deregister()
+        await index.close()
 
     def _on_signal(self) -> None:
         (self._force if self._stop.is_set() else self._stop).set()

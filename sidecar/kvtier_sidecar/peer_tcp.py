@@ -26,11 +26,12 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
+from kvtier.blockpool import slot_runs
 from kvtier.keys import KeyRoot
 
 from . import wire
-from .arena import contiguous_runs
 from .peer_keys import PeerKeyring
+from .sockio import recv_exact, recv_into_exact
 from .transport import FetchOutcome, FetchSink, HotPrefixes
 
 log = logging.getLogger("kvtier.sidecar.peer")
@@ -89,22 +90,6 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
         except OSError:
             pass
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    recv_into_exact(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    total = len(view)
-    while got < total:
-        k = sock.recv_into(view[got:], total - got)
-        if k == 0:
-            raise ConnectionError("peer closed the connection")
-        got += k
 
 
 def sendmsg_all(sock: socket.socket, views: list, deadline: float) -> None:
@@ -411,7 +396,7 @@ class PeerServer:
 
     def _stream(self, conn: socket.socket, slots: list[int]) -> None:
         per_chunk = wire.chunk_blocks(self.source.block_bytes)
-        for first, slot, count in contiguous_runs(slots):
+        for first, slot, count in slot_runs(slots):
             for off in range(0, count, per_chunk):
                 n = min(per_chunk, count - off)
                 digests = self.source.block_digests(list(range(slot + off, slot + off + n)))

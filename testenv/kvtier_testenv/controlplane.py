@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier_testenv import binaries
+from kvtier_testenv.ports import free_port
 
 HOST = "127.0.0.1"
 # A cold apiserver start on a loaded 2-core machine takes ~5-15 s; beyond this, fail.
@@ -85,12 +86,6 @@ _PR_SET_PDEATHSIG = 1
 
 class ControlPlaneError(RuntimeError):
     """A control-plane component failed to start or stop; carries its log tail."""
-
-
-def free_port(host: str = HOST) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def port_is_free(port: int, host: str = HOST) -> bool:

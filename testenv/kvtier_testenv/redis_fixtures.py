@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier_testenv.ports import free_port
+
 REDIS_BINARY_ENV = "KVTIER_REDIS_SERVER"
 REDIS_CLI_ENV = "KVTIER_REDIS_CLI"
 # Long enough for a cold start on a loaded 2-core CI machine, short enough to fail fast.
@@ -58,12 +60,6 @@ def redis_cli_binary() -> str:
             f"scripts/setup.sh) or point {REDIS_CLI_ENV} at the binary"
         )
     return found
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

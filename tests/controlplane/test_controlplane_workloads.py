@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv import polling
-from kvtier_testenv.nodeagent import NodeAgent, is_ready
+from kvtier_testenv.nodeagent import NodeAgent
+from kvtier_testenv.podenv import is_ready
 
 WAIT_S = 60.0
 

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_testenv import nodeagent
-from kvtier_testenv.nodeagent import PodSpecError, expand_vars, field_ref, rewrite_paths, write_atomic_volume
+from kvtier_testenv import podenv
+from kvtier_testenv.podenv import PodSpecError, expand_vars, field_ref, rewrite_paths
+from kvtier_testenv.podvolumes import write_atomic_volume
 
 POD = {
     "metadata": {"name": "web-0", "namespace": "t-1", "uid": "u-1",
@@ -52,7 +53,7 @@ def test_resolve_env_orders_envfrom_then_env_and_expands_earlier_names() -> None
         ],
     }
     lookup = _Lookup({("ConfigMap", "cfg"): {"mode": "fast", "weights": "sha256:ab"}})
-    env = nodeagent.resolve_env(container, POD, lookup)
+    env = podenv.resolve_env(container, POD, lookup)
     assert env == {"CFG_mode": "fast", "CFG_weights": "sha256:ab", "POD_NAME": "web-0",
                    "GREETING": "hi web-0 fast", "WEIGHTS": "sha256:ab"}
 
@@ -60,7 +61,7 @@ def test_resolve_env_orders_envfrom_then_env_and_expands_earlier_names() -> None
 def test_resolve_env_missing_required_configmap_key_is_a_clear_error() -> None:
     container = {"env": [{"name": "W", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "weights"}}}]}
     with pytest.raises(PodSpecError, match="ConfigMap 'cfg' key 'weights' not found"):
-        nodeagent.resolve_env(container, POD, _Lookup({("ConfigMap", "cfg"): {}}))
+        podenv.resolve_env(container, POD, _Lookup({("ConfigMap", "cfg"): {}}))
 
 
 def test_rewrite_paths_replaces_whole_mount_paths_longest_first() -> None:
@@ -86,6 +87,6 @@ def test_atomic_volume_swaps_payload_and_drops_removed_keys(tmp_path: Path) -> N
 
 
 def test_pod_ips_are_unique_loopback_addresses() -> None:
-    ips = [nodeagent.next_pod_ip() for _ in range(600)]
+    ips = [podenv.next_pod_ip() for _ in range(600)]
     assert len(set(ips)) == 600
     assert all(ip.startswith("127.1.") and not ip.endswith(".0") and not ip.endswith(".255") for ip in ips)

@@ -7,9 +7,8 @@ import base64
 import json
 import time
 
-from kvtier_testenv.nodeagent import (
-    SERVICE_ACCOUNT_MOUNT_PATH, downward_files, pod_dir_name, with_service_account_volume,
-)
+from kvtier_testenv.podenv import pod_dir_name
+from kvtier_testenv.podvolumes import SERVICE_ACCOUNT_MOUNT_PATH, downward_files, with_service_account_volume
 
 # sockaddr_un.sun_path on Linux: 108 bytes including the terminating NUL.
 UNIX_PATH_MAX = 108

@@ -1,4 +1,4 @@
-"""Break-even arithmetic: every figure in DESIGN "The numbers", reproduced exactly."""
+"""Break-even arithmetic: every figure in docs/ARCHITECTURE.md "The numbers", reproduced exactly."""
 from __future__ import annotations
 
 import pytest

@@ -2,7 +2,7 @@
 import subprocess
 import sys
 
-from kvtier.demo import run_local
+from kvtier_app.demo import run_local
 
 
 def test_local_replay_hits_and_cached_kv_gives_recompute_logits():
@@ -14,6 +14,6 @@ def test_local_replay_hits_and_cached_kv_gives_recompute_logits():
 
 
 def test_cli_survives_a_closed_pipe():
-    cmd = f"{sys.executable} -m kvtier breakeven --model llama-3-70b --gpu h100 --tp 4 | head -c 10"
+    cmd = f"{sys.executable} -m kvtier_app breakeven --model llama-3-70b --gpu h100 --tp 4 | head -c 10"
     out = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60)
     assert "Traceback" not in out.stderr, out.stderr

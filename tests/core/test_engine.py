@@ -35,8 +35,23 @@ def store_prompt(engine: ReferenceEngine, cache: LocalCache, root, tokens) -> No
     cache.flush()
 
 
+# The fp32 arithmetic of two prefills of different lengths runs through BLAS kernels of
+# different shapes, which sum in a different order: the results agree to a few dozen fp32
+# ulps, never bit for bit (another CPU of the same kind differs by up to ~15 ulps).
+FP32_ARITHMETIC_ULPS = 64
+
+
+def kv_tolerance(kv_dtype: np.dtype) -> float:
+    """Relative tolerance for K/V of two computations of the same values: the fp32
+    arithmetic's spread, plus one ulp of the KV dtype (rounding to it may flip one ulp)."""
+    return FP32_ARITHMETIC_ULPS * float(np.finfo(np.float32).eps) + float(np.finfo(kv_dtype).eps)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_a_cached_prefix_gives_the_logits_of_a_full_recompute(dtype):
+    """K of the cached path matches a full recompute within `kv_tolerance(dtype)`: the
+    fp32 arithmetic's spread between kernel shapes plus one ulp of the KV dtype (fp32:
+    ~7.8e-6 relative, fp16: ~9.8e-4). Never bit for bit: that depends on the CPU."""
     engine = ReferenceEngine(replace(SMALL, dtype=dtype))
     cache = cache_for(engine)
     root = engine.key_root("acme")
@@ -53,7 +68,8 @@ def test_a_cached_prefix_gives_the_logits_of_a_full_recompute(dtype):
     full = engine.prefill(second)
     assert cached.computed_tokens == len(second) - 96
     np.testing.assert_allclose(cached.logits, full.logits[96:], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(cached.k, full.k)
+    tol = kv_tolerance(cached.k.dtype)
+    np.testing.assert_allclose(cached.k.astype(np.float32), full.k.astype(np.float32), rtol=tol, atol=tol)
     assert cached.k.dtype == np.dtype(np.float16 if dtype == "fp16" else np.float32)
 
 

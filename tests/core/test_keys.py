@@ -1,4 +1,5 @@
-"""Cache keys and chained block hashes (correctness rules 1, 2, 4)."""
+"""Cache keys and chained block hashes (rule: key-root, rule: chained-hashes, rule:
+tokens-not-hashes)."""
 from __future__ import annotations
 
 import dataclasses

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from helm_chart import CHART, ROOT, SA_DIR
 from kvtier_testenv import polling
+from kvtier_testenv.ports import free_port
 from kvtier_testenv.kubectl import Kubectl, KubectlError
 
 CRD_NAME = "kvcachepolicies.kvtier.io"
@@ -21,12 +21,6 @@ CRD_NAME = "kvcachepolicies.kvtier.io"
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = 60.0) -> Any:
     return polling.wait_for(what, probe, timeout_s, interval_s=0.2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def exists(kubectl: Kubectl, *what: str) -> bool:

@@ -13,7 +13,7 @@ DEMO_TIMEOUT_S = 300
 
 
 def test_cluster_demo_scales_with_warm_up_and_serves_no_wrong_kv():
-    proc = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--mode", "cluster", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "kvtier_app", "demo", "--mode", "cluster", "--json"],
                           capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, cwd=ROOT)
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
     result = json.loads(proc.stdout)

@@ -4,7 +4,6 @@ webhook on 127.0.0.1 with a self-signed certificate, registered with the apiserv
 from __future__ import annotations
 
 import base64
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,6 @@ OPERATOR_SA = "kvtier-operator"
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = 30.0, interval_s: float = 0.1) -> Any:
     """Poll `probe` until it returns something truthy; fail naming `what` and the last value."""
     return polling.wait_for(what, probe, timeout_s, interval_s)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def register_webhook(admin: Kubectl, namespace: str, ca_pem: bytes, port: int) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 from kvtier import sidecar_config
 from kvtier.keys import KeyRoot
 from kvtier_sidecar.client import Hit, SidecarClient
-from kvtier_sidecar.synthetic import prefill_kv
+from kvtier_testenv.synthetic import prefill_kv
 from kvtier_testenv.nodeagent import NodeAgent
 
 DIGEST = "sha256:" + "1" * 64

@@ -14,7 +14,7 @@ from kvtier import sidecar_config as cfgmod
 from kvtier.affinity import AffinityTable, TenantMove
 from kvtier_operator import membership, names, reconcile, sidecar_render
 from kvtier_operator.sidecar_client import SidecarClient
-from kvtier_sidecar.fleet import SidecarHandle
+from kvtier_testenv.fleet import SidecarHandle
 from sidecar_fleet import PodSidecar, tiny_policy
 
 # Loopback addresses no other test uses: the sidecars bind the pod ports 8081/8082.

@@ -20,7 +20,8 @@ from kvtier.affinity import AffinityTable
 from kvtier_operator import names, sidecar_render
 from kvtier_testenv.kubectl import Kubectl
 from operator_cases import EXAMPLES_DIR
-from operator_harness import RunningOperator, events, free_port, operator_options, register_webhook, wait_for
+from kvtier_testenv.ports import free_port
+from operator_harness import RunningOperator, events, operator_options, register_webhook, wait_for
 from sidecar_fleet import BLOCK_BYTES, PodSidecar, serving_pod, tiny_policy
 
 
@@ -401,7 +402,7 @@ def test_nvme_shadow_measurement_feeds_the_tier_verdict(operator, kubectl, node_
     latest = fleet.sidecar("d0").get("/cache/stats")["nvme"]["measured_gbps"]
     assert nvme["measuredGbps"] in (round(measured, 3), round(latest, 3))
     spec = policy.parse_policy(kubectl.get_json("kvcp", "disk")).spec
-    report = breakeven.evaluate(presets.ModelShape("reference-tiny", 2, 2, 16, 1.0e6), tflops_per_gpu=10, tp=1,
+    report = breakeven.evaluate(presets.ModelShape(name="reference-tiny", layers=2, kv_heads=2, head_dim=16, params=1.0e6), tflops_per_gpu=10, tp=1,
                                 kv_dtype=spec.model.kv_dtype, media={"dram": 64.0, "rdma": 25.0,
                                                                      "nvme": nvme["measuredGbps"]})
     assert nvme["bandwidthGbps"] == pytest.approx(nvme["measuredGbps"], abs=1e-3)

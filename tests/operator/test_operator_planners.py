@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 import yaml
 
-from kvtier import policy
+from kvtier import control_api, policy
 from kvtier.affinity import AffinityTable, TenantMove, plan_membership_change
 from kvtier_operator import conditions, injection, membership, names, publish, warmup
 from kvtier_operator.sidecar_client import FleetStats, parse_stats
@@ -127,7 +127,7 @@ def test_a_join_plans_warmups_for_exactly_the_tenants_that_gain_the_newcomer():
 def test_journal_resumes_only_for_the_same_epoch_and_members():
     members = _members("a", "b")
     digest = warmup.members_digest(members)
-    reqs = [warmup.WarmRequest("t1", "a", "b", 1), warmup.WarmRequest("t2", "b", "a", 1)]
+    reqs = [warmup.WarmTask("t1", "a", "b", 1), warmup.WarmTask("t2", "b", "a", 1)]
     journal = warmup.PendingEpoch(5, digest, {"t1@a"})
     restored = warmup.PendingEpoch.from_json(journal.to_json())
     assert restored.matches(5, digest) and restored.remaining(reqs) == reqs[1:]
@@ -147,14 +147,27 @@ def test_conditions_keep_transition_time_unless_status_flips():
     assert [c.type for c in kept] == ["A", "B"] and kept[0].status == "False"
 
 
+def _stats_body(lookups: int = 0, hits: int = 0, tenants: tuple[str, ...] = (), **fields) -> dict:
+    """A `GET /cache/stats` answer as the sidecar sends it (the shared control-API model)."""
+    row = control_api.TenantSummary(bytes=1, lookups=1, hits=0, warmed_bytes=0)
+    return control_api.dump(control_api.SidecarStats(lookups=lookups, hits=hits,
+                                                     tenants={t: row for t in tenants}, **fields))
+
+
 def test_fleet_stats_union_tenants_and_weight_hit_rate_by_lookups():
     fleet = FleetStats((
-        parse_stats("a", {"lookups": 100, "hits": 90, "tenants": ["x", "y"]}),
-        parse_stats("b", {"lookups": 300, "hits": 30, "cache": {"tenants": {"y": {}, "z": {}}}}),
-        parse_stats("c", {"hit_rate": 0.5}),
+        parse_stats("a", _stats_body(100, 90, ("x", "y"))),
+        parse_stats("b", _stats_body(300, 30, ("y", "z"))),
+        parse_stats("c", _stats_body()),
     ))
     assert fleet.tenants == ["x", "y", "z"]
     assert fleet.hit_rate == pytest.approx(120 / 400)
+
+
+def test_stats_that_are_not_the_control_api_model_read_as_no_answer():
+    assert parse_stats("a", {"lookups": "many"}) is None
+    assert parse_stats("b", {"tenants": ["x", "y"]}) is None  # a list is not the tenant table
+    assert parse_stats("c", _stats_body(5, 1, ("x",), draining=True)).draining is True
 
 
 def test_published_table_round_trips_and_garbage_reads_as_none():
@@ -219,12 +232,15 @@ def test_operator_cli_rejects_half_a_certificate_with_exit_2(capsys):
 
 
 def test_fleet_nvme_figure_is_the_median_of_the_members_measurements():
-    stats = [parse_stats(m, {"nvme": {"measured_gbps": g}}) for m, g in (("a", 1.0), ("b", 9.0), ("c", 2.0))]
+    def probe(gbps: float | None, error: str | None = None) -> control_api.NvmeReport:
+        return control_api.NvmeReport(mode="shadow", path="/nvme", measured_gbps=gbps, error=error)
+
+    stats = [parse_stats(m, _stats_body(nvme=probe(g))) for m, g in (("a", 1.0), ("b", 9.0), ("c", 2.0))]
     assert FleetStats(tuple(stats)).nvme_gbps == 2.0
     assert FleetStats(tuple(stats[:2])).nvme_gbps == 5.0
-    unmeasured = parse_stats("d", {"nvme": {"measured_gbps": None, "error": "OSError"}})
+    unmeasured = parse_stats("d", _stats_body(nvme=probe(None, "OSError")))
     assert unmeasured.nvme_gbps is None and FleetStats((unmeasured,)).nvme_gbps is None
-    assert parse_stats("e", {"tenants": {"x": {"bytes": 1}, "y": {"bytes": 0}}}).tenants == ("x", "y")
+    assert parse_stats("e", _stats_body(tenants=("y", "x"))).tenants == ("x", "y")
 
 
 def test_sidecar_config_renders_peer_switch_thrash_ratio_and_nvme(spec):

@@ -11,10 +11,11 @@ import pytest
 from kvtier.keys import KeyRoot
 from kvtier_operator import names, rollout_handlers
 from kvtier_sidecar.client import Hit, SidecarClient
-from kvtier_sidecar.synthetic import prefill_kv
+from kvtier_testenv.synthetic import prefill_kv
 from kvtier_testenv.kubectl import Kubectl
+from kvtier_testenv.ports import free_port
 from operator_harness import (
-    RunningOperator, events, free_port, operator_options, register_webhook, wait_for,
+    RunningOperator, events, operator_options, register_webhook, wait_for,
 )
 from sidecar_fleet import BLOCK_BYTES, BLOCK_SIZE, DIGEST as OLD, PROMPT_TOKENS, PodSidecar, tiny_policy
 from test_operator_e2e import short_workdir, status_of

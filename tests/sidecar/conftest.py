@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_sidecar.fleet import SidecarHandle, sidecar_config
-from kvtier_sidecar.workload import SyntheticOracle
+from kvtier_testenv.fleet import SidecarHandle, sidecar_config
+from kvtier_testenv.workload import SyntheticOracle
 
 
 @pytest.fixture()

@@ -15,7 +15,7 @@ def test_defaults_are_valid_and_env_from_downward_api_wins():
 
 
 def test_70b_gqa8_fp16_kv_is_320_kib_per_token():
-    shape = sc.ModelShape(layers=80, kv_heads=8, head_dim=128, dtype_bytes=2)
+    shape = sc.ServedModel(layers=80, kv_heads=8, head_dim=128, dtype_bytes=2)
     assert shape.kv_bytes_per_token() == 327_680
 
 

@@ -61,7 +61,7 @@ def test_peer_tier_disabled_serves_no_peer_and_refuses_warm_ups(spawn, oracle, r
     seed_cache(SidecarClient(a.socket), oracle, "t", tokens)
     assert b.ready["peer"] == "" and b.stats()["peer_enabled"] is False
     assert isinstance(SidecarClient(b.socket).lookup(root, tokens), Miss)
-    assert b.stats()["index"] == {"enabled": False}
+    assert b.stats()["index"]["enabled"] is False
     status, body = b.post("/cache/warm", {"tenant": "t", "from_peer": a.peer, "max_bytes": 1 << 20})
     assert status == 409 and b"peer tier is disabled" in body
 
@@ -79,7 +79,7 @@ def test_nvme_shadow_measures_the_disk_without_serving_and_follows_a_reload(spaw
     assert set(side.stats()["hits_by_tier"]) == {"dram", "peer"}  # no nvme tier serves
     side.config["nvme"] = {"mode": "off"}
     side.write_config()
-    poll(lambda: "nvme" not in side.stats(), timeout_s=10)
+    poll(lambda: side.stats()["nvme"] is None, timeout_s=10)
 
 
 def test_nvme_probe_measures_real_io_and_reports_a_missing_path_as_an_error(tmp_path):
@@ -97,16 +97,16 @@ def test_nvme_probe_measures_real_io_and_reports_a_missing_path_as_an_error(tmp_
 
 def test_deepseek_v3_mla_override_is_one_latent_per_layer():
     ds = presets.model_preset("deepseek-v3")
-    shape = sc.ModelShape(layers=ds.layers, kv_heads=ds.kv_heads, head_dim=ds.head_dim, dtype_bytes=2,
-                          kv_bytes_per_token_override=ds.kv_elements() * 2)
+    shape = sc.ServedModel(layers=ds.layers, kv_heads=ds.kv_heads, head_dim=ds.head_dim, dtype_bytes=2,
+                           kv_elements_per_token=ds.kv_elements_per_token)
     assert shape.kv_bytes_per_token() == 70_272 and shape.kv_planes == 1
-    with pytest.raises(ValidationError, match="kv_bytes_per_token_override"):
-        sc.ModelShape(layers=61, kv_heads=1, head_dim=576, dtype_bytes=2, kv_bytes_per_token_override=70_000)
+    with pytest.raises(ValidationError, match="kv_elements_per_token"):
+        sc.ServedModel(layers=61, kv_heads=1, head_dim=576, dtype_bytes=2, kv_elements_per_token=35_000)
 
 
 def test_mla_sidecar_hands_out_single_plane_blocks_and_materializes_them(spawn, oracle):
-    planes = oracle.shape["layers"] * oracle.shape["kv_heads"] * oracle.shape["head_dim"] * 4
-    model = {**oracle.shape, "kv_bytes_per_token_override": planes}
+    plane = oracle.shape["layers"] * oracle.shape["kv_heads"] * oracle.shape["head_dim"]
+    model = {**oracle.shape, "kv_elements_per_token": plane}
     side = spawn(model=model)
     client = SidecarClient(side.socket)
     assert client.connect()

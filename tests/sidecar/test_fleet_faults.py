@@ -12,8 +12,8 @@ import redis as redis_sync
 
 from kvtier.keys import block_hashes
 from kvtier_sidecar.client import Hit, Miss, SidecarClient
-from kvtier_sidecar.fleet import run_engines, split_requests
-from kvtier_sidecar.workload import make_workload
+from kvtier_testenv.fleet import run_engines, split_requests
+from kvtier_testenv.workload import make_workload
 
 from .proxy import FaultyProxy
 from .test_sidecar_process import poll, prompt, seed_cache
@@ -83,7 +83,7 @@ def test_warm_pulls_only_the_weights_version_this_pod_serves(spawn, oracle, secr
     previous = dataclasses.replace(serving, weights_version=serving.weights_version + "-previous")
     p_now, p_old = prompt(100, seed=1), prompt(100, seed=2)
     seed_cache(ca, oracle, "moved", p_now)
-    for _ in range(2):  # two sightings: the store is admitted on the second (rule 8)
+    for _ in range(2):  # two sightings: the store is admitted on the second (rule: admission)
         ca.release(ca.lookup(previous, p_old))
         ca.store(previous, p_old, oracle.kv(previous, p_old))
     poll(lambda: ca.lookup(previous, p_old).matched_tokens == 96)
@@ -172,7 +172,7 @@ def test_fleet_under_redis_and_peer_sigkill_serves_zero_wrong_kv(spawn, oracle, 
 
 
 def test_fleet_with_reference_engines_reports_tier_hit_rates_and_serves_no_wrong_kv(tmp_path):
-    from kvtier_sidecar.fleet import run_fleet
+    from kvtier_testenv.fleet import run_fleet
 
     report = run_fleet(sidecars=2, tenants=4, templates=2, requests=120, oracle="reference", workdir=str(tmp_path))
     assert report["errors"] == 0, report["error_samples"]

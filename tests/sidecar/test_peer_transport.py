@@ -11,7 +11,7 @@ from kvtier_sidecar import wire
 from kvtier_sidecar.arena import Arena
 from kvtier_sidecar.dram import DramTier
 from kvtier_sidecar.peer_tcp import PeerServer, TcpTransport
-from kvtier_sidecar.workload import SyntheticOracle
+from kvtier_testenv.workload import SyntheticOracle
 
 from .proxy import FaultyProxy
 

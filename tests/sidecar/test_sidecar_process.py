@@ -17,7 +17,7 @@ def prompt(n: int, seed: int = 0) -> np.ndarray:
 
 
 def seed_cache(client, oracle, tenant: str, tokens: np.ndarray) -> None:
-    """Two sightings: the store is admitted on the second (rule 8)."""
+    """Two sightings: the store is admitted on the second (rule: admission)."""
     root = oracle.root(tenant)
     kv = oracle.kv(root, tokens)
     for _ in range(2):

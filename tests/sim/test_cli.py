@@ -1,7 +1,7 @@
 """`kvtier simulate` end to end: tables, --json, PNG plots, and bad flags."""
 import json
 
-from kvtier import cli
+from kvtier_app import cli
 
 
 def test_simulate_writes_json_and_png_plots(tmp_path, capsys):

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvtier.sim import scenarios
+from kvtier.sim import engine, scenarios
 from kvtier.sim.policies import POLICIES
 
 SCENARIOS = ("design-notes", "compare", "capacity", "membership", "rollout", "thrash")
@@ -69,6 +69,8 @@ def main(argv: list[str]) -> int:
             return _fail("--dram-gib", "sizes must be > 0")
     names = SCENARIOS if args.scenario == "all" else (args.scenario,)
     progress = not args.no_progress and sys.stderr.isatty()
+    if progress:
+        engine.progress_factory = _tqdm_progress
     reports = []
     from kvtier.sim.report import render, to_json
 
@@ -87,12 +89,18 @@ def main(argv: list[str]) -> int:
             Path(args.json).write_text(text)
             print(f"wrote {args.json}")
     if args.plots:
-        from kvtier.sim.plots import plot
+        from kvtier_app.plots import plot
 
         for rep in reports:
             for path in plot(rep, Path(args.plots)):
                 print(f"wrote {path}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
+
+
+def _tqdm_progress(total: int, label: str) -> engine.Progress:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", mininterval=0.5, desc=label)
 
 
 def _run(name, n, policies, dram, seed, progress, cache="kvtier"):

@@ -2,7 +2,7 @@
 
 Three modes, from the whole product down to the core library:
 
-- `cluster` (default, `kvtier.demo_cluster`): an embedded Kubernetes control plane,
+- `cluster` (default, `kvtier_app.demo_cluster`): an embedded Kubernetes control plane,
   the operator installed by the Helm chart, a StatefulSet whose pods get the sidecar
   injected, reference engines replaying traffic through them, and a scale-up that
   moves tenants (warmed before the new affinity epoch is published).
@@ -26,6 +26,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import argparse  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -183,7 +184,8 @@ def run_local(
 def verdicts(replay: LocalReplay, config: EngineConfig = DEMO_ENGINE) -> dict[str, breakeven.BreakEvenReport]:
     """Break-even for the engine's shape at its measured FLOP rate (with LocalCache's
     measured copy bandwidth as a medium), and for 70B on H100 at TP4."""
-    own = ModelShape("reference-engine", config.layers, config.kv_heads, config.head_dim, float(config.matmul_params))
+    own = ModelShape(name="reference-engine", layers=config.layers, kv_heads=config.kv_heads,
+                     head_dim=config.head_dim, params=float(config.matmul_params))
     media = [Medium("localcache-measured", replay.materialize_gbps), *presets.MEDIA.values()]
     return {
         "engine": breakeven.evaluate(own, tflops_per_gpu=replay.engine_tflops, kv_dtype=config.dtype,
@@ -251,8 +253,20 @@ def render_fleet(report: dict, sidecars: int) -> str:
     return "\n".join(lines)
 
 
+def _missing_testenv(mode: str) -> bool:
+    """The fleet and cluster modes run real components from the test environment,
+    which a source checkout has (scripts/setup.sh installs it) and the wheel does not."""
+    if importlib.util.find_spec("kvtier_testenv") is not None:
+        return False
+    print(f"kvtier demo --mode {mode}: needs the test environment (testenv/ of a source checkout); "
+          "run ./scripts/demo.sh there, or use --mode local", file=sys.stderr)
+    return True
+
+
 def _main_fleet(args: argparse.Namespace) -> int:
-    from kvtier_sidecar.fleet import run_fleet  # the data plane: sidecars, Redis, shm
+    if _missing_testenv("fleet"):
+        return 2
+    from kvtier_testenv.fleet import run_fleet  # the data plane: sidecars, Redis, shm
 
     t0 = time.perf_counter()
     report = run_fleet(sidecars=args.sidecars, requests=args.requests * 4, seed=args.seed)
@@ -269,7 +283,9 @@ def _main_fleet(args: argparse.Namespace) -> int:
 
 
 def _main_cluster(args: argparse.Namespace) -> int:
-    from kvtier import demo_cluster  # the embedded Kubernetes, helm chart and operator
+    if _missing_testenv("cluster"):
+        return 2
+    from kvtier_app import demo_cluster  # the embedded Kubernetes, helm chart and operator
 
     return demo_cluster.main(args)
 

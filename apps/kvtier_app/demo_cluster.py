@@ -132,9 +132,9 @@ class ClusterDemo:
     # -- set-up --
 
     def start(self) -> None:
-        from kvtier_sidecar.workload import make_oracle
+        from kvtier_testenv.workload import make_oracle
         from kvtier_testenv.controlplane import ControlPlane
-        from kvtier_testenv.controlplane import free_port
+        from kvtier_testenv.ports import free_port
         from kvtier_testenv.kubectl import Helm, Kubectl
         from kvtier_testenv.nodeagent import NodeAgent
         from kvtier_testenv.redis_fixtures import RedisServer
@@ -247,8 +247,8 @@ class ClusterDemo:
 
     def replay(self, requests: list[Any]) -> Phase:
         from kvtier import routing
-        from kvtier_sidecar.fleet import fleet_report, run_engines
-        from kvtier_sidecar.workload import ReplayStats
+        from kvtier_testenv.fleet import fleet_report, run_engines
+        from kvtier_testenv.workload import ReplayStats
 
         table, addresses = self.table()
         members = sorted(table.members)
@@ -305,7 +305,7 @@ def render_phase(title: str, r: dict[str, Any]) -> list[str]:
 
 def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     """The demo: everything it measured and checked, as a JSON-able dict."""
-    from kvtier_sidecar.workload import make_workload
+    from kvtier_testenv.workload import make_workload
 
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-cluster-demo-"))
     demo = ClusterDemo(workdir, log)
@@ -368,7 +368,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`kvtier demo --mode cluster` (registered in kvtier.demo.MODES)."""
+    """`kvtier demo --mode cluster` (registered in kvtier_app.demo.MODES)."""
     t0 = time.perf_counter()
     log = (lambda s: None) if args.quiet or args.json else (lambda s: print(s, file=sys.stderr, flush=True))
     try:

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvtier.keys import KeyRoot
 
-from .client import Hit, SidecarClient
+from kvtier_sidecar.client import Hit, SidecarClient
 from .synthetic import prefill_kv
 
 # Vocabulary for generated prompts (any uint32 works; small ids read well in logs).

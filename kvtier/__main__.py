@@ -1,5 +1,0 @@
-import sys
-
-from kvtier.cli import main
-
-sys.exit(main())

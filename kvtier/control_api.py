@@ -1,0 +1,183 @@
+"""The sidecar's HTTP control API as types: what the sidecar serves and the operator
+reads, defined once so the two cannot drift apart.
+
+    GET  /cache/stats?tenant=T   -> TenantStats (a tenant) | SidecarStats (no tenant)
+    POST /cache/invalidate       InvalidateRequest -> 202 InvalidateAccepted
+    POST /cache/warm             WarmRequest       -> 202 WarmAccepted (409 ErrorBody: peer tier off)
+    POST /cache/drain/done       -> 202 DrainDone (409 ErrorBody: not draining)
+    GET  /cache/jobs             -> Jobs: {job id: Job}
+    any 4xx/5xx                  -> ErrorBody
+
+Requests are strict (an unknown field is a 422 naming it). Answers ignore fields they do
+not know: during an upgrade an older operator reads a newer sidecar's stats.
+"""
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Any, Literal, NewType
+
+from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
+
+from kvtier.cache import CacheStats
+
+JobId = NewType("JobId", str)
+# Longest tenant, model version or job ref the API takes: a name, not a payload.
+MAX_NAME_CHARS = 256
+# host:port, host a DNS name, IPv4 or bracketed IPv6.
+PEER_ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,255}:\d{1,5}$")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class InvalidateRequest(_Request):
+    """Drop every block cached under `model_version` (a weights version)."""
+
+    model_version: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+
+
+class WarmRequest(_Request):
+    """Pull `tenant`'s hottest prefixes, up to `max_bytes`, from the peer `from_peer`."""
+
+    tenant: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    from_peer: str = Field(min_length=3, max_length=300)
+    max_bytes: int = Field(gt=0)
+    # Idempotency key: asking again with a ref the sidecar remembers answers the first job.
+    ref: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+
+    @field_validator("from_peer")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        if not PEER_ADDRESS.match(value):
+            raise ValueError("from_peer must be host:port")
+        return value
+
+
+class ErrorBody(_Answer):
+    error: str
+
+
+class InvalidateAccepted(_Answer):
+    accepted: Literal[True] = True
+    model_version: str
+    job: JobId
+
+
+class WarmAccepted(_Answer):
+    accepted: Literal[True] = True
+    job: JobId
+    started: bool  # False: a known ref, answered with the job it started before
+
+
+class DrainDone(_Answer):
+    draining: Literal[True] = True
+    done: Literal[True] = True
+
+
+class JobKind(StrEnum):
+    WARM = "warm"
+    INVALIDATE = "invalidate"
+
+
+class JobState(StrEnum):
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Job(_Answer):
+    """A background job; `started_s`/`finished_s` are wall-clock seconds."""
+
+    kind: JobKind
+    state: JobState = JobState.RUNNING
+    started_s: float
+    finished_s: float | None = None
+    result: dict[str, int] | None = None
+    bytes: int = 0
+    error: str | None = None
+    # What a warm-up was about (None for other kinds).
+    tenant: str | None = None
+    from_peer: str | None = None
+    max_bytes: int | None = None
+    ref: str | None = None
+    asks: int = 0  # how many requests named this job (a remembered ref counts again)
+
+
+Jobs = RootModel[dict[JobId, Job]]
+
+
+class TenantStats(_Answer):
+    """`GET /cache/stats?tenant=T`: one tenant's lookups and hits (or the whole
+    sidecar's, summed), and its share of the cache."""
+
+    tenant: str | None = None
+    lookups: int = 0
+    hits: int = 0
+    hit_rate: float = 0.0
+    token_hit_rate: float = 0.0
+    hits_by_tier: dict[str, int] = Field(default_factory=dict)
+    hit_tokens_by_tier: dict[str, int] = Field(default_factory=dict)
+    lookup_tokens: int = 0
+    peer_bytes_fetched: int = 0
+    stores: int = 0
+    stores_declined: int = 0
+    warmed_bytes: int = 0
+    cache: CacheStats | None = None
+
+
+class TenantSummary(_Answer):
+    """One tenant in the whole-sidecar answer: bytes held here, lookups, hits."""
+
+    bytes: int
+    lookups: int
+    hits: int
+    warmed_bytes: int
+
+
+class IndexState(_Answer):
+    enabled: bool
+    available: bool | None = None
+    pending_blocks: int | None = None
+    counters: dict[str, int] = Field(default_factory=dict)
+
+
+class NvmeReport(_Answer):
+    """The NVMe shadow probe: the last measurement of the pod's local disk, if any."""
+
+    mode: str
+    path: str
+    serving: bool = False
+    samples: int = 0
+    error: str | None = None
+    measured_gbps: float | None = None
+    write_gbps: float | None = None
+    read_gbps: float | None = None
+    nbytes: int | None = None
+    direct_io: bool | None = None
+    partial: bool | None = None
+    elapsed_s: float | None = None
+    measured_at_s: float | None = None
+
+
+class SidecarStats(TenantStats):
+    """`GET /cache/stats`: the whole sidecar, with the tenants holding the most bytes."""
+
+    sidecar: dict[str, int] = Field(default_factory=dict)
+    index: IndexState = Field(default_factory=lambda: IndexState(enabled=False))
+    tenants: dict[str, TenantSummary] = Field(default_factory=dict)
+    tenants_total: int = 0
+    peer_enabled: bool = False
+    thrash_ratio: float | None = None
+    draining: bool = False
+    nvme: NvmeReport | None = None
+
+
+def dump(answer: BaseModel) -> dict[str, Any]:
+    """An answer as the JSON object the API sends."""
+    return answer.model_dump(mode="json")

@@ -1,0 +1,35 @@
+"""Named event counters that any thread may bump (peer-fetch pool threads, the event
+loop): one lock, so no increment is lost and a snapshot is consistent."""
+from __future__ import annotations
+
+import threading
+from enum import StrEnum
+
+
+class Count(StrEnum):
+    """The sidecar-wide counters (`GET /cache/stats` "sidecar", `/metrics`)."""
+
+    PEER_FETCHES = "peer_fetches"
+    PEER_FETCH_ERRORS = "peer_fetch_errors"
+    PEER_CHECKSUM_MISMATCHES = "peer_checksum_mismatches"
+    PEER_BYTES_FETCHED = "peer_bytes_fetched"
+    STORED_BLOCKS = "stored_blocks"
+    INVALIDATED_BLOCKS = "invalidated_blocks"
+    WARMED_BLOCKS = "warmed_blocks"
+    TOKEN_REVIEWS = "token_reviews"  # control-API tokens sent to the API server's TokenReview
+    AUTH_MISSING = "auth_missing"  # control-API calls without a bearer token
+    AUTH_UNAVAILABLE = "auth_unavailable"  # calls refused because TokenReview could not be asked
+
+
+class Counters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[Count, int] = {}
+
+    def add(self, name: Count, n: int = 1) -> None:
+        with self._lock:
+            self._values[name] = self._values.get(name, 0) + n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {str(k): v for k, v in self._values.items()}

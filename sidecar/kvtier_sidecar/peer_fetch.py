@@ -1,0 +1,150 @@
+"""Pulling blocks from a peer into this sidecar's arena: on a lookup's miss (the
+global index names the peer) and for the operator's warm-ups.
+
+The fetcher owns its thread pool (a fetch blocks a thread in `recv_into`) and counts
+into the thread-safe `Counters`. Every fault — no answer, a short or lying peer, a
+full arena — commits only the verified prefix, or nothing: rule: fault-is-a-miss.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.keys import KeyRoot, block_hashes
+
+from .counters import Count, Counters
+from .dram import DramTier, Reservation
+from .global_index import GlobalIndex
+from .transport import PeerTransport
+
+log = logging.getLogger("kvtier.sidecar.peer_fetch")
+
+# Hosts tried per miss: the second covers a stale first answer; more only adds latency.
+PEER_ATTEMPTS = 2
+# Parallel peer fetches; each holds a thread blocked in recv_into.
+FETCH_THREADS = 8
+# The checksum failure a transport reports (counted apart: a peer serving bad bytes).
+CHECKSUM_MISMATCH = "checksum mismatch"
+
+# Advertise (root, tokens, first n blocks) in the global index; safe from any thread.
+Register = Callable[[KeyRoot, np.ndarray, int], None]
+
+
+@dataclass(slots=True)
+class _Sink:
+    """Reserves arena slots for a peer's blocks once the peer says how many."""
+
+    tier: DramTier
+    root: KeyRoot
+    tokens: np.ndarray
+    first_block: int
+    reservation: Reservation | None = None
+
+    def reserve(self, n_blocks: int) -> list[memoryview] | None:
+        self.reservation = self.tier.reserve(self.root, self.tokens, self.first_block, n_blocks, admit=False)
+        if self.reservation is None or len(self.reservation.slots) < n_blocks:
+            return None
+        return [self.tier.slot_view(s, 1) for s in self.reservation.slots]
+
+
+@dataclass(frozen=True, slots=True)
+class Warmed:
+    prefixes: int
+    blocks: int
+    bytes: int
+
+
+class PeerFetcher:
+    def __init__(self, tier: DramTier, index: GlobalIndex | None, transport: PeerTransport | None,
+                 counters: Counters, register: Register) -> None:
+        self.tier = tier
+        self.index = index
+        self.transport = transport
+        self.counters = counters
+        self.register = register
+        self.block_size = tier.block_size
+        self.pool = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="peer-fetch")
+
+    async def from_peers(self, root: KeyRoot, tokens: np.ndarray, have: int, max_blocks: int) -> tuple[int, int]:
+        """Fetch blocks [have, k) from the peer holding the longest prefix; (blocks, bytes)."""
+        if self.index is None or self.transport is None:
+            return 0, 0
+        hashes = block_hashes(root, tokens[: max_blocks * self.block_size], self.block_size)
+        answer = await self.index.longest_prefix(root.digest().hex(), [h.hex() for h in hashes])
+        if answer is None or answer.matched_blocks <= have:
+            return 0, 0
+        want = answer.matched_blocks
+        for host in answer.hosts[:PEER_ATTEMPTS]:
+            try:
+                blocks, nbytes = await self.fetch(host, root, tokens[: want * self.block_size], have, want)
+            except Exception:  # a bug in the fetch path must still be a miss
+                log.exception("peer fetch failed", extra={"peer": host})
+                blocks, nbytes = 0, 0
+            if blocks:
+                return blocks, nbytes
+            self.index.forget_member(host)
+        return 0, 0
+
+    async def fetch(self, host: str, root: KeyRoot, tokens: np.ndarray, have: int, want: int) -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self._fetch_blocking, host, root, tokens, have, want)
+
+    def _fetch_blocking(self, host: str, root: KeyRoot, tokens: np.ndarray, have: int, want: int) -> tuple[int, int]:
+        sink = _Sink(self.tier, root, tokens, have)
+        outcome = self.transport.fetch(host, root, tokens, self.block_size, self.tier.block_bytes, sink,
+                                       max_blocks=want, skip_blocks=have)
+        self.counters.add(Count.PEER_FETCHES)
+        if outcome.error:
+            self.counters.add(Count.PEER_FETCH_ERRORS)
+            log.info("peer fetch ended early", extra={"peer": host, "reason": outcome.error,
+                                                       "verified_blocks": outcome.verified_blocks})
+        if outcome.error == CHECKSUM_MISMATCH:
+            self.counters.add(Count.PEER_CHECKSUM_MISMATCHES)
+        res = sink.reservation
+        if res is None:
+            return 0, 0
+        committed = self.tier.commit(res, outcome.verified_blocks, outcome.digests)  # 0 verified: aborts
+        self.counters.add(Count.PEER_BYTES_FETCHED, outcome.verified_blocks * self.tier.block_bytes)
+        if committed and self.index is not None:
+            self.register(root, tokens, have + committed)
+        return committed, outcome.verified_blocks * self.tier.block_bytes
+
+    async def warm(self, tenant: str, peer: str, max_bytes: int, serving_version: str) -> Warmed:
+        """Pull `tenant`'s hottest prefixes from `peer`, up to `max_bytes`, skipping
+        what this arena already holds."""
+        assert self.transport is not None, "warm-ups need the peer tier (the sidecar checks)"
+        loop = asyncio.get_running_loop()
+        hot = await loop.run_in_executor(self.pool, self.transport.hot_prefixes, peer, tenant, max_bytes)
+        moved = 0
+        blocks = 0
+        for root, tokens in hot.prefixes:
+            # Only what this pod's engine can use: during a rollout the old home still
+            # holds the previous weights version's prefixes, which would only take room.
+            if root.tenant != tenant or root.weights_version != serving_version or moved >= max_bytes:
+                continue
+            n = len(tokens) // self.block_size
+            have_hit = self.tier.lookup(root, np.append(tokens, 0).astype(np.uint32))
+            have = have_hit.matched_tokens // self.block_size if have_hit else 0
+            try:
+                if have >= n:
+                    continue
+                got, nbytes = await self.fetch(peer, root, tokens[: n * self.block_size], have, n)
+                blocks += got
+                moved += nbytes
+            finally:
+                if have_hit:
+                    self.tier.release(have_hit.handle)
+        self.counters.add(Count.WARMED_BLOCKS, blocks)
+        return Warmed(len(hot.prefixes), blocks, moved)
+
+    def submit(self, work: Callable[[], None]) -> None:
+        """Run `work` on the pool, off the request path."""
+        self.pool.submit(work)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

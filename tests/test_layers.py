@@ -1,0 +1,54 @@
+"""The package layers hold: `lint-imports` keeps the contracts in pyproject.toml, and
+the engine client imports with nothing but the core's dependencies."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# A process layer's libraries (extras in pyproject): an engine that installs only the
+# core's dependencies has none of them, so the engine client must not need one.
+PROCESS_LAYER_LIBRARIES = ("aiohttp", "redis", "prometheus_client", "kopf", "kubernetes", "matplotlib", "tqdm")
+
+
+def test_lint_imports_keeps_every_layer_contract():
+    lint = Path(sys.executable).parent / "lint-imports"
+    out = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout
+
+
+_BLOCKED_IMPORT = """
+import importlib.abc, sys
+BLOCKED = set({blocked!r})
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{{name}} is not installed in an engine's environment")
+sys.meta_path.insert(0, Block())
+import kvtier_sidecar.client
+print(sorted(m for m in BLOCKED if m in sys.modules))
+"""
+
+
+def test_the_engine_client_imports_without_any_process_layer_library():
+    code = _BLOCKED_IMPORT.format(blocked=PROCESS_LAYER_LIBRARIES)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_wheel_ships_the_product_layers_and_no_test_environment(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    [wheel] = tmp_path.glob("kvtier-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        top = {name.split("/")[0] for name in z.namelist() if not name.split("/")[0].endswith(".dist-info")}
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        requires = [line for line in z.read(meta).decode().splitlines() if line.startswith("Requires-Dist:")]
+    assert top == {"kvtier", "kvtier_sidecar", "kvtier_operator", "kvtier_app"}
+    base = [r for r in requires if "extra ==" not in r]
+    assert not [r for r in base if any(lib.replace("_", "-") in r for lib in PROCESS_LAYER_LIBRARIES)], base
