@@ -12,8 +12,9 @@ import pytest
 
 from kvtier_operator import names
 from kvtier_testenv.kubectl import Kubectl
-from operator_harness import OPERATOR_NAMESPACE, OPERATOR_SA, RunningOperator, free_port, operator_options, \
-    register_webhook, wait_for
+from kvtier_testenv.ports import free_port
+from operator_harness import OPERATOR_NAMESPACE, OPERATOR_SA, RunningOperator, operator_options, register_webhook, \
+    wait_for
 from sidecar_fleet import PodSidecar, serving_pod, tiny_policy
 from test_operator_e2e import short_workdir, status_of
 

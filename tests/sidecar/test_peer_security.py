@@ -14,7 +14,7 @@ from kvtier_sidecar.arena import Arena
 from kvtier_sidecar.dram import DramTier
 from kvtier_sidecar.peer_keys import PeerKeyring, SecretFileWatch
 from kvtier_sidecar.peer_tcp import PeerAuthError, PeerServer, TcpTransport, recv_exact
-from kvtier_sidecar.workload import SyntheticOracle
+from kvtier_testenv.workload import SyntheticOracle
 
 ORACLE = SyntheticOracle()
 BB = ORACLE.block_bytes
