@@ -98,7 +98,7 @@ async def spec_changed(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
         body = await memo.kube.read_policy(namespace, name)
         if body is None:
             return
-        fields = await reconcile.reconcile_spec(memo.kube, body, _poster(body))
+        fields = await reconcile.reconcile_spec(memo.kube, body, _poster(body), memo.options.sidecar_access())
         await memo.kube.patch_status(namespace, name, fields)
     registry.wake(key)
 

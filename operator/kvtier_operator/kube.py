@@ -66,6 +66,20 @@ class Kube:
         await asyncio.to_thread(self.core.patch_namespaced_config_map, meta["name"], meta["namespace"], patch)
         return True
 
+    # --- NetworkPolicies -----------------------------------------------------------
+
+    async def apply_network_policy(self, body: dict[str, Any]) -> None:
+        """Create the NetworkPolicy, or replace its spec when it already exists."""
+        net = kubernetes.client.NetworkingV1Api(self.core.api_client)
+        meta = body["metadata"]
+        try:
+            await asyncio.to_thread(net.create_namespaced_network_policy, meta["namespace"], body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            patch = {"metadata": {"labels": meta.get("labels", {})}, "spec": body["spec"]}
+            await asyncio.to_thread(net.patch_namespaced_network_policy, meta["name"], meta["namespace"], patch)
+
     async def delete_config_map(self, namespace: str, name: str) -> None:
         try:
             await asyncio.to_thread(self.core.delete_namespaced_config_map, name, namespace)

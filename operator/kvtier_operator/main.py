@@ -48,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="identity the sidecars accept (repeatable), e.g. system:serviceaccount:NS:NAME")
     p.add_argument("--sidecar-token-file",
                    help="this operator's projected ServiceAccount token for the sidecars' audience")
+    p.add_argument("--network-policies", action="store_true",
+                   help="write a NetworkPolicy per KVCachePolicy guarding the sidecars' ports")
+    p.add_argument("--operator-namespace", default="", help="this operator's namespace (NetworkPolicy peer)")
+    p.add_argument("--operator-pod-labels", default="", help="k=v,k=v labels of this operator's pods")
+    p.add_argument("--monitoring-namespace", default="", help="namespace allowed to scrape sidecar metrics")
+    p.add_argument("--close-serving-ports", action="store_true",
+                   help="the per-policy NetworkPolicy leaves the pods' other ports to other policies")
     p.add_argument("--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--service-account-dir", type=Path, metavar="DIR",
                    help="in-cluster credentials (token, ca.crt, namespace) mounted here")
@@ -63,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     if (args.webhook_cert or args.webhook_self_signed) and not args.webhook_host:
         print("kvtier-operator: --webhook-host is required with a webhook certificate", file=sys.stderr)
         return 2
+    if args.network_policies and not (args.operator_namespace and args.operator_pod_labels):
+        print("kvtier-operator: --network-policies needs --operator-namespace and --operator-pod-labels",
+              file=sys.stderr)
+        return 2
     if args.warms_per_target < 1:
         print("kvtier-operator: --warms-per-target must be at least 1", file=sys.stderr)
         return 2
@@ -76,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         sidecar_image=args.sidecar_image, webhook_host=args.webhook_host, webhook_port=args.webhook_port,
         webhook_cert=cert, webhook_key=key, warms_per_target=args.warms_per_target,
         sidecar_auth=args.sidecar_auth, sidecar_auth_users=",".join(args.sidecar_auth_user),
-        sidecar_token_file=args.sidecar_token_file,
+        sidecar_token_file=args.sidecar_token_file, network_policies=args.network_policies,
+        operator_namespace=args.operator_namespace, operator_pod_labels=args.operator_pod_labels,
+        monitoring_namespace=args.monitoring_namespace, serving_ports_open=not args.close_serving_ports,
     )
     os.environ.update(options.to_env())
 

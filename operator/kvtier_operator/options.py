@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier_operator.netpol import SidecarAccess
 
 ENV_PREFIX = "KVTIER_OPERATOR_"
 # Watches are re-established at least this often, so a silently dropped connection
@@ -36,6 +40,22 @@ class OperatorOptions:
     sidecar_auth_users: str = ""  # comma-separated; normally this operator's own ServiceAccount
     # This operator's projected token for the sidecars' audience (re-read as kubelet rotates it).
     sidecar_token_file: str | None = None
+    # A NetworkPolicy per KVCachePolicy guarding the sidecars' ports (see netpol).
+    network_policies: bool = False
+    operator_namespace: str = ""
+    operator_pod_labels: str = ""  # k=v,k=v: this operator's pods, allowed to the HTTP port
+    monitoring_namespace: str = ""  # allowed to the HTTP port (metrics); empty: none
+    serving_ports_open: bool = True
+
+    def sidecar_access(self) -> "SidecarAccess | None":
+        """What the per-policy NetworkPolicy allows; None when they are off."""
+        from kvtier_operator.netpol import SidecarAccess
+
+        if not self.network_policies:
+            return None
+        labels = dict(kv.split("=", 1) for kv in self.operator_pod_labels.split(",") if "=" in kv)
+        return SidecarAccess(self.operator_namespace, labels, self.monitoring_namespace or None,
+                             self.serving_ports_open)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "OperatorOptions":
@@ -53,6 +73,11 @@ class OperatorOptions:
             sidecar_auth=get("SIDECAR_AUTH", "tokenreview"),
             sidecar_auth_users=get("SIDECAR_AUTH_USERS", ""),
             sidecar_token_file=get("SIDECAR_TOKEN_FILE"),
+            network_policies=get("NETWORK_POLICIES", "false") == "true",
+            operator_namespace=get("OPERATOR_NAMESPACE", ""),
+            operator_pod_labels=get("OPERATOR_POD_LABELS", ""),
+            monitoring_namespace=get("MONITORING_NAMESPACE", ""),
+            serving_ports_open=get("SERVING_PORTS_OPEN", "true") == "true",
         )
 
     def to_env(self) -> dict[str, str]:
@@ -63,10 +88,15 @@ class OperatorOptions:
             "DEBOUNCE_S": str(self.debounce_s),
             "WARMS_PER_TARGET": str(self.warms_per_target),
             "SIDECAR_AUTH": self.sidecar_auth,
+            "NETWORK_POLICIES": str(self.network_policies).lower(),
+            "SERVING_PORTS_OPEN": str(self.serving_ports_open).lower(),
         }
         for key, value in (("WEBHOOK_HOST", self.webhook_host), ("WEBHOOK_CERT", self.webhook_cert),
                            ("WEBHOOK_KEY", self.webhook_key), ("SIDECAR_AUTH_USERS", self.sidecar_auth_users),
-                           ("SIDECAR_TOKEN_FILE", self.sidecar_token_file)):
+                           ("SIDECAR_TOKEN_FILE", self.sidecar_token_file),
+                           ("OPERATOR_NAMESPACE", self.operator_namespace),
+                           ("OPERATOR_POD_LABELS", self.operator_pod_labels),
+                           ("MONITORING_NAMESPACE", self.monitoring_namespace)):
             if value:
                 out[key] = value
         return {ENV_PREFIX + k: v for k, v in out.items()}

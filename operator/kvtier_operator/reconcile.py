@@ -24,9 +24,10 @@ import aiohttp
 import kopf
 
 from kvtier import policy
+from kvtier.sidecar_config import SidecarConfig
 from kvtier.affinity import AffinityTable, load_imbalance, plan_membership_change
 
-from kvtier_operator import conditions, economics, epoch, membership, names, publish, sidecar_render, warmup
+from kvtier_operator import conditions, economics, epoch, membership, names, netpol, publish, sidecar_render, warmup
 from kvtier_operator.kube import Kube
 from kvtier_operator.registry import PolicyState
 from kvtier_operator.sidecar_client import STATS_TIMEOUT_S, FleetStats, MemberStats, SidecarClient, parse_stats
@@ -45,8 +46,10 @@ def _status(body: dict[str, Any]) -> policy.KVCachePolicyStatus:
         return policy.KVCachePolicyStatus()
 
 
-async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn) -> dict[str, Any]:
-    """Render the sidecar config and the tier verdicts. Returns the status fields to set."""
+async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn,
+                         access: netpol.SidecarAccess | None = None) -> dict[str, Any]:
+    """Render the sidecar config (and, given `access`, the NetworkPolicy guarding the
+    sidecars' ports) and the tier verdicts. Returns the status fields to set."""
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     try:
@@ -59,6 +62,10 @@ async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn) -> di
     cm = sidecar_render.config_map(name, namespace, rendered)
     kopf.adopt(cm, owner=body)
     await kube.apply_config_map(cm)
+    if access is not None:
+        cfg = SidecarConfig()  # the ports the webhook injects
+        await kube.apply_network_policy(_adopted(netpol.sidecar_network_policy(
+            name, namespace, spec.selector, cfg.http_port, cfg.peer_port, access), body))
 
     measured = _measured_nvme(old) if spec.tiers.nvme.mode != "off" else None
     tiers, observed = economics.verdicts(spec, measured)
