@@ -7,7 +7,6 @@ Targets are ratios against a baseline measured in the same run on the same machi
 from __future__ import annotations
 
 import platform
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -76,12 +75,3 @@ def best_of(fn: Callable[[], None], repeat: int = 5, number: int = 1) -> float:
             fn()
         best = min(best, (time.perf_counter() - t0) / number)
     return best
-
-
-def median_of(fn: Callable[[], None], repeat: int = 5) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)

@@ -38,10 +38,6 @@ class BlockPool:
     def free_count(self) -> int:
         return len(self._free)
 
-    @property
-    def used_count(self) -> int:
-        return self.num_slots - len(self._free)
-
     def take(self, n: int) -> list[SlotId]:
         """Take up to `n` free slots (fewer if fewer are free), sorted ascending."""
         n = min(n, len(self._free))

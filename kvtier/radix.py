@@ -282,12 +282,6 @@ class PrefixIndex:
             freed.extend(trimmed)
         return freed
 
-    def evictable_order(self) -> Iterator[Node]:
-        """Current evictable leaves, in eviction order (for tests and diagnostics)."""
-        leaves = [n for n in self.iter_nodes() if self._evictable(n)]
-        leaves.sort(key=self._key)
-        return iter(leaves)
-
     def _pop_victim(self) -> Node | None:
         while self._heap:
             entry = heapq.heappop(self._heap)

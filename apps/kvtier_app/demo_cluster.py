@@ -37,7 +37,7 @@ from typing import Any
 from kvtier.sidecar_config import DEFAULT_CONTROL_AUDIENCE
 from kvtier_testenv import polling
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvtier"
 RELEASE = "kvtier"
 SYSTEM_NAMESPACE = "kvtier-system"

@@ -18,7 +18,7 @@ million times, which is where numpy scalars are slowest.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvtier.breakeven import kv_bytes_per_token, prefill_s_per_token
 from kvtier.policy import KV_DTYPE_BYTES
@@ -64,24 +64,6 @@ class FleetSpec:
                      "decode_tokens_per_s", "dram_gbps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-
-    @classmethod
-    def from_preset(cls, model: str = DEFAULT_MODEL, gpu: str = DEFAULT_GPU, tp: int = DEFAULT_TP,
-                    kv_dtype: str = DEFAULT_KV_DTYPE, **overrides) -> FleetSpec:
-        """Per-token KV bytes and prefill throughput from the break-even presets."""
-        shape, card = model_preset(model), gpu_preset(gpu)
-        if kv_dtype not in KV_DTYPE_BYTES:
-            raise ValueError(f"unknown kv dtype {kv_dtype!r}; choose one of: {', '.join(KV_DTYPE_BYTES)}")
-        dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
-        kv = shape.kv_elements() * dtype_bytes if shape.kv_elements_per_token else kv_bytes_per_token(
-            shape.layers, shape.kv_heads, shape.head_dim, dtype_bytes)
-        tps = 1.0 / prefill_s_per_token(shape.recompute_params, card.dense_tflops, tp)
-        return replace(cls(), kv_bytes_per_token=kv, prefill_tokens_per_s=tps, **overrides)
-
-    @property
-    def dram_tokens(self) -> int:
-        """Tokens of KV one replica's DRAM tier holds."""
-        return self.dram_bytes // self.kv_bytes_per_token
 
     @property
     def hbm_kv_tokens(self) -> int:

@@ -36,9 +36,6 @@ class SimRequest:
     hash_cache: HashCache | None = None
     _hashes: dict = field(default_factory=dict)
 
-    def reset(self) -> None:
-        self._hashes.clear()
-
     def hashes(self, root: KeyRoot) -> list[BlockHash]:
         """The prompt's full-block hashes under `root` (computed once per root)."""
         out = self._hashes.get(root)

@@ -83,10 +83,6 @@ class WorkloadSpec:
             if lo < 1 or hi < lo:
                 raise ValueError(f"{name} must be a range (low, high) with 1 <= low <= high, got {(lo, hi)}")
 
-    @property
-    def template_share(self) -> float:
-        return 1.0 - self.rag_share - self.conversation_share - self.agent_share
-
     def working_set_tokens(self) -> int:
         """Distinct system-prompt tokens across all tenants (the design notes' working set)."""
         mean = (self.template_tokens[0] + self.template_tokens[1]) / 2

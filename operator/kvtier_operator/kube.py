@@ -113,13 +113,6 @@ class Kube:
             {"metadata": {"annotations": annotations}},
         )
 
-    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
-        import base64
-
-        secret = await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace)
-        raw = (secret.data or {}).get(key)
-        return base64.b64decode(raw).decode() if raw else None
-
     # --- the rollout's workload and its pods --------------------------------------------
 
     async def read_stateful_set(self, namespace: str, name: str) -> dict[str, Any] | None:

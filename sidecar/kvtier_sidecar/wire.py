@@ -129,10 +129,6 @@ class HotResponse(BaseModel):
     prefixes: list[HotPrefix]
 
 
-class ErrorBody(BaseModel):
-    error: str
-
-
 class Role(bytes, Enum):
     SERVER = b"S"
     CLIENT = b"C"

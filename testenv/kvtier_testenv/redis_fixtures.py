@@ -35,31 +35,27 @@ REDIS_CLI_ENV = "KVTIER_REDIS_CLI"
 READY_TIMEOUT_S = 15.0
 
 
-def redis_binary() -> str:
-    """Path of redis-server; raises RuntimeError with the fix when it is absent."""
-    explicit = os.environ.get(REDIS_BINARY_ENV)
-    found = explicit or shutil.which("redis-server") or (
-        "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
+def _binary(name: str, env_var: str, debian_package: str) -> str:
+    """Path of a Redis program: $env_var, else PATH, else /usr/bin; RuntimeError with
+    the fix when absent."""
+    found = os.environ.get(env_var) or shutil.which(name) or (
+        f"/usr/bin/{name}" if os.path.exists(f"/usr/bin/{name}") else None
     )
     if not found or not os.access(found, os.X_OK):
         raise RuntimeError(
-            "redis-server not found: install it (apt-get install redis-server, or run "
-            f"scripts/setup.sh) or point {REDIS_BINARY_ENV} at the binary"
+            f"{name} not found: install it (apt-get install {debian_package}, or run "
+            f"scripts/setup.sh) or point {env_var} at the binary"
         )
     return found
+
+
+def redis_binary() -> str:
+    return _binary("redis-server", REDIS_BINARY_ENV, "redis-server")
 
 
 def redis_cli_binary() -> str:
-    """Path of redis-cli (it creates clusters); raises RuntimeError with the fix when absent."""
-    found = os.environ.get(REDIS_CLI_ENV) or shutil.which("redis-cli") or (
-        "/usr/bin/redis-cli" if os.path.exists("/usr/bin/redis-cli") else None
-    )
-    if not found or not os.access(found, os.X_OK):
-        raise RuntimeError(
-            "redis-cli not found: install it (apt-get install redis-tools, or run "
-            f"scripts/setup.sh) or point {REDIS_CLI_ENV} at the binary"
-        )
-    return found
+    """redis-cli creates clusters."""
+    return _binary("redis-cli", REDIS_CLI_ENV, "redis-tools")
 
 
 class RedisServer:
