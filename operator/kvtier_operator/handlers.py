@@ -164,8 +164,10 @@ def inject_sidecar(
 @kopf.on.delete(*POLICY)
 async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
     redis_spec = spec.get("redis") or {}
-    if redis_spec.get("url"):
-        await publish.delete_redis(redis_spec["url"], namespace, name, bool(redis_spec.get("cluster")))
+    parsed = policy.KVCachePolicySpec.model_validate(dict(spec)) if redis_spec else None
+    url = await reconcile.redis_url(memo.kube, namespace, parsed) if parsed else None
+    if url:
+        await publish.delete_redis(url, namespace, name, bool(redis_spec.get("cluster")))
     for cm in (names.sidecar_config_map(name), names.affinity_config_map(name)):
         await memo.kube.delete_config_map(namespace, cm)
     memo.policies.forget(PolicyKey(namespace, name))

@@ -148,8 +148,9 @@ async def reconcile_membership(
     else:
         if published_cm and _addresses_stale(published_cm, members):
             await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
-        if spec.redis and spec.redis.url:  # level-based: a Redis that missed an epoch catches up
-            await publish.ensure_redis(spec.redis.url, namespace, name, table, members, spec.redis.cluster)
+        url = await redis_url(kube, namespace, spec)
+        if url:  # level-based: a Redis that missed an epoch catches up
+            await publish.ensure_redis(url, namespace, name, table, members, spec.redis.cluster)
 
     if leavers:  # the published table no longer names them: they may go
         await _release(leavers, sidecars.auth_headers())
@@ -203,9 +204,22 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
         log.info("epoch %s: %d/%d warm-ups done, %d tenants cold", table.epoch,
                  len(journal.done), len(warm_plan.requests), len(warm_plan.cold_tenants))
     await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
-    if spec.redis and spec.redis.url:
-        await publish.publish_redis(spec.redis.url, namespace, name, table, members, spec.redis.cluster)
+    url = await redis_url(kube, namespace, spec)
+    if url:
+        await publish.publish_redis(url, namespace, name, table, members, spec.redis.cluster)
     await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
+
+
+async def redis_url(kube: Kube, namespace: str, spec: policy.KVCachePolicySpec) -> str | None:
+    """The policy's Redis URL: `redis.url`, or the key of the Secret `redis.secretRef`
+    names (read each time, so a rotated password is picked up); None without Redis or
+    when the Secret cannot be read (publication then degrades to the ConfigMap)."""
+    if spec.redis is None:
+        return None
+    if spec.redis.url:
+        return spec.redis.url
+    ref = spec.redis.secret_ref
+    return await kube.read_secret_key(namespace, ref.name, ref.key) if ref else None
 
 
 async def _draining(candidates: dict[str, membership.Member],

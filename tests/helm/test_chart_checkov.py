@@ -32,6 +32,7 @@ VALUES = {
     "digest-pinned": {"image": {"repository": "ghcr.io/kvtier/kvtier", "digest": DIGEST},
                       "controlAuth": {"servingServiceAccounts": [SERVING]}},
     "control-open": {"controlAuth": {"mode": "open"}},
+    "redis-secret": {"redisSecrets": [{"namespace": "serving", "name": "redis-auth"}]},
 }
 
 
