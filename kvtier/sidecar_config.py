@@ -306,6 +306,8 @@ ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
     "KVTIER_WEIGHTS_VERSION": ("model", "weights_version"),
     "KVTIER_REDIS_URL": ("redis_url",),
     # The webhook injects the operator's identity: who may call the control API.
+    # The mounted peer Secret's file (named in the pod, where a runtime maps its path).
+    "KVTIER_PEER_SECRET_FILE": ("peer_secret_file",),
     "KVTIER_CONTROL_AUTH_MODE": ("control_auth", "mode"),
     "KVTIER_CONTROL_AUTH_USERS": ("control_auth", "allowed_users"),
     "KVTIER_CONTROL_AUTH_AUDIENCE": ("control_auth", "audience"),

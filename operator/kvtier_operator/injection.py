@@ -11,6 +11,8 @@ Added to the pod:
                                     engine, so a local hit is a copy with no socket)
                 + kvtier-run       (emptyDir: the engine socket)
                 + kvtier-nvme      (hostPath spec.tiers.nvme.path, unless nvme mode is off)
+                + kvtier-peer-secret (the policy's Secret <policy>-kvtier-peer, when the peer
+                                    tier is on: the key peers prove themselves with)
     every existing container mounts kvtier-shm at /dev/shm and kvtier-run at
     /var/run/kvtier, unless it already mounts something there
     terminationGracePeriodSeconds raised (never lowered) to cover the sidecar's drain:
@@ -126,7 +128,8 @@ def _volumes(policy_name: str, spec: policy.KVCachePolicySpec) -> list[dict[str,
         {"name": names.CONFIG_VOLUME, "configMap": {"name": names.sidecar_config_map(policy_name)}},
         {"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(arena_bytes + SHM_HEADROOM_BYTES)}},
         {"name": names.RUN_VOLUME, "emptyDir": {}},
-    ] + ([{"name": names.NVME_VOLUME, "hostPath": {"path": spec.tiers.nvme.path, "type": "DirectoryOrCreate"}}]
+    ] + ([{"name": names.PEER_SECRET_VOLUME, "secret": {"secretName": names.peer_secret(policy_name)}}]
+         if spec.tiers.peer.enabled else []) + ([{"name": names.NVME_VOLUME, "hostPath": {"path": spec.tiers.nvme.path, "type": "DirectoryOrCreate"}}]
          if spec.tiers.nvme.mode != "off" else [])
 
 
@@ -197,6 +200,11 @@ def _sidecar_container(
         ],
         "securityContext": restricted_security_context(),
     }
+    if spec.tiers.peer.enabled:
+        container["volumeMounts"].append({"name": names.PEER_SECRET_VOLUME, "mountPath": names.PEER_SECRET_MOUNT_PATH,
+                                          "readOnly": True})
+        container["env"].append({"name": "KVTIER_PEER_SECRET_FILE",
+                                 "value": f"{names.PEER_SECRET_MOUNT_PATH}/{names.PEER_SECRET_KEY}"})
     if spec.tiers.nvme.mode != "off":  # the shadow probe (and a future tier) uses the node's disk
         container["volumeMounts"].append({"name": names.NVME_VOLUME, "mountPath": spec.tiers.nvme.path})
     if image.resources:

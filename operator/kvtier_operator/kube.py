@@ -86,6 +86,19 @@ class Kube:
         raw = (secret.data or {}).get(key)
         return base64.b64decode(raw).decode() if raw else None
 
+    async def create_secret_if_absent(self, body: dict[str, Any]) -> bool:
+        """Create the Secret unless one of that name exists (never reads or changes an
+        existing one: the operator holds `create` on Secrets, not `get` or `patch`).
+        True when it was created."""
+        meta = body["metadata"]
+        try:
+            await asyncio.to_thread(self.core.create_namespaced_secret, meta["namespace"], body)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
     # --- NetworkPolicies -----------------------------------------------------------
 
     async def apply_network_policy(self, body: dict[str, Any]) -> None:

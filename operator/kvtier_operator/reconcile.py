@@ -32,6 +32,8 @@ from kvtier_operator.kube import Kube
 from kvtier_operator.registry import PolicyState
 from kvtier_operator.sidecar_client import STATS_TIMEOUT_S, FleetStats, MemberStats, SidecarClient, parse_stats
 
+# 256 bits of key for the peer handshake's HMAC-SHA256.
+PEER_SECRET_BYTES = 32
 log = logging.getLogger("kvtier.operator")
 
 # Rollout phases belong to the rollout controller; membership never overwrites them.
@@ -62,6 +64,8 @@ async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn,
     cm = sidecar_render.config_map(name, namespace, rendered)
     kopf.adopt(cm, owner=body)
     await kube.apply_config_map(cm)
+    if spec.tiers.peer.enabled:
+        await kube.create_secret_if_absent(_adopted(peer_secret(name, namespace), body))
     if access is not None:
         cfg = SidecarConfig()  # the ports the webhook injects
         await kube.apply_network_policy(_adopted(netpol.sidecar_network_policy(
@@ -208,6 +212,19 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
     if url:
         await publish.publish_redis(url, namespace, name, table, members, spec.redis.cluster)
     await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
+
+
+def peer_secret(name: str, namespace: str) -> dict[str, Any]:
+    """The policy's peer secret, random, made once: the sidecars' peer handshake key.
+    Rotate it by replacing the Secret's data; sidecars accept old and new for
+    `peer_secret_overlap_s` (see docs/SECURITY.md)."""
+    import base64
+    import os
+
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": names.peer_secret(name), "namespace": namespace,
+                         "labels": {names.POLICY_LABEL: name, names.COMPONENT_LABEL: "peer-secret"}},
+            "data": {names.PEER_SECRET_KEY: base64.b64encode(os.urandom(PEER_SECRET_BYTES).hex().encode()).decode()}}
 
 
 async def redis_url(kube: Kube, namespace: str, spec: policy.KVCachePolicySpec) -> str | None:

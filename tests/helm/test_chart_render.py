@@ -28,7 +28,9 @@ def test_default_render_has_every_object_least_privilege_and_hardening():
     }
     rules = objects[("ClusterRole", "kvtier-operator")]["rules"]
     granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
-    assert not any(r == "secrets" or v in ("*", "update", "deletecollection") for _, r, v in granted)
+    assert not any(v in ("*", "update", "deletecollection") for _, r, v in granted)
+    # Secrets: create (the per-policy peer secret) and nothing else cluster-wide.
+    assert {v for _, r, v in granted if r == "secrets"} == {"create"}
     assert ("", "pods", "watch") in granted and ("", "pods", "patch") not in granted
     assert ("kvtier.io", "kvcachepolicies/status", "patch") in granted
 
