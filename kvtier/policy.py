@@ -24,6 +24,7 @@ from kvtier.wire_model import WireModel as _Wire
 from kvtier.admission import DEFAULT_MIN_SIGHTINGS
 from kvtier.admission import THRASH_RATIO as DEFAULT_THRASH_RATIO
 from kvtier.affinity import DEFAULT_BALANCE_FACTOR, DEFAULT_HOMES, DEFAULT_SPILL_OCCUPANCY
+from kvtier.breakeven import KV_DTYPE_BYTES
 from kvtier.keys import DEFAULT_BLOCK_SIZE
 
 GROUP = "kvtier.io"
@@ -62,8 +63,6 @@ DEFAULT_NVME_PATH = "/var/lib/kvtier/nvme"
 ModelPreset = Literal[tuple(presets.MODELS)]  # type: ignore[valid-type]
 GpuPreset = Literal[tuple(presets.GPUS)]  # type: ignore[valid-type]
 
-# Bytes per element of each KV dtype.
-KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
 # Bounds that keep CEL cost estimates finite and objects small.
 _MAX_NAME = 253

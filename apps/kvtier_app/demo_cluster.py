@@ -36,9 +36,9 @@ from typing import Any
 
 from kvtier.sidecar_config import DEFAULT_CONTROL_AUDIENCE
 from kvtier_testenv import polling
+from kvtier_testenv.binaries import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "charts" / "kvtier"
+CHART = REPO_ROOT / "charts" / "kvtier"
 RELEASE = "kvtier"
 SYSTEM_NAMESPACE = "kvtier-system"
 NAMESPACE = "kvtier-demo"

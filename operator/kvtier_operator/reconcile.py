@@ -20,7 +20,6 @@ import logging
 import time
 from typing import Any, Callable
 
-import aiohttp
 import kopf
 
 from kvtier import policy
@@ -30,7 +29,7 @@ from kvtier.affinity import AffinityTable, load_imbalance, plan_membership_chang
 from kvtier_operator import conditions, economics, epoch, membership, names, netpol, publish, sidecar_render, warmup
 from kvtier_operator.kube import Kube
 from kvtier_operator.registry import PolicyState
-from kvtier_operator.sidecar_client import STATS_TIMEOUT_S, FleetStats, MemberStats, SidecarClient, parse_stats
+from kvtier_operator.sidecar_client import FleetStats, SidecarClient
 
 # 256 bits of key for the peer handshake's HMAC-SHA256.
 PEER_SECRET_BYTES = 32
@@ -132,7 +131,7 @@ async def reconcile_membership(
     base = epoch.with_knobs(published or epoch.empty_table(spec, old_status.epoch or 0), spec)
 
     candidates = membership.leaving(views, spec.selector, published.members if published else ())
-    leavers, leaver_stats = await _draining(candidates, sidecars.auth_headers()) if candidates else ({}, [])
+    leavers, leaver_stats = await sidecars.draining(candidates) if candidates else ({}, [])
     stats = await sidecars.fleet_stats(members)
     if leaver_stats:  # a leaver's tenants move too: the planner must know them
         stats = FleetStats(stats.per_member + tuple(leaver_stats))
@@ -157,7 +156,7 @@ async def reconcile_membership(
             await publish.ensure_redis(url, namespace, name, table, members, spec.redis.cluster)
 
     if leavers:  # the published table no longer names them: they may go
-        await _release(leavers, sidecars.auth_headers())
+        await sidecars.release(leavers)
 
     fields = _membership_status(name, old_status, members, table, plan, stats, new_epoch)
     observed = [conditions.Observation("AffinityPublished", "True", "Published",
@@ -237,41 +236,6 @@ async def redis_url(kube: Kube, namespace: str, spec: policy.KVCachePolicySpec) 
         return spec.redis.url
     ref = spec.redis.secret_ref
     return await kube.read_secret_key(namespace, ref.name, ref.key) if ref else None
-
-
-async def _draining(candidates: dict[str, membership.Member],
-                    auth: dict[str, str] | None = None) -> tuple[dict[str, membership.Member], list[MemberStats]]:
-    """The candidates whose sidecars answer stats with `draining: true` (the leavers),
-    and their stats. A silent or non-draining one is simply gone: it is no source."""
-    leavers: dict[str, membership.Member] = {}
-    stats: list[MemberStats] = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as session:
-        async def ask(member: membership.Member) -> None:
-            try:
-                async with session.get(f"{member.http_url()}/cache/stats", headers=auth) as resp:
-                    body = await resp.json() if resp.status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                log.info("leaving pod %s does not answer: %s", member.name, exc)
-                return
-            answer = parse_stats(member.name, body) if resp.status == 200 else None
-            if answer is not None and answer.draining:
-                leavers[member.name] = member
-                stats.append(answer)
-        await asyncio.gather(*(ask(m) for m in candidates.values()))
-    return dict(sorted(leavers.items())), stats
-
-
-async def _release(leavers: dict[str, membership.Member], auth: dict[str, str] | None = None) -> None:
-    """Tell each leaver it may exit now. Best effort: one that misses this exits when
-    its drain goes idle or times out."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as session:
-        async def done(member: membership.Member) -> None:
-            try:
-                async with session.post(f"{member.http_url()}/cache/drain/done", json={}, headers=auth) as resp:
-                    log.info("released leaving pod %s: %s", member.name, resp.status)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                log.info("leaving pod %s not released: %s", member.name, exc)
-        await asyncio.gather(*(done(m) for m in leavers.values()))
 
 
 class _JournalWriter:

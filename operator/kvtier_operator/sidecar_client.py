@@ -121,10 +121,6 @@ class SidecarClient:
     def create(cls, warms_per_target: int = WARMS_PER_TARGET, token_file: str | None = None) -> "SidecarClient":
         return cls(aiohttp.ClientSession(), warms_per_target, token_file)
 
-    def auth_headers(self) -> dict[str, str] | None:
-        """What every control-API call carries: the operator's bearer token, if any."""
-        return self._token.headers()
-
     async def close(self) -> None:
         await self._session.close()
 
@@ -144,6 +140,26 @@ class SidecarClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             log.info("no stats from %s: %s", member.name, exc)
             return None
+
+    async def draining(self, candidates: Mapping[str, Member]) -> tuple[dict[str, Member], list[MemberStats]]:
+        """The candidates whose sidecars answer stats with `draining: true` (the leavers),
+        and their stats. A silent or non-draining one is simply gone: it is no source."""
+        answers = await asyncio.gather(*(self._stats(m) for m in candidates.values()))
+        leaving = [s for s in answers if s is not None and s.draining]
+        return dict(sorted((s.member, candidates[s.member]) for s in leaving)), leaving
+
+    async def release(self, leavers: Mapping[str, Member]) -> None:
+        """Tell each leaver it may exit now (`POST /cache/drain/done`). Best effort: one
+        that misses this exits when its drain goes idle or times out."""
+        async def done(member: Member) -> None:
+            try:
+                async with self._session.post(f"{member.http_url()}/cache/drain/done", json={},
+                                              timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S),
+                                              headers=self._token.headers()) as resp:
+                    log.info("released leaving pod %s: %s", member.name, resp.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.info("leaving pod %s not released: %s", member.name, exc)
+        await asyncio.gather(*(done(m) for m in leavers.values()))
 
     async def warm_all(
         self, requests: Iterable[WarmTask], members: Mapping[str, Member], timeout_s: float,

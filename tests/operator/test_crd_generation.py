@@ -5,6 +5,7 @@ from __future__ import annotations
 import yaml
 
 from kvtier import crd, policy
+from kvtier_app import crd_cli
 from operator_cases import CRDS_DIR
 
 
@@ -25,9 +26,9 @@ def test_committed_crd_matches_the_models():
 
 def test_check_flag_fails_on_a_stale_file_and_passes_on_a_fresh_one(tmp_path, capsys):
     (tmp_path / crd.CRD_FILE).write_text("stale\n")
-    assert crd.main(["--check", "--out-dir", str(tmp_path)]) == 1
-    assert crd.main(["--out-dir", str(tmp_path)]) == 0
-    assert crd.main(["--check", "--out-dir", str(tmp_path)]) == 0
+    assert crd_cli.main(["--check", "--out-dir", str(tmp_path)]) == 1
+    assert crd_cli.main(["--out-dir", str(tmp_path)]) == 0
+    assert crd_cli.main(["--check", "--out-dir", str(tmp_path)]) == 0
     assert "up to date" in capsys.readouterr().out
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from kvtier_operator import names
 from kvtier_testenv.kubectl import Kubectl
