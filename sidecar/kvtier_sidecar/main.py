@@ -35,6 +35,7 @@ from kvtier.sidecar_config import SidecarConfig
 from . import logs
 from .arena import Arena, ArenaError
 from .control_auth import TokenReviewer
+from .counters import Count
 from .dram import DramTier
 from .engine_server import EngineServer
 from .global_index import GlobalIndex
@@ -222,6 +223,7 @@ class SidecarProcess:
         while True:
             await asyncio.sleep(CONFIG_POLL_S)
             if self.secret_watch.poll():
+                self.service.counters.add(Count.PEER_SECRET_ROTATIONS)
                 log.info("peer secret rotated; the previous one stays accepted for the overlap",
                          extra={"overlap_s": self.keyring.overlap_s})
             stamp = self._stamp()
