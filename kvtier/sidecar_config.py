@@ -185,6 +185,7 @@ class ControlAuthConfig(BaseModel):
     audience: str = Field(DEFAULT_CONTROL_AUDIENCE, min_length=1, max_length=253)
     allowed_users: list[str] = Field(default_factory=list, max_length=100)
     protect_metrics: bool = False
+    metrics_users: list[str] = Field(default_factory=list, max_length=100)  # /metrics only (e.g. Prometheus)
     cache_ttl_s: float = Field(DEFAULT_CONTROL_AUTH_CACHE_TTL_S, ge=0, le=600)
     api_server: str = ""  # empty: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
     token_file: str = f"{SERVICE_ACCOUNT_DIR}/token"  # this sidecar's own token (to call TokenReview)
@@ -311,11 +312,13 @@ ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
     "KVTIER_CONTROL_AUTH_MODE": ("control_auth", "mode"),
     "KVTIER_CONTROL_AUTH_USERS": ("control_auth", "allowed_users"),
     "KVTIER_CONTROL_AUTH_AUDIENCE": ("control_auth", "audience"),
+    "KVTIER_CONTROL_AUTH_PROTECT_METRICS": ("control_auth", "protect_metrics"),
+    "KVTIER_CONTROL_AUTH_METRICS_USERS": ("control_auth", "metrics_users"),
     "KVTIER_CONTROL_AUTH_TOKEN_FILE": ("control_auth", "token_file"),
     "KVTIER_CONTROL_AUTH_CA_FILE": ("control_auth", "ca_file"),
 }
 # Environment variables holding a comma-separated list.
-LIST_ENV = frozenset({"KVTIER_CONTROL_AUTH_USERS"})
+LIST_ENV = frozenset({"KVTIER_CONTROL_AUTH_USERS", "KVTIER_CONTROL_AUTH_METRICS_USERS"})
 
 
 def from_mapping(data: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> SidecarConfig:

@@ -155,7 +155,8 @@ def inject_sidecar(
         return
     options: OperatorOptions = memo.options
     result = injection.inject(dict(body), chosen, candidates[chosen], injection.SidecarImage(
-        image=options.sidecar_image, auth_mode=options.sidecar_auth, auth_users=options.sidecar_auth_users))
+        image=options.sidecar_image, auth_mode=options.sidecar_auth, auth_users=options.sidecar_auth_users,
+        protect_metrics=options.sidecar_protect_metrics, metrics_users=options.sidecar_metrics_users))
     if result is not None:
         patch["metadata"] = result["metadata"]
         patch["spec"] = result["spec"]

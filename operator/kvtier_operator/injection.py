@@ -59,6 +59,8 @@ class SidecarImage:
     # Who may call the sidecar's control API (the operator's identity, checked by TokenReview).
     auth_mode: str = "tokenreview"
     auth_users: str = ""
+    protect_metrics: bool = False
+    metrics_users: str = ""
 
 
 def selecting_policy(
@@ -175,7 +177,10 @@ def _auth_env(image: SidecarImage) -> list[dict[str, Any]]:
         # that maps mount paths sees them too).
         env += [{"name": "KVTIER_CONTROL_AUTH_USERS", "value": image.auth_users},
                 {"name": "KVTIER_CONTROL_AUTH_TOKEN_FILE", "value": f"{SERVICE_ACCOUNT_DIR}/token"},
-                {"name": "KVTIER_CONTROL_AUTH_CA_FILE", "value": f"{SERVICE_ACCOUNT_DIR}/ca.crt"}]
+                {"name": "KVTIER_CONTROL_AUTH_CA_FILE", "value": f"{SERVICE_ACCOUNT_DIR}/ca.crt"},
+                {"name": "KVTIER_CONTROL_AUTH_PROTECT_METRICS", "value": str(image.protect_metrics).lower()}]
+        if image.metrics_users:
+            env.append({"name": "KVTIER_CONTROL_AUTH_METRICS_USERS", "value": image.metrics_users})
     return env
 
 

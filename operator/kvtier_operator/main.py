@@ -46,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the injected sidecars' control API: TokenReview-checked (default) or open")
     p.add_argument("--sidecar-auth-user", action="append", default=[],
                    help="identity the sidecars accept (repeatable), e.g. system:serviceaccount:NS:NAME")
+    p.add_argument("--sidecar-protect-metrics", action="store_true",
+                   help="the sidecars' /metrics needs the operator's token too")
+    p.add_argument("--sidecar-metrics-user", action="append", default=[],
+                   help="identity allowed the sidecars' protected /metrics only (repeatable)")
     p.add_argument("--sidecar-token-file",
                    help="this operator's projected ServiceAccount token for the sidecars' audience")
     p.add_argument("--network-policies", action="store_true",
@@ -87,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         sidecar_image=args.sidecar_image, webhook_host=args.webhook_host, webhook_port=args.webhook_port,
         webhook_cert=cert, webhook_key=key, warms_per_target=args.warms_per_target,
         sidecar_auth=args.sidecar_auth, sidecar_auth_users=",".join(args.sidecar_auth_user),
-        sidecar_token_file=args.sidecar_token_file, network_policies=args.network_policies,
+        sidecar_token_file=args.sidecar_token_file, sidecar_protect_metrics=args.sidecar_protect_metrics,
+        sidecar_metrics_users=",".join(args.sidecar_metrics_user),
+        network_policies=args.network_policies,
         operator_namespace=args.operator_namespace, operator_pod_labels=args.operator_pod_labels,
         monitoring_namespace=args.monitoring_namespace, serving_ports_open=not args.close_serving_ports,
     )

@@ -38,6 +38,8 @@ class OperatorOptions:
     # `sidecar_auth_users`, checked with TokenReview) or "open" (loopback tests only).
     sidecar_auth: str = "tokenreview"
     sidecar_auth_users: str = ""  # comma-separated; normally this operator's own ServiceAccount
+    sidecar_protect_metrics: bool = False  # /metrics needs the token too
+    sidecar_metrics_users: str = ""  # comma-separated identities allowed /metrics only
     # This operator's projected token for the sidecars' audience (re-read as kubelet rotates it).
     sidecar_token_file: str | None = None
     # A NetworkPolicy per KVCachePolicy guarding the sidecars' ports (see netpol).
@@ -72,6 +74,8 @@ class OperatorOptions:
             warms_per_target=int(get("WARMS_PER_TARGET", cls.warms_per_target)),
             sidecar_auth=get("SIDECAR_AUTH", "tokenreview"),
             sidecar_auth_users=get("SIDECAR_AUTH_USERS", ""),
+            sidecar_protect_metrics=get("SIDECAR_PROTECT_METRICS", "false") == "true",
+            sidecar_metrics_users=get("SIDECAR_METRICS_USERS", ""),
             sidecar_token_file=get("SIDECAR_TOKEN_FILE"),
             network_policies=get("NETWORK_POLICIES", "false") == "true",
             operator_namespace=get("OPERATOR_NAMESPACE", ""),
@@ -88,12 +92,14 @@ class OperatorOptions:
             "DEBOUNCE_S": str(self.debounce_s),
             "WARMS_PER_TARGET": str(self.warms_per_target),
             "SIDECAR_AUTH": self.sidecar_auth,
+            "SIDECAR_PROTECT_METRICS": str(self.sidecar_protect_metrics).lower(),
             "NETWORK_POLICIES": str(self.network_policies).lower(),
             "SERVING_PORTS_OPEN": str(self.serving_ports_open).lower(),
         }
         for key, value in (("WEBHOOK_HOST", self.webhook_host), ("WEBHOOK_CERT", self.webhook_cert),
                            ("WEBHOOK_KEY", self.webhook_key), ("SIDECAR_AUTH_USERS", self.sidecar_auth_users),
                            ("SIDECAR_TOKEN_FILE", self.sidecar_token_file),
+                           ("SIDECAR_METRICS_USERS", self.sidecar_metrics_users),
                            ("OPERATOR_NAMESPACE", self.operator_namespace),
                            ("OPERATOR_POD_LABELS", self.operator_pod_labels),
                            ("MONITORING_NAMESPACE", self.monitoring_namespace)):

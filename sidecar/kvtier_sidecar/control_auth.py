@@ -6,7 +6,7 @@ API server's TokenReview (as kube-rbac-proxy does).
         authenticated as someone not allowed        -> 403
         the API server cannot be asked              -> 503 (fail closed)
 
-Answers are cached by the token's SHA-256 for `cache_ttl_s` (bounded), so the
+Identities are cached by the token's SHA-256 for `cache_ttl_s` (bounded), so the
 operator's calls cost one review per TTL. `decide` is pure; `TokenReviewer` is the
 thin I/O (aiohttp to the API server, authenticated with this pod's own token).
 """
@@ -71,18 +71,22 @@ def review_body(token: str, audience: str) -> dict[str, Any]:
             "spec": {"token": token, "audiences": [audience]}}
 
 
-def decide(review: dict[str, Any], audience: str, allowed_users: list[str]) -> Decision:
-    """The verdict on a TokenReview answer."""
+def identify(review: dict[str, Any], audience: str) -> Decision:
+    """Who a TokenReview answer says the token belongs to (200), or why not (401)."""
     status = review.get("status") or {}
     if not status.get("authenticated"):
         return Decision(401, reason=status.get("error") or "token not authenticated")
     audiences = status.get("audiences")
     if audiences is not None and audience not in audiences:
         return Decision(401, reason=f"token not issued for audience {audience}")
-    user = (status.get("user") or {}).get("username", "")
-    if user not in allowed_users:
-        return Decision(403, user=user, reason=f"{user} may not use this sidecar's control API")
-    return Decision(200, user=user)
+    return Decision(200, user=(status.get("user") or {}).get("username", ""))
+
+
+def authorize(identity: Decision, allowed_users: list[str], what: str) -> Decision:
+    """The verdict for one request: an identified caller must be one of `allowed_users`."""
+    if not identity.allowed or identity.user in allowed_users:
+        return identity
+    return Decision(403, user=identity.user, reason=f"{identity.user} may not use this sidecar's {what}")
 
 
 def api_server_url(config: ControlAuthConfig, env: dict[str, str] | None = None) -> str:
@@ -96,7 +100,7 @@ def api_server_url(config: ControlAuthConfig, env: dict[str, str] | None = None)
 
 
 class TokenReviewer:
-    """Asks the API server; caches answers (200/401/403) per token for the TTL."""
+    """Asks the API server; caches who each token is (or that it is none) for the TTL."""
 
     def __init__(self, config: ControlAuthConfig, counters: Counters | None = None) -> None:
         self.config = config
@@ -105,7 +109,15 @@ class TokenReviewer:
         self._gate = asyncio.Semaphore(MAX_REVIEWS_IN_FLIGHT)
         self.counters = Counters() if counters is None else counters
 
-    async def check(self, authorization: str | None) -> Decision:
+    async def check(self, authorization: str | None, metrics: bool = False) -> Decision:
+        """The verdict on a request's Authorization header: the control API admits
+        `allowed_users`; /metrics (when protected) those and `metrics_users`."""
+        identity = await self._identity(authorization)
+        if metrics:
+            return authorize(identity, self.config.allowed_users + self.config.metrics_users, "metrics")
+        return authorize(identity, self.config.allowed_users, "control API")
+
+    async def _identity(self, authorization: str | None) -> Decision:
         token = bearer_token(authorization)
         if token is None:
             self.counters.add(Count.AUTH_MISSING)
@@ -121,7 +133,7 @@ class TokenReviewer:
             self.counters.add(Count.AUTH_UNAVAILABLE)
             log.warning("cannot review a control-API token", extra={"error": str(exc)})
             return Decision(503, reason="cannot verify credentials now")
-        decision = decide(review, self.config.audience, self.config.allowed_users)
+        decision = identify(review, self.config.audience)
         self._cache[key] = (decision, time.monotonic() + self.config.cache_ttl_s)
         while len(self._cache) > MAX_CACHED_TOKENS:
             self._cache.popitem(last=False)

@@ -125,7 +125,7 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
         if auth is None or not (request.path.startswith(PROTECTED_PREFIX)
                                 or (protect_metrics and request.path == "/metrics")):
             return await handler(request)
-        decision = await auth.check(request.headers.get("Authorization"))
+        decision = await auth.check(request.headers.get("Authorization"), metrics=request.path == "/metrics")
         if decision.allowed:
             return await handler(request)
         headers = {"WWW-Authenticate": 'Bearer realm="kvtier-sidecar"'} if decision.status == 401 else None

@@ -32,6 +32,8 @@ VALUES = {
     "digest-pinned": {"image": {"repository": "ghcr.io/kvtier/kvtier", "digest": DIGEST},
                       "controlAuth": {"servingServiceAccounts": [SERVING]}},
     "control-open": {"controlAuth": {"mode": "open"}},
+    "metrics-protected": {"controlAuth": {"protectMetrics": True,
+                                          "metricsUsers": ["system:serviceaccount:monitoring:prometheus"]}},
     "redis-secret": {"redisSecrets": [{"namespace": "serving", "name": "redis-auth"}]},
 }
 

@@ -53,7 +53,8 @@ def identities(control_plane, namespace, tmp_path):
     serving.write_text(token("serving", None))
     yield {"operator": token("kvtier-operator"), "intruder": token("intruder"),
            "operator_for_the_api_server": token("kvtier-operator", None),
-           "serving_token_file": str(serving), "operator_user": f"system:serviceaccount:{namespace}:kvtier-operator"}
+           "serving_token_file": str(serving), "operator_user": f"system:serviceaccount:{namespace}:kvtier-operator",
+           "intruder_user": f"system:serviceaccount:{namespace}:intruder"}
     admin.run("delete", "clusterrolebinding", role, check=False)
     admin.run("delete", "clusterrole", role, check=False)
 
@@ -109,10 +110,13 @@ def test_no_api_server_to_ask_fails_closed_with_503(spawn, tmp_path):
     assert call(sc, "GET", "/healthz")[0] == 200
 
 
-def test_protected_metrics_need_the_token_too(spawn, control_plane, identities):
+def test_protected_metrics_admit_the_metrics_users_who_get_nothing_else(spawn, control_plane, identities):
+    scraper = identities["intruder_user"]  # stands for Prometheus's ServiceAccount here
     sc = spawn(control_auth={"mode": "tokenreview", "api_server": control_plane.url, "protect_metrics": True,
                              "ca_file": str(control_plane.ca_cert), "token_file": identities["serving_token_file"],
-                             "allowed_users": [identities["operator_user"]]})
+                             "allowed_users": [identities["operator_user"]], "metrics_users": [scraper]})
     assert call(sc, "GET", "/metrics")[0] == 401
     assert call(sc, "GET", "/metrics", identities["operator"])[0] == 200
+    assert call(sc, "GET", "/metrics", identities["intruder"])[0] == 200
+    assert call(sc, "GET", "/cache/stats", identities["intruder"])[0] == 403  # metrics only
     assert call(sc, "GET", "/healthz")[0] == 200
