@@ -51,6 +51,28 @@ DEFAULT_RECOVERY_THRESHOLD = 0.8
 DEFAULT_RECOVERY_WINDOW = "30m"
 # ... judged on at least this many lookups, so a quiet canary is not failed on noise.
 DEFAULT_RECOVERY_MIN_LOOKUPS = 1000
+# Analysis (prometheus and alarm sources), Argo Rollouts' AnalysisTemplate semantics:
+# a measurement every interval (a scrape or two apart at the usual 15-30 s scrape) ...
+DEFAULT_ANALYSIS_INTERVAL = "30s"
+# ... a step passes after this many successful measurements ...
+DEFAULT_ANALYSIS_COUNT = 3
+# ... and fails after more than this many failed ones (Argo's default: the first fails) ...
+DEFAULT_ANALYSIS_FAILURE_LIMIT = 0
+# ... while no data / too few lookups beyond this many pauses the rollout instead ...
+DEFAULT_ANALYSIS_INCONCLUSIVE_LIMIT = 3
+# ... as does an unreachable Prometheus beyond this many errors in a row (Argo's default).
+DEFAULT_ANALYSIS_CONSECUTIVE_ERROR_LIMIT = 4
+# The alarm source's alert by default: the chart's hit-rate alert (charts/kvtier).
+DEFAULT_ALARM_ALERT = "KVTierHitRateDrop"
+# The hit rate of one weights version of one policy, as the chart's recording rules and
+# the sidecars' metrics name it; `{{minLookups}}` keeps a quiet version out (no data).
+DEFAULT_HIT_RATE_QUERY = (
+    'sum(rate(kvtier_hits_total{namespace="{{namespace}}", policy="{{policy}}", version="{{version}}"}[{{window}}]))'
+    ' / sum(rate(kvtier_lookups_total{namespace="{{namespace}}", policy="{{policy}}", version="{{version}}"}'
+    '[{{window}}]))'
+    ' and sum(increase(kvtier_lookups_total{namespace="{{namespace}}", policy="{{policy}}", version="{{version}}"}'
+    '[{{window}}])) >= {{minLookups}}'
+)
 # Media bandwidths, GB/s (docs/ARCHITECTURE.md "The numbers"): DRAM over PCIe5 x16,
 # RDMA/200GbE, local NVMe.
 DEFAULT_DRAM_GBPS = 64.0
@@ -265,19 +287,50 @@ class Affinity(_Wire):
 
 
 class PrometheusSource(_Wire):
+    """A PromQL query whose value is the new version's hit rate. Placeholders:
+    `{{namespace}}`, `{{policy}}`, `{{version}}` (the version judged: the new one, or
+    the old one for the baseline), `{{window}}` (the rate window: `analysisWindow`) and
+    `{{minLookups}}`. No series, NaN or an unreachable server is inconclusive."""
+
     url: str = Field(min_length=1, max_length=2048, pattern=r"^https?://.+$")
-    query: str = Field(min_length=1, max_length=4096)
+    query: str = Field(DEFAULT_HIT_RATE_QUERY, min_length=1, max_length=4096)
+
+
+class AlarmSource(_Wire):
+    """A named alert that fails a step while it fires for the new version (labels
+    namespace, policy and version), read from Prometheus' alerts API or Alertmanager."""
+
+    url: str = Field(min_length=1, max_length=2048, pattern=r"^https?://.+$")
+    api: Literal["prometheus", "alertmanager"] = "prometheus"
+    alert_name: str = Field(DEFAULT_ALARM_ALERT, min_length=1, max_length=253, pattern=r"^[A-Za-z_:][A-Za-z0-9_:]*$")
 
 
 class Recovery(_Wire):
     """When a rollout step counts as recovered: new-version pods' hit rate back to
-    `threshold` x the old baseline within `window`, over at least `minLookups`."""
+    `threshold` x the old baseline within `window`, over at least `minLookups`.
+
+    `source` says who measures: `sidecar` (the operator reads the pods' counters),
+    `prometheus` (a templated query) or `alarm` (a named alert must not fire for the
+    new version, and the new pods must have served `minLookups`). The last two take
+    a measurement every `interval`: a step passes after `count` successes, fails after
+    more than `failureLimit` failures (a hit rate below the bar counts as a failure only
+    once `window` is over: a cold cache needs time), and pauses the rollout after more
+    than `inconclusiveLimit` inconclusive measurements or `consecutiveErrorLimit` errors
+    in a row; it resumes by itself once a measurement is conclusive again."""
 
     threshold: float = Field(DEFAULT_RECOVERY_THRESHOLD, gt=0, le=1)
     window: str = Field(DEFAULT_RECOVERY_WINDOW, min_length=2, max_length=16, pattern=DURATION_PATTERN)
     min_lookups: int = Field(DEFAULT_RECOVERY_MIN_LOOKUPS, ge=1)
-    source: Literal["sidecar", "prometheus"] = "sidecar"
+    source: Literal["sidecar", "prometheus", "alarm"] = "sidecar"
     prometheus: PrometheusSource | None = None
+    alarm: AlarmSource | None = None
+    interval: str = Field(DEFAULT_ANALYSIS_INTERVAL, min_length=2, max_length=16, pattern=DURATION_PATTERN)
+    analysis_window: str = Field("1m", min_length=2, max_length=16, pattern=DURATION_PATTERN,
+                                 description="the {{window}} of the prometheus query")
+    count: int = Field(DEFAULT_ANALYSIS_COUNT, ge=1, le=1000)
+    failure_limit: int = Field(DEFAULT_ANALYSIS_FAILURE_LIMIT, ge=0, le=1000)
+    inconclusive_limit: int = Field(DEFAULT_ANALYSIS_INCONCLUSIVE_LIMIT, ge=0, le=1000)
+    consecutive_error_limit: int = Field(DEFAULT_ANALYSIS_CONSECUTIVE_ERROR_LIMIT, ge=0, le=1000)
 
     CEL_RULES = (
         CelRule(
@@ -285,11 +338,20 @@ class Recovery(_Wire):
             "rollout.recovery: source prometheus needs prometheus {url, query}, and only it takes one",
             lambda s: (s.source == "prometheus") == (s.prometheus is not None),
         ),
+        CelRule(
+            "(self.source == 'alarm') == has(self.alarm)",
+            "rollout.recovery: source alarm needs alarm {url, api, alertName}, and only it takes one",
+            lambda s: (s.source == "alarm") == (s.alarm is not None),
+        ),
     )
 
     @property
     def window_s(self) -> int:
         return parse_duration_s(self.window)
+
+    @property
+    def interval_s(self) -> int:
+        return parse_duration_s(self.interval)
 
 
 class Rollout(_Wire):
@@ -428,10 +490,23 @@ class RolloutRecord(_Wire):
 
     version: str = Field(max_length=80)
     step: int
-    outcome: Literal["recovered", "rolledBack", "paused", "completed"]
+    outcome: Literal["recovered", "rolledBack", "paused", "completed", "promoted", "aborted", "resumed"]
     hit_rate: float | None = None
     time: datetime
     message: str = ""
+
+
+class AnalysisStatus(_Wire):
+    """The measurements of the current step (prometheus and alarm sources)."""
+
+    successes: int = Field(0, ge=0)
+    failures: int = Field(0, ge=0)
+    inconclusives: int = Field(0, ge=0)
+    consecutive_errors: int = Field(0, ge=0)
+    measured_at: datetime | None = None
+    last_result: Literal["successful", "failed", "pending", "inconclusive", "error"] | None = None
+    last_value: float | None = None
+    message: str = Field("", max_length=1024)
 
 
 class RolloutStatus(_Wire):
@@ -444,6 +519,11 @@ class RolloutStatus(_Wire):
     current_hit_rate: float | None = None
     step_started_at: datetime | None = None
     expected_cold_prefill_tokens_per_s: float | None = None
+    analysis: AnalysisStatus | None = None
+    paused_reason: Literal["failure", "inconclusive", "manual"] | None = Field(
+        default=None, description="why phase is Paused: an inconclusive pause resumes by itself")
+    handled_request: str | None = Field(default=None, max_length=128,
+                                        description="the last kvtier.io/rollout-request acted on")
     history: list[RolloutRecord] = Field(default_factory=list, max_length=MAX_HISTORY)
 
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Installs everything kvtier's demo and tests need, idempotently:
-#   - Debian packages (redis-server) when missing,
+#   - Debian packages (redis-server, prometheus with promtool, prometheus-alertmanager)
+#     when missing,
 #   - a local venv (.venv) with kvtier and its dev dependencies plus the test
 #     environment (testenv/, its own project), re-installed only when either
 #     pyproject.toml changes,
 #   - the real Kubernetes control plane (kube-apiserver, kube-controller-manager,
-#     etcd, kubectl, helm), built or unpacked once into a versioned cache outside git.
+#     etcd, kubectl, helm), built or unpacked once into a versioned cache outside git,
+#   - Prometheus with Kubernetes service discovery (hack/prometheus.sh), likewise.
 # A second run is a no-op that takes a few seconds.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -17,13 +19,16 @@ log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 # --- Debian packages -------------------------------------------------------------
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
+command -v prometheus-alertmanager >/dev/null 2>&1 || need_apt+=(prometheus-alertmanager)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing Debian packages: ${need_apt[*]}"
   if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
-# The Debian package starts a system redis on 6379; kvtier's tests start their own.
+# The Debian packages start a system redis (6379), Prometheus (9090) and Alertmanager
+# (9093) where systemd runs; kvtier's tests and demo start their own on free ports.
 
 # --- Python venv -------------------------------------------------------------------
 py=${PYTHON:-python3}
@@ -43,8 +48,9 @@ fi
 # --- checkov (chart lint), in its own venv -------------------------------------------
 bash hack/checkov.sh
 
-# --- Kubernetes control plane, kubectl, helm ----------------------------------------
+# --- Kubernetes control plane, kubectl, helm; Prometheus with Kubernetes discovery -----
 if [ "${KVTIER_SKIP_CONTROLPLANE:-0}" != 1 ]; then
   bash hack/controlplane.sh
+  bash hack/prometheus.sh
 fi
 log "ready"

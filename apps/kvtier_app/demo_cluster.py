@@ -11,7 +11,14 @@
          routed by the published affinity table (kvtier.routing.pick)
       -> scale to 4: the operator warms the moved tenants on their new home,
          then publishes a new epoch; the replay goes on under it
-      -> `kubectl get kvcp`, per-tier hit rates, the epoch, the moved tenants
+      -> roll out weights version v2, gated on the KVTierHitRateDrop alarm in a real
+         Prometheus (which discovers the sidecars and the operator through the
+         apiserver and evaluates the chart's rules): canary -> its hit rate recovers
+         -> 50% -> 100% -> complete
+      -> roll out v3, whose prompts share no prefix: its hit rate stays at 0, the
+         alarm fires in Prometheus, and the operator rolls it back by itself
+      -> `kubectl get kvcp`, per-tier hit rates, the epoch, the moved tenants, and
+         the rollouts' Events with their numbers
 
 Every hit is checked against a full recompute by the reference engine: any wrong KV,
 request-path error, or a step that does not happen (no injection, no new epoch) exits
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import tempfile
 import time
@@ -59,6 +67,14 @@ TEMPLATES = 3
 TEMPLATE_TOKENS = (96, 192)
 DRAM_CAPACITY = "64Mi"
 SIDECAR_HTTP_PORT = 8081  # the injected sidecar's default (kvtier.sidecar_config)
+# The rollouts: v2 is a good version, v3 a bad one (digests stand for new weights).
+GOOD_VERSION = "sha256:" + "2" * 64
+BAD_VERSION = "sha256:" + "3" * 64
+# The chart's alert rules, with windows that suit a demo of a few minutes: a version
+# must stay below 0.8 x the best version's hit rate for 10 s to fire.
+DEMO_RULES = {"window": "10s", "for": "10s", "minLookupsPerSecond": 0.5, "rolloutStalledAfterSeconds": 600}
+# Rollouts take minutes: each step restarts pods and waits for the alarm to stay quiet.
+ROLLOUT_TIMEOUT_S = 300.0
 # Generous ceilings for a cold 2-core machine; each step normally takes seconds.
 STEP_TIMEOUT_S = 90.0
 POLL_S = 0.2
@@ -85,9 +101,10 @@ class Phase:
     per_member_requests: dict[str, int] = field(default_factory=dict)
 
 
-def policy_manifest(oracle: Any, redis_url: str) -> dict[str, Any]:
+def policy_manifest(oracle: Any, redis_url: str, prometheus_url: str) -> dict[str, Any]:
     """A KVCachePolicy whose model identity is the reference engine's own, so the
-    sidecars' key roots are exactly the ones the engine clients compute."""
+    sidecars' key roots are exactly the ones the engine clients compute; rollouts of
+    the StatefulSet are gated on the chart's hit-rate alarm in Prometheus."""
     s = oracle.shape
     engine = oracle.engine
     return {
@@ -103,11 +120,15 @@ def policy_manifest(oracle: Any, redis_url: str) -> dict[str, Any]:
             "tiers": {"dram": {"capacity": DRAM_CAPACITY}},
             "affinity": {"homes": HOMES},
             "redis": {"url": redis_url},
+            "workloadRef": {"kind": "StatefulSet", "name": WORKLOAD},
+            "rollout": {"canaryPods": 1, "steps": [50, 100], "recovery": {
+                "source": "alarm", "alarm": {"url": prometheus_url, "api": "prometheus"},
+                "window": "2m", "interval": "2s", "count": 3, "minLookups": 20, "inconclusiveLimit": 1000}},
         },
     }
 
 
-def statefulset_manifest(replicas: int) -> dict[str, Any]:
+def statefulset_manifest(replicas: int, version: str) -> dict[str, Any]:
     labels = {"app": APP_LABEL}
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
@@ -115,7 +136,8 @@ def statefulset_manifest(replicas: int) -> dict[str, Any]:
         "spec": {
             "replicas": replicas, "serviceName": WORKLOAD, "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": {
+            "template": {"metadata": {"labels": labels,
+                                      "annotations": {"kvtier.io/weights-version": version}}, "spec": {
                 "terminationGracePeriodSeconds": 5,
                 "serviceAccountName": SERVING_SERVICE_ACCOUNT,
                 # The serving engine's image: not runnable here, so the node agent
@@ -142,6 +164,9 @@ class ClusterDemo:
         from kvtier_testenv.ports import free_port
         from kvtier_testenv.kubectl import Helm, Kubectl
         from kvtier_testenv.nodeagent import NodeAgent
+        from kvtier_testenv.prometheus import (
+            Alertmanager, Prometheus, chart_rules, grant_discovery, operator_pod_scrape_config, sidecar_scrape_config,
+        )
         from kvtier_testenv.redis_fixtures import RedisServer
 
         self.oracle = make_oracle("reference")
@@ -152,6 +177,16 @@ class ClusterDemo:
         self.redis = self.stack.enter_context(RedisServer())
         self.kubectl = Kubectl(self.cp.kubeconfig, namespace=NAMESPACE)
         self.kubectl.run("create", "namespace", NAMESPACE)
+
+        self.step("Prometheus (finds pods through the apiserver, loads the chart's alert rules) and Alertmanager")
+        self.alertmanager = Alertmanager(self.workdir / "alertmanager").start()
+        self.stack.callback(self.alertmanager.stop)
+        discovery = grant_discovery(self.cp, Kubectl(self.cp.kubeconfig))
+        self.prom = Prometheus(self.workdir / "prometheus").configure(
+            [sidecar_scrape_config(discovery, [NAMESPACE]), operator_pod_scrape_config(discovery, [SYSTEM_NAMESPACE])],
+            chart_rules(DEMO_RULES), self.alertmanager.address)
+        self.stack.callback(self.prom.stop)
+        self.prom.start()
 
         self.step("helm install kvtier (CRD, RBAC, operator, webhook in URL mode)")
         self.helm = Helm(self.cp.kubeconfig, namespace=SYSTEM_NAMESPACE, home=self.workdir / "helm")
@@ -203,7 +238,7 @@ class ClusterDemo:
 
     def apply_policy(self) -> None:
         self.step(f"kubectl apply KVCachePolicy {POLICY} (the reference engine's model identity)")
-        self.kubectl.apply(policy_manifest(self.oracle, self.redis.url))
+        self.kubectl.apply(policy_manifest(self.oracle, self.redis.url, self.prom.url))
         wait_for("tier verdicts in the policy's status", lambda: self.status().get("tiers"))
 
     def status(self) -> dict[str, Any]:
@@ -214,7 +249,7 @@ class ClusterDemo:
         table both say `replicas`. Returns the status then."""
         if replicas == INITIAL_REPLICAS:
             self.step(f"StatefulSet {WORKLOAD} with {replicas} pods; the webhook injects the sidecar")
-            self.kubectl.apply(statefulset_manifest(replicas))
+            self.kubectl.apply(statefulset_manifest(replicas, self.oracle.shape["weights_version"]))
         else:
             self.step(f"kubectl scale statefulset/{WORKLOAD} --replicas={replicas}")
             self.kubectl.scale(f"statefulset/{WORKLOAD}", replicas)
@@ -286,6 +321,62 @@ class ClusterDemo:
         with urllib.request.urlopen(request, timeout=5) as resp:
             return json.loads(resp.read())
 
+    # -- rollouts --
+
+    def root_of(self, version: str):
+        from kvtier.keys import KeyRoot
+
+        s = self.oracle.shape
+        return KeyRoot("demo-tenant", s["model_id"], version, s["kv_dtype"], s["rope_config_hash"], s["attn_impl_id"])
+
+    def start_traffic(self):
+        """Steady engine traffic on every ready pod under the version it serves; v3's
+        prompts never repeat (a version whose prompts share no prefix)."""
+        from kvtier_testenv.traffic import Traffic
+
+        modes = {self.oracle.shape["weights_version"]: "hits", GOOD_VERSION: "hits", BAD_VERSION: "misses"}
+        self.traffic = Traffic(self.kubectl, self.agent, f"app={APP_LABEL}", modes, self.root_of,
+                               self.oracle.block_size, self.oracle.block_bytes).start()
+        self.stack.callback(self.traffic.stop)
+
+    def roll_out(self, version: str, label: str) -> None:
+        self.step(f"kubectl patch kvcp {POLICY}: spec.model.weightsVersion = {label}")
+        self.kubectl.run("patch", "kvcp", POLICY, "--type=merge", "-p",
+                         json.dumps({"spec": {"model": {"weightsVersion": version}}}))
+
+    def wait_rollout(self, version: str, phase: str) -> dict[str, Any]:
+        def settled() -> dict[str, Any] | None:
+            st = self.status()
+            r = st.get("rollout") or {}
+            if r.get("targetVersion") == version and st.get("phase") == phase and \
+                    (phase != "Ready" or st.get("version") == version):
+                return st
+            return None
+        try:
+            return polling.wait_for(f"the rollout of {version[:15]}... to reach {phase}", settled, ROLLOUT_TIMEOUT_S,
+                                    POLL_S)
+        except polling.WaitTimeout as exc:
+            raise DemoFailed(f"{exc}\n{self.operator_log()}") from None
+
+    def fired(self, version: str) -> dict[str, Any] | None:
+        """KVTierHitRateDrop for `version` as Prometheus recorded it: when it went off and
+        the hit rate it saw (it may have resolved since: the rollback removed the pods)."""
+        labels = {"namespace": NAMESPACE, "policy": POLICY, "version": version}
+        if not self.prom.fired("KVTierHitRateDrop", labels):
+            return None
+        since = self.prom.query(f'min_over_time(ALERTS_FOR_STATE{{alertname="KVTierHitRateDrop", '
+                                f'version="{version}"}}[15m])')
+        rate = self.prom.query(f'min_over_time(kvtier:hit_rate:ratio{{version="{version}"}}[15m])')
+        return {"labels": {"alertname": "KVTierHitRateDrop", **labels}, "state": "firing",
+                "activeAt": float(since[0]["value"][1]) if since else None,
+                "value": float(rate[0]["value"][1]) if rate else None}
+
+    def events(self) -> list[str]:
+        items = self.kubectl.get_json("events", "--field-selector", f"involvedObject.name={POLICY}")["items"]
+        items.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+        return [f"{e['type']:<8} {e['reason']:<17} {e['message']}" for e in items
+                if e["reason"].startswith(("Rollout", "RolledBack"))]
+
     def close(self) -> None:
         self.step("tearing down (helm uninstall, pods, control plane, Redis)")
         self.stack.close()
@@ -342,12 +433,37 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         phase2 = demo.replay(work[requests:])
         kvcp = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
         status = demo.status()
+
+        demo.start_traffic()
+        demo.roll_out(GOOD_VERSION, "v2")
+        good = demo.wait_rollout(GOOD_VERSION, "Ready")
+        kvcp_good = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
+        demo.roll_out(BAD_VERSION, "v3 (its prompts share no prefix)")
+        bad = demo.wait_rollout(BAD_VERSION, "RolledBack")
+        alarm = demo.fired(BAD_VERSION)
+        if not alarm:
+            raise DemoFailed("v3 was rolled back but KVTierHitRateDrop never fired for it in Prometheus")
+        demo.agent.wait_ready(SCALED_REPLICAS, NAMESPACE, f"app={APP_LABEL}", timeout_s=STEP_TIMEOUT_S)
+        kvcp_bad = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
+        rollout_events = demo.events()
+        traffic = {"lookups": dict(demo.traffic.lookups), "hits": dict(demo.traffic.hits),
+                   "wrong_kv": demo.traffic.wrong_kv}
     finally:
         demo.close()
     phases = {"before": phase1, "after": phase2}
     return {
-        "ok": all(p.report["wrong_kv"] == 0 and p.report["errors"] == 0 for p in phases.values()),
+        "ok": all(p.report["wrong_kv"] == 0 and p.report["errors"] == 0 for p in phases.values())
+        and traffic["wrong_kv"] == 0,
         "kubectl_get_kvcp": kvcp,
+        "rollouts": {
+            "good": {"version": GOOD_VERSION, "history": good["rollout"]["history"],
+                     "baseline_hit_rate": good["rollout"].get("baselineHitRate"), "kubectl_get_kvcp": kvcp_good},
+            "bad": {"version": BAD_VERSION, "history": bad["rollout"]["history"], "serving": bad.get("version"),
+                    "alert": alarm,
+                    "kubectl_get_kvcp": kvcp_bad},
+            "events": rollout_events,
+            "traffic": traffic,
+        },
         "phases": {k: {"epoch": p.epoch, "members": p.members, "requests_per_member": p.per_member_requests,
                        **p.report} for k, p in phases.items()},
         "epochs": [first.get("epoch"), second.get("epoch")],
@@ -355,6 +471,11 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         "status": {k: status.get(k) for k in ("phase", "memberCount", "epoch", "movedTenants", "knownTenants",
                                                "fleetHitRate", "tiers")},
     }
+
+
+def short(text: str) -> str:
+    """Weights digests cut to their first 8 hex digits, so messages fit a terminal line."""
+    return re.sub(r"sha256:([0-9a-f]{8})[0-9a-f]{56}", r"sha256:\1..", text)
 
 
 def render(result: dict[str, Any]) -> str:
@@ -372,6 +493,20 @@ def render(result: dict[str, Any]) -> str:
     if not result["moved_tenants"]:
         lines.append("  no tenant's first home changed")
     lines.append("tier verdicts       " + ", ".join(f"{v['tier']} {v['verdict']}" for v in status["tiers"] or []))
+    r = result["rollouts"]
+    lines += ["", f"rollout of v2 ({GOOD_VERSION[:15]}...), gated on KVTierHitRateDrop in Prometheus:"]
+    lines += [f"  step {h['step']} {h['outcome']:<10} hit rate {h.get('hitRate')}" for h in r["good"]["history"]
+              if h["version"] == GOOD_VERSION]
+    lines += ["$ kubectl get kvcp -o wide", r["good"]["kubectl_get_kvcp"], "",
+              f"rollout of v3 ({BAD_VERSION[:15]}...), whose prompts share no prefix:",
+              f"  alert {r['bad']['alert']['labels']['alertname']} fired in Prometheus (active since unix time "
+              f"{r['bad']['alert']['activeAt']}; v3's hit rate as low as {r['bad']['alert']['value']})"]
+    lines += [f"  step {h['step']} {h['outcome']:<10} {short(h.get('message', ''))}" for h in r["bad"]["history"]
+              if h["version"] == BAD_VERSION]
+    lines += ["$ kubectl get kvcp -o wide", r["bad"]["kubectl_get_kvcp"], "", "$ kubectl get events (rollouts)"]
+    lines += [f"  {short(e)}" for e in r["events"]]
+    lines.append(f"rollout traffic     {sum(r['traffic']['lookups'].values())} lookups, "
+                 f"{sum(r['traffic']['hits'].values())} hits checked, wrong KV {r['traffic']['wrong_kv']}")
     samples = result["phases"]["before"]["error_samples"] + result["phases"]["after"]["error_samples"]
     if samples:
         lines.append(f"errors (samples)    {samples[:3]}")

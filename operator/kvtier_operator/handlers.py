@@ -17,11 +17,12 @@ import asyncio
 import logging
 from typing import Any
 
+import aiohttp
 import kopf
 
 from kvtier import policy
 
-from kvtier_operator import injection, names, publish, reconcile
+from kvtier_operator import injection, metrics, names, publish, reconcile
 from kvtier_operator.kube import Kube
 from kvtier_operator.membership import PodView, pod_view
 from kvtier_operator.options import (
@@ -58,6 +59,11 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.kube = Kube.from_environment()
     memo.sidecars = SidecarClient.create(options.warms_per_target, options.sidecar_token_file)
     memo.policies = PolicyRegistry()
+    memo.http = aiohttp.ClientSession()  # rollout analysis: Prometheus and Alertmanager
+    memo.rollout_metrics = metrics.RolloutMetrics()
+    memo.metrics_runner = None
+    if options.metrics_port:
+        memo.metrics_runner = await metrics.serve(memo.rollout_metrics, options.metrics_host, options.metrics_port)
 
 
 @kopf.on.login()
@@ -69,6 +75,9 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     await memo.sidecars.close()
+    await memo.http.close()
+    if memo.metrics_runner is not None:
+        await memo.metrics_runner.cleanup()
     memo.kube.close()
 
 
@@ -172,6 +181,7 @@ async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, memo: kopf.
     for cm in (names.sidecar_config_map(name), names.affinity_config_map(name)):
         await memo.kube.delete_config_map(namespace, cm)
     memo.policies.forget(PolicyKey(namespace, name))
+    memo.rollout_metrics.forget(namespace, name)  # no stale rollout series (and no stalled alert)
 
 
 # The rollout's timer lives in its own module; importing it registers it with kopf.

@@ -162,6 +162,37 @@ class Kube:
         assert self.apps is not None
         await asyncio.to_thread(self.apps.patch_namespaced_stateful_set, name, namespace, patch)
 
+    async def read_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        assert self.apps is not None
+        try:
+            dep = await asyncio.to_thread(self.apps.read_namespaced_deployment, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return self.core.api_client.sanitize_for_serialization(dep)
+
+    async def patch_deployment(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        assert self.apps is not None
+        await asyncio.to_thread(self.apps.patch_namespaced_deployment, name, namespace, patch)
+
+    async def create_deployment(self, namespace: str, body: dict[str, Any]) -> None:
+        """Create; an existing one (a restarted operator's second try) is left as is."""
+        assert self.apps is not None
+        try:
+            await asyncio.to_thread(self.apps.create_namespaced_deployment, namespace, body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+
+    async def delete_deployment(self, namespace: str, name: str) -> None:
+        assert self.apps is not None
+        try:
+            await asyncio.to_thread(self.apps.delete_namespaced_deployment, name, namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         pods = await asyncio.to_thread(self.core.list_namespaced_pod, namespace, label_selector=label_selector)
         return self.core.api_client.sanitize_for_serialization(pods).get("items") or []

@@ -62,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--service-account-dir", type=Path, metavar="DIR",
                    help="in-cluster credentials (token, ca.crt, namespace) mounted here")
+    p.add_argument("--metrics-port", type=int, default=_DEFAULTS.metrics_port,
+                   help="serve the rollout metrics on this port (0: off)")
+    p.add_argument("--metrics-host", default=_DEFAULTS.metrics_host,
+                   help="address the metrics server listens on (e.g. the pod IP)")
     p.add_argument("--verbose", action="store_true")
     return p
 
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         cert, key = str(made.cert), str(made.key)
     options = OperatorOptions(
         sidecar_image=args.sidecar_image, webhook_host=args.webhook_host, webhook_port=args.webhook_port,
-        webhook_cert=cert, webhook_key=key, warms_per_target=args.warms_per_target,
+        webhook_cert=cert, webhook_key=key, warms_per_target=args.warms_per_target, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         sidecar_auth=args.sidecar_auth, sidecar_auth_users=",".join(args.sidecar_auth_user),
         sidecar_token_file=args.sidecar_token_file, sidecar_protect_metrics=args.sidecar_protect_metrics,
         sidecar_metrics_users=",".join(args.sidecar_metrics_user),

@@ -18,6 +18,9 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 # Warm-up journal on the policy: the epoch being prepared and which warm-ups are done,
 # so a restarted operator neither repeats them nor skips them.
 PENDING_EPOCH_ANNOTATION = f"{PREFIX}/pending-epoch"
+# A person's rollout control on the policy: "<promote|abort|retry|pause|resume>/<id>"
+# (kubectl kvtier rollout ...); acted on once, remembered in status.rollout.handledRequest.
+ROLLOUT_REQUEST_ANNOTATION = f"{PREFIX}/rollout-request"
 
 SIDECAR_CONTAINER = "kvtier-sidecar"
 CONFIG_VOLUME = "kvtier-config"

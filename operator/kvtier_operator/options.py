@@ -34,6 +34,8 @@ class OperatorOptions:
     resync_interval_s: float = RESYNC_INTERVAL_S
     debounce_s: float = DEBOUNCE_S
     warms_per_target: int = WARMS_PER_TARGET
+    metrics_host: str = "0.0.0.0"  # the pod's metrics port: scraped from inside the cluster
+    metrics_port: int = 0  # 0: no metrics server
     # The sidecars' control API: "tokenreview" (the injected sidecars accept only
     # `sidecar_auth_users`, checked with TokenReview) or "open" (loopback tests only).
     sidecar_auth: str = "tokenreview"
@@ -82,6 +84,8 @@ class OperatorOptions:
             operator_pod_labels=get("OPERATOR_POD_LABELS", ""),
             monitoring_namespace=get("MONITORING_NAMESPACE", ""),
             serving_ports_open=get("SERVING_PORTS_OPEN", "true") == "true",
+            metrics_host=get("METRICS_HOST", cls.metrics_host),
+            metrics_port=int(get("METRICS_PORT", cls.metrics_port)),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -95,6 +99,8 @@ class OperatorOptions:
             "SIDECAR_PROTECT_METRICS": str(self.sidecar_protect_metrics).lower(),
             "NETWORK_POLICIES": str(self.network_policies).lower(),
             "SERVING_PORTS_OPEN": str(self.serving_ports_open).lower(),
+            "METRICS_HOST": self.metrics_host,
+            "METRICS_PORT": str(self.metrics_port),
         }
         for key, value in (("WEBHOOK_HOST", self.webhook_host), ("WEBHOOK_CERT", self.webhook_cert),
                            ("WEBHOOK_KEY", self.webhook_key), ("SIDECAR_AUTH_USERS", self.sidecar_auth_users),

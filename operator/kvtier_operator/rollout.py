@@ -34,19 +34,21 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
-from kvtier.policy import MAX_HISTORY, Rollout, RolloutRecord, RolloutStatus
+from kvtier.policy import MAX_HISTORY, KVCachePolicyStatus, Rollout, RolloutRecord, RolloutStatus
 
+from kvtier_operator import analysis
 from kvtier_operator.conditions import Observation
 
 PROGRESSING = "RolloutProgressing"
 ROLLED_BACK = "RolledBack"
 DEGRADED = "RolloutDegraded"
+REQUEST = "RolloutRequest"  # the last kvtier.io/rollout-request: accepted or rejected
 # status.rollout.history is bounded by the CRD: keep the newest.
 HISTORY_KEPT = MAX_HISTORY
 # Hit rates in status and messages: four decimals are plenty and keep writes quiet.
 RATE_DIGITS = 4
 
-ActionKind = Literal["idle", "start", "wait", "advance", "complete", "rollback", "pause", "hold", "refuse"]
+ActionKind = Literal["idle", "start", "wait", "advance", "complete", "rollback", "pause", "hold", "refuse", "resume"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,13 @@ class Observed:
     # Recompute capacity of one replica (break-even arithmetic): what cold pods must
     # absorb for every prefill token that used to be a hit.
     replica_prefill_tokens_per_s: float = 0.0
+    # prometheus/alarm sources: this tick's look at the new version (None: not due),
+    # and, when a rollout may start, the prometheus query for the old version.
+    probe: analysis.Probe | None = None
+    baseline_probe: analysis.Probe | None = None
+    # A person's request (annotation kvtier.io/rollout-request: "<action>[/<id>]"),
+    # acted on once: status.rollout.handledRequest remembers the last one.
+    request: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +108,10 @@ class Plan:
     workload: WorkloadPatch | None = None
     conditions: tuple[Observation, ...] = ()
     event: tuple[str, str, str] | None = None  # (type, reason, message)
+    # Filled by the handler after it applied the plan, for the operator's metrics.
+    status: "KVCachePolicyStatus | None" = None
+    steps: int = 0
+    threshold: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,11 +194,10 @@ def plan(
     """The next action for the rollout towards `target` (spec.model.weightsVersion);
     `serving` is status.version, `status`/`phase` the policy's status as last written."""
     ctx = _Ctx(spec, target, serving, status, phase, observed, schedule(spec, observed.workload.replicas))
-    if spec.recovery.source != "sidecar":
-        return _refuse(ctx, "RecoverySourceUnsupported",
-                       f"rollout.recovery.source {spec.recovery.source!r} is validated but not implemented "
-                       f"in this operator; use source: sidecar")
     in_flight = status is not None and status.target_version is not None and phase in ("RollingOut", "Paused")
+    request = observed.request
+    if request and request != (status.handled_request if status else None):
+        return _handled(ctx, request, _request(ctx, request.split("/", 1)[0], in_flight))
     if in_flight:
         assert status is not None and status.target_version is not None
         if target == serving:
@@ -193,7 +205,11 @@ def plan(
         if target != status.target_version:
             return _start(ctx, superseding=status.target_version)
         if phase == "Paused":
+            if status.paused_reason == "inconclusive" and observed.probe is not None:
+                return _evaluate_inconclusive_pause(ctx)
             return _hold(ctx, _step_patch(ctx, status.step))
+        if spec.recovery.source != "sidecar":
+            return _evaluate_analysis(ctx)
         return _evaluate(ctx)
     if phase == "RolledBack" and status is not None and status.target_version == target:
         return _hold(ctx, WorkloadPatch(serving or target, 0))
@@ -205,6 +221,76 @@ def plan(
     if template != target:
         return _start(ctx)
     return _steady(ctx)
+
+
+REQUESTS = ("promote", "abort", "retry", "pause", "resume")
+
+
+def _request(ctx: _Ctx, action: str, in_flight: bool) -> Plan:
+    """A person's promote / abort / retry / pause / resume, as Argo Rollouts' controls:
+    promote skips the current step's wait, abort rolls back now, retry restarts a
+    rolled-back target, pause holds, resume goes on with a fresh window."""
+    status = ctx.status
+    if action not in REQUESTS:
+        return _rejected(ctx, action, f"unknown action; use one of {', '.join(REQUESTS)}")
+    if action == "retry":
+        if ctx.phase == "RolledBack" and status is not None and status.target_version == ctx.target:
+            return _start(ctx, retry=True)
+        return _rejected(ctx, action, "only a rolled-back rollout of the current target can be retried")
+    if not in_flight:
+        return _rejected(ctx, action, "no rollout in flight")
+    assert status is not None
+    step = min(max(status.step, 1), len(ctx.schedule))
+    rate = status.current_hit_rate
+    if action == "abort":
+        return _rollback(ctx, f"step {step}: aborted by request", observed_rate=rate, cause="Aborted",
+                         outcome="aborted")
+    if action == "promote":
+        evidence = f"promoted by request at step {step} (hit rate {_fmt(rate)})"
+        resumed = ctx.status.model_copy(update={"paused_reason": None}) if ctx.phase == "Paused" else None
+        c = ctx if resumed is None else _Ctx(ctx.spec, ctx.target, ctx.serving, resumed, "RollingOut", ctx.observed,
+                                              ctx.schedule)
+        if step == len(ctx.schedule):
+            return _complete_with(c, rate, evidence)
+        plan = _advance_with(c, step, rate, evidence, outcome="promoted")
+        return Plan(plan.kind, rollout=plan.rollout, phase="RollingOut", workload=plan.workload,
+                    conditions=plan.conditions + (Observation(DEGRADED, "False", "Promoted", evidence),),
+                    event=plan.event)
+    if action == "pause":
+        if ctx.phase == "Paused":
+            return _rejected(ctx, action, "already paused")
+        return _pause_with(ctx, step, rate, f"step {step}: paused by request", "manual", status.analysis)
+    if ctx.phase != "Paused":
+        return _rejected(ctx, action, "not paused")
+    message = f"resumed {status.target_version} at step {step} by request; the step's recovery window restarts"
+    rollout = status.model_copy(update={
+        "paused_reason": None, "step_started_at": ctx.observed.now, "analysis": None,
+        "history": _appended(status.history, _record(ctx, step, "resumed", rate, message))})
+    return Plan("resume", rollout=rollout, phase="RollingOut",
+                conditions=(Observation(PROGRESSING, "True", "Resumed", message),
+                            Observation(DEGRADED, "False", "Resumed", message)),
+                event=("Normal", "RolloutResumed", message))
+
+
+def _rejected(ctx: _Ctx, action: str, why: str) -> Plan:
+    message = f"rollout request {action!r} ignored: {why} (phase {ctx.phase})"
+    return Plan("refuse", conditions=(Observation(REQUEST, "False", "Rejected", message),),
+                event=("Warning", "RolloutRequestRejected", message))
+
+
+def _handled(ctx: _Ctx, request: str, plan: Plan) -> Plan:
+    """The plan with the request recorded as handled (acted on once), and the
+    RolloutRequest condition naming it, accepted or rejected."""
+    base = plan.rollout or ctx.status or RolloutStatus()
+    rollout = base.model_copy(update={"handled_request": request[:128]})
+    conds = plan.conditions
+    if not any(c.type == REQUEST for c in conds):
+        conds += (Observation(REQUEST, "True", "Accepted", f"rollout request {request}: {plan.kind}"),)
+    else:
+        conds = tuple(c if c.type != REQUEST else Observation(c.type, c.status, c.reason, f"{c.message} [{request}]")
+                      for c in conds)
+    return Plan(plan.kind, rollout=rollout, phase=plan.phase, version=plan.version, workload=plan.workload,
+                conditions=conds, event=plan.event)
 
 
 def _steady(ctx: _Ctx) -> Plan:
@@ -219,13 +305,16 @@ def _steady(ctx: _Ctx) -> Plan:
     return Plan("idle", phase=phase, version=version, workload=patch)
 
 
-def _start(ctx: _Ctx, superseding: str | None = None) -> Plan:
+def _start(ctx: _Ctx, superseding: str | None = None, retry: bool = False) -> Plan:
     w = ctx.observed.workload
     # The old version is what the fleet runs now (mid-rollout: what it ran before).
     old = ctx.serving if superseding else (w.template_version or ctx.serving)
     old_pods = [p for p in ctx.observed.pods if p.version != ctx.target]
     lookups, hits = hit_rate(old_pods)
     baseline = round(hits / lookups, RATE_DIGITS) if lookups else None
+    probe = ctx.observed.baseline_probe
+    if ctx.spec.recovery.source == "prometheus" and probe is not None and probe.value is not None:
+        baseline = round(probe.value, RATE_DIGITS)  # the query's own view of the old version
     n = ctx.schedule[0]
     rollout = RolloutStatus(
         target_version=ctx.target, step=1, canary_percent=_percent(n, w.replicas), baseline_hit_rate=baseline,
@@ -233,7 +322,7 @@ def _start(ctx: _Ctx, superseding: str | None = None) -> Plan:
         expected_cold_prefill_tokens_per_s=cold_prefill_tokens_per_s(n, baseline, ctx.observed.replica_prefill_tokens_per_s),
         history=list(ctx.status.history) if ctx.status else [],
     )
-    why = f"superseding {superseding}; " if superseding else ""
+    why = f"superseding {superseding}; " if superseding else ("retried by request; " if retry else "")
     message = (f"rolling out {ctx.target} from {old}: {why}baseline hit rate {_fmt(baseline)} over {lookups} lookups; "
                f"{_step_text(ctx, 1, rollout)}")
     return Plan("start", rollout=rollout, phase="RollingOut", version=old,
@@ -275,69 +364,193 @@ def _evaluate(ctx: _Ctx) -> Plan:
                                         f"{ctx.spec.recovery.min_lookups}"),))
 
 
+def _evaluate_analysis(ctx: _Ctx) -> Plan:
+    """prometheus/alarm sources: tally this tick's measurement (if one was due) and act
+    on the verdict; the sidecars' counters only feed the numbers shown."""
+    status = ctx.status
+    assert status is not None and status.step_started_at is not None
+    step = min(max(status.step, 1), len(ctx.schedule))
+    n = ctx.schedule[step - 1]
+    new_pods = [p for p in ctx.observed.pods if p.version == ctx.target]
+    ready = sum(p.ready for p in new_pods)
+    a, m = status.analysis, _measurement(ctx, step)
+    if m is not None:
+        a = analysis.tally(a, m, ctx.observed.now)
+    verdict = analysis.judge(ctx.spec.recovery, a or analysis.AnalysisStatus(), ready >= n)
+    rate = _analysis_rate(ctx, step, m)
+    evidence = f"{ready}/{n} new pods ready; {_source_text(ctx)}: {verdict.reason}"
+    if verdict.kind == "pass":
+        if step == len(ctx.schedule):
+            return _complete_with(ctx, rate, evidence)
+        return _advance_with(ctx, step, rate, evidence)
+    if verdict.kind == "fail":
+        reason = f"step {step}: {evidence}"
+        if ctx.spec.on_failure == "pause":
+            return _pause_with(ctx, step, rate, reason, "failure", a)
+        return _rollback(ctx, reason, observed_rate=rate, cause="AnalysisFailed")
+    if verdict.kind == "inconclusive":
+        return _pause_with(ctx, step, rate, f"step {step}: {evidence}", "inconclusive", a)
+    rollout = status.model_copy(update={"current_hit_rate": rate, "analysis": a})
+    patch = _step_patch(ctx, step)
+    needs_patch = _differs(ctx.observed.workload, patch)
+    if rollout == status and not needs_patch:
+        return Plan("wait")
+    return Plan("wait", rollout=rollout if rollout != status else None, workload=patch if needs_patch else None,
+                conditions=(Observation(PROGRESSING, "True", "WaitingForAnalysis", f"step {step}: {evidence}"),))
+
+
+def _evaluate_inconclusive_pause(ctx: _Ctx) -> Plan:
+    """Paused because the source gave no answer: keep asking; the first conclusive
+    measurement resumes the step with a fresh window and fresh counts."""
+    status = ctx.status
+    assert status is not None
+    step = min(max(status.step, 1), len(ctx.schedule))
+    m = _measurement(ctx, step)
+    if m is None or not analysis.conclusive(m):
+        a = analysis.tally(status.analysis, m, ctx.observed.now) if m is not None else status.analysis
+        rollout = status.model_copy(update={"analysis": a})
+        return Plan("hold", rollout=rollout if rollout != status else None,
+                    workload=_step_patch(ctx, step) if _differs(ctx.observed.workload, _step_patch(ctx, step)) else None)
+    message = (f"resumed {status.target_version} at step {step}: {_source_text(ctx)} answers again "
+               f"({m.message}); the step's recovery window restarts")
+    record = _record(ctx, step, "resumed", m.value, message)
+    rollout = status.model_copy(update={
+        "paused_reason": None, "step_started_at": ctx.observed.now, "history": _appended(status.history, record),
+        "analysis": analysis.tally(None, m, ctx.observed.now)})
+    return Plan("resume", rollout=rollout, phase="RollingOut",
+                conditions=(Observation(PROGRESSING, "True", "Resumed", message),
+                            Observation(DEGRADED, "False", "Resumed", message)),
+                event=("Normal", "RolloutResumed", message))
+
+
+def _measurement(ctx: _Ctx, step: int) -> analysis.Measurement | None:
+    probe, rec = ctx.observed.probe, ctx.spec.recovery
+    status = ctx.status
+    if probe is None or status is None or status.step_started_at is None:
+        return None
+    if rec.source == "alarm":
+        assert rec.alarm is not None
+        lookups, _ = hit_rate(_judged_pods(ctx, step))
+        return analysis.measure_alarm(probe, rec.alarm.alert_name, ctx.target, lookups, rec.min_lookups)
+    window_over = (ctx.observed.now - status.step_started_at).total_seconds() >= rec.window_s
+    return analysis.measure_hit_rate(probe, rec.threshold * (status.baseline_hit_rate or 0.0), window_over)
+
+
+def _judged_pods(ctx: _Ctx, step: int) -> list[PodSample]:
+    new_pods = [p for p in ctx.observed.pods if p.version == ctx.target]
+    return step_pods(new_pods, ctx.schedule, step, ctx.observed.workload.replicas)
+
+
+def _analysis_rate(ctx: _Ctx, step: int, m: analysis.Measurement | None) -> float | None:
+    """The hit rate shown in status: the query's value (prometheus), else the new
+    pods' counters as the sidecars report them."""
+    if m is not None and m.value is not None:
+        return m.value
+    if ctx.spec.recovery.source == "prometheus" and ctx.status is not None:
+        return ctx.status.current_hit_rate
+    lookups, hits = hit_rate(_judged_pods(ctx, step))
+    return round(hits / lookups, RATE_DIGITS) if lookups else None
+
+
+def _source_text(ctx: _Ctx) -> str:
+    rec = ctx.spec.recovery
+    if rec.source == "alarm" and rec.alarm is not None:
+        return f"alarm {rec.alarm.alert_name} ({rec.alarm.api} {rec.alarm.url})"
+    if rec.source == "prometheus" and rec.prometheus is not None:
+        return f"prometheus {rec.prometheus.url}"
+    return "sidecars"
+
+
 def _advance(ctx: _Ctx, step: int, rec: StepRecovery) -> Plan:
+    return _advance_with(ctx, step, rec.hit_rate, f"{rec.lookups} lookups, needed {rec.needed:.4f}",
+                         f"hit rate {_fmt(rec.hit_rate)} >= {rec.needed:.4f} over {rec.lookups} lookups")
+
+
+def _advance_with(ctx: _Ctx, step: int, rate: float | None, evidence: str, summary: str | None = None,
+                  outcome: str = "recovered") -> Plan:
     status, w = ctx.status, ctx.observed.workload
     assert status is not None
     nxt = step + 1
     n = ctx.schedule[nxt - 1]
-    record = _record(ctx, step, "recovered", rec.hit_rate, f"{rec.lookups} lookups, needed {rec.needed:.4f}")
+    record = _record(ctx, step, outcome, rate, evidence)
     rollout = status.model_copy(update={
-        "step": nxt, "canary_percent": _percent(n, w.replicas), "current_hit_rate": rec.hit_rate,
+        "step": nxt, "canary_percent": _percent(n, w.replicas), "current_hit_rate": rate,
         "step_started_at": ctx.observed.now, "history": _appended(status.history, record),
         "expected_cold_prefill_tokens_per_s": cold_prefill_tokens_per_s(
             n - ctx.schedule[step - 1], status.baseline_hit_rate, ctx.observed.replica_prefill_tokens_per_s),
+        "analysis": None, "paused_reason": None,
     })
-    message = (f"step {step} recovered: hit rate {_fmt(rec.hit_rate)} >= {rec.needed:.4f} over {rec.lookups} "
-               f"lookups; {_step_text(ctx, nxt, rollout)}")
+    message = f"step {step} {outcome}: {summary or evidence}; {_step_text(ctx, nxt, rollout)}"
     return Plan("advance", rollout=rollout, workload=WorkloadPatch(ctx.target, w.replicas - n),
                 conditions=(Observation(PROGRESSING, "True", "StepStarted", message),),
                 event=("Normal", "RolloutStep", message))
 
 
 def _complete(ctx: _Ctx, rec: StepRecovery) -> Plan:
+    return _complete_with(ctx, rec.hit_rate, f"{rec.lookups} lookups, needed {rec.needed:.4f}")
+
+
+def _complete_with(ctx: _Ctx, rate: float | None, evidence: str) -> Plan:
     status = ctx.status
     assert status is not None
-    record = _record(ctx, status.step, "completed", rec.hit_rate, f"{rec.lookups} lookups, needed {rec.needed:.4f}")
-    rollout = status.model_copy(update={"current_hit_rate": rec.hit_rate, "canary_percent": 100,
-                                        "expected_cold_prefill_tokens_per_s": 0.0,
+    record = _record(ctx, status.step, "completed", rate, evidence)
+    rollout = status.model_copy(update={"current_hit_rate": rate, "canary_percent": 100,
+                                        "expected_cold_prefill_tokens_per_s": 0.0, "paused_reason": None,
                                         "history": _appended(status.history, record)})
     message = (f"{ctx.target} serves the whole fleet ({ctx.observed.workload.replicas} pods): hit rate "
-               f"{_fmt(rec.hit_rate)} vs baseline {_fmt(status.baseline_hit_rate)}")
+               f"{_fmt(rate)} vs baseline {_fmt(status.baseline_hit_rate)}")
     return Plan("complete", rollout=rollout, phase="Ready", version=ctx.target,
                 workload=WorkloadPatch(ctx.target, 0),
                 conditions=(Observation(PROGRESSING, "False", "Completed", message),),
                 event=("Normal", "RolloutCompleted", message))
 
 
-def _rollback(ctx: _Ctx, reason: str, observed_rate: float | None = None, requested: bool = False) -> Plan:
+def _rollback(ctx: _Ctx, reason: str, observed_rate: float | None = None, requested: bool = False,
+              cause: str = "HitRateNotRecovered", outcome: str = "rolledBack") -> Plan:
     """Every pod back on the old version: template restored and partition 0, so no pod
     is left on the new version whatever step the rollout had reached."""
     status = ctx.status
     assert status is not None and ctx.serving is not None
-    record = _record(ctx, status.step, "rolledBack", observed_rate, reason)
+    record = _record(ctx, status.step, outcome, observed_rate, reason)
     rollout = status.model_copy(update={"current_hit_rate": observed_rate, "canary_percent": 0,
-                                        "expected_cold_prefill_tokens_per_s": 0.0,
+                                        "expected_cold_prefill_tokens_per_s": 0.0, "paused_reason": None,
                                         "history": _appended(status.history, record)})
     message = f"rolled back {status.target_version} to {ctx.serving}: {reason}"
     return Plan("rollback", rollout=rollout, phase="Ready" if requested else "RolledBack",
                 workload=WorkloadPatch(ctx.serving, 0),
                 conditions=(Observation(PROGRESSING, "False", "RolledBack", message),
                             Observation(ROLLED_BACK, "False" if requested else "True",
-                                        "Requested" if requested else "HitRateNotRecovered", message)),
+                                        "Requested" if requested else cause, message)),
                 event=("Normal" if requested else "Warning", "RolledBack", message))
 
 
 def _pause(ctx: _Ctx, step: int, rec: StepRecovery, reason: str) -> Plan:
+    return _pause_with(ctx, step, rec.hit_rate, reason, "failure", ctx.status.analysis if ctx.status else None)
+
+
+# Why a pause happened, as the condition's reason and the message's advice.
+_PAUSE_WORDS = {
+    "failure": ("HitRateNotRecovered", "onFailure: pause",
+                "kubectl kvtier rollout abort (or set spec.model.weightsVersion back to {old}) to roll back, "
+                "or promote to go on"),
+    "inconclusive": ("AnalysisInconclusive", "analysis inconclusive",
+                     "it resumes by itself once the source answers with data; abort or promote to decide now"),
+    "manual": ("PausedByRequest", "paused by request", "kubectl kvtier rollout resume to go on"),
+}
+
+
+def _pause_with(ctx: _Ctx, step: int, rate: float | None, reason: str, why: str,
+                a: "analysis.AnalysisStatus | None") -> Plan:
     status = ctx.status
     assert status is not None
-    record = _record(ctx, step, "paused", rec.hit_rate, reason)
-    rollout = status.model_copy(update={"current_hit_rate": rec.hit_rate,
+    cause, label, advice = _PAUSE_WORDS[why]
+    record = _record(ctx, step, "paused", rate, reason)
+    rollout = status.model_copy(update={"current_hit_rate": rate, "paused_reason": why, "analysis": a,
                                         "history": _appended(status.history, record)})
-    message = (f"paused {status.target_version} at step {step} (onFailure: pause): {reason}; set "
-               f"spec.model.weightsVersion back to {ctx.serving} to roll back")
+    message = f"paused {status.target_version} at step {step} ({label}): {reason}; {advice.format(old=ctx.serving)}"
     return Plan("pause", rollout=rollout, phase="Paused",
                 conditions=(Observation(PROGRESSING, "False", "Paused", message),
-                            Observation(DEGRADED, "True", "HitRateNotRecovered", message)),
+                            Observation(DEGRADED, "True", cause, message)),
                 event=("Warning", "RolloutPaused", message))
 
 

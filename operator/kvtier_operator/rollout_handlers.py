@@ -8,6 +8,7 @@ import kopf
 
 from kvtier import policy
 
+from kvtier_operator import rollout
 from kvtier_operator.registry import PolicyKey, PolicyRegistry
 from kvtier_operator.rollout_reconcile import reconcile_rollout
 
@@ -28,4 +29,16 @@ async def rollout_tick(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
         body = await memo.kube.read_policy(namespace, name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return
-        await reconcile_rollout(memo.kube, memo.sidecars, body)
+        plan = await reconcile_rollout(memo.kube, memo.sidecars, body, memo.http)
+        _observe_metrics(memo, namespace, name, plan)
+
+
+def _observe_metrics(memo: kopf.Memo, namespace: str, name: str, plan: rollout.Plan | None) -> None:
+    """The operator's /metrics: where the rollout stands after this tick, and its decision."""
+    metrics = memo.get("rollout_metrics")
+    if metrics is None or plan is None:
+        return
+    if plan.kind not in ("idle", "wait", "hold"):
+        metrics.decided(namespace, name, plan.kind)
+    if plan.status is not None:
+        metrics.observe(namespace, name, plan.status, plan.steps, plan.threshold)

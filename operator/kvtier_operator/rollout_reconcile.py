@@ -4,13 +4,18 @@ their sidecars' hit counters, ask the pure planner (`rollout.plan`) for the next
 then write status, patch the workload, post the Event — in that order, so a restart
 resumes from status and re-applies at most the same patch.
 
-Only StatefulSets are driven (partition); a Deployment workloadRef gets a condition
-saying so. The prometheus recovery source is validated by the CRD but refused here
-with a condition (the planner's `RecoverySourceUnsupported`). A pod counts as ready by
-the same rule membership uses (`membership.PodView.serving`).
+A StatefulSet is driven by partition; a Deployment by a stable/canary pair
+(`deployment_pair`: the planner sees the same workload shape, the pair converges to
+each patch without a zero-ready window). With the prometheus or alarm recovery source, a measurement is taken when
+one is due (`analysis.due`): the templated query or the alerts API, through
+`prom_client`, whose every failure is a `Probe(error=...)` the planner calls
+inconclusive. A person's request (annotation kvtier.io/rollout-request) goes to the
+planner too. A pod counts as ready by the same rule membership uses
+(`membership.PodView.serving`).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from datetime import datetime, timezone
 from typing import Any
@@ -19,14 +24,16 @@ import kopf
 
 from kvtier import breakeven, policy
 
-from kvtier_operator import conditions, economics, names, rollout
+from kvtier_operator import analysis, conditions, deployment_pair, economics, names, prom_client, rollout
 from kvtier_operator.conditions import Observation
 from kvtier_operator.membership import Member, MemberName, pod_view
 
 log = logging.getLogger("kvtier.operator.rollout")
 
 
-async def reconcile_rollout(kube, sidecars, body: dict[str, Any]) -> rollout.Plan | None:
+async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None) -> rollout.Plan | None:
+    """The applied plan, with `status`/`steps`/`threshold` filled for the metrics;
+    `http`: the aiohttp session analysis asks Prometheus or Alertmanager through."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     try:
@@ -36,30 +43,91 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any]) -> rollout.Pla
     spec, status = pol.spec, pol.status or policy.KVCachePolicyStatus()
     ref = spec.workload_ref
     assert ref is not None  # the timer's `when`
-    if ref.kind != "StatefulSet":
-        await _only_condition(kube, body, status, "WorkloadKindUnsupported",
-                              f"workloadRef kind {ref.kind}: this operator rolls out StatefulSets only")
+    pair: deployment_pair.Pair | None = None
+    if ref.kind == "Deployment":
+        target = await kube.read_deployment(namespace, ref.name)
+        if target is not None:
+            canary = await kube.read_deployment(namespace, deployment_pair.canary_name(ref.name))
+            pair = deployment_pair.pair_of(target, canary)
+    else:
+        target = await kube.read_stateful_set(namespace, ref.name)
+    if target is None:
+        await _only_condition(kube, body, status, "WorkloadNotFound", f"{ref.kind} {ref.name} not found")
         return None
-    sts = await kube.read_stateful_set(namespace, ref.name)
-    if sts is None:
-        await _only_condition(kube, body, status, "WorkloadNotFound", f"StatefulSet {ref.name} not found")
-        return None
+    workload = pair.workload if pair is not None else _workload(target)
+    now = datetime.now(timezone.utc).replace(microsecond=0)
     observed = rollout.Observed(
-        workload=_workload(sts), pods=await _samples(kube, sidecars, namespace, sts),
-        now=datetime.now(timezone.utc).replace(microsecond=0), replica_prefill_tokens_per_s=_replica_tokens_s(spec),
+        workload=workload, pods=await _samples(kube, sidecars, namespace, target, ref.kind),
+        now=now, replica_prefill_tokens_per_s=_replica_tokens_s(spec),
+        probe=await _probe(http, spec, status, namespace, name, now),
+        request=(meta.get("annotations") or {}).get(names.ROLLOUT_REQUEST_ANNOTATION),
     )
     plan = rollout.plan(spec.rollout, spec.model.weights_version, status.version, status.rollout, status.phase,
                         observed)
+    if plan.kind == "start" and spec.rollout.recovery.source == "prometheus" and http is not None:
+        # The baseline from the same query, for the version the fleet runs now.
+        old = workload.template_version if workload.template_version != spec.model.weights_version else status.version
+        observed = dataclasses.replace(observed, baseline_probe=await _query(http, spec, namespace, name, old or ""))
+        plan = rollout.plan(spec.rollout, spec.model.weights_version, status.version, status.rollout, status.phase,
+                            observed)
     fields = _status_fields(plan, status, meta.get("generation"))
     if fields:
         await kube.patch_status(namespace, name, fields)
-    if plan.workload is not None:
+    if pair is not None:
+        in_flight = (plan.phase or status.phase) in ("RollingOut", "Paused")
+        await _converge_pair(kube, namespace, ref.name, target, pair, plan.workload, in_flight)
+    elif plan.workload is not None:
         await kube.patch_stateful_set(namespace, ref.name, workload_patch(plan.workload))
     if plan.event is not None:
         kopf.event(body, type=plan.event[0], reason=plan.event[1], message=plan.event[2])
     if plan.kind not in ("idle", "wait", "hold"):
         log.info("rollout of %s/%s: %s", namespace, name, plan.kind)
-    return plan
+    after = status.model_copy(update={"phase": plan.phase or status.phase, "rollout": plan.rollout or status.rollout})
+    return dataclasses.replace(plan, status=after, steps=len(rollout.schedule(spec.rollout, workload.replicas)),
+                               threshold=spec.rollout.recovery.threshold)
+
+
+async def _converge_pair(kube, namespace: str, name: str, stable: dict[str, Any], pair: deployment_pair.Pair,
+                         patch: rollout.WorkloadPatch | None, in_flight: bool) -> None:
+    """Deployment pair: every tick, not only when the plan changed, because a shrink
+    waits for the other side's ready pods (`deployment_pair.converge`)."""
+    if patch is None:
+        if pair.canary is None:
+            return
+        patch = rollout.WorkloadPatch(pair.workload.template_version or "", pair.workload.partition)
+    writes = deployment_pair.converge(pair, patch, in_flight, stable)
+    canary = deployment_pair.canary_name(name)
+    if writes.canary_create is not None:
+        await kube.create_deployment(namespace, writes.canary_create)
+    if writes.canary is not None:
+        await kube.patch_deployment(namespace, canary, writes.canary)
+    if writes.stable is not None:
+        await kube.patch_deployment(namespace, name, writes.stable)
+    if writes.canary_delete:
+        await kube.delete_deployment(namespace, canary)
+
+
+async def _probe(http, spec: policy.KVCachePolicySpec, status: policy.KVCachePolicyStatus, namespace: str,
+                 name: str, now: datetime) -> analysis.Probe | None:
+    """This tick's look at the new version, when the source is not the sidecars, a
+    rollout is in flight and a measurement is due; None otherwise."""
+    rec, r = spec.rollout.recovery, status.rollout
+    if (rec.source == "sidecar" or http is None or r is None or r.target_version is None
+            or status.phase not in ("RollingOut", "Paused") or not analysis.due(rec, r.analysis, now)):
+        return None
+    if rec.source == "alarm":
+        assert rec.alarm is not None
+        return await prom_client.firing(http, rec.alarm.url, rec.alarm.api, rec.alarm.alert_name,
+                                        {"namespace": namespace, "policy": name, "version": r.target_version})
+    return await _query(http, spec, namespace, name, r.target_version)
+
+
+async def _query(http, spec: policy.KVCachePolicySpec, namespace: str, name: str, version: str) -> analysis.Probe:
+    rec = spec.rollout.recovery
+    assert rec.prometheus is not None
+    expr = analysis.render_query(rec.prometheus.query, namespace=namespace, policy=name, version=version,
+                                 window=rec.analysis_window, min_lookups=rec.min_lookups)
+    return await prom_client.query_value(http, rec.prometheus.url, expr)
 
 
 def workload_patch(patch: rollout.WorkloadPatch) -> dict[str, Any]:
@@ -79,13 +147,16 @@ def _workload(sts: dict[str, Any]) -> rollout.Workload:
                             int(partition))
 
 
-async def _samples(kube, sidecars, namespace: str, sts: dict[str, Any]) -> tuple[rollout.PodSample, ...]:
-    labels = ((sts.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+async def _samples(kube, sidecars, namespace: str, workload: dict[str, Any],
+                   kind: str = "StatefulSet") -> tuple[rollout.PodSample, ...]:
+    """The workload's pods: a StatefulSet's own; for a Deployment, every pod its selector
+    matches (its ReplicaSets' and the canary's, whose selector only adds the track label)."""
+    labels = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
     selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-    owner = sts["metadata"]["name"]
+    owner = workload["metadata"]["name"]
     pods = [p for p in await kube.list_pods(namespace, selector)
-            if any(o.get("kind") == "StatefulSet" and o.get("name") == owner
-                   for o in p["metadata"].get("ownerReferences") or [])]
+            if kind == "Deployment" or any(o.get("kind") == "StatefulSet" and o.get("name") == owner
+                                           for o in p["metadata"].get("ownerReferences") or [])]
     ready = {p["metadata"]["name"]: pod_view(p).serving for p in pods}
     members = {MemberName(n): Member(MemberName(n), p["status"]["podIP"], 1.0)
                for p in pods if ready[(n := p["metadata"]["name"])]}

@@ -4,18 +4,30 @@ Counters are kept per tenant in plain dicts (cheap on the request path); at scra
 time the `top_n` tenants by lookups get their own label and every other tenant is
 summed into tenant="other", so a fleet with 10,000 tenants still exports top_n + 1
 series per metric.
+
+Names follow Prometheus conventions (`_total` counters, `_bytes` units) and vLLM's:
+`kvtier_prefix_cache_queries_total` / `kvtier_prefix_cache_hits_total` count tokens,
+as `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` do, while
+`kvtier_lookups_total` / `kvtier_hits_total` count requests (the rollout's hit rate).
+Every series carries `version`, the weights version this sidecar serves; `namespace`,
+`pod` and `policy` are target labels Prometheus adds from the pod (see
+docs/OBSERVABILITY.md), so the label set per sidecar is bounded by top_n x tiers.
 """
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Iterable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 OTHER = "other"
 TIERS = ("dram", "peer")
+# Sidecar counters rendered under their own typed families below, not generically.
+_TYPED_COUNTERS = frozenset({"peer_fetches", "peer_fetch_errors", "peer_checksum_mismatches"})
+# Global index operations, exported at 0 before their first failure (so rates exist).
+INDEX_OPERATIONS = ("lookup", "register", "heartbeat")
 
 
 @dataclass(slots=True)
@@ -24,6 +36,7 @@ class TenantCounters:
     lookup_tokens: int = 0
     hits: collections.Counter = field(default_factory=collections.Counter)  # tier -> hits
     hit_tokens: collections.Counter = field(default_factory=collections.Counter)  # tier -> tokens
+    served_bytes: collections.Counter = field(default_factory=collections.Counter)  # tier -> KV bytes handed out
     peer_bytes: int = 0
     stores: int = 0
     stores_declined: int = 0
@@ -34,6 +47,7 @@ class TenantCounters:
         self.lookup_tokens += other.lookup_tokens
         self.hits.update(other.hits)
         self.hit_tokens.update(other.hit_tokens)
+        self.served_bytes.update(other.served_bytes)
         self.peer_bytes += other.peer_bytes
         self.stores += other.stores
         self.stores_declined += other.stores_declined
@@ -48,6 +62,7 @@ class TenantCounters:
             "token_hit_rate": sum(self.hit_tokens.values()) / self.lookup_tokens if self.lookup_tokens else 0.0,
             "hits_by_tier": {t: self.hits.get(t, 0) for t in TIERS},
             "hit_tokens_by_tier": {t: self.hit_tokens.get(t, 0) for t in TIERS},
+            "served_bytes_by_tier": {t: self.served_bytes.get(t, 0) for t in TIERS},
             "lookup_tokens": self.lookup_tokens,
             "peer_bytes_fetched": self.peer_bytes,
             "stores": self.stores,
@@ -60,13 +75,15 @@ class TenantMetrics:
     def __init__(self) -> None:
         self.tenants: dict[str, TenantCounters] = collections.defaultdict(TenantCounters)
 
-    def lookup(self, tenant: str, prompt_tokens: int, tier: str | None, matched_tokens: int, peer_bytes: int = 0) -> None:
+    def lookup(self, tenant: str, prompt_tokens: int, tier: str | None, matched_tokens: int, peer_bytes: int = 0,
+               served_bytes: int = 0) -> None:
         c = self.tenants[tenant]
         c.lookups += 1
         c.lookup_tokens += prompt_tokens
         if tier is not None:
             c.hits[tier] += 1
             c.hit_tokens[tier] += matched_tokens
+            c.served_bytes[tier] += served_bytes
         c.peer_bytes += peer_bytes
 
     def store(self, tenant: str, accepted: bool) -> None:
@@ -97,39 +114,99 @@ class TenantMetrics:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class SidecarState:
+    """The sidecar-wide numbers of one scrape (the tenants' counters aside)."""
+
+    version: str
+    bytes_used: float
+    capacity_bytes: float
+    reserved_blocks: float
+    evictions: float
+    admission_bar: float  # sightings a block needs before it is stored (thrash raises it)
+    thrashing: bool
+    pinned_hits: int
+    index_up: bool | None  # None: no global index configured
+    index_errors: dict[str, int]  # operation -> failures
+    counters: dict[str, float]  # the sidecar's event counters (peer fetches, stores, ...)
+
+
+def _tenant_families(buckets: dict[str, TenantCounters], version: str) -> Iterable:
+    def counter(name: str, doc: str, *extra: str) -> CounterMetricFamily:
+        return CounterMetricFamily(name, doc, labels=["tenant", "version", *extra])
+
+    lookups = counter("kvtier_lookups", "Engine lookups (requests)")
+    hits = counter("kvtier_hits", "Lookups that hit, by the tier that served them", "tier")
+    queries = counter("kvtier_prefix_cache_queries", "Prompt tokens looked up (vLLM's prefix_cache_queries)")
+    hit_tokens = counter("kvtier_prefix_cache_hits", "Prompt tokens matched, by tier (vLLM's prefix_cache_hits)",
+                         "tier")
+    served = counter("kvtier_served_bytes", "KV bytes handed to the engine, by tier", "tier")
+    peer_bytes = counter("kvtier_peer_fetched_bytes", "KV bytes fetched from peers for lookups")
+    warmed = counter("kvtier_warmed_bytes", "KV bytes pulled from peers by warm-up jobs")
+    stores = counter("kvtier_stores", "Stores by outcome (accepted, or declined by admission)", "outcome")
+    for tenant, c in buckets.items():
+        lookups.add_metric([tenant, version], c.lookups)
+        queries.add_metric([tenant, version], c.lookup_tokens)
+        peer_bytes.add_metric([tenant, version], c.peer_bytes)
+        warmed.add_metric([tenant, version], c.warmed_bytes)
+        stores.add_metric([tenant, version, "accepted"], c.stores)
+        stores.add_metric([tenant, version, "declined"], c.stores_declined)
+        for tier in TIERS:
+            hits.add_metric([tenant, version, tier], c.hits.get(tier, 0))
+            hit_tokens.add_metric([tenant, version, tier], c.hit_tokens.get(tier, 0))
+            served.add_metric([tenant, version, tier], c.served_bytes.get(tier, 0))
+    return (lookups, hits, queries, hit_tokens, served, peer_bytes, warmed, stores)
+
+
+def _sidecar_families(s: SidecarState) -> Iterable:
+    v = [s.version]
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=["version"])
+        g.add_metric(v, value)
+        return g
+
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=["version"])
+        c.add_metric(v, value)
+        return c
+
+    yield gauge("kvtier_dram_bytes_used", "DRAM tier bytes holding KV", s.bytes_used)
+    yield gauge("kvtier_dram_capacity_bytes", "DRAM tier capacity", s.capacity_bytes)
+    yield gauge("kvtier_dram_reserved_blocks", "Slots reserved by writers not yet committed", s.reserved_blocks)
+    yield gauge("kvtier_pinned_hits", "Lookup hits the engine has not released yet", s.pinned_hits)
+    yield counter("kvtier_evictions", "Blocks evicted from the DRAM tier", s.evictions)
+    yield gauge("kvtier_admission_bar", "Sightings a block needs before it is stored", s.admission_bar)
+    yield gauge("kvtier_thrashing", "1 while the thrash detector holds the admission bar up", float(s.thrashing))
+    if s.index_up is not None:
+        yield gauge("kvtier_index_up", "1 while the global index (Redis) answers", float(s.index_up))
+        errors = CounterMetricFamily("kvtier_index_errors", "Global index operations that failed",
+                                     labels=["version", "operation"])
+        for op, n in sorted({**dict.fromkeys(INDEX_OPERATIONS, 0), **s.index_errors}.items()):
+            errors.add_metric([s.version, op], n)
+        yield errors
+    yield counter("kvtier_peer_fetches", "Fetches from peer sidecars", s.counters.get("peer_fetches", 0))
+    peer_errors = CounterMetricFamily("kvtier_peer_errors", "Peer fetches that ended early, by reason",
+                                      labels=["version", "reason"])
+    mismatches = s.counters.get("peer_checksum_mismatches", 0)
+    peer_errors.add_metric([s.version, "checksum"], mismatches)
+    peer_errors.add_metric([s.version, "transport"], s.counters.get("peer_fetch_errors", 0) - mismatches)
+    yield peer_errors
+    for name, value in sorted(s.counters.items()):
+        if name not in _TYPED_COUNTERS:
+            yield counter(f"kvtier_{name}", name.replace("_", " "), value)
+
+
 class _Collector:
-    def __init__(self, metrics: TenantMetrics, top_n: Callable[[], int], gauges: Callable[[], dict[str, float]],
-                 counters: Callable[[], dict[str, float]]) -> None:
-        self.metrics = metrics
-        self.top_n = top_n
-        self.gauges = gauges
-        self.counters = counters
+    def __init__(self, metrics: TenantMetrics, top_n: int, state: SidecarState) -> None:
+        self.metrics, self.top_n, self.state = metrics, top_n, state
 
     def collect(self) -> Iterable:
-        buckets = self.metrics.bucketed(self.top_n())
-        lookups = CounterMetricFamily("kvtier_lookups", "Engine lookups", labels=["tenant"])
-        hits = CounterMetricFamily("kvtier_hits", "Lookup hits by tier", labels=["tenant", "tier"])
-        hit_tokens = CounterMetricFamily("kvtier_hit_tokens", "Matched tokens by tier", labels=["tenant", "tier"])
-        lookup_tokens = CounterMetricFamily("kvtier_lookup_tokens", "Prompt tokens looked up", labels=["tenant"])
-        peer_bytes = CounterMetricFamily("kvtier_peer_fetched_bytes", "KV bytes fetched from peers", labels=["tenant"])
-        stores = CounterMetricFamily("kvtier_stores", "Stores by outcome", labels=["tenant", "outcome"])
-        for tenant, c in buckets.items():
-            lookups.add_metric([tenant], c.lookups)
-            lookup_tokens.add_metric([tenant], c.lookup_tokens)
-            peer_bytes.add_metric([tenant], c.peer_bytes)
-            stores.add_metric([tenant, "accepted"], c.stores)
-            stores.add_metric([tenant, "declined"], c.stores_declined)
-            for tier in TIERS:
-                hits.add_metric([tenant, tier], c.hits.get(tier, 0))
-                hit_tokens.add_metric([tenant, tier], c.hit_tokens.get(tier, 0))
-        yield from (lookups, hits, hit_tokens, lookup_tokens, peer_bytes, stores)
-        for name, value in self.gauges().items():
-            yield GaugeMetricFamily(f"kvtier_{name}", name.replace("_", " "), value=value)
-        for name, value in self.counters().items():
-            yield CounterMetricFamily(f"kvtier_{name}", name.replace("_", " "), value=value)
+        yield from _tenant_families(self.metrics.bucketed(self.top_n), self.state.version)
+        yield from _sidecar_families(self.state)
 
 
-def render(metrics: TenantMetrics, top_n: int, gauges: dict[str, float], counters: dict[str, float]) -> bytes:
+def render(metrics: TenantMetrics, top_n: int, state: SidecarState) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(metrics, lambda: top_n, lambda: gauges, lambda: counters))
+    registry.register(_Collector(metrics, top_n, state))
     return generate_latest(registry)

@@ -110,7 +110,9 @@ class Sidecar:
                     hit, tier_name = again, "peer"
                 elif again:
                     self.tier.release(again.handle)
-        self.metrics.lookup(root.tenant, len(tokens), tier_name, hit.matched_tokens if hit else 0, peer_bytes)
+        matched = hit.matched_tokens if hit else 0
+        self.metrics.lookup(root.tenant, len(tokens), tier_name, matched, peer_bytes,
+                            served_bytes=matched // self.block_size * self.tier.block_bytes)
         if not hit:
             return None
         hit_id = next(self._ids)
@@ -253,11 +255,17 @@ class Sidecar:
         return {"prefixes": warmed.prefixes, "blocks": warmed.blocks, "bytes": warmed.bytes}
 
     def metrics_text(self) -> bytes:
-        gauges = {f"dram_{k}": float(v) for k, v in self.tier.occupancy().items()}
-        gauges["index_available"] = float(bool(self.index and self.index.available))
-        gauges["pinned_hits"] = float(len(self._hits))
-        counters = {k: float(v) for k, v in self.counters.snapshot().items()}
-        return metrics_mod.render(self.metrics, self.config.metrics_top_tenants, gauges, counters)
+        occ = self.tier.occupancy()
+        state = metrics_mod.SidecarState(
+            version=self.config.model.weights_version, bytes_used=occ["bytes_used"],
+            capacity_bytes=occ["capacity_bytes"], reserved_blocks=occ["reserved_blocks"],
+            evictions=occ["evictions"], admission_bar=occ["admission_bar"], thrashing=bool(occ["thrashing"]),
+            pinned_hits=len(self._hits), index_up=None if self.index is None else self.index.available,
+            index_errors={} if self.index is None else {
+                k.removesuffix("_errors"): v for k, v in self.index.stats.items() if k.endswith("_errors")},
+            counters={k: float(v) for k, v in self.counters.snapshot().items()},
+        )
+        return metrics_mod.render(self.metrics, self.config.metrics_top_tenants, state)
 
     def readiness(self) -> tuple[bool, str]:
         if self.draining:

@@ -41,9 +41,9 @@ def helm(*args: str, values: dict[str, Any] | None = None, check: bool = True) -
 
 
 def render(values: dict[str, Any] | None = None, release: str = "kvtier",
-           namespace: str = "kvtier-system") -> dict[tuple[str, str], dict[str, Any]]:
-    """`helm template` -> {(kind, name): object}."""
-    out = helm("template", release, str(CHART), "--namespace", namespace, values=values).stdout
+           namespace: str = "kvtier-system", extra: list[str] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+    """`helm template` -> {(kind, name): object}; `extra`: more helm flags."""
+    out = helm("template", release, str(CHART), "--namespace", namespace, *(extra or []), values=values).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     objects = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     assert len(objects) == len(docs), "two rendered objects share a kind and name"

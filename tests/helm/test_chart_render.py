@@ -26,6 +26,7 @@ def test_default_render_has_every_object_least_privilege_and_hardening():
         ("ClusterRoleBinding", "kvtier-operator"), ("Deployment", "kvtier-operator"),
         ("Service", "kvtier-operator"), ("Secret", "kvtier-webhook-tls"),
         ("MutatingWebhookConfiguration", "kvtier-sidecar-injector"), ("NetworkPolicy", "kvtier-operator"),
+        ("ConfigMap", "kvtier-alert-rules"), ("ConfigMap", "kvtier-dashboard"),
     }
     rules = objects[("ClusterRole", "kvtier-operator")]["rules"]
     granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
@@ -119,7 +120,7 @@ def test_user_provided_certificate_renders_no_secret_and_uses_the_given_ca_bundl
 def test_webhook_disabled_renders_no_webhook_service_or_flags():
     objects = render({"webhook": {"enabled": False}})
     assert {kind for kind, _ in objects} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
-                                             "NetworkPolicy"}
+                                             "NetworkPolicy", "ConfigMap"}  # ConfigMap: the monitoring ones
     assert not any(a.startswith("--webhook") for a in operator_container(objects)["args"])
 
 

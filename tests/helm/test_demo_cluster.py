@@ -1,5 +1,7 @@
 """`kvtier demo --mode cluster` end to end: its own control plane, the chart, the
-operator pod, injected sidecars, a scale-up with warm-up; zero wrong KV."""
+operator pod, injected sidecars, a scale-up with warm-up, then an alarm-gated rollout
+of a good version that completes and of a bad one that Prometheus' alarm rolls back;
+zero wrong KV."""
 from __future__ import annotations
 
 import json
@@ -8,11 +10,12 @@ import sys
 
 from helm_chart import ROOT
 
-# The demo normally takes ~20 s warm; the ceiling leaves room for a loaded CI machine.
-DEMO_TIMEOUT_S = 300
+# The scale-up part takes ~20 s warm, the two rollouts a few minutes (pods restart at
+# every step); the ceiling leaves room for a loaded CI machine.
+DEMO_TIMEOUT_S = 900
 
 
-def test_cluster_demo_scales_with_warm_up_and_serves_no_wrong_kv():
+def test_cluster_demo_scales_with_warm_up_rolls_out_and_back_and_serves_no_wrong_kv():
     proc = subprocess.run([sys.executable, "-m", "kvtier_app", "demo", "--mode", "cluster", "--json"],
                           capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, cwd=ROOT)
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
@@ -34,3 +37,13 @@ def test_cluster_demo_scales_with_warm_up_and_serves_no_wrong_kv():
     assert "demo" in result["kubectl_get_kvcp"] and "Ready" in result["kubectl_get_kvcp"]
     tiers = {t["tier"]: t["verdict"] for t in result["status"]["tiers"]}
     assert tiers["dram"] == "serve"
+    r = result["rollouts"]
+    good = [(h["step"], h["outcome"]) for h in r["good"]["history"] if h["version"] == r["good"]["version"]]
+    assert good == [(1, "recovered"), (2, "recovered"), (3, "completed")]
+    bad = [h for h in r["bad"]["history"] if h["version"] == r["bad"]["version"]]
+    assert [(h["step"], h["outcome"]) for h in bad] == [(1, "rolledBack")]
+    assert "alert KVTierHitRateDrop firing for" in bad[0]["message"]
+    assert r["bad"]["serving"] == r["good"]["version"]  # back on v2
+    assert r["bad"]["alert"]["state"] == "firing" and r["bad"]["alert"]["labels"]["policy"] == "demo"
+    assert any(e.split()[1] == "RolledBack" and "KVTierHitRateDrop" in e for e in r["events"])
+    assert r["traffic"]["wrong_kv"] == 0 and sum(r["traffic"]["hits"].values()) > 0

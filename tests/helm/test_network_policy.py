@@ -18,7 +18,7 @@ from helm_chart import CHART, flags, helm, operator_container
 from kvtier_operator import netpol
 from kvtier_operator.options import OperatorOptions
 from kvtier_testenv.kubectl import Kubectl
-HTTP, PEER, ENGINE, WEBHOOK, HEALTH = 8081, 8082, 8000, 9443, 8080
+HTTP, PEER, ENGINE, WEBHOOK, HEALTH, OPERATOR_METRICS = 8081, 8082, 8000, 9443, 8080, 8090
 
 pytestmark = pytest.mark.k8s
 
@@ -124,6 +124,7 @@ def test_sidecar_and_operator_policies_admit_exactly_the_intended_peers(control_
         assert who_reaches("web-0", PEER) == everyone_else("web-0")  # not selected: not isolated
         assert who_reaches("operator", WEBHOOK) == everyone_else("operator")  # the API server's address varies
         assert who_reaches("operator", HEALTH) == everyone_else("operator")
+        assert who_reaches("operator", OPERATOR_METRICS) == {"prometheus"}
         assert who_reaches("operator", HTTP) == set()  # nothing else listens there
     finally:
         for ns in (op_ns, mon_ns, other_ns):

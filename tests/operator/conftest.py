@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier_testenv import polling
 from kvtier_testenv.kubectl import Kubectl
 from operator_cases import CRDS_DIR
 
@@ -14,7 +15,11 @@ CRD_NAME = "kvcachepolicies.kvtier.io"
 def kvcp_crd(control_plane) -> str:
     admin = Kubectl(control_plane.kubeconfig)
     admin.run("apply", "-f", str(CRDS_DIR))
-    admin.run("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    # Polled rather than `kubectl wait`: that errors when it reads the CRD before the
+    # apiserver wrote any condition at all.
+    polling.wait_for(f"CRD {CRD_NAME} Established", lambda: any(
+        c.get("type") == "Established" and c.get("status") == "True"
+        for c in (admin.get_json("crd", CRD_NAME).get("status") or {}).get("conditions") or []), timeout_s=60)
     return CRD_NAME
 
 

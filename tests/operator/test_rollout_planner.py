@@ -158,12 +158,9 @@ def test_interrupted_completion_only_resets_the_partition():
     assert p.kind == "idle" and p.workload == WorkloadPatch(NEW, 0) and p.version is None
 
 
-def test_unversioned_template_and_prometheus_source_are_refused_with_a_condition():
+def test_unversioned_template_is_refused_with_a_condition():
     p = rollout.plan(spec(), NEW, OLD, None, "Ready", observed(None, 0, [None] * 4))  # type: ignore[arg-type]
     assert p.kind == "refuse" and p.conditions[0].reason == "WorkloadUnversioned" and p.workload is None
-    prom = spec(recovery=RecoverySpec(source="prometheus", prometheus={"url": "http://p:9090", "query": "x"}))
-    p = rollout.plan(prom, NEW, OLD, None, "Ready", observed(OLD, 0, [OLD] * 4))
-    assert p.kind == "refuse" and "not implemented" in p.conditions[0].message
 
 
 # --- invariants -------------------------------------------------------------------------

@@ -1,0 +1,48 @@
+"""The operator's rollout metrics (pure): series exist exactly while a rollout is in
+flight, carry the policy's namespace and the target version, and count decisions."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.policy import KVCachePolicyStatus, RolloutStatus
+from kvtier_operator.metrics import RolloutMetrics
+
+T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+NEW = "sha256:" + "2" * 64
+
+
+def parsed(m: RolloutMetrics) -> dict[str, list]:
+    return {f.name: f.samples for f in text_string_to_metric_families(m.render().decode())}
+
+
+def rolling(phase: str = "RollingOut") -> KVCachePolicyStatus:
+    return KVCachePolicyStatus(phase=phase, rollout=RolloutStatus(
+        target_version=NEW, step=2, canary_percent=50, baseline_hit_rate=0.9, current_hit_rate=0.5,
+        step_started_at=T0))
+
+
+def test_in_flight_rollout_is_exported_with_its_numbers():
+    m = RolloutMetrics()
+    m.observe("ns", "llm", rolling(), steps=3, threshold=0.8)
+    m.decided("ns", "llm", "advance")
+    got = parsed(m)
+    labels = {"namespace": "ns", "policy": "llm", "target_version": NEW}
+    assert [(s.labels, s.value) for s in got["kvtier_rollout_step"]] == [(labels, 2.0)]
+    assert got["kvtier_rollout_recovery_bar"][0].value == 0.72
+    assert got["kvtier_rollout_step_started_timestamp_seconds"][0].value == T0.timestamp()
+    phases = {s.labels["phase"]: s.value for s in got["kvtier_rollout_phase"]}
+    assert phases == {"RollingOut": 1.0, "Paused": 0.0}
+    [decision] = [s for s in got["kvtier_rollout_decisions"] if s.name == "kvtier_rollout_decisions_total"]
+    assert decision.labels["decision"] == "advance" and decision.value == 1
+
+
+def test_series_go_when_the_rollout_ends_or_the_policy_goes():
+    m = RolloutMetrics()
+    m.observe("ns", "llm", rolling(), steps=3, threshold=0.8)
+    m.observe("ns", "llm", rolling("Ready"), steps=3, threshold=0.8)
+    assert parsed(m)["kvtier_rollout_step"] == []
+    m.observe("ns", "llm", rolling("Paused"), steps=3, threshold=0.8)
+    m.forget("ns", "llm")
+    assert parsed(m)["kvtier_rollout_step"] == []
