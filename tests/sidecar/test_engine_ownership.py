@@ -33,7 +33,7 @@ def _refused(client: SidecarClient, op: EngineOp, payload: dict) -> str:
 
 def _pinned(sc) -> float:
     status, body = sc.get("/metrics")
-    return float(re.search(rb"^kvtier_pinned_hits (\S+)$", body, re.M).group(1))
+    return float(re.search(rb"^kvtier_pinned_hits(?:\{[^}]*\})? (\S+)$", body, re.M).group(1))
 
 
 def test_tp_store_with_a_rank_that_never_wrote_is_never_published(spawn, oracle):
