@@ -286,10 +286,12 @@ class SidecarConfig(BaseModel):
         digest = hashlib.blake2b(f"{self.pod_namespace}/{self.pod_name}".encode(), digest_size=8).hexdigest()
         return f"kvt-{digest}"
 
-    def engine_socket_path(self) -> str:
+    def engine_socket_path(self, env: Mapping[str, str] | None = None) -> str:
+        """The engine socket; an engine in the same pod derives the same path from the
+        same identity and its own environment (`env`, default os.environ)."""
         if self.engine_socket:
             return self.engine_socket
-        runtime = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+        runtime = (os.environ if env is None else env).get("XDG_RUNTIME_DIR") or "/tmp"
         return str(Path(runtime) / f"kvtier-{self.shm_name}.sock")
 
     def peer_secret(self) -> bytes | None:

@@ -7,7 +7,8 @@
 #     pyproject.toml changes,
 #   - the real Kubernetes control plane (kube-apiserver, kube-controller-manager,
 #     etcd, kubectl, helm), built or unpacked once into a versioned cache outside git,
-#   - Prometheus with Kubernetes service discovery (hack/prometheus.sh), likewise.
+#   - Prometheus with Kubernetes service discovery (hack/prometheus.sh), likewise,
+#   - vLLM's CPU build in its own venv, cached the same way (hack/vllm.sh).
 # A second run is a no-op that takes a few seconds.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -52,5 +53,11 @@ bash hack/checkov.sh
 if [ "${KVTIER_SKIP_CONTROLPLANE:-0}" != 1 ]; then
   bash hack/controlplane.sh
   bash hack/prometheus.sh
+fi
+
+# --- vLLM (CPU build) for the connector's tests, in its own cached venv --------------
+# KVTIER_SKIP_VLLM=1 is for quick dev loops only: the vLLM tests fail without it.
+if [ "${KVTIER_SKIP_VLLM:-0}" != 1 ]; then
+  bash hack/vllm.sh >/dev/null
 fi
 log "ready"

@@ -63,6 +63,7 @@ def test_the_wheel_ships_the_product_layers_and_no_test_environment(tmp_path):
         top = {name.split("/")[0] for name in z.namelist() if not name.split("/")[0].endswith(".dist-info")}
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         requires = [line for line in z.read(meta).decode().splitlines() if line.startswith("Requires-Dist:")]
-    assert top == {"kvtier", "kvtier_sidecar", "kvtier_operator", "kvtier_app"}
+    assert top == {"kvtier", "kvtier_sidecar", "kvtier_operator", "kvtier_app"}  # the connector goes in engines
     base = [r for r in requires if "extra ==" not in r]
+    assert not [r for r in base if r.split()[1].startswith(("torch", "vllm"))], base  # only in [vllm]
     assert not [r for r in base if any(lib.replace("_", "-") in r for lib in PROCESS_LAYER_LIBRARIES)], base

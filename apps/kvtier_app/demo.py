@@ -285,6 +285,10 @@ def _main_fleet(args: argparse.Namespace) -> int:
 def _main_cluster(args: argparse.Namespace) -> int:
     if _missing_testenv("cluster"):
         return 2
+    if args.engine == "vllm":
+        from kvtier_app import demo_vllm  # real vLLM servers as the serving pods
+
+        return demo_vllm.main(args)
     from kvtier_app import demo_cluster  # the embedded Kubernetes, helm chart and operator
 
     return demo_cluster.main(args)
@@ -310,12 +314,17 @@ def main(argv: list[str]) -> int:
                    help="cluster: embedded Kubernetes, helm-installed operator, injected sidecars "
                         "(default); fleet: Redis + sidecar processes + engines on loopback, no "
                         "Kubernetes; local: one engine and an in-process LocalCache")
+    p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                   help="cluster mode: reference engines replay as clients (default), or the serving pods "
+                        "run real vLLM servers with the kvtier connector (needs hack/vllm.sh)")
     p.add_argument("--sidecars", type=_positive_int, default=3, help="fleet mode: sidecar processes")
     p.add_argument("--requests", type=_positive_int, default=DEFAULT_REQUESTS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no per-request progress lines")
     args = p.parse_args(argv)
+    if args.engine != "reference" and args.mode != "cluster":
+        p.error("--engine vllm runs in --mode cluster only")
     return MODES[args.mode](args)
 
 

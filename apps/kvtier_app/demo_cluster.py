@@ -150,6 +150,10 @@ def statefulset_manifest(replicas: int, version: str) -> dict[str, Any]:
 class ClusterDemo:
     """The steps of the demo over one embedded cluster; `close()` tears it all down."""
 
+    # Serving-pod containers the node agent runs as processes (none: reference engines
+    # stand in as clients; `--engine vllm` runs real vLLM servers).
+    engine_containers: tuple[str, ...] = ()
+
     def __init__(self, workdir: Path, log: Callable[[str], None]) -> None:
         self.workdir = workdir
         self.log = log
@@ -206,7 +210,8 @@ class ClusterDemo:
 
         self.step("node agent: runs the operator pod and the injected sidecars as local processes")
         self.agent = NodeAgent(self.cp.kubeconfig, namespaces=[SYSTEM_NAMESPACE, NAMESPACE],
-                               containers=("operator", "kvtier-sidecar"), service_account_tokens=True,
+                               containers=("operator", "kvtier-sidecar", *self.engine_containers),
+                               service_account_tokens=True,
                                workdir=Path(tempfile.mkdtemp(prefix="kvn-")))
         self.stack.callback(self.agent.stop)
         self.agent.start()

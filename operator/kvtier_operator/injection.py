@@ -14,7 +14,9 @@ Added to the pod:
                 + kvtier-peer-secret (the policy's Secret <policy>-kvtier-peer, when the peer
                                     tier is on: the key peers prove themselves with)
     every existing container mounts kvtier-shm at /dev/shm and kvtier-run at
-    /var/run/kvtier, unless it already mounts something there
+    /var/run/kvtier, unless it already mounts something there, and gets the engine
+    env (`engine_env`: the policy-rendered --kv-transfer-config, the weights digest,
+    what locates the sidecar's socket) where it does not set it itself
     terminationGracePeriodSeconds raised (never lowered) to cover the sidecar's drain:
                                     after SIGTERM it serves peers while the operator warms
                                     its tenants on their new homes
@@ -38,6 +40,7 @@ from kvtier import policy
 from kvtier.sidecar_config import DEFAULT_DRAIN_TIMEOUT_S, SERVICE_ACCOUNT_DIR, SidecarConfig
 
 from kvtier_operator import names
+from kvtier_operator.engine_env import with_engine_env
 
 # Memory-backed volume headroom over the arena: the allocator's and Python's own pages.
 SHM_HEADROOM_BYTES = 64 << 20
@@ -92,7 +95,7 @@ def inject(
     ):
         return None
     sidecar_cfg = SidecarConfig()  # ports only; the real config is in the ConfigMap
-    new_containers = [_with_shared_mounts(c) for c in containers] + [
+    new_containers = [with_engine_env(_with_shared_mounts(c), spec) for c in containers] + [
         _sidecar_container(policy_name, spec, image, sidecar_cfg)
     ]
     volumes = list(pod_spec.get("volumes") or [])

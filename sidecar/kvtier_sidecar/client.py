@@ -50,6 +50,9 @@ class Hit:
     hit_id: int
     arena: Arena = field(repr=False)
     generation: int = 0
+    instance: str = ""
+    # xxh3-64 of each block as the sidecar stored it (lookup(..., digests=True)).
+    digests: list[int] | None = None
 
     def __bool__(self) -> bool:
         return True
@@ -177,16 +180,23 @@ class SidecarClient:
 
     # -- engine API ---------------------------------------------------------------------
 
-    def lookup(self, root: KeyRoot, token_ids) -> Hit | Miss:
+    def lookup(self, root: KeyRoot, token_ids, digests: bool = False) -> Hit | Miss:
+        """The longest cached prefix, pinned. With `digests`, the hit carries each
+        block's checksum so the engine can verify the bytes it copies."""
         tokens = as_token_array(token_ids)
-        got = self._call(EngineOp.LOOKUP, {"root": root_payload(root)}, tokens)
+        payload = {"root": root_payload(root)}
+        if digests:
+            payload["digests"] = True
+        got = self._call(EngineOp.LOOKUP, payload, tokens)
         if got is None:
             return Miss("sidecar unavailable")
         answer, slots = got
         if not answer.get("hit"):
             return Miss(answer.get("reason", "miss"))
+        sums = answer.get("digests")
         return Hit(int(answer["matched_tokens"]), [int(s) for s in slots], answer["tier"],
-                   int(answer["hit"]), self.arena, self.generation)
+                   int(answer["hit"]), self.arena, self.generation, str(self.info.get("instance", "")),
+                   [int(d) for d in sums] if sums is not None else None)
 
     def release(self, hit: Hit | Miss) -> None:
         if not isinstance(hit, Hit) or hit.generation != self.generation:
@@ -232,24 +242,40 @@ class SidecarClient:
         `kv_blocks` holds block i's canonical bytes at [i] (tp == 1), or this rank's
         heads of each block (tp > 1). Declined by admission, a full arena or a fault:
         False, nothing written. Never raises for a fault."""
+        reservation = self.begin_store(root, token_ids, tp, rank)
+        if reservation is None:
+            return False
+        src = _as_bytes(kv_blocks)
+        try:
+            self._write_slots(reservation.arena, reservation.slots, reservation.first_block, src, tp, rank)
+        except (ValueError, ArenaError):
+            self.abort_store(reservation)
+            raise
+        return self.commit_store(reservation)
+
+    # Two-phase stores for engines that write straight into the arena (a KV connector
+    # copying from its paged tensors): begin_store hands out the slots of the blocks
+    # the sidecar does not hold yet, the engine writes them, commit_store publishes.
+
+    def begin_store(self, root: KeyRoot, token_ids, tp: int = 1, rank: int = 0) -> "StoreReservation | None":
+        """Slots for the prompt's uncached full blocks; None when declined or on a fault."""
         tokens = as_token_array(token_ids)
         got = self._call(EngineOp.STORE_BEGIN, {"root": root_payload(root), "tp": tp, "rank": rank}, tokens)
         if got is None:
-            return False
+            return None
         answer, slots = got
         ticket = int(answer.get("ticket", 0))
         if not ticket:
-            return False
-        arena = self.arena
-        src = _as_bytes(kv_blocks)
-        first_block = int(answer.get("first_block", 0))
-        try:
-            self._write_slots(arena, [int(s) for s in slots], first_block, src, tp, rank)
-        except (ValueError, ArenaError):
-            self._call(EngineOp.STORE_ABORT, {"ticket": ticket})
-            raise
-        got = self._call(EngineOp.STORE_COMMIT, {"ticket": ticket, "rank": rank})
+            return None
+        return StoreReservation(ticket, int(answer.get("first_block", 0)), [int(s) for s in slots],
+                                self.arena, rank)
+
+    def commit_store(self, reservation: "StoreReservation") -> bool:
+        got = self._call(EngineOp.STORE_COMMIT, {"ticket": reservation.ticket, "rank": reservation.rank})
         return bool(got and got[0].get("committed"))
+
+    def abort_store(self, reservation: "StoreReservation") -> None:
+        self._call(EngineOp.STORE_ABORT, {"ticket": reservation.ticket})
 
     def _write_slots(self, arena: Arena, slots: list[int], first_block: int, src: np.ndarray, tp: int, rank: int) -> None:
         """Block first_block + i of the prompt goes into slots[i] (the sidecar only
@@ -273,6 +299,17 @@ class SidecarClient:
             block = arena.slot_array(slot).view(dtype).reshape(shape)
             target = shard_for_rank(block, tp, rank)  # a view: writes land in the slot
             target[...] = src[i * shard_bytes : (i + 1) * shard_bytes].view(dtype).reshape(target.shape)
+
+
+@dataclass(slots=True)
+class StoreReservation:
+    """Block first_block + i of the prompt goes into arena slot slots[i]."""
+
+    ticket: int
+    first_block: int
+    slots: list[int]
+    arena: Arena = field(repr=False)
+    rank: int = 0
 
 
 def _as_bytes(a) -> np.ndarray:

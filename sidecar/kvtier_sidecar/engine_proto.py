@@ -9,11 +9,14 @@ slot ids in their answers. KV bytes never cross this socket: the engine copies t
 out of (or into) the shared-memory arena named in the HELLO answer.
 
     HELLO        {}                                   -> {arena..., instance}
-    LOOKUP       {root}            + tokens           -> {hit, matched_tokens, tier} + slots
+    LOOKUP       {root, digests?}  + tokens           -> {hit, matched_tokens, tier, digests?} + slots
     RELEASE      {hit}                                -> {}
     STORE_BEGIN  {root, tp, rank}  + tokens           -> {ticket, n_blocks} + slots (ticket 0: declined)
     STORE_COMMIT {ticket, rank}                       -> {committed}
     STORE_ABORT  {ticket}                             -> {}
+
+`digests` (optional) asks for each hit block's xxh3-64, as computed after its store,
+so an engine can verify what it copies out of the arena.
 
 An answer carrying {"error": ...} is a refused request (bad input); the connection
 stays usable.

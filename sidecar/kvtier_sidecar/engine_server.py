@@ -114,7 +114,10 @@ class EngineServer:
             if answer is None:
                 return {"hit": 0}, None
             hits.add(answer.hit_id)
-            return {"hit": answer.hit_id, "matched_tokens": answer.matched_tokens, "tier": answer.tier}, np.asarray(answer.slots, dtype="<u4")
+            reply = {"hit": answer.hit_id, "matched_tokens": answer.matched_tokens, "tier": answer.tier}
+            if payload.get("digests"):
+                reply["digests"] = [int(d) for d in svc.tier.block_digests(answer.slots)]
+            return reply, np.asarray(answer.slots, dtype="<u4")
         if op == EngineOp.RELEASE:
             hit_id = int(payload["hit"])
             svc.release(hit_id, owner)

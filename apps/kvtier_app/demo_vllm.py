@@ -1,0 +1,207 @@
+"""`kvtier demo --mode cluster --engine vllm`: the cluster demo with real vLLM servers
+as the serving pods.
+
+    control plane + Redis + `helm install charts/kvtier` (as in the cluster demo)
+      -> KVCachePolicy for a tiny Llama (seeded random weights, float32, block 32)
+      -> StatefulSet of 2 pods whose engine container is vLLM's OpenAI server (the CPU
+         build from hack/vllm.sh), run by the node agent; the webhook injects the
+         sidecar and the engine env, and the engine's command line is just
+         `... --kv-transfer-config $(KVTIER_KV_TRANSFER_CONFIG)`
+      -> a multi-tenant replay over HTTP, each request routed by the published affinity
+         table and carrying its tenant as `cache_salt`; every answer is checked against
+         the same prompt recomputed under a salt of its own (a guaranteed miss)
+      -> `kubectl get kvcp`, the hits the engines report (cached prompt tokens) and the
+         sidecars' /metrics
+
+Any wrong answer, request error or missing step exits non-zero; everything is torn
+down at the end.
+"""
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+from kvtier_app.demo_cluster import (
+    APP_LABEL,
+    NAMESPACE,
+    POLICY,
+    SIDECAR_HTTP_PORT,
+    WORKLOAD,
+    ClusterDemo,
+    DemoFailed,
+    wait_for,
+)
+
+REPLICAS = 2
+ENGINE_PORT = 8000
+WEIGHTS = "sha256:" + "d1" * 32
+TENANTS = 6
+TEMPLATES = 2
+TEMPLATE_TOKENS = (96, 160)
+MAX_TOKENS = 4
+# vLLM's start-up on a busy 2-core machine: imports, model load, KV allocation.
+ENGINE_START_S = 900.0
+REQUEST_TIMEOUT_S = 300.0
+
+
+def policy_manifest(shape: Any, redis_url: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy",
+        "metadata": {"name": POLICY, "namespace": NAMESPACE},
+        "spec": {
+            "selector": {"matchLabels": {"app": APP_LABEL}},
+            "model": {"id": "tiny-llama", "weightsVersion": WEIGHTS, "kvDtype": "fp32",
+                      "ropeConfigHash": "rope-tiny", "attnImpl": "cpu-attn",
+                      "shape": {"layers": shape.layers, "kvHeads": shape.kv_heads, "headDim": shape.head_dim,
+                                "params": 1e7}},
+            "hardware": {"denseTflopsPerGpu": 1}, "blockSize": 32, "admission": {"minSightings": 1},
+            "tiers": {"dram": {"capacity": "64Mi"}, "nvme": {"mode": "off"}},
+            "affinity": {"homes": 1},
+            "redis": {"url": redis_url},
+        },
+    }
+
+
+def statefulset_manifest(python: str, model: Path, cache_dir: Path) -> dict[str, Any]:
+    labels = {"app": APP_LABEL}
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--served-model-name", "tiny", "--host", "$(POD_IP)", "--port", str(ENGINE_PORT),
+               "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+               "--max-model-len", "4096", "--no-enable-prefix-caching", "--load-format", "safetensors",
+               "--enable-prompt-tokens-details", "--kv-transfer-config", "$(KVTIER_KV_TRANSFER_CONFIG)"]
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": WORKLOAD, "namespace": NAMESPACE},
+        "spec": {
+            "replicas": REPLICAS, "serviceName": WORKLOAD, "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {"kvtier.io/weights-version": WEIGHTS}},
+                "spec": {"terminationGracePeriodSeconds": 5, "containers": [{
+                    "name": "engine", "image": "vllm/vllm-openai", "command": command,
+                    "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                            {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
+                            {"name": "VLLM_CACHE_ROOT", "value": str(cache_dir)}],
+                    "readinessProbe": {"httpGet": {"path": "/health", "port": ENGINE_PORT}, "periodSeconds": 2},
+                }]},
+            },
+        },
+    }
+
+
+class VllmClusterDemo(ClusterDemo):
+    engine_containers = ("engine",)
+
+
+def _complete(ip: str, prompt: list[int], salt: str) -> tuple[list[int], int]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "cache_salt": salt,
+            "return_token_ids": True}
+    req = urllib.request.Request(f"http://{ip}:{ENGINE_PORT}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+        out = json.loads(r.read())
+    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+    return out["choices"][0]["token_ids"], int(details.get("cached_tokens") or 0)
+
+
+def _hit_tokens(ip: str) -> float:
+    with urllib.request.urlopen(f"http://{ip}:{SIDECAR_HTTP_PORT}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(r'^kvtier_prefix_cache_hits_total\{[^}]*\} (\S+)$', text, re.M))
+
+
+def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
+    from kvtier import routing
+    from kvtier_testenv.tiny_llama import TinyLlama, write_model
+    from kvtier_testenv.vllm_engine import vllm_python
+    from kvtier_testenv.workload import make_workload
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-vllm-demo-"))
+    shape = TinyLlama()
+    python = vllm_python()  # fails here, before any set-up, when hack/vllm.sh has not run
+    model = write_model(workdir / "model", seed=seed)
+    demo = VllmClusterDemo(workdir, log)
+    try:
+        demo.start()
+        demo.step(f"kubectl apply KVCachePolicy {POLICY} (tiny Llama served by vLLM)")
+        demo.kubectl.apply(policy_manifest(shape, demo.redis.url))
+        wait_for("tier verdicts in the policy's status", lambda: demo.status().get("tiers"))
+        demo.step(f"StatefulSet {WORKLOAD}: {REPLICAS} vLLM servers; the webhook injects the sidecar and "
+                  "the engine env (--kv-transfer-config rendered from the policy)")
+        demo.kubectl.apply(statefulset_manifest(python, model, workdir / "vllm-cache"))
+        pods = demo.agent.wait_ready(REPLICAS, NAMESPACE, f"app={APP_LABEL}", timeout_s=ENGINE_START_S)
+        for pod in pods:
+            names = [c["name"] for c in pod["spec"]["containers"]]
+            if "kvtier-sidecar" not in names:
+                raise DemoFailed(f"pod {pod['metadata']['name']} was not injected: containers {names}")
+        wait_for(f"an epoch with {REPLICAS} members",
+                 lambda: demo.table() and len(demo.table()[0].members) == REPLICAS)
+        table, addresses = demo.table()
+        work = make_workload(TENANTS, TEMPLATES, requests, seed=seed, vocab=shape.vocab,
+                             template_tokens=TEMPLATE_TOKENS)
+        demo.step(f"replaying {len(work)} requests over HTTP (cache_salt = tenant) under epoch {table.epoch}")
+        served = wrong = errors = cached_tokens = prompt_tokens = hits = 0
+        samples: list[str] = []
+        for i, req in enumerate(work):
+            ip = addresses[routing.pick(req.tenant, table, {}).member]["ip"]
+            try:
+                tokens, cached = _complete(ip, req.tokens, req.tenant)
+                recomputed, _ = _complete(ip, req.tokens, f"recompute-{seed}-{i}")
+            except OSError as exc:
+                errors += 1
+                samples.append(f"{req.tenant}: {exc}")
+                continue
+            served += 1
+            prompt_tokens += len(req.tokens)
+            cached_tokens += cached
+            hits += cached > 0
+            if tokens != recomputed:
+                wrong += 1
+                samples.append(f"{req.tenant}: {tokens} != recompute {recomputed}")
+        metrics = {m: _hit_tokens(addresses[m]["ip"]) for m in sorted(table.members)}
+        kvcp = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
+    finally:
+        demo.close()
+    return {"ok": wrong == 0 and errors == 0 and hits > 0, "kubectl_get_kvcp": kvcp, "requests": len(work),
+            "served": served, "hits": hits, "cached_tokens": cached_tokens, "prompt_tokens": prompt_tokens,
+            "wrong_answers": wrong, "errors": errors, "samples": samples[:3],
+            "sidecar_hit_tokens": metrics, "epoch": table.epoch}
+
+
+def render(r: dict[str, Any]) -> str:
+    lines = [f"kvtier cluster demo with vLLM: {REPLICAS} vLLM servers (CPU build) in injected pods", "",
+             "$ kubectl get kvcp -o wide", r["kubectl_get_kvcp"], "",
+             f"requests            {r['requests']} ({r['served']} served, {r['errors']} errors)",
+             f"hits                {r['hits']} requests, {r['cached_tokens']:,} of {r['prompt_tokens']:,} prompt "
+             "tokens loaded from kvtier (vLLM's own prefix cache off)",
+             f"wrong answers       {r['wrong_answers']} (each checked against the prompt recomputed)",
+             "sidecar /metrics    " + ", ".join(f"{m}: kvtier_prefix_cache_hits_total {v:,.0f}"
+                                                 for m, v in r["sidecar_hit_tokens"].items())]
+    if r["samples"]:
+        lines.append(f"samples             {r['samples']}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """`kvtier demo --mode cluster --engine vllm` (dispatched by kvtier_app.demo)."""
+    import sys
+    import time
+
+    t0 = time.perf_counter()
+    log = (lambda s: None) if args.quiet or args.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    try:
+        result = run(requests=args.requests, seed=args.seed, log=log)
+    except (DemoFailed, TimeoutError, RuntimeError) as exc:
+        print(f"kvtier demo --engine vllm: FAILED: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"mode": "cluster", "engine": "vllm", **result, "wall_s": time.perf_counter() - t0},
+                         indent=2))
+    else:
+        print(render(result))
+        print(f"\n(done in {time.perf_counter() - t0:.1f} s)")
+    return 0 if result["ok"] else 1

@@ -1,0 +1,51 @@
+"""Run by bench_vllm with the vLLM venv's python: time loading a 2,000-token hit from
+a real shared-memory arena into paged KV tensors laid out as vLLM's CPU backend
+lays them out (kvtier_vllm.paged, the connector's own copy path), against a plain
+copy of the same bytes out of the same arena. Prints one JSON line."""
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from kvtier_sidecar.arena import Arena
+from kvtier_vllm.layouts import PagedLayout
+from kvtier_vllm.paged import PagedKV
+
+spec = json.loads(sys.argv[1])
+layers, heads, dim, block = spec["layers"], spec["kv_heads"], spec["head_dim"], spec["block_size"]
+dtype = getattr(torch, spec["dtype"])
+tokens, reps = spec["tokens"], spec["reps"]
+n = tokens // block
+pages = 2 * n + 8
+tensors = [torch.zeros(pages, heads, block, 2 * dim, dtype=dtype) for _ in range(layers)]
+paged = PagedKV.from_tensors(tensors, PagedLayout.CPU_VEC, heads, dim, block, block)
+block_bytes = layers * 2 * heads * block * dim * paged.itemsize
+arena = Arena.create(f"kvtier-bench-{spec['tag']}", n + 4, block_bytes)
+try:
+    arena.array[:] = np.random.default_rng(0).integers(0, 255, arena.array.size, dtype=np.uint8) & 0x3F
+    slots = list(range(2, 2 + n))
+    block_ids = list(range(pages - n, pages))   # the request's vLLM blocks, contiguous like a fresh engine's
+    plain = np.empty(n * block_bytes, dtype=np.uint8)
+    src = arena.slot_array(slots[0], n)
+
+    def timed(fn) -> float:
+        fn()
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    load_s = timed(lambda: paged.copy(arena, slots, block_ids, 0, to_paged=True))
+    memcpy_s = timed(lambda: np.copyto(plain, src))
+    # the bytes landed where vLLM's kernels read them: block i's K of head 0, token 0
+    k0 = paged.layers[0][0][block_ids[0], 0, 0, 0]
+    canon0 = arena.slot_array(slots[0]).view(k0.dtype).reshape(paged.block_shape)[0, 0, 0, 0]
+    assert np.array_equal(k0, canon0)
+    print(json.dumps({"bytes": n * block_bytes, "tokens": n * block, "load_s": load_s, "memcpy_s": memcpy_s}))
+finally:
+    arena.close()

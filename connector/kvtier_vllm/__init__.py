@@ -1,0 +1,16 @@
+"""kvtier's vLLM KV connector: vLLM's paged KV cache on kvtier's DRAM and peer tiers.
+
+Load it into vLLM (>= 0.32, V1 engine) with
+
+    --kv-transfer-config '{"kv_connector": "KvtierConnector",
+                           "kv_connector_module_path": "kvtier_vllm.connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"socket": "/run/kvtier/engine.sock",
+                                                         "weights_version": "sha256:..."}}'
+
+Modules: `config` (the extra-config model and the key root), `layouts` (vLLM's paged
+tensors <-> kvtier's canonical blocks, pure), `plan` (scheduler-side bookkeeping, pure),
+`stats` (connector stats), `connector` (the vLLM glue; the only module importing vLLM).
+Only `connector` and `stats` import vllm or torch, so the pure parts are testable
+without them. See docs/VLLM.md.
+"""

@@ -1,0 +1,68 @@
+"""The worker's paged KV: vLLM's layer tensors seen as kvtier blocks, and the copies
+between them and arena slots (no vLLM import, so benchmarks can drive it).
+
+Copies move bits: KV is viewed as integers of its width, so no float conversion path
+is ever taken. CPU tensors are copied as numpy views of the same memory (single-
+threaded, vectorised strided copies; torch's thread pool only adds hand-offs to a
+memory-bound copy); device tensors with torch, arena bytes going through a CPU view.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .layouts import PagedLayout, block_places, block_views, copy_run, plan_runs
+
+BIT_DTYPES = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
+              8: (torch.int64, np.int64)}
+"""KV element width -> the integer dtypes its bits are copied as (torch, numpy)."""
+
+
+@dataclass
+class PagedKV:
+    """`layers[l]` = (K, V) block views of layer l (`layouts.block_views`)."""
+
+    layers: list[tuple[Any, Any]]
+    itemsize: int
+    on_cpu: bool
+    total_kv_heads: int
+    head_dim: int
+    block_size: int       # kvtier's
+    manager_block: int    # vLLM's --block-size (the scheduler's block ids)
+    page_tokens: int      # the attention kernel's page (manager_block or a divisor)
+    tp: int = 1
+    rank: int = 0
+
+    @classmethod
+    def from_tensors(cls, tensors: list[torch.Tensor], layout: PagedLayout, total_kv_heads: int, head_dim: int,
+                     block_size: int, manager_block: int, tp: int = 1, rank: int = 0) -> "PagedKV":
+        itemsize = tensors[0].element_size()
+        torch_bits, _ = BIT_DTYPES[itemsize]
+        on_cpu = tensors[0].device.type == "cpu"
+        arrays = [t.view(torch_bits).numpy() if on_cpu else t.view(torch_bits) for t in tensors]
+        layers = [block_views(a, layout, head_dim, block_size) for a in arrays]
+        page_tokens = layers[0][0].shape[1] * block_size
+        return cls(layers, itemsize, on_cpu, total_kv_heads, head_dim, block_size, manager_block, page_tokens,
+                   tp, rank)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """One canonical block: (layers, K|V, all kv heads, block tokens, head_dim)."""
+        return (len(self.layers), 2, self.total_kv_heads, self.block_size, self.head_dim)
+
+    def copy(self, arena, slots: list[int], block_ids: list[int], first_block: int, to_paged: bool) -> None:
+        """Blocks first_block.. of a request (vLLM blocks `block_ids`) <-> arena `slots`."""
+        if not slots:
+            return
+        torch_bits, np_bits = BIT_DTYPES[self.itemsize]
+        places = block_places(block_ids, first_block, len(slots), self.block_size, self.manager_block,
+                              self.page_tokens)
+        for run in plan_runs(slots, places, self.page_tokens // self.block_size):
+            raw = arena.slot_array(run.slot, run.count).view(np_bits).reshape(run.count, *self.block_shape)
+            canon = raw if self.on_cpu else torch.from_numpy(raw)
+            if self.tp > 1:
+                canon = canon[:, :, :, self.rank :: self.tp]
+            copy_run(self.layers, canon, run, to_paged)

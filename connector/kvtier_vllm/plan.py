@@ -1,0 +1,196 @@
+"""Scheduler-side bookkeeping: which requests load which blocks, which store, and
+the pins held meanwhile. Pure: the sidecar client is passed in, vLLM is not imported.
+
+Life of a request on the scheduler side:
+
+  lookup     `matched`: one sidecar lookup per new request (a re-ask for the same
+             request reuses the pinned hit); the tokens beyond vLLM's own local hit,
+             rounded down to vLLM's block size, are offered to vLLM.
+  allocated  `allocated`: vLLM accepted them and gave the request its blocks: a
+             LoadSpec is queued; if it accepted none, the pin is released.
+  step       `step_specs`: queued loads go to the workers in this step's metadata,
+             and so does a StoreSpec for every request whose prompt finishes its
+             prefill in this step (its full blocks, once).
+  released   the pin is released once the load has certainly run: two steps after
+             its step (vLLM may schedule one step ahead of the one executing), or
+             when the request finishes, is aborted, or is preempted and asked again,
+             whichever comes first. Every path releases it exactly once.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from kvtier.keys import KeyRoot
+from pydantic import BaseModel, ConfigDict
+
+
+PIN_STEPS = 2
+"""Steps a loaded hit stays pinned: its own, plus the one vLLM may schedule while it runs."""
+
+
+class LoadSpec(BaseModel):
+    """Copy kvtier blocks [first_block, first_block + len(slots)) of a request from
+    arena `slots` into its vLLM blocks. `instance` is the sidecar that pinned them:
+    a worker mapped to another sidecar reports the load failed."""
+
+    model_config = ConfigDict(frozen=True)
+
+    req_id: str
+    instance: str
+    first_block: int
+    slots: list[int]
+    block_ids: list[int]
+    digests: list[int] | None = None
+
+
+class StoreSpec(BaseModel):
+    """Offer the request's full prompt blocks (token_ids) from its vLLM blocks."""
+
+    model_config = ConfigDict(frozen=True)
+
+    req_id: str
+    root: dict[str, str]
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+class StepSpecs(BaseModel):
+    loads: list[LoadSpec] = []
+    stores: list[StoreSpec] = []
+
+
+def root_fields(root: KeyRoot) -> dict[str, str]:
+    return {"tenant": root.tenant, "model_id": root.model_id, "weights_version": root.weights_version,
+            "kv_dtype": root.kv_dtype, "rope_config_hash": root.rope_config_hash,
+            "attn_impl_id": root.attn_impl_id}
+
+
+def root_from_fields(fields: dict[str, str]) -> KeyRoot:
+    return KeyRoot(**fields)
+
+
+class LookupClient(Protocol):
+    def lookup(self, root: KeyRoot, token_ids, digests: bool = False): ...
+    def release(self, hit) -> None: ...
+
+
+@dataclass
+class _Request:
+    root: KeyRoot
+    prompt: list[int]
+    local: int = 0              # vLLM's own (block-aligned) hit when asked
+    hit: object = None          # a pinned client Hit, or None
+    asked: bool = True          # looked up, not allocated yet: a re-ask reuses the hit
+    block_ids: list[int] = field(default_factory=list)
+    stored: bool = False
+
+
+class SchedulerBook:
+    def __init__(self, client: LookupClient, block_size: int, vllm_block_size: int,
+                 verify_checksums: bool) -> None:
+        self.client = client
+        self.block_size = block_size
+        self.vllm_block_size = vllm_block_size
+        self.verify_checksums = verify_checksums
+        self._requests: dict[str, _Request] = {}
+        self._pending_loads: list[LoadSpec] = []
+        self._loaded_steps: collections.deque[list[str]] = collections.deque()
+        self.lookups = 0
+        self.hit_tokens = 0
+
+    # -- lookup -------------------------------------------------------------------------
+
+    def matched(self, req_id: str, root: KeyRoot, prompt: Sequence[int], local_tokens: int) -> int:
+        """External tokens beyond `local_tokens` (vLLM's block-aligned local hit)."""
+        req = self._requests.get(req_id)
+        if req is not None and not req.asked:
+            # Preempted and asked again: vLLM freed its blocks; start over.
+            self._release(req)
+            req = None
+        if req is None:
+            req = _Request(root, list(prompt))
+            self._requests[req_id] = req
+            hit = self.client.lookup(root, req.prompt, digests=self.verify_checksums)
+            self.lookups += 1
+            req.hit = hit if hit else None
+        req.local = local_tokens
+        if req.hit is None:
+            return 0
+        usable = req.hit.matched_tokens // self.vllm_block_size * self.vllm_block_size
+        return max(0, usable - local_tokens)
+
+    def allocated(self, req_id: str, block_ids: Sequence[int], external_tokens: int) -> None:
+        req = self._requests.get(req_id)
+        if req is None:
+            return
+        req.block_ids = list(block_ids)
+        req.asked = False
+        if external_tokens <= 0 or req.hit is None:
+            self._release(req)
+            return
+        first = req.local // self.block_size
+        n = external_tokens // self.block_size
+        hit = req.hit
+        digests = hit.digests[first : first + n] if hit.digests is not None else None
+        self._pending_loads.append(LoadSpec(req_id=req_id, instance=hit.instance, first_block=first,
+                                            slots=hit.blocks[first : first + n], block_ids=req.block_ids,
+                                            digests=digests))
+        self.hit_tokens += external_tokens
+
+    # -- per step -----------------------------------------------------------------------
+
+    def blocks_changed(self, req_id: str, block_ids: Sequence[int], replace: bool) -> None:
+        """A running request got more blocks (or, resumed, a whole new list)."""
+        req = self._requests.get(req_id)
+        if req is None:
+            return
+        req.block_ids = list(block_ids) if replace else req.block_ids + list(block_ids)
+
+    def step_specs(self, prefill_done: Sequence[str]) -> StepSpecs:
+        """This step's loads, and stores for requests whose prompt prefill ends now."""
+        specs = StepSpecs(loads=self._pending_loads)
+        self._pending_loads = []
+        self._loaded_steps.append([spec.req_id for spec in specs.loads])
+        if len(self._loaded_steps) > PIN_STEPS:
+            for req_id in self._loaded_steps.popleft():
+                req = self._requests.get(req_id)
+                if req is not None and not req.asked:
+                    self._release(req)
+        for req_id in prefill_done:
+            req = self._requests.get(req_id)
+            if req is None or req.stored:
+                continue
+            req.stored = True
+            n = len(req.prompt) // self.block_size
+            if n == 0:
+                continue
+            specs.stores.append(StoreSpec(req_id=req_id, root=root_fields(req.root),
+                                          token_ids=req.prompt[: n * self.block_size], block_ids=req.block_ids))
+        return specs
+
+    def take_counts(self) -> tuple[int, int]:
+        """(lookups, offered hit tokens) since the last call."""
+        counts = (self.lookups, self.hit_tokens)
+        self.lookups = self.hit_tokens = 0
+        return counts
+
+    def prompt_len(self, req_id: str) -> int | None:
+        req = self._requests.get(req_id)
+        return None if req is None else len(req.prompt)
+
+    # -- end ----------------------------------------------------------------------------
+
+    def finished(self, req_id: str) -> None:
+        req = self._requests.pop(req_id, None)
+        if req is not None:
+            self._release(req)
+
+    def _release(self, req: _Request) -> None:
+        if req.hit is not None:
+            self.client.release(req.hit)
+            req.hit = None
+
+    def pinned(self) -> int:
+        return sum(1 for r in self._requests.values() if r.hit is not None)

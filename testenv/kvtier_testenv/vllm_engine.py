@@ -1,0 +1,123 @@
+"""Real vLLM engines for tests and benchmarks: `python -m kvtier_vllm.driver` run by the
+cached vLLM venv's python (built by hack/vllm.sh), one process serving many generate
+commands.
+
+    eng = VllmEngine(workdir, model_dir, connector=connector_config(sock, "sha256:..")).start()
+    out = eng.generate([[1, 2, 3, ...]], salts=["tenant-a"], max_tokens=8)
+    out["outputs"][0], out["cached"][0]
+    eng.close()
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER_MODULE = "kvtier_vllm.driver"
+START_TIMEOUT_S = 600.0
+"""Engine start-up on two busy cores: imports, model load, KV allocation, warm-up."""
+GENERATE_TIMEOUT_S = 300.0
+KV_CACHE_SPACE_GIB = "1"
+"""VLLM_CPU_KVCACHE_SPACE: the tiny model needs little; keeps several engines in RAM."""
+VLLM_BLOCK_SIZE = 32
+"""vLLM's CPU attention backend wants a multiple of 32 tokens per block."""
+
+
+def vllm_python() -> str:
+    """The vLLM venv's python; fails loudly when hack/vllm.sh has not built it."""
+    out = subprocess.run(["bash", str(REPO / "hack" / "vllm.sh"), "--print-python"], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    if not os.access(out, os.X_OK) or not (Path(out).parent.parent / ".complete").exists():
+        raise RuntimeError(f"the vLLM venv is not built ({out}); run hack/vllm.sh (scripts/setup.sh does)")
+    return out
+
+
+def connector_config(socket: str, weights_version: str, **extra) -> dict:
+    """A --kv-transfer-config for KvtierConnector on the sidecar at `socket`."""
+    return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier_vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"socket": socket, "weights_version": weights_version, **extra}}
+
+
+def sidecar_model(shape, weights_version: str = "unused") -> dict:
+    """The sidecar's `model` section for a tiny_llama shape (float32 KV)."""
+    return {"model_id": "tiny-llama", "weights_version": weights_version, "kv_dtype": "float32",
+            "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "dtype_bytes": 4}
+
+
+@dataclass
+class VllmEngine:
+    workdir: Path
+    model: Path
+    connector: dict | None = None
+    name: str = "vllm"
+    enable_prefix_caching: bool = False
+    proc: subprocess.Popen | None = None
+    _stderr_tail: list[str] = field(default_factory=list)
+
+    def start(self) -> "VllmEngine":
+        spec = {"model": str(self.model), "kv_transfer_config": self.connector, "block_size": VLLM_BLOCK_SIZE,
+                "enable_prefix_caching": self.enable_prefix_caching}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_SPACE_GIB,
+               "VLLM_CACHE_ROOT": str(self.workdir / f"{self.name}-cache"),
+               "VLLM_CONFIGURE_LOGGING": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen([vllm_python(), "-m", DRIVER_MODULE, json.dumps(spec)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                     cwd=self.workdir, start_new_session=True)
+        self._log = open(self.workdir / f"{self.name}.log", "a")
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self._read("READY", START_TIMEOUT_S)
+        return self
+
+    def _drain_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self._log.write(line)
+            self._log.flush()
+            self._stderr_tail.append(line)
+            del self._stderr_tail[:-200]
+
+    def _read(self, tag: str, timeout_s: float) -> dict:
+        box: dict = {}
+
+        def reader() -> None:
+            for line in self.proc.stdout:
+                if line.startswith(tag + " "):
+                    box["value"] = json.loads(line[len(tag) + 1 :])
+                    return
+
+        t = threading.Thread(target=reader, daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if "value" not in box:
+            raise RuntimeError(f"vLLM engine {self.name}: no {tag} within {timeout_s}s (exit {self.proc.poll()}):\n"
+                               + "".join(self._stderr_tail[-40:]))
+        return box["value"]
+
+    def generate(self, prompts: list[list[int]], salts: list[str | None] | None = None,
+                 max_tokens: int = 8) -> dict:
+        cmd = {"op": "generate", "prompts": prompts, "salts": salts, "max_tokens": max_tokens}
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read("RESULT", GENERATE_TIMEOUT_S)
+
+    def log_text(self) -> str:
+        return (self.workdir / f"{self.name}.log").read_text(errors="replace")
+
+    def close(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(60)
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)

@@ -1,0 +1,94 @@
+"""Scheduler-side bookkeeping against a real sidecar: what is offered to vLLM, what
+the workers are told to load and store, and that every pin is released."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.keys import KeyRoot
+from kvtier_sidecar.client import SidecarClient
+from kvtier_vllm.plan import PIN_STEPS, SchedulerBook
+
+BLOCK = 16
+ROOT = KeyRoot("t", "reference-tiny", "dev", "float32", "rope-default", "sdpa")
+
+
+class CountingClient(SidecarClient):
+    """The real client, counting the pins it holds."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.held: set[int] = set()
+
+    def lookup(self, root, token_ids, digests=False):
+        hit = super().lookup(root, token_ids, digests)
+        if hit:
+            self.held.add(hit.hit_id)
+        return hit
+
+    def release(self, hit) -> None:
+        self.held.discard(hit.hit_id)
+        super().release(hit)
+
+
+@pytest.fixture()
+def stored(spawn, oracle):
+    sc = spawn("plan", block_size=BLOCK, min_sightings=1)
+    prompt = list(range(1, 5 * BLOCK + 8))
+    writer = SidecarClient(sc.socket)
+    n = len(prompt) // BLOCK
+    blocks = np.zeros((n, writer.connect() and writer.info["block_bytes"]), np.uint8)
+    assert not writer.lookup(ROOT, prompt)  # admission counts sightings at lookups, as vLLM's would
+    assert writer.store(ROOT, prompt, blocks)
+    return sc, prompt
+
+
+def test_offers_the_hit_beyond_vllms_local_blocks_rounded_to_its_block_size(stored):
+    sc, prompt = stored
+    book = SchedulerBook(CountingClient(sc.socket), BLOCK, 2 * BLOCK, verify_checksums=True)
+    assert book.matched("r1", ROOT, prompt, 0) == 4 * BLOCK      # 5 blocks hit -> 2 vLLM blocks of 32
+    assert book.matched("r1", ROOT, prompt, 2 * BLOCK) == 2 * BLOCK  # asked again: same pinned hit
+    book.allocated("r1", [7, 3, 9], 2 * BLOCK)
+    specs = book.step_specs(prefill_done=["r1"])
+    (load,) = specs.loads
+    assert (load.first_block, len(load.slots), load.block_ids) == (2, 2, [7, 3, 9])
+    assert load.digests is not None and len(load.digests) == 2
+    (store,) = specs.stores
+    assert len(store.token_ids) == len(prompt) // BLOCK * BLOCK
+
+
+def test_pins_are_released_after_the_load_steps_or_at_the_end(stored):
+    sc, prompt = stored
+    client = CountingClient(sc.socket)
+    book = SchedulerBook(client, BLOCK, BLOCK, verify_checksums=False)
+    book.matched("loaded", ROOT, prompt, 0)
+    book.allocated("loaded", [1, 2, 3, 4, 5], 5 * BLOCK)
+    book.matched("refused", ROOT, prompt, 0)
+    book.allocated("refused", [], 0)                # vLLM took none: released at once
+    book.matched("aborted", ROOT, prompt, 0)        # never allocated, then aborted
+    assert len(client.held) == 2
+    for _ in range(PIN_STEPS + 1):
+        book.step_specs(prefill_done=[])
+    assert len(client.held) == 1                    # the load has certainly run
+    book.finished("aborted")
+    assert client.held == set() and book.pinned() == 0
+
+
+def test_a_preempted_request_asked_again_looks_up_afresh(stored):
+    sc, prompt = stored
+    client = CountingClient(sc.socket)
+    book = SchedulerBook(client, BLOCK, BLOCK, verify_checksums=False)
+    book.matched("r", ROOT, prompt, 0)
+    book.allocated("r", [1, 2, 3, 4, 5], 5 * BLOCK)
+    first = set(client.held)
+    assert book.matched("r", ROOT, prompt, 0) == 5 * BLOCK
+    assert len(client.held) == 1 and client.held != first
+    book.finished("r")
+    assert client.held == set()
+
+
+def test_a_sidecar_that_is_gone_offers_nothing(tmp_path):
+    book = SchedulerBook(SidecarClient(str(tmp_path / "absent.sock")), BLOCK, BLOCK, verify_checksums=False)
+    assert book.matched("r", ROOT, list(range(100)), 0) == 0
+    book.allocated("r", [], 0)
+    assert book.step_specs(prefill_done=["r"]).loads == []
