@@ -16,6 +16,7 @@ class Count(StrEnum):
     STORED_BLOCKS = "stored_blocks"
     INVALIDATED_BLOCKS = "invalidated_blocks"
     WARMED_BLOCKS = "warmed_blocks"
+    WARM_REFUSED = "warm_refused"  # warm-ups answered 429: the queue was full
     PEER_SECRET_ROTATIONS = "peer_secret_rotations"  # the mounted peer secret changed
     TOKEN_REVIEWS = "token_reviews"  # control-API tokens sent to the API server's TokenReview
     AUTH_MISSING = "auth_missing"  # control-API calls without a bearer token

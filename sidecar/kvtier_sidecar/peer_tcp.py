@@ -28,6 +28,7 @@ import xxhash
 
 from kvtier.blockpool import slot_runs
 from kvtier.keys import KeyRoot
+from kvtier.peer_address import parse_peer
 
 from . import wire
 from .peer_keys import PeerKeyring
@@ -448,8 +449,8 @@ class TcpTransport:
     def _connect(self, peer: str, deadline: float) -> tuple[socket.socket, bytes]:
         """A connection whose server proved a shared secret for `peer`, and this side's
         proof, to send ahead of the first request (one segment, no extra round trip)."""
-        host, _, port = peer.rpartition(":")
-        sock = socket.create_connection((host, int(port)), timeout=self.connect_timeout_s)
+        addr = parse_peer(peer)  # "[v6]:port" too
+        sock = socket.create_connection((addr.host, addr.port), timeout=self.connect_timeout_s)
         try:
             _tune(sock)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
