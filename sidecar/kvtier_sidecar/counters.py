@@ -16,6 +16,9 @@ class Count(StrEnum):
     STORED_BLOCKS = "stored_blocks"
     INVALIDATED_BLOCKS = "invalidated_blocks"
     WARMED_BLOCKS = "warmed_blocks"
+    STORED_BYTES = "stored_bytes"
+    ENGINE_LOADED_BYTES = "engine_loaded_bytes"  # reported by the engine (engine socket REPORT)
+    ENGINE_LOAD_ERRORS = "engine_load_errors"  # blocks the engine reported as not loaded
 
 
 class Counters:

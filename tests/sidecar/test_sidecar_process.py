@@ -191,6 +191,42 @@ def test_metrics_label_cardinality_is_bounded_to_top_n_plus_other(spawn, oracle)
     assert float(other[0].split()[-1]) == sum(range(1, 10))
 
 
+def metric(text: str, name: str) -> float:
+    """The sum of a metric's series in a /metrics body."""
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_engine_facing_counters_in_metrics_follow_stores_and_engine_reports(spawn, oracle):
+    """Lookups, queried and hit tokens, stored bytes from the sidecar's own view; loaded
+    bytes and load errors as the engine reports them over the socket. A bad report is
+    refused with a message and counts nothing."""
+    sc = spawn()
+    client = SidecarClient(sc.socket)
+    before = sc.get("/metrics")[1].decode()
+    assert metric(before, "kvtier_stored_bytes_total") == 0  # exported before the first store
+    assert metric(before, "kvtier_engine_load_errors_total") == 0
+    tokens = prompt(100)
+    seed_cache(client, oracle, "acme", tokens)
+    hit = client.lookup(oracle.root("acme"), tokens)
+    client.release(hit)
+    assert client.report(loaded_bytes=6 * BB, load_errors=2) is True
+    assert client.report(loaded_bytes=BB) is True
+    try:
+        client.report(loaded_bytes=-1)
+        raise AssertionError("a negative report was accepted")
+    except ValueError as exc:
+        assert "loaded_bytes" in str(exc)
+    text = sc.get("/metrics")[1].decode()
+    assert metric(text, "kvtier_lookups_total") == 3
+    assert metric(text, "kvtier_prefix_cache_queries_total") == 300
+    assert metric(text, "kvtier_prefix_cache_hits_total") == hit.matched_tokens == 96
+    assert metric(text, "kvtier_stored_bytes_total") == 6 * BB
+    assert metric(text, "kvtier_engine_loaded_bytes_total") == 7 * BB
+    assert metric(text, "kvtier_engine_load_errors_total") == 2
+    assert client.lookup(oracle.root("acme"), tokens)  # the connection still serves
+
+
 def test_http_rejects_malformed_requests_with_4xx_and_keeps_serving(spawn):
     sc = spawn()
     cases = [
