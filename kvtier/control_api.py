@@ -13,19 +13,21 @@ not know: during an upgrade an older operator reads a newer sidecar's stats.
 """
 from __future__ import annotations
 
-import re
 from enum import StrEnum
 from typing import Any, Literal, NewType
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel, field_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictInt, field_validator
 
 from kvtier.cache import CacheStats
+from kvtier.peer_address import parse_peer
 
 JobId = NewType("JobId", str)
 # Longest tenant, model version or job ref the API takes: a name, not a payload.
 MAX_NAME_CHARS = 256
 # host:port, host a DNS name, IPv4 or bracketed IPv6.
-PEER_ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,255}:\d{1,5}$")
+# Largest warm-up one request may ask for: 4 TiB is beyond any node's DRAM tier, and a
+# bound keeps a typo (10**30) a clear 422 instead of an integer no code path expects.
+MAX_WARM_BYTES = 4 << 40
 
 
 class _Request(BaseModel):
@@ -47,15 +49,16 @@ class WarmRequest(_Request):
 
     tenant: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     from_peer: str = Field(min_length=3, max_length=300)
-    max_bytes: int = Field(gt=0)
-    # Idempotency key: asking again with a ref the sidecar remembers answers the first job.
+    # Strict: true, "100" and 1.0 are refused rather than read as numbers.
+    max_bytes: StrictInt = Field(gt=0, le=MAX_WARM_BYTES)
+    # Idempotency key: the same ref with the same parameters answers the first job;
+    # with different parameters it is a 409 (see Sidecar.warm).
     ref: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
 
     @field_validator("from_peer")
     @classmethod
     def _host_port(cls, value: str) -> str:
-        if not PEER_ADDRESS.match(value):
-            raise ValueError("from_peer must be host:port")
+        parse_peer(value)  # raises with what to fix: port 1..65535, an IP or a dotted name
         return value
 
 
@@ -141,8 +144,15 @@ class TenantSummary(_Answer):
 
 
 class IndexState(_Answer):
+    """The global index as this sidecar sees it. Reads and writes fail separately:
+    `reads`/`writes` are `ok` or the failure that paused them (unreachable, oom,
+    readonly, moved, error)."""
+
     enabled: bool
-    available: bool | None = None
+    available: bool | None = None  # lookups are attempted
+    writable: bool | None = None  # registrations are attempted
+    reads: str | None = None
+    writes: str | None = None
     pending_blocks: int | None = None
     counters: dict[str, int] = Field(default_factory=dict)
 

@@ -91,9 +91,14 @@ _MAX_NAME = 253
 _MAX_STEPS = 10
 _MAX_SHARED_PREFIXES = 64
 _MAX_PREFIX_TOKENS = 8192
+# All shared prefixes together: 16,384 token ids render to at most ~256 KiB of sidecar
+# config (about 15 bytes per id in YAML), a quarter of a ConfigMap's 1 MiB, and stay
+# under kubectl's 256 KiB last-applied annotation too (about 11 bytes per id in JSON).
+MAX_SHARED_PREFIX_TOKENS_TOTAL = 16384
 _MAX_CONDITIONS = 16
 # status.rollout.history entries kept (the operator keeps the newest).
 MAX_HISTORY = 32
+_MAX_UNINJECTED_NAMED = 20
 
 WEIGHTS_DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
@@ -233,8 +238,25 @@ class Hardware(_Wire):
 # --- tiers, admission, affinity ----------------------------------------------------------
 
 
+# The smallest DRAM tier worth running: below this an arena holds a handful of blocks.
+MIN_DRAM_CAPACITY = "1Mi"
+
+
 class DramTier(_Wire):
-    capacity: str = Field("1Gi", max_length=32, pattern=QUANTITY_PATTERN, description="e.g. 64Gi")
+    capacity: str = Field("1Gi", max_length=32, pattern=QUANTITY_PATTERN, description=f"e.g. 64Gi; at least {MIN_DRAM_CAPACITY}")
+    sidecar_memory_headroom: str | None = Field(
+        default=None, max_length=32, pattern=QUANTITY_PATTERN,
+        description="memory the sidecar process needs beyond its arena; the injected container requests and "
+                    "is limited to capacity + headroom (default: measured base plus a per-slot allowance)",
+    )
+
+    CEL_RULES = (
+        CelRule(
+            f"quantity(self.capacity).compareTo(quantity('{MIN_DRAM_CAPACITY}')) >= 0",
+            f"tiers.dram.capacity must be at least {MIN_DRAM_CAPACITY}, e.g. 64Gi",
+            lambda s: parse_quantity_bytes(s.capacity) >= parse_quantity_bytes(MIN_DRAM_CAPACITY),
+        ),
+    )
 
 
 class PeerTier(_Wire):
@@ -441,6 +463,8 @@ class KVCachePolicySpec(_Wire):
     shared_prefixes: list[SharedPrefix] = Field(
         default_factory=list,
         max_length=_MAX_SHARED_PREFIXES,
+        description=f"at most {_MAX_SHARED_PREFIXES} prefixes and {MAX_SHARED_PREFIX_TOKENS_TOTAL} token ids "
+                    "in all, so the rendered sidecar config stays under a quarter of a ConfigMap's 1 MiB",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
 
@@ -455,6 +479,12 @@ class KVCachePolicySpec(_Wire):
             "self.rollout.canaryPods > 0 || self.rollout.steps[0] < 100 || size(self.rollout.steps) > 1",
             "rollout: a single 100% step with no canary pods is not gradual; add canaryPods or earlier steps",
             lambda s: s.rollout.canary_pods > 0 or s.rollout.steps[0] < 100 or len(s.rollout.steps) > 1,
+        ),
+        CelRule(
+            f"!has(self.sharedPrefixes) || self.sharedPrefixes.map(p, size(p.tokenIds)).sum() <= {MAX_SHARED_PREFIX_TOKENS_TOTAL}",
+            f"sharedPrefixes: at most {MAX_SHARED_PREFIX_TOKENS_TOTAL} token ids in all (they are rendered into "
+            "the sidecar's ConfigMap); shorten or drop prefixes",
+            lambda s: sum(len(p.token_ids) for p in s.shared_prefixes) <= MAX_SHARED_PREFIX_TOKENS_TOTAL,
         ),
     )
 
@@ -544,6 +574,10 @@ class KVCachePolicyStatus(_Wire):
     epoch: int | None = Field(default=None, description="affinity table epoch last published")
     moved_tenants: int | None = Field(default=None, description="tenants whose homes changed at the last epoch")
     known_tenants: int | None = None
+    uninjected_pods: int | None = Field(default=None, description="selected pods running without the sidecar "
+                                        "(created while the webhook was unreachable)")
+    uninjected_pod_names: list[str] = Field(default_factory=list, max_length=_MAX_UNINJECTED_NAMED,
+                                            description=f"the first {_MAX_UNINJECTED_NAMED} of them, by name")
     fleet_hit_rate: float | None = None
     affinity_config_map: str | None = None
     sidecar_config_map: str | None = None

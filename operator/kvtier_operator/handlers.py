@@ -8,7 +8,8 @@
     membership_loop      daemon per policy: members -> epoch (woken by pod events)
     pod_changed          pod events wake the loops of their namespace's policies
     inject_sidecar       mutating admission webhook for pod CREATE
-    policy_deleted       finalizer: Redis key and ConfigMaps
+    policy_deleted       finalizer: a rollout in flight rolled back (rollout_teardown.py), then
+                         the Redis key and ConfigMaps
     hit_rate_tick        timer per policy: status.fleetHitRate under steady traffic
     rollout_tick         timer per policy with a workloadRef (rollout_handlers.py)
 """
@@ -20,10 +21,11 @@ from typing import Any
 
 import aiohttp
 import kopf
+from kubernetes.client.rest import ApiException
 
 from kvtier import policy
 
-from kvtier_operator import hit_rate, injection, metrics, names, publish, reconcile
+from kvtier_operator import conflicts, hit_rate, injection, metrics, names, publish, reconcile, rollout_teardown
 from kvtier_operator.kube import Kube
 from kvtier_operator.membership import PodView, pod_view
 from kvtier_operator.options import (
@@ -83,8 +85,20 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.index(*POLICY)
-def policies_by_namespace(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict[str, tuple[str, dict]]:
-    return {namespace: (name, dict(spec))}
+def policies_by_namespace(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
+                          **_: Any) -> dict[str, tuple[str, dict, str]]:
+    return {namespace: (name, dict(spec), meta.get("creationTimestamp") or "")}
+
+
+def _policy_refs(entries: Any) -> list[conflicts.PolicyRef]:
+    """The namespace's valid policies from the index (an invalid one selects nothing)."""
+    refs = []
+    for name, raw, created in entries:
+        try:
+            refs.append(conflicts.PolicyRef(name, created, policy.LabelSelector.model_validate(raw.get("selector") or {})))
+        except ValueError:
+            continue
+    return refs
 
 
 @kopf.index("", "v1", "pods")
@@ -110,13 +124,14 @@ async def spec_changed(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
             return
         fields = await reconcile.reconcile_spec(memo.kube, body, _poster(body))
         await memo.kube.patch_status(namespace, name, fields)
-    registry.wake(key)
+    # Every policy of the namespace: a changed selector may start or end an overlap.
+    registry.wake_namespace(namespace)
 
 
 @kopf.daemon(*POLICY, cancellation_timeout=5.0)
 async def membership_loop(
     name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped,
-    pods_by_namespace: kopf.Index, **_: Any,
+    pods_by_namespace: kopf.Index, policies_by_namespace: kopf.Index, **_: Any,
 ) -> None:
     key = PolicyKey(namespace, name)
     registry: PolicyRegistry = memo.policies
@@ -126,15 +141,20 @@ async def membership_loop(
         while not stopped:
             trigger.clear()
             views = list(pods_by_namespace.get(namespace, []))
+            refs = _policy_refs(policies_by_namespace.get(namespace, []))
             try:
                 async with registry.lock(key):
                     await reconcile.reconcile_membership(
                         memo.kube, memo.sidecars, namespace, name, views, registry.entry(key).state,
-                        lambda t, r, m: kopf.event(body, type=t, reason=r, message=m),
+                        lambda t, r, m: kopf.event(body, type=t, reason=r, message=m), refs,
                     )
-            except Exception:  # keep the loop alive: the next trigger or resync retries
-                log.exception("membership reconcile of %s/%s failed; retrying", namespace, name)
-                await asyncio.sleep(1.0)
+            except Exception as exc:  # keep the loop alive: the next trigger or resync retries
+                if isinstance(exc, ApiException) and exc.status == 404:
+                    # The policy was deleted between the read and the write: its daemon stops next.
+                    log.info("membership reconcile of %s/%s: the policy is gone", namespace, name)
+                else:
+                    log.exception("membership reconcile of %s/%s failed; retrying", namespace, name)
+                    await asyncio.sleep(1.0)
             try:
                 await asyncio.wait_for(trigger.wait(), timeout=options.resync_interval_s)
             except asyncio.TimeoutError:
@@ -163,24 +183,28 @@ def inject_sidecar(
     body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, policies_by_namespace: kopf.Index, **_: Any
 ) -> None:
     namespace = body.metadata.namespace
-    candidates: dict[str, policy.KVCachePolicySpec] = {}
-    for name, raw in policies_by_namespace.get(namespace, []):
-        try:
-            candidates[name] = policy.KVCachePolicySpec.model_validate(raw)
-        except ValueError:
-            continue  # an invalid policy selects nothing
-    chosen = injection.selecting_policy(dict(body), [(n, s.selector) for n, s in candidates.items()])
+    refs = _policy_refs(policies_by_namespace.get(namespace, []))
+    chosen = injection.selecting_policy(dict(body), refs)
     if chosen is None:
         return
+    spec = next((raw for name, raw, _created in policies_by_namespace.get(namespace, []) if name == chosen), None)
+    try:
+        chosen_spec = policy.KVCachePolicySpec.model_validate(spec)
+    except ValueError:
+        return  # the owner's spec is invalid: inject nothing rather than the wrong config
     options: OperatorOptions = memo.options
-    result = injection.inject(dict(body), chosen, candidates[chosen], injection.SidecarImage(image=options.sidecar_image))
+    result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(image=options.sidecar_image))
     if result is not None:
         patch["metadata"] = result["metadata"]
         patch["spec"] = result["spec"]
 
 
 @kopf.on.delete(*POLICY)
-async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
+async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body, memo: kopf.Memo,
+                         **_: Any) -> None:
+    # First the workload: a rollout in flight goes back to the stable version (retried
+    # by kopf until the pods converge), then the policy's own objects.
+    await rollout_teardown.settle_workload(memo.kube, dict(body), _poster(dict(body)))
     redis_spec = spec.get("redis") or {}
     if redis_spec.get("url"):
         await publish.delete_redis(redis_spec["url"], namespace, name, bool(redis_spec.get("cluster")))

@@ -15,6 +15,7 @@ Added to the pod:
     /var/run/kvtier, unless it already mounts something there, and gets the engine
     env (`engine_env`: the policy-rendered --kv-transfer-config, the weights digest,
     what locates the sidecar's socket) where it does not set it itself
+    kvtier-sidecar resources: memory request = limit = arena + headroom (`arena_memory`)
     terminationGracePeriodSeconds raised (never lowered) to cover the sidecar's drain:
                                     after SIGTERM it serves peers while the operator warms
                                     its tenants on their new homes
@@ -29,7 +30,7 @@ from typing import Any
 from kvtier import policy
 from kvtier.sidecar_config import DEFAULT_DRAIN_TIMEOUT_S, SidecarConfig
 
-from kvtier_operator import names
+from kvtier_operator import arena_memory, conflicts, names
 from kvtier_operator.engine_env import with_engine_env
 
 # Memory-backed volume headroom over the arena: the allocator's and Python's own pages.
@@ -51,18 +52,14 @@ class SidecarImage:
     resources: dict[str, Any] = field(default_factory=dict)
 
 
-def selecting_policy(
-    pod: dict[str, Any], policies: list[tuple[str, policy.LabelSelector]]
-) -> str | None:
-    """The policy (by name) whose selector picks the pod; the first by name on overlap,
-    so the choice is deterministic."""
-    labels = (pod.get("metadata") or {}).get("labels") or {}
+def selecting_policy(pod: dict[str, Any], policies: list[conflicts.PolicyRef]) -> str | None:
+    """The policy (by name) that owns the pod: on overlap the oldest selecting policy
+    (see `conflicts`), so a scale-up gets the same config as its siblings."""
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
     if labels.get(names.OPT_OUT_LABEL) == "false":
         return None
-    for name, selector in sorted(policies, key=lambda p: p[0]):
-        if selector.matches(labels):
-            return name
-    return None
+    return conflicts.owner(labels, (meta.get("annotations") or {}).get(names.INJECTED_ANNOTATION), policies)
 
 
 def inject(
@@ -162,6 +159,13 @@ def _sidecar_container(
     }
     if spec.tiers.nvme.mode != "off":  # the shadow probe (and a future tier) uses the node's disk
         container["volumeMounts"].append({"name": names.NVME_VOLUME, "mountPath": spec.tiers.nvme.path})
-    if image.resources:
-        container["resources"] = image.resources
+    container["resources"] = _resources(spec, image)
     return container
+
+
+def _resources(spec: policy.KVCachePolicySpec, image: SidecarImage) -> dict[str, Any]:
+    """The operator's default resources (CPU, say), with memory sized to the arena."""
+    out = copy.deepcopy(image.resources)
+    for kind, values in arena_memory.sidecar_resources(spec).items():
+        out.setdefault(kind, {}).update(values)
+    return out

@@ -115,6 +115,31 @@ class Kube:
         assert self.apps is not None
         await asyncio.to_thread(self.apps.patch_namespaced_stateful_set, name, namespace, patch)
 
+    async def create_event_once(self, body: dict[str, Any]) -> bool:
+        """Create a core/v1 Event under its own (deterministic) name; False when an
+        Event of that name exists already (the same happening, posted before a crash)."""
+        try:
+            await asyncio.to_thread(self.core.create_namespaced_event, body["metadata"]["namespace"], body)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def node_allocatable_memory(self, name: str) -> int | None:
+        """A node's allocatable memory in bytes; None when the node or the figure is missing."""
+        try:
+            node = await asyncio.to_thread(self.core.read_node, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        memory = ((node.status.allocatable if node.status else None) or {}).get("memory")
+        try:
+            return policy.parse_quantity_bytes(memory) if memory else None
+        except ValueError:
+            return None
+
     async def read_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
         assert self.apps is not None
         try:

@@ -17,6 +17,8 @@ from typing import Any, NewType
 from kvtier import policy
 from kvtier.sidecar_config import SidecarConfig
 
+from kvtier_operator.names import INJECTED_ANNOTATION, OPT_OUT_LABEL
+
 MemberName = NewType("MemberName", str)
 
 # Default home weight: replicas are assumed equal unless a pod says otherwise.
@@ -34,6 +36,8 @@ class PodView:
     ready: bool
     deleting: bool
     weight: float
+    injected_by: str | None = None  # the policy whose sidecar the webhook injected
+    node: str | None = None  # spec.nodeName once bound
 
     def selected_by(self, selector: policy.LabelSelector) -> bool:
         return selector.matches(dict(self.labels))
@@ -75,6 +79,8 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         ready=ready and status.get("phase") == "Running",
         deleting=bool(meta.get("deletionTimestamp")),
         weight=weight,
+        injected_by=(meta.get("annotations") or {}).get(INJECTED_ANNOTATION),
+        node=(body.get("spec") or {}).get("nodeName") or None,
     )
 
 
@@ -103,3 +109,16 @@ def leaving(views: Iterable[PodView], selector: policy.LabelSelector,
 
 def weights(members_: Mapping[MemberName, Member]) -> dict[str, float]:
     return {name: m.weight for name, m in members_.items()}
+
+
+def uninjected(views: Iterable[PodView], selector: policy.LabelSelector) -> list[str]:
+    """Selected pods, not leaving, that run without the sidecar (no injected-by
+    annotation and not opted out): the webhook was unreachable when they were created."""
+    return sorted(v.name for v in views
+                  if v.selected_by(selector) and not v.deleting and v.injected_by is None
+                  and dict(v.labels).get(OPT_OUT_LABEL) != "false")
+
+
+def nodes(views: Iterable[PodView], selector: policy.LabelSelector) -> list[str]:
+    """The nodes the selected pods are bound to."""
+    return sorted({v.node for v in views if v.node and v.selected_by(selector) and not v.deleting})

@@ -16,16 +16,20 @@ Both are idempotent: run twice on the same world they write nothing the second t
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any, Callable
 
 import kopf
+from kubernetes.client.rest import ApiException
+from pydantic import ValidationError
 
 from kvtier import policy
 from kvtier.affinity import AffinityTable, load_imbalance, plan_membership_change
 
-from kvtier_operator import conditions, economics, epoch, membership, names, publish, sidecar_render, warmup
+from kvtier_operator import (arena_memory, conditions, conflicts, economics, epoch, membership, names, publish, sidecar_render,
+                             warmup)
 from kvtier_operator.kube import Kube
 from kvtier_operator.registry import PolicyState
 from kvtier_operator.sidecar_client import FleetStats, SidecarClient
@@ -54,28 +58,64 @@ async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn) -> di
         raise kopf.PermanentError(f"spec is invalid: {exc}") from exc
     old = _status(body)
 
-    rendered = sidecar_render.render(spec)
-    cm = sidecar_render.config_map(name, namespace, rendered)
-    kopf.adopt(cm, owner=body)
-    await kube.apply_config_map(cm)
-
     measured = _measured_nvme(old) if spec.tiers.nvme.mode != "off" else None
     tiers, observed = economics.verdicts(spec, measured)
     _post_verdict_changes(old, tiers, event)
-    observed.append(conditions.Observation("SidecarConfigRendered", "True", "Rendered",
-                                           f"ConfigMap {cm['metadata']['name']} digest {rendered.digest}"))
-    fields: dict[str, Any] = {
-        "observedGeneration": generation,
-        "sidecarConfigMap": cm["metadata"]["name"],
-        "sidecarConfigHash": rendered.digest,
-        "tiers": [v.wire() for v in tiers],
-        "conditions": [c.wire() for c in conditions.merge(old.conditions, observed, generation)],
-    }
+    fields: dict[str, Any] = {"observedGeneration": generation, "tiers": [v.wire() for v in tiers]}
+    failure = await _write_sidecar_config(kube, body, spec, fields)
+    if failure is None:
+        observed += [conditions.Observation("SidecarConfigRendered", "True", "Rendered",
+                                            f"ConfigMap {fields['sidecarConfigMap']} digest {fields['sidecarConfigHash']}"),
+                     conditions.Observation("Degraded", "False", "AsExpected")]
+    else:
+        reason, message = failure
+        observed += [conditions.Observation("SidecarConfigRendered", "False", reason, message),
+                     conditions.Observation("Degraded", "True", reason, message)]
+        before = conditions.find(old.conditions, "Degraded")
+        if before is None or before.message != message:
+            event("Warning", reason, message)
+    fields["conditions"] = [c.wire() for c in conditions.merge(old.conditions, observed, generation)]
     if old.version is None:
         fields["version"] = spec.model.weights_version
     if old.phase is None:
         fields["phase"] = "Pending"
     return fields
+
+
+# API answers that mean "this ConfigMap can never be written as it is": retrying won't help.
+_REJECTED_STATUSES = (400, 413, 422)
+
+
+async def _write_sidecar_config(kube: Kube, body: dict[str, Any], spec: policy.KVCachePolicySpec,
+                                fields: dict[str, Any]) -> tuple[str, str] | None:
+    """Render and write the sidecar ConfigMap, adding its name and digest to `fields`;
+    (reason, message) when it cannot be rendered or the API refuses it for good (the
+    policy is Degraded until its spec changes; other API errors raise and kopf retries)."""
+    meta = body["metadata"]
+    try:
+        rendered = sidecar_render.render(spec)
+    except sidecar_render.ConfigTooLarge as exc:
+        return "SidecarConfigTooLarge", str(exc)
+    except ValidationError as exc:  # a spec the CRD admits but the sidecar could not run
+        return "SidecarConfigInvalid", "the sidecar config would be invalid: " + "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
+    cm = sidecar_render.config_map(meta["name"], meta["namespace"], rendered)
+    kopf.adopt(cm, owner=body)
+    try:
+        await kube.apply_config_map(cm)
+    except ApiException as exc:
+        if exc.status not in _REJECTED_STATUSES:
+            raise
+        return "SidecarConfigRejected", f"the API server refused ConfigMap {cm['metadata']['name']}: {exc.status} {_api_reason(exc)}"
+    fields.update(sidecarConfigMap=cm["metadata"]["name"], sidecarConfigHash=rendered.digest)
+    return None
+
+
+def _api_reason(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body).get("message", exc.reason))[:512]
+    except (TypeError, ValueError):
+        return str(exc.reason)
 
 
 def _post_verdict_changes(old: policy.KVCachePolicyStatus, tiers: list[policy.TierVerdict], event: EventFn) -> None:
@@ -107,14 +147,22 @@ async def reconcile_membership(
     views: list[membership.PodView],
     state: PolicyState,
     event: EventFn,
+    policies: list[conflicts.PolicyRef] | None = None,
 ) -> None:
-    """Bring the published affinity table in line with the ready members (see module doc)."""
+    """Bring the published affinity table in line with the ready members (see module doc).
+    `policies`: the namespace's policies, for overlapping selectors (`conflicts`)."""
     body = await kube.read_policy(namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return
     spec = policy.KVCachePolicySpec.model_validate(body["spec"])
     old_status = _status(body)
+    this = conflicts.PolicyRef(name, body["metadata"].get("creationTimestamp") or "", spec.selector)
+    refs = [p for p in policies or [] if p.name != name] + [this]
+    overlap = conflicts.observation(this, conflicts.overlaps(
+        this, [conflicts.PodLabels(v.name, dict(v.labels), v.injected_by) for v in views], refs))
+    views = [v for v in views if conflicts.owner(dict(v.labels), v.injected_by, refs) == name]
     members = membership.members(views, spec.selector)
+    missing = membership.uninjected(views, spec.selector)
     published_cm = await kube.read_config_map(namespace, names.affinity_config_map(name))
     published = publish.read_table(published_cm)
     base = epoch.with_knobs(published or epoch.empty_table(spec, old_status.epoch or 0), spec)
@@ -148,7 +196,13 @@ async def reconcile_membership(
 
     fields = _membership_status(name, old_status, members, table, plan, stats, new_epoch)
     observed = [conditions.Observation("AffinityPublished", "True", "Published",
-                                       f"epoch {table.epoch}, {len(members)} members, {len(tenants)} known tenants")]
+                                       f"epoch {table.epoch}, {len(members)} members, {len(tenants)} known tenants"),
+                overlap, _injection_observation(missing, old_status, event),
+                await _dram_fit_observation(kube, spec, membership.nodes(views, spec.selector), old_status, event)]
+    fields.update(uninjectedPods=len(missing), uninjectedPodNames=missing[:MAX_UNINJECTED_NAMED])
+    before = conditions.find(old_status.conditions, overlap.type)
+    if overlap.status == "True" and (before is None or before.message != overlap.message):
+        event("Warning", "SelectorConflict", overlap.message)
     if measured is not None:
         tiers, tier_observations = economics.verdicts(spec, measured)
         fields["tiers"] = [v.wire() for v in tiers]
@@ -161,6 +215,40 @@ async def reconcile_membership(
         event("Normal", "EpochChanged", _epoch_message(table, plan, len(tenants)))
     log.info("membership of %s/%s reconciled: epoch %d, %d members, new epoch: %s",
              namespace, name, table.epoch, len(members), new_epoch)
+
+
+async def _dram_fit_observation(kube: Kube, spec: policy.KVCachePolicySpec, node_names: list[str],
+                                old: policy.KVCachePolicyStatus, event: EventFn) -> conditions.Observation:
+    """DramFits: can each node the selected pods run on hold one sidecar (arena plus
+    headroom) in its allocatable memory? False names each node too small, with numbers."""
+    allocatable = {n: a for n in node_names if (a := await kube.node_allocatable_memory(n)) is not None}
+    message = arena_memory.fit_message(arena_memory.node_fits(spec, allocatable))
+    if message is None:
+        need = arena_memory.sidecar_memory_bytes(spec)
+        return conditions.Observation("DramFits", "True", "Fits",
+                                      f"{len(allocatable)} node(s) the pods run on each hold the sidecar's {need} bytes")
+    before = conditions.find(old.conditions, "DramFits")
+    if before is None or before.message != message:
+        event("Warning", "DramDoesNotFit", message)
+    return conditions.Observation("DramFits", "False", "NodeTooSmall", message)
+
+
+# Pods named in status and in the condition; the count covers the rest.
+MAX_UNINJECTED_NAMED = 20
+
+
+def _injection_observation(missing: list[str], old: policy.KVCachePolicyStatus, event: EventFn) -> conditions.Observation:
+    """SidecarsInjected: False while selected pods run without the sidecar (an Event when
+    that starts or the set changes), so a webhook outage is never silent."""
+    if not missing:
+        return conditions.Observation("SidecarsInjected", "True", "AllInjected", "every selected pod runs the sidecar")
+    named = ", ".join(missing[:MAX_UNINJECTED_NAMED]) + (f" and {len(missing) - MAX_UNINJECTED_NAMED} more"
+                                                         if len(missing) > MAX_UNINJECTED_NAMED else "")
+    message = (f"{len(missing)} selected pods run without the sidecar (created while the injection webhook was "
+               f"unreachable): {named}; delete them or restart the workload to inject it")
+    if old.uninjected_pod_names != missing[:MAX_UNINJECTED_NAMED] or old.uninjected_pods != len(missing):
+        event("Warning", "PodsWithoutSidecar", message)
+    return conditions.Observation("SidecarsInjected", "False", "PodsWithoutSidecar", message)
 
 
 async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers=None) -> None:

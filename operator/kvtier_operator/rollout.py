@@ -208,6 +208,8 @@ def plan(
             if status.paused_reason == "inconclusive" and observed.probe is not None:
                 return _evaluate_inconclusive_pause(ctx)
             return _hold(ctx, _step_patch(ctx, status.step))
+        if observed.workload.replicas == 0:
+            return _scaled_to_zero(ctx)
         if spec.recovery.source != "sidecar":
             return _evaluate_analysis(ctx)
         return _evaluate(ctx)
@@ -355,13 +357,25 @@ def _evaluate(ctx: _Ctx) -> Plan:
     rollout = status.model_copy(update={"current_hit_rate": rec.hit_rate})
     changed = rollout != status
     needs_patch = _differs(ctx.observed.workload, patch)
-    if not changed and not needs_patch:
-        return Plan("wait")
+    # Always say where the step stands (a merge of an identical condition writes nothing),
+    # so a condition from a pause in the judging (ScaledToZero) never outlives it.
     return Plan("wait", rollout=rollout if changed else None, workload=patch if needs_patch else None,
                 conditions=(Observation(PROGRESSING, "True", "WaitingForRecovery",
                                         f"step {step}: {ready}/{n} new pods ready, hit rate {_fmt(rec.hit_rate)} over "
                                         f"{lookups} lookups; needs {rec.needed:.4f} over "
                                         f"{ctx.spec.recovery.min_lookups}"),))
+
+
+def _scaled_to_zero(ctx: _Ctx) -> Plan:
+    """No pods to judge: hold the step and keep restarting its clock, so the workload
+    scaled back up gets a whole recovery window instead of an instant rollback."""
+    status = ctx.status
+    assert status is not None
+    rollout = status.model_copy(update={"step_started_at": ctx.observed.now})
+    return Plan("hold", rollout=rollout,
+                conditions=(Observation(PROGRESSING, "True", "ScaledToZero",
+                                        f"step {status.step} on hold: the workload has 0 replicas; the step's "
+                                        f"recovery window starts again when pods return"),))
 
 
 def _evaluate_analysis(ctx: _Ctx) -> Plan:

@@ -1,8 +1,10 @@
 """One rollout reconcile for a policy with a `workloadRef`: observe the StatefulSet, its
 pods' versions (the pod annotation the sidecar's KVTIER_WEIGHTS_VERSION comes from) and
 their sidecars' hit counters, ask the pure planner (`rollout.plan`) for the next action,
-then write status, patch the workload, post the Event — in that order, so a restart
-resumes from status and re-applies at most the same patch.
+then post the step's Event (under a deterministic name, so it is posted exactly once),
+write status, patch the workload — in that order, so a restart resumes from status,
+re-applies at most the same patch and neither loses nor repeats the Event
+(`crashpoints` kills the process after each of these in tests).
 
 A StatefulSet is driven by partition; a Deployment by a stable/canary pair
 (`deployment_pair`: the planner sees the same workload shape, the pair converges to
@@ -16,15 +18,15 @@ planner too. A pod counts as ready by the same rule membership uses
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from datetime import datetime, timezone
 from typing import Any
 
-import kopf
-
 from kvtier import breakeven, policy
 
-from kvtier_operator import analysis, conditions, deployment_pair, economics, names, prom_client, rollout
+from kvtier_operator import (analysis, conditions, crashpoints, deployment_pair, economics, names, prom_client,
+                             rollout)
 from kvtier_operator.conditions import Observation
 from kvtier_operator.membership import Member, MemberName, pod_view
 
@@ -70,16 +72,21 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None) -> 
         observed = dataclasses.replace(observed, baseline_probe=await _query(http, spec, namespace, name, old or ""))
         plan = rollout.plan(spec.rollout, spec.model.weights_version, status.version, status.rollout, status.phase,
                             observed)
+    if plan.event is not None:
+        # First, under a name derived from what happened: a crash after it and the
+        # re-planned step find it posted (409) instead of losing or repeating it.
+        await kube.create_event_once(step_event(body, plan))
+        crashpoints.reached("rollout-event-posted")
     fields = _status_fields(plan, status, meta.get("generation"))
     if fields:
         await kube.patch_status(namespace, name, fields)
+        crashpoints.reached("rollout-status-written")
     if pair is not None:
         in_flight = (plan.phase or status.phase) in ("RollingOut", "Paused")
         await _converge_pair(kube, namespace, ref.name, target, pair, plan.workload, in_flight)
     elif plan.workload is not None:
         await kube.patch_stateful_set(namespace, ref.name, workload_patch(plan.workload))
-    if plan.event is not None:
-        kopf.event(body, type=plan.event[0], reason=plan.event[1], message=plan.event[2])
+        crashpoints.reached("rollout-workload-patched")
     if plan.kind not in ("idle", "wait", "hold"):
         log.info("rollout of %s/%s: %s", namespace, name, plan.kind)
     after = status.model_copy(update={"phase": plan.phase or status.phase, "rollout": plan.rollout or status.rollout})
@@ -128,6 +135,28 @@ async def _query(http, spec: policy.KVCachePolicySpec, namespace: str, name: str
     expr = analysis.render_query(rec.prometheus.query, namespace=namespace, policy=name, version=version,
                                  window=rec.analysis_window, min_lookups=rec.min_lookups)
     return await prom_client.query_value(http, rec.prometheus.url, expr)
+
+
+def step_event(body: dict[str, Any], plan: rollout.Plan) -> dict[str, Any]:
+    """The step's Event, named by (policy, target version, step, history length,
+    reason): a re-planned step after a crash has the same name; a later rollout to the
+    same target (after a rollback grew the history) has another."""
+    meta = body["metadata"]
+    kind, reason, message = plan.event
+    r = plan.rollout
+    # A plan without rollout status (a rejected request) is named by its message.
+    what = (f"{meta.get('uid')}/{r.target_version}/{r.step}/{len(r.history)}/{r.handled_request}" if r is not None
+            else f"{meta.get('uid')}/{message}")
+    key = hashlib.sha256(f"{what}/{reason}".encode()).hexdigest()[:16]
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{key}", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": f"{policy.GROUP}/{policy.VERSION}", "kind": policy.KIND,
+                           "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid")},
+        "type": kind, "reason": reason, "message": message[:1024], "count": 1,
+        "firstTimestamp": now, "lastTimestamp": now, "source": {"component": "kvtier-operator"},
+    }
 
 
 def workload_patch(patch: rollout.WorkloadPatch) -> dict[str, Any]:

@@ -181,13 +181,22 @@ class SidecarClient:
             return False
         body = api.WarmRequest(tenant=req.tenant, from_peer=source.peer_address(), max_bytes=req.max_bytes, ref=ref)
         try:
-            remaining = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
-            async with self._session.post(f"{target.http_url()}/cache/warm", json=api.dump(body),
-                                          timeout=remaining) as resp:
-                if resp.status != 202:
-                    log.warning("warm %s on %s refused: %s %s", req.tenant, req.target, resp.status, await resp.text())
-                    return False
-                accepted = api.WarmAccepted.model_validate(await resp.json())
+            while True:
+                remaining = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
+                async with self._session.post(f"{target.http_url()}/cache/warm", json=api.dump(body),
+                                              timeout=remaining) as resp:
+                    if resp.status == 429:  # the sidecar's warm queue is full: ask again when told
+                        wait_s = _retry_after_s(resp.headers.get("Retry-After"))
+                        if time.monotonic() + wait_s >= deadline:
+                            return False
+                        await asyncio.sleep(wait_s)
+                        continue
+                    if resp.status != 202:
+                        log.warning("warm %s on %s refused: %s %s", req.tenant, req.target, resp.status,
+                                    await resp.text())
+                        return False
+                    accepted = api.WarmAccepted.model_validate(await resp.json())
+                    break
             return await self._wait_job(target, accepted.job, deadline)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             log.info("warm %s on %s failed: %s", req.tenant, req.target, exc)
@@ -205,3 +214,14 @@ class SidecarClient:
                 return False
             await asyncio.sleep(JOB_POLL_INTERVAL_S)
         return False
+
+
+# When a 429 carries no usable Retry-After: a second, then ask again.
+DEFAULT_RETRY_AFTER_S = 1.0
+
+
+def _retry_after_s(header: str | None) -> float:
+    try:
+        return max(0.1, float(header)) if header else DEFAULT_RETRY_AFTER_S
+    except ValueError:
+        return DEFAULT_RETRY_AFTER_S

@@ -13,6 +13,16 @@ from kvtier_operator import names
 from kvtier_operator.economics import resolved_shape
 
 
+# The rendered config may use half of a ConfigMap's 1 MiB: the rest is margin for the
+# ConfigMap's own metadata and for fields added later. The CRD bounds keep every policy
+# it accepts far below this; a render above it is reported, never written.
+MAX_CONFIG_BYTES = 512 << 10
+
+
+class ConfigTooLarge(ValueError):
+    """A rendered sidecar config that would not fit its ConfigMap with margin."""
+
+
 @dataclass(frozen=True, slots=True)
 class RenderedConfig:
     text: str
@@ -51,7 +61,13 @@ def sidecar_config(spec: policy.KVCachePolicySpec) -> SidecarConfig:
 
 
 def render(spec: policy.KVCachePolicySpec) -> RenderedConfig:
+    """The config text and its digest; ConfigTooLarge (saying by how much) past MAX_CONFIG_BYTES."""
     text = dump_yaml(sidecar_config(spec))
+    size = len(text.encode())
+    if size > MAX_CONFIG_BYTES:
+        shared = sum(len(p.token_ids) for p in spec.shared_prefixes)
+        raise ConfigTooLarge(f"the sidecar config renders to {size} bytes, over the {MAX_CONFIG_BYTES}-byte budget "
+                             f"(sharedPrefixes hold {shared} token ids); shorten sharedPrefixes")
     return RenderedConfig(text, hashlib.sha256(text.encode()).hexdigest()[:16])
 
 

@@ -19,6 +19,7 @@ class Count(StrEnum):
     STORED_BYTES = "stored_bytes"
     ENGINE_LOADED_BYTES = "engine_loaded_bytes"  # reported by the engine (engine socket REPORT)
     ENGINE_LOAD_ERRORS = "engine_load_errors"  # blocks the engine reported as not loaded
+    WARM_REFUSED = "warm_refused"  # warm-ups answered 429: the queue was full
 
 
 class Counters:

@@ -23,6 +23,10 @@ log = logging.getLogger("kvtier.sidecar.engine")
 
 # Parsed key roots by their JSON text: engines send the same few roots again and again.
 ROOT_CACHE_SIZE = 4096
+# Hit and ticket ids come from one counter per sidecar process; 2**63 is never reached.
+MAX_ID = (1 << 63) - 1
+# Tensor-parallel degrees beyond this are not a real deployment (and would divide no kv-head count).
+MAX_TP = 1024
 
 
 class EngineServer:
@@ -86,7 +90,7 @@ class EngineServer:
                 try:
                     payload, tail = split_body(rest, json_len)
                     answer, out_tail = await self._handle(op, payload, tail, hits, tickets)
-                except (FrameError, ValueError, ValidationError, KeyError, TypeError) as exc:
+                except (FrameError, ValueError, ValidationError, KeyError, TypeError, OverflowError) as exc:
                     self.bad_frames += 1
                     answer, out_tail = {"error": _message(exc)}, None
                 writer.write(encode(op, rid, answer, out_tail))
@@ -114,23 +118,24 @@ class EngineServer:
                 reply["digests"] = [int(d) for d in svc.tier.block_digests(answer.slots)]
             return reply, np.asarray(answer.slots, dtype="<u4")
         if op == EngineOp.RELEASE:
-            hit_id = int(payload["hit"])
+            hit_id = _int(payload, "hit", 0, MAX_ID)
             hits.discard(hit_id)
             svc.release(hit_id)
             return {}, None
         if op == EngineOp.STORE_BEGIN:
             root = self._root(payload["root"])
-            tp, rank = int(payload.get("tp", 1)), int(payload.get("rank", 0))
+            tp, rank = _int(payload, "tp", 1, MAX_TP, default=1), _int(payload, "rank", 0, MAX_TP - 1, default=0)
             ticket, first_block, slots = svc.store_begin(root, _tokens(tail), tp, rank)
             if ticket:
                 tickets.add(ticket)
             return {"ticket": ticket, "first_block": first_block}, np.asarray(slots, dtype="<u4")
         if op == EngineOp.STORE_COMMIT:
-            ticket = int(payload["ticket"])
+            ticket = _int(payload, "ticket", 0, MAX_ID)
+            rank = _int(payload, "rank", 0, MAX_TP - 1, default=0)
             tickets.discard(ticket)
-            return {"committed": svc.store_commit(ticket, int(payload.get("rank", 0)))}, None
+            return {"committed": svc.store_commit(ticket, rank)}, None
         if op == EngineOp.STORE_ABORT:
-            ticket = int(payload["ticket"])
+            ticket = _int(payload, "ticket", 0, MAX_ID)
             tickets.discard(ticket)
             svc.store_abort(ticket)
             return {}, None
@@ -145,6 +150,18 @@ class EngineServer:
         if op == EngineOp.HELLO:
             return {**self.hello, "instance": svc.instance}, None
         raise ValueError(f"unknown op {op}")
+
+
+def _int(payload: dict, name: str, lo: int, hi: int, default: int | None = None) -> int:
+    """A strict JSON integer in [lo, hi]: true, 1.5, "3" and 1e400 are refused (ValueError)."""
+    value = payload.get(name, default)
+    if value is None:
+        raise KeyError(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in {lo}..{hi}, got {value}")
+    return value
 
 
 def _tokens(tail: np.ndarray) -> np.ndarray:

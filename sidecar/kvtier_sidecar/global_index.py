@@ -13,9 +13,13 @@ the hash fields because one host refreshing a key must not keep another's stale 
 alive. The index is a hint: a stale entry costs a fetch that comes back short, never
 wrong KV (the peer matches by tokens).
 
-Faults never reach the caller: while Redis is unreachable lookups answer "nothing"
-at once (a circuit breaker with backoff) and registrations wait in a bounded queue
-until it returns.
+Faults never reach the caller, and they are per operation (`redis_health`): reads
+and writes each have a circuit breaker with backoff. A dead server opens both (lookups
+answer "nothing" at once); out of memory, a READONLY replica or a slot on the move
+opens only the one that saw it, so lookups keep answering while registrations and
+heartbeats wait in a bounded queue and resume when writes are accepted again. The
+state of each (`ok`, `unreachable`, `oom`, `readonly`, `moved`, `error`) is in stats
+and /metrics.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ from typing import Iterable
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
+from .redis_health import Breaker, Health, classify, opens_both
+
 log = logging.getLogger("kvtier.sidecar.index")
 
 # Registrations buffered while Redis is away; beyond this the oldest are dropped
@@ -43,14 +49,12 @@ MAX_REMEMBERED_KEYS = 1_000_000
 # Socket and connect timeout for Redis: long enough for a loaded Redis to answer a
 # background write, while request-path calls are cut far sooner by their own deadline.
 SOCKET_TIMEOUT_FLOOR_S = 0.5
-# Backoff after a Redis failure before the next attempt (doubles to the max).
-BACKOFF_MIN_S = 0.25
-BACKOFF_MAX_S = 5.0
 HEARTBEAT_S = 2.0
 # A member is live while its heartbeat is younger than this.
 MEMBER_TTL_S = 3 * HEARTBEAT_S
 
-LONGEST_PREFIX_LUA = """
+# `no-writes`: the lookup runs on a READONLY replica and while Redis is out of memory.
+LONGEST_PREFIX_LUA = """#!lua flags=no-writes
 local now = tonumber(ARGV[1])
 local me = ARGV[2]
 local cand = nil
@@ -110,8 +114,8 @@ class GlobalIndex:
         self._pending: collections.deque[tuple[str, list[str]]] = collections.deque(maxlen=MAX_PENDING_REGISTRATIONS)
         self._remembered: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._wake = asyncio.Event()
-        self._down_until = 0.0
-        self._backoff_s = BACKOFF_MIN_S
+        self.reads = Breaker()
+        self.writes = Breaker()
         self._members: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self.stats = collections.Counter()
@@ -129,16 +133,29 @@ class GlobalIndex:
 
     @property
     def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        """Lookups are attempted (the read breaker is closed or due for a retry)."""
+        return self.reads.allows(time.monotonic())
 
-    def _failed(self, what: str, exc: BaseException) -> None:
+    @property
+    def writable(self) -> bool:
+        return self.writes.allows(time.monotonic())
+
+    def _failed(self, what: str, exc: BaseException, breaker: Breaker) -> None:
+        health = classify(exc)
         self.stats[f"{what}_errors"] += 1
-        self._down_until = time.monotonic() + self._backoff_s
-        log.warning("redis %s failed (%s); index off for %.2fs", what, exc.__class__.__name__, self._backoff_s)
-        self._backoff_s = min(BACKOFF_MAX_S, self._backoff_s * 2)
+        self.stats[f"{what}_errors_{health.value}"] += 1
+        now = time.monotonic()
+        wait = breaker.failed(health, now)
+        if opens_both(health):
+            other = self.writes if breaker is self.reads else self.reads
+            other.failed(health, now)
+        log.warning("redis %s failed (%s: %s); %s paused for %.2fs", what, health.value,
+                    exc.__class__.__name__, "reads and writes" if opens_both(health) else
+                    ("reads" if breaker is self.reads else "writes"), wait)
 
-    def _succeeded(self) -> None:
-        self._backoff_s = BACKOFF_MIN_S
+    def health(self) -> dict:
+        """{reads, writes}: each `ok` or the failure that paused it."""
+        return {"reads": self.reads.state.value, "writes": self.writes.state.value}
 
     # -- lookup -------------------------------------------------------------------------
 
@@ -151,9 +168,9 @@ class GlobalIndex:
         try:
             raw = await asyncio.wait_for(self._eval(keys), self.timeout_s)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
-            self._failed("lookup", exc)
+            self._failed("lookup", exc, self.reads)
             return None
-        self._succeeded()
+        self._read_ok()
         self.stats["lookups"] += 1
         matched = int(raw[0])
         hosts = [h.decode() if isinstance(h, bytes) else str(h) for h in raw[1:]]
@@ -182,9 +199,9 @@ class GlobalIndex:
         self._wake.set()
 
     async def flush(self) -> bool:
-        """Write the queued registrations (pipelined); False when Redis is away."""
+        """Write the queued registrations (pipelined); False while writes are refused."""
         while self._pending:
-            if not self.available:
+            if not self.writable:
                 return False
             batch: list[tuple[str, list[str]]] = []
             size = 0
@@ -196,9 +213,9 @@ class GlobalIndex:
                 await self._write(batch)
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
                 self._pending.extendleft(reversed(batch))
-                self._failed("register", exc)
+                self._failed("register", exc, self.writes)
                 return False
-            self._succeeded()
+            self.writes.succeeded()
         return True
 
     async def _write(self, batch: list[tuple[str, list[str]]]) -> None:
@@ -226,19 +243,31 @@ class GlobalIndex:
     # -- membership ---------------------------------------------------------------------
 
     async def heartbeat(self) -> None:
-        if not self.available:
-            return
-        try:
-            now = time.time()
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.zadd(self.members_key, {self.host: now + MEMBER_TTL_S})
-            pipe.zremrangebyscore(self.members_key, "-inf", now)
-            pipe.zrangebyscore(self.members_key, now, "+inf")
-            _, _, members = await pipe.execute()
-            self._members = {m.decode() if isinstance(m, bytes) else m for m in members}
-            self._succeeded()
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
-            self._failed("heartbeat", exc)
+        """Refresh this host's membership (a write) and read the live members (a read):
+        while writes are refused the member list still refreshes."""
+        now = time.time()
+        if self.writable:
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.zadd(self.members_key, {self.host: now + MEMBER_TTL_S})
+                pipe.zremrangebyscore(self.members_key, "-inf", now)
+                await pipe.execute()
+                self.writes.succeeded()
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                self._failed("heartbeat", exc, self.writes)
+        if self.available:
+            try:
+                members = await self.redis.zrangebyscore(self.members_key, now, "+inf")
+                self._members = {m.decode() if isinstance(m, bytes) else m for m in members}
+                self._read_ok()
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                self._failed("members", exc, self.reads)
+
+    def _read_ok(self) -> None:
+        self.reads.succeeded()
+        if self.writes.state is Health.UNREACHABLE:
+            # The server answers again: let the queued writes try now instead of after the backoff.
+            self.writes.down_until = 0.0
 
     def forget_member(self, host: str) -> None:
         """A peer that failed a fetch is skipped until its next heartbeat refresh."""
@@ -251,10 +280,11 @@ class GlobalIndex:
             if time.monotonic() >= next_beat:
                 await self.heartbeat()
                 next_beat = time.monotonic() + HEARTBEAT_S
-            if self._pending and self.available:
+            if self._pending and self.writable:
                 await self.flush()
             self._wake.clear()
-            wait = max(0.01, min(next_beat - time.monotonic(), self._down_until - time.monotonic() if self._pending else HEARTBEAT_S))
+            retry_in = self.writes.down_until - time.monotonic() if self._pending else HEARTBEAT_S
+            wait = max(0.01, min(next_beat - time.monotonic(), retry_in))
             try:
                 await asyncio.wait_for(self._wake.wait(), wait)
             except asyncio.TimeoutError:
@@ -282,3 +312,4 @@ class GlobalIndex:
             await self.redis.aclose()
         except Exception:  # closing a broken connection must not mask shutdown
             pass
+

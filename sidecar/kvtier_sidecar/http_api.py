@@ -3,7 +3,9 @@
     GET  /cache/stats?tenant=T   per-tenant (or whole-cache) hit rates, tiers, bytes
     POST /cache/invalidate       {"model_version": V}            -> 202, dropped in background
     POST /cache/warm             {"tenant", "from_peer", "max_bytes", "ref"?} -> 202, pulled in background
-                                 (409 when the peer tier is off; a known ref answers its job)
+                                 (409 when the peer tier is off or a known ref comes with other
+                                 parameters; a known ref with the same ones answers its job;
+                                 429 with Retry-After when the bounded warm queue is full)
     POST /cache/drain/done       a draining sidecar may exit now (409 when not draining)
     GET  /cache/jobs             background jobs: state, started_s/finished_s (wall clock), bytes
     GET  /metrics                Prometheus text, top-N tenants + "other"
@@ -23,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvtier import control_api as api
 
-from .service import PeerTierDisabled
+from .service import PeerTierDisabled, QueueFull, RefConflict
 
 log = logging.getLogger("kvtier.sidecar.http")
 
@@ -75,8 +77,12 @@ def make_app(service) -> web.Application:
             return body
         try:
             job, started = service.warm(body.tenant, body.from_peer, body.max_bytes, body.ref)
-        except PeerTierDisabled as exc:
+        except (PeerTierDisabled, RefConflict) as exc:
             return _bad(str(exc), 409)
+        except QueueFull as exc:
+            response = _bad(str(exc), 429)
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+            return response
         return web.json_response(api.dump(api.WarmAccepted(job=job, started=started)), status=202)
 
     async def drain_done(request: web.Request) -> web.Response:

@@ -18,6 +18,18 @@ log = logging.getLogger("kvtier.sidecar.jobs")
 MAX_JOBS_KEPT = 1000
 
 
+class RefConflict(ValueError):
+    """A remembered `ref` asked again with other parameters (answered 409)."""
+
+
+class QueueFull(RuntimeError):
+    """Too many jobs of a kind are unfinished; `retry_after_s` says when to ask again."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class JobRegistry:
     def __init__(self) -> None:
         self._jobs: dict[JobId, Job] = {}
@@ -25,11 +37,17 @@ class JobRegistry:
         self._ids = itertools.count(1)
         self._background: set[asyncio.Task] = set()
 
-    def by_ref(self, ref: str | None) -> JobId | None:
-        """The job a remembered ref started, counting this ask; None when unknown."""
+    def by_ref(self, ref: str | None, **asked: Any) -> JobId | None:
+        """The job a remembered ref started, counting this ask; None when unknown.
+        RefConflict when `asked` (e.g. tenant, from_peer, max_bytes) differs from what
+        the ref first asked: the same ref must always mean the same request."""
         job = self._refs.get(ref) if ref is not None else None
         if job is not None:
-            self._jobs[job].asks += 1
+            record = self._jobs[job]
+            first = {k: getattr(record, k) for k in asked}
+            if first != asked:
+                raise RefConflict(f"ref {ref!r} already names job {job} with {first}; use a new ref for {asked}")
+            record.asks += 1
         return job
 
     def spawn(self, kind: JobKind, work: Coroutine[Any, Any, dict[str, int]], **about: Any) -> JobId:
@@ -60,6 +78,9 @@ class JobRegistry:
             old = self._jobs.pop(next(iter(self._jobs)))
             if old.ref is not None:
                 self._refs.pop(old.ref, None)
+
+    def unfinished(self, kind: JobKind) -> int:
+        return sum(1 for r in self._jobs.values() if r.kind == kind and r.state == JobState.RUNNING)
 
     def snapshot(self) -> dict[JobId, Job]:
         return {job: record.model_copy() for job, record in self._jobs.items()}

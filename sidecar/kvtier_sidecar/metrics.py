@@ -1,9 +1,13 @@
-"""Per-tenant counters and their Prometheus rendering with bounded label cardinality.
+"""Per-tenant counters and their Prometheus rendering, bounded in memory and labels.
 
-Counters are kept per tenant in plain dicts (cheap on the request path); at scrape
-time the `top_n` tenants by lookups get their own label and every other tenant is
-summed into tenant="other", so a fleet with 10,000 tenants still exports top_n + 1
-series per metric.
+Counters are kept for at most `MAX_TRACKED_TENANTS` tenants, chosen by the space-saving
+heavy-hitter algorithm: a new tenant past the bound takes the place of the tracked
+tenant with the fewest events, whose counters are folded into "other" (so totals are
+conserved) and whose event count the newcomer inherits (so a one-off tenant cannot
+push out a heavy one: any tenant with more than 1/MAX_TRACKED_TENANTS of the events is
+always tracked). A million distinct tenants cost the same memory as the bound. At
+scrape time the `top_n` tracked tenants by lookups get their own label and the rest
+is summed into tenant="other": top_n + 1 series per metric.
 
 Names follow Prometheus conventions (`_total` counters, `_bytes` units) and vLLM's:
 `kvtier_prefix_cache_queries_total` / `kvtier_prefix_cache_hits_total` count tokens,
@@ -16,6 +20,7 @@ docs/OBSERVABILITY.md), so the label set per sidecar is bounded by top_n x tiers
 from __future__ import annotations
 
 import collections
+import heapq
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -23,12 +28,19 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 OTHER = "other"
+# Tenants with their own counters; ~1 KiB each, so a few MiB at most. Far above any
+# stats or metrics top-N, so those lists are exact for every tenant that matters.
+MAX_TRACKED_TENANTS = 4096
+# The lazy min-heap is rebuilt from the live weights past this many entries per tenant.
+_HEAP_SLACK = 4
 TIERS = ("dram", "peer")
 # Sidecar counters rendered under their own typed families below, not generically.
 _TYPED_COUNTERS = frozenset({"peer_fetches", "peer_fetch_errors", "peer_checksum_mismatches", "stored_bytes",
                              "engine_loaded_bytes", "engine_load_errors"})
 # Global index operations, exported at 0 before their first failure (so rates exist).
 INDEX_OPERATIONS = ("lookup", "register", "heartbeat")
+# The states `kvtier_index_health` reports per kind of operation (redis_health.Health).
+INDEX_HEALTH_STATES = ("ok", "unreachable", "oom", "readonly", "moved", "error")
 
 
 @dataclass(slots=True)
@@ -73,12 +85,42 @@ class TenantCounters:
 
 
 class TenantMetrics:
-    def __init__(self) -> None:
-        self.tenants: dict[str, TenantCounters] = collections.defaultdict(TenantCounters)
+    def __init__(self, capacity: int = MAX_TRACKED_TENANTS) -> None:
+        self.capacity = capacity
+        self.tenants: dict[str, TenantCounters] = {}
+        self.other = TenantCounters()  # tenants no longer tracked, summed
+        self.evicted = 0
+        self._weight: dict[str, int] = {}  # space-saving event counts (an upper bound)
+        self._heap: list[tuple[int, str]] = []  # (weight, tenant), stale entries skipped
+
+    def _counters(self, tenant: str) -> TenantCounters:
+        c = self.tenants.get(tenant)
+        if c is None:
+            inherited = self._evict() if len(self.tenants) >= self.capacity else 0
+            c = self.tenants[tenant] = TenantCounters()
+            self._weight[tenant] = inherited
+        weight = self._weight[tenant] + 1
+        self._weight[tenant] = weight
+        heapq.heappush(self._heap, (weight, tenant))
+        if len(self._heap) > _HEAP_SLACK * self.capacity:
+            self._heap = [(w, t) for t, w in self._weight.items()]
+            heapq.heapify(self._heap)
+        return c
+
+    def _evict(self) -> int:
+        """Fold the tracked tenant with the fewest events into "other"; its weight."""
+        while True:
+            weight, tenant = heapq.heappop(self._heap)
+            if self._weight.get(tenant) == weight:
+                break
+        self.other.add(self.tenants.pop(tenant))
+        del self._weight[tenant]
+        self.evicted += 1
+        return weight
 
     def lookup(self, tenant: str, prompt_tokens: int, tier: str | None, matched_tokens: int, peer_bytes: int = 0,
                served_bytes: int = 0) -> None:
-        c = self.tenants[tenant]
+        c = self._counters(tenant)
         c.lookups += 1
         c.lookup_tokens += prompt_tokens
         if tier is not None:
@@ -88,17 +130,18 @@ class TenantMetrics:
         c.peer_bytes += peer_bytes
 
     def store(self, tenant: str, accepted: bool) -> None:
-        c = self.tenants[tenant]
+        c = self._counters(tenant)
         if accepted:
             c.stores += 1
         else:
             c.stores_declined += 1
 
     def warmed(self, tenant: str, nbytes: int) -> None:
-        self.tenants[tenant].warmed_bytes += nbytes
+        self._counters(tenant).warmed_bytes += nbytes
 
     def total(self) -> TenantCounters:
         out = TenantCounters()
+        out.add(self.other)
         for c in self.tenants.values():
             out.add(c)
         return out
@@ -108,9 +151,10 @@ class TenantMetrics:
         ranked = sorted(self.tenants.items(), key=lambda kv: kv[1].lookups, reverse=True)
         out = {name: c for name, c in ranked[:top_n]}
         rest = TenantCounters()
+        rest.add(self.other)
         for _, c in ranked[top_n:]:
             rest.add(c)
-        if ranked[top_n:]:
+        if ranked[top_n:] or self.evicted:
             out[OTHER if OTHER not in out else OTHER + "_"] = rest
         return out
 
@@ -130,6 +174,9 @@ class SidecarState:
     index_up: bool | None  # None: no global index configured
     index_errors: dict[str, int]  # operation -> failures
     counters: dict[str, float]  # the sidecar's event counters (peer fetches, stores, ...)
+    # "reads"/"writes" -> "ok" or the failure pausing them (redis_health.Health values)
+    index_health: dict[str, str] = field(default_factory=dict)
+    index_pending_blocks: int = 0  # registrations queued while writes are refused
 
 
 def _tenant_families(buckets: dict[str, TenantCounters], version: str) -> Iterable:
@@ -186,6 +233,15 @@ def _sidecar_families(s: SidecarState) -> Iterable:
         for op, n in sorted({**dict.fromkeys(INDEX_OPERATIONS, 0), **s.index_errors}.items()):
             errors.add_metric([s.version, op], n)
         yield errors
+        health = GaugeMetricFamily("kvtier_index_health", "1 for the state each kind of index operation is in "
+                                   "(reads and writes fail separately: oom, readonly, moved, unreachable)",
+                                   labels=["version", "operation", "state"])
+        for op, state in sorted(s.index_health.items()):
+            for candidate in INDEX_HEALTH_STATES:
+                health.add_metric([s.version, op, candidate], float(state == candidate))
+        yield health
+        yield gauge("kvtier_index_pending_blocks", "Block registrations queued until index writes resume",
+                    s.index_pending_blocks)
     yield counter("kvtier_peer_fetches", "Fetches from peer sidecars", s.counters.get("peer_fetches", 0))
     peer_errors = CounterMetricFamily("kvtier_peer_errors", "Peer fetches that ended early, by reason",
                                       labels=["version", "reason"])

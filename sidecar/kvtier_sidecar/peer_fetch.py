@@ -1,8 +1,11 @@
 """Pulling blocks from a peer into this sidecar's arena: on a lookup's miss (the
 global index names the peer) and for the operator's warm-ups.
 
-The fetcher owns its thread pool (a fetch blocks a thread in `recv_into`) and counts
-into the thread-safe `Counters`. Every fault — no answer, a short or lying peer, a
+The fetcher owns three bounded thread pools (a fetch blocks a thread in `recv_into`),
+so one kind of work never starves another: request-path fetches (an engine is
+waiting), warm-up jobs (the operator's background pulls) and index writes after a
+store. A flood of warm-ups toward a stalled peer fills only the warm pool; engine
+lookups keep their own threads. It counts into the thread-safe `Counters`. Every fault — no answer, a short or lying peer, a
 full arena — commits only the verified prefix, or nothing: rule: fault-is-a-miss.
 """
 from __future__ import annotations
@@ -26,8 +29,12 @@ log = logging.getLogger("kvtier.sidecar.peer_fetch")
 
 # Hosts tried per miss: the second covers a stale first answer; more only adds latency.
 PEER_ATTEMPTS = 2
-# Parallel peer fetches; each holds a thread blocked in recv_into.
+# Parallel request-path peer fetches; each holds a thread blocked in recv_into.
 FETCH_THREADS = 8
+# Parallel warm-up fetches: background work, so few; a stalled peer ties up only these.
+WARM_THREADS = 2
+# After-store work (digests, index registration): short and CPU-bound, one thread.
+BACKGROUND_THREADS = 1
 # The checksum failure a transport reports (counted apart: a peer serving bad bytes).
 CHECKSUM_MISMATCH = "checksum mismatch"
 
@@ -69,6 +76,8 @@ class PeerFetcher:
         self.register = register
         self.block_size = tier.block_size
         self.pool = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="peer-fetch")
+        self.warm_pool = concurrent.futures.ThreadPoolExecutor(WARM_THREADS, thread_name_prefix="peer-warm")
+        self.background_pool = concurrent.futures.ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="after-store")
 
     async def from_peers(self, root: KeyRoot, tokens: np.ndarray, have: int, max_blocks: int) -> tuple[int, int]:
         """Fetch blocks [have, k) from the peer holding the longest prefix; (blocks, bytes)."""
@@ -90,9 +99,10 @@ class PeerFetcher:
             self.index.forget_member(host)
         return 0, 0
 
-    async def fetch(self, host: str, root: KeyRoot, tokens: np.ndarray, have: int, want: int) -> tuple[int, int]:
+    async def fetch(self, host: str, root: KeyRoot, tokens: np.ndarray, have: int, want: int,
+                    pool: concurrent.futures.Executor | None = None) -> tuple[int, int]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self._fetch_blocking, host, root, tokens, have, want)
+        return await loop.run_in_executor(pool or self.pool, self._fetch_blocking, host, root, tokens, have, want)
 
     def _fetch_blocking(self, host: str, root: KeyRoot, tokens: np.ndarray, have: int, want: int) -> tuple[int, int]:
         sink = _Sink(self.tier, root, tokens, have)
@@ -119,7 +129,7 @@ class PeerFetcher:
         what this arena already holds."""
         assert self.transport is not None, "warm-ups need the peer tier (the sidecar checks)"
         loop = asyncio.get_running_loop()
-        hot = await loop.run_in_executor(self.pool, self.transport.hot_prefixes, peer, tenant, max_bytes)
+        hot = await loop.run_in_executor(self.warm_pool, self.transport.hot_prefixes, peer, tenant, max_bytes)
         moved = 0
         blocks = 0
         for root, tokens in hot.prefixes:
@@ -133,7 +143,7 @@ class PeerFetcher:
             try:
                 if have >= n:
                     continue
-                got, nbytes = await self.fetch(peer, root, tokens[: n * self.block_size], have, n)
+                got, nbytes = await self.fetch(peer, root, tokens[: n * self.block_size], have, n, self.warm_pool)
                 blocks += got
                 moved += nbytes
             finally:
@@ -143,8 +153,9 @@ class PeerFetcher:
         return Warmed(len(hot.prefixes), blocks, moved)
 
     def submit(self, work: Callable[[], None]) -> None:
-        """Run `work` on the pool, off the request path."""
-        self.pool.submit(work)
+        """Run `work` on the after-store pool, off the request path."""
+        self.background_pool.submit(work)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.pool, self.warm_pool, self.background_pool):
+            pool.shutdown(wait=False, cancel_futures=True)

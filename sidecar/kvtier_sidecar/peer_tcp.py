@@ -24,6 +24,7 @@ import xxhash
 
 from kvtier.blockpool import slot_runs
 from kvtier.keys import KeyRoot
+from kvtier.peer_address import parse_peer
 
 from . import wire
 from .sockio import recv_exact, recv_into_exact
@@ -298,8 +299,8 @@ class TcpTransport:
         self.timeout_s = timeout_s
 
     def _connect(self, peer: str, deadline: float) -> socket.socket:
-        host, _, port = peer.rpartition(":")
-        sock = socket.create_connection((host, int(port)), timeout=self.connect_timeout_s)
+        addr = parse_peer(peer)  # "[v6]:port" too
+        sock = socket.create_connection((addr.host, addr.port), timeout=self.connect_timeout_s)
         try:
             _tune(sock)
             sock.settimeout(max(0.001, deadline - time.monotonic()))

@@ -34,11 +34,23 @@ from . import metrics as metrics_mod
 from .counters import Count, Counters
 from .dram import DramTier, TierHit
 from .global_index import GlobalIndex
-from .jobs import JobRegistry
+from .jobs import JobRegistry, QueueFull, RefConflict  # noqa: F401  (answered 429 / 409 by http_api)
 from .peer_fetch import PeerFetcher
 from .platform_prefix import PlatformPrefixes
 from .store_tickets import TicketBook, TicketId
 from .transport import PeerTransport
+
+
+# Warm-up jobs accepted and not finished; past this a request is answered 429 with
+# Retry-After (one epoch's moves onto one target are far fewer).
+MAX_WARM_JOBS = 64
+# Warm-ups running at once; the rest wait their turn (each holds peer connections).
+WARM_CONCURRENCY = 2
+# A warm-up job that has not finished by then fails ("deadline"): a stalled peer must
+# not hold a queue slot forever (the operator's own default wait is shorter).
+WARM_JOB_DEADLINE_S = 120.0
+# What a refused warm-up is told: about one queued job's worth of peer timeouts.
+WARM_RETRY_AFTER_S = 5
 
 
 class PeerTierDisabled(RuntimeError):
@@ -68,6 +80,7 @@ class Sidecar:
         self.tickets = TicketBook(tier, self.metrics)
         self.fetcher = PeerFetcher(tier, index, transport, self.counters, self._register)
         self.jobs_registry = JobRegistry()
+        self._warm_slots = asyncio.Semaphore(WARM_CONCURRENCY)
         self._hits: dict[int, TierHit] = {}
         self._ids = itertools.count(1)
         self.nvme = None  # an nvme_probe.NvmeProbe when the config measures a local disk
@@ -209,7 +222,9 @@ class Sidecar:
     def _index_state(self) -> api.IndexState:
         if self.index is None:
             return api.IndexState(enabled=False)
-        return api.IndexState(enabled=True, available=self.index.available, pending_blocks=self.index.pending,
+        health = self.index.health()
+        return api.IndexState(enabled=True, available=self.index.available, writable=self.index.writable,
+                              reads=health["reads"], writes=health["writes"], pending_blocks=self.index.pending,
                               counters=dict(self.index.stats))
 
     def jobs(self) -> dict[api.JobId, api.Job]:
@@ -229,15 +244,25 @@ class Sidecar:
         the first job instead of starting another (a restarted operator re-asks)."""
         if self.transport is None:
             raise PeerTierDisabled("the peer tier is disabled in this sidecar's config")
-        known = self.jobs_registry.by_ref(ref)
+        known = self.jobs_registry.by_ref(ref, tenant=tenant, from_peer=peer, max_bytes=max_bytes)
         if known is not None:
             return known, False
+        if self.jobs_registry.unfinished(api.JobKind.WARM) >= MAX_WARM_JOBS:
+            self.counters.add(Count.WARM_REFUSED)
+            raise QueueFull(f"{MAX_WARM_JOBS} warm-ups are already queued or running; retry later",
+                            WARM_RETRY_AFTER_S)
         job = self.jobs_registry.spawn(api.JobKind.WARM, self._warm(tenant, peer, max_bytes), tenant=tenant,
                                        from_peer=peer, max_bytes=max_bytes, ref=ref, asks=1)
         return job, True
 
     async def _warm(self, tenant: str, peer: str, max_bytes: int) -> dict[str, int]:
-        warmed = await self.fetcher.warm(tenant, peer, max_bytes, self.config.model.weights_version)
+        deadline = asyncio.get_running_loop().time() + WARM_JOB_DEADLINE_S
+        try:
+            async with asyncio.timeout_at(deadline):
+                async with self._warm_slots:
+                    warmed = await self.fetcher.warm(tenant, peer, max_bytes, self.config.model.weights_version)
+        except TimeoutError:
+            raise RuntimeError(f"deadline: not finished within {WARM_JOB_DEADLINE_S:.0f}s") from None
         self.metrics.warmed(tenant, warmed.bytes)
         return {"prefixes": warmed.prefixes, "blocks": warmed.blocks, "bytes": warmed.bytes}
 
@@ -251,6 +276,8 @@ class Sidecar:
             index_errors={} if self.index is None else {
                 k.removesuffix("_errors"): v for k, v in self.index.stats.items() if k.endswith("_errors")},
             counters={k: float(v) for k, v in self.counters.snapshot().items()},
+            index_health={} if self.index is None else self.index.health(),
+            index_pending_blocks=0 if self.index is None else self.index.pending,
         )
         return metrics_mod.render(self.metrics, self.config.metrics_top_tenants, state)
 

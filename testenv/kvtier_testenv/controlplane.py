@@ -269,6 +269,24 @@ class ControlPlane:
         if errors:
             raise ControlPlaneError("; ".join(errors))
 
+    def restart(self, name: str) -> None:
+        """SIGKILL one component ("etcd" or "kube-apiserver") and start it again on the
+        same ports (etcd on the same data), as a crashed static pod comes back; returns
+        once it is ready again. Clients reconnect on their own."""
+        comp = next(c for c in self._components if c.name == name)
+        comp.proc.kill()
+        comp.proc.wait(STOP_TIMEOUT_S)
+        self._components.remove(comp)
+        for port in comp.ports:
+            if not _wait_port_free(port):
+                raise ControlPlaneError(f"{name} port {port} still bound after SIGKILL")
+        if name == "etcd":
+            self._start_etcd(comp.ports)
+        elif name == "kube-apiserver":
+            self._start_apiserver(comp.ports[0])
+        else:
+            raise ValueError(f"restart supports etcd and kube-apiserver, not {name}")
+
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self._components]
 
@@ -332,11 +350,12 @@ class ControlPlane:
         self._components.append(comp)
         return comp
 
-    def _start_etcd(self) -> None:
-        client, peer = free_port(), free_port()
-        # tmpfs when there is one: etcd's fsyncs dominate apiserver write latency.
-        data_root = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else self.dir
-        self.etcd_data = Path(tempfile.mkdtemp(prefix="kvtier-etcd-", dir=data_root))
+    def _start_etcd(self, ports: tuple[int, ...] = ()) -> None:
+        client, peer = ports or (free_port(), free_port())
+        if self.etcd_data is None:  # a restart keeps the data directory
+            # tmpfs when there is one: etcd's fsyncs dominate apiserver write latency.
+            data_root = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else self.dir
+            self.etcd_data = Path(tempfile.mkdtemp(prefix="kvtier-etcd-", dir=data_root))
         self.etcd_url = f"http://{HOST}:{client}"
         comp = self._spawn("etcd", [
             str(self.bins.etcd),
@@ -352,8 +371,8 @@ class ControlPlane:
         ], (client, peer))
         self._wait(comp, ETCD_READY_TIMEOUT_S, lambda: _http_ok(f"{self.etcd_url}/health"))
 
-    def _start_apiserver(self) -> None:
-        self.apiserver_port = free_port()
+    def _start_apiserver(self, port: int = 0) -> None:
+        self.apiserver_port = port or free_port()
         comp = self._spawn("kube-apiserver", [
             str(self.bins.kube_apiserver),
             f"--etcd-servers={self.etcd_url}",

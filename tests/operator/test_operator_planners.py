@@ -10,7 +10,7 @@ import yaml
 
 from kvtier import control_api, policy
 from kvtier.affinity import AffinityTable, TenantMove, plan_membership_change
-from kvtier_operator import conditions, hit_rate, injection, membership, names, publish, warmup
+from kvtier_operator import conditions, conflicts, hit_rate, injection, membership, names, publish, warmup
 from kvtier_operator.sidecar_client import FleetStats, parse_stats
 from operator_cases import EXAMPLES_DIR
 
@@ -66,10 +66,11 @@ def test_redis_secret_becomes_env_not_config(spec):
 
 def test_only_selected_pods_are_chosen_and_opt_out_wins():
     sel = lambda **labels: policy.LabelSelector(match_labels=labels)  # noqa: E731
-    policies = [("b", sel(app="llm")), ("a", sel(app="llm", tier="gpu"))]
+    policies = [conflicts.PolicyRef("b", "2026-01-01T00:00:00Z", sel(app="llm")),
+                conflicts.PolicyRef("a", "2026-01-02T00:00:00Z", sel(app="llm", tier="gpu"))]
     assert injection.selecting_policy(pod({"app": "web"}), policies) is None
     assert injection.selecting_policy(pod({"app": "llm"}), policies) == "b"
-    assert injection.selecting_policy(pod({"app": "llm", "tier": "gpu"}), policies) == "a"  # first by name
+    assert injection.selecting_policy(pod({"app": "llm", "tier": "gpu"}), policies) == "b"  # the older one
     assert injection.selecting_policy(pod({"app": "llm", names.OPT_OUT_LABEL: "false"}), policies) is None
 
 

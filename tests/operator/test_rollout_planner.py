@@ -214,3 +214,15 @@ def test_never_advances_without_recovery_and_never_leaves_a_failed_fleet_half_ro
             assert versions == [OLD] * replicas
         if p.kind == "complete":
             assert versions == [NEW] * replicas and serving == NEW
+
+
+def test_scaled_to_zero_mid_rollout_holds_the_step_and_restarts_its_clock_instead_of_rolling_back():
+    later = T0 + timedelta(seconds=300)  # far past the 20s window
+    p = rollout.plan(spec(), NEW, OLD, rolling(step=2), "RollingOut", observed(NEW, 2, [], now=later, replicas=0))
+    assert p.kind == "hold" and p.workload is None and p.event is None
+    assert p.rollout.step == 2 and p.rollout.step_started_at == later
+    assert [(c.type, c.reason) for c in p.conditions] == [("RolloutProgressing", "ScaledToZero")]
+    # Scaled back up: the step is judged from the restarted clock, so it waits, not rolls back.
+    back = observed(NEW, 2, [OLD] * 2 + [NEW] * 2, now=later + timedelta(seconds=5), lookups=10, hits=0)
+    resumed = rollout.plan(spec(), NEW, OLD, p.rollout, "RollingOut", back)
+    assert resumed.kind == "wait" and [c.reason for c in resumed.conditions] == ["WaitingForRecovery"]

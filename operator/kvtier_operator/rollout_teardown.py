@@ -1,0 +1,100 @@
+"""Deleting a policy mid-rollout: before its finalizer goes, the workload returns to one
+consistent version — the STABLE one, `status.version`, which the whole fleet served
+before the rollout began — with partition 0, and the handler waits (bounded) until
+every pod runs it. Without this a deleted policy would leave a StatefulSet half-rolled
+forever (template at the target version, partition mid-way, pods on two versions),
+with no controller left to finish or undo it.
+
+    settle(workload, stable)   pure: the patch that rolls the workload back, or None
+    settle_workload(...)       the delete handler's step: patch, Event, wait for pods
+
+Rolling back rather than forward: the target version never passed its recovery check,
+and the stable version is what every pod ran (and every cache was warm for) before.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+import kopf
+
+from kvtier import policy
+
+from kvtier_operator import names, rollout
+from kvtier_operator.rollout_reconcile import workload_patch
+
+log = logging.getLogger("kvtier.operator.teardown")
+
+# How long the finalizer waits for the pods to converge before letting the policy go
+# anyway (with a Warning): a stuck pod must not pin a deleted policy forever.
+SETTLE_TIMEOUT_S = 600.0
+# Between checks while the StatefulSet controller restarts pods.
+SETTLE_POLL_S = 2.0
+EventFn = Callable[[str, str, str], None]
+
+
+def settle(workload: rollout.Workload, stable: str | None) -> rollout.WorkloadPatch | None:
+    """The patch that returns the workload to `stable` on every pod; None when it is
+    already consistent (no rollout in flight) or no stable version is known."""
+    if stable is None:
+        return None
+    if workload.template_version == stable and workload.partition == 0:
+        return None
+    return rollout.WorkloadPatch(template_version=stable, partition=0)
+
+
+def pods_off(versions: dict[str, str | None], stable: str) -> list[str]:
+    """Pods not (yet) on the stable version."""
+    return sorted(name for name, v in versions.items() if v != stable)
+
+
+async def settle_workload(kube, body: dict[str, Any], event: EventFn, now: Callable[[], float] = time.time) -> None:
+    """Roll the policy's StatefulSet back to the stable version and wait until its pods
+    run it; raises kopf.TemporaryError to be called again while they converge."""
+    meta = body["metadata"]
+    try:
+        pol = policy.parse_policy(body)
+    except ValueError:
+        return  # an unreadable policy never drove a rollout
+    ref, stable = pol.spec.workload_ref, (pol.status.version if pol.status else None)
+    if ref is None or ref.kind != "StatefulSet" or stable is None:
+        return
+    namespace = meta["namespace"]
+    sts = await kube.read_stateful_set(namespace, ref.name)
+    if sts is None:
+        return
+    spec = sts.get("spec") or {}
+    template = ((spec.get("template") or {}).get("metadata") or {}).get("annotations") or {}
+    partition = ((spec.get("updateStrategy") or {}).get("rollingUpdate") or {}).get("partition") or 0
+    workload = rollout.Workload(int(spec.get("replicas", 1)), template.get(names.WEIGHTS_VERSION_ANNOTATION),
+                                int(partition))
+    patch = settle(workload, stable)
+    if patch is not None:
+        await kube.patch_stateful_set(namespace, ref.name, workload_patch(patch))
+        event("Normal", "RolloutAbandoned",
+              f"policy deleted mid-rollout: StatefulSet {ref.name} rolled back to the stable version {stable} "
+              f"(template was {workload.template_version}, partition {workload.partition})")
+    labels = (spec.get("selector") or {}).get("matchLabels") or {}
+    pods = await kube.list_pods(namespace, ",".join(f"{k}={v}" for k, v in sorted(labels.items())))
+    versions = {p["metadata"]["name"]: (p["metadata"].get("annotations") or {}).get(names.WEIGHTS_VERSION_ANNOTATION)
+                for p in pods if not p["metadata"].get("deletionTimestamp")}
+    off = pods_off(versions, stable)
+    ready = sum(1 for p in pods if not p["metadata"].get("deletionTimestamp"))
+    if not off and ready >= workload.replicas:
+        return
+    waited = now() - _deleted_at(meta)
+    if waited > SETTLE_TIMEOUT_S:
+        event("Warning", "RolloutNotSettled", f"pods {', '.join(off) or '(missing replicas)'} still not on {stable} "
+                                              f"after {SETTLE_TIMEOUT_S:.0f}s; releasing the policy anyway")
+        return
+    raise kopf.TemporaryError(f"waiting for StatefulSet {ref.name} to return to {stable}: "
+                              f"{len(off)} pods off it, {ready}/{workload.replicas} present", delay=SETTLE_POLL_S)
+
+
+def _deleted_at(meta: dict[str, Any]) -> float:
+    stamp = meta.get("deletionTimestamp")
+    if not stamp:
+        return time.time()
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).astimezone(timezone.utc).timestamp()
