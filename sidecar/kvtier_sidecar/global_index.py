@@ -94,14 +94,14 @@ class IndexAnswer:
 
 class GlobalIndex:
     def __init__(self, url: str, host: str, prefix: str = "kvt", ttl_s: int = 600,
-                 timeout_s: float = 0.05, cluster: bool = False) -> None:
+                 timeout_s: float = 0.05, cluster: bool = False, socket_timeout_s: float | None = None) -> None:
         self.host = host
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
         # What one socket operation may wait; a request-path call never waits this long
         # (it is cut at `timeout_s` by wait_for).
-        self.socket_timeout_s = max(timeout_s, SOCKET_TIMEOUT_FLOOR_S)
+        self.socket_timeout_s = socket_timeout_s or max(timeout_s, SOCKET_TIMEOUT_FLOOR_S)
         kwargs = dict(socket_timeout=self.socket_timeout_s, socket_connect_timeout=SOCKET_TIMEOUT_FLOOR_S)
         if cluster:
             # No retry_on_timeout here: the cluster client rejects it (it retries

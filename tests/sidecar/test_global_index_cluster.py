@@ -18,6 +18,8 @@ from .test_sidecar_process import poll, prompt
 HOST_A, HOST_B, ME = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.9:1"
 # Eight fixed key roots: their slots fall on every shard of a three-primary cluster.
 TAGS = [hashlib.md5(f"root-{i}".encode()).hexdigest() for i in range(8)]
+# The outage test's Redis socket timeout: many times its request deadline (0.2 s).
+REDIS_SOCKET_TIMEOUT_S = 5.0
 
 
 def hashes(n: int, salt: str = "") -> list[str]:
@@ -154,9 +156,10 @@ def test_deregistration_withdraws_the_hosts_entries_and_membership_on_every_shar
 def test_a_sigkilled_shard_is_a_miss_without_an_exception_and_the_index_recovers(redis_cluster):
     async def go():
         a = GlobalIndex(redis_cluster.url, HOST_A, cluster=True)
-        # The request path's deadline, well under the Redis client's socket timeout.
-        me = GlobalIndex(redis_cluster.url, ME, timeout_s=0.1, cluster=True)
-        assert me.timeout_s < me.socket_timeout_s
+        # A socket timeout far beyond the request path's deadline: a call that waited
+        # for the dead shard's socket would take it; one cut at its deadline does not.
+        me = GlobalIndex(redis_cluster.url, ME, timeout_s=0.2, cluster=True, socket_timeout_s=REDIS_SOCKET_TIMEOUT_S)
+        assert me.socket_timeout_s == REDIS_SOCKET_TIMEOUT_S
         for tag in TAGS:
             a.register(tag, hashes(20))
         assert await a.flush()
