@@ -423,6 +423,8 @@ def test_fleet_hit_rate_follows_steady_traffic_without_membership_change(operato
     into status, and `kubectl get kvcp -o wide` shows it in the HitRate column."""
     fleet = Fleet(kubectl, node_agent_factory(workdir=short_workdir()), "steady", "steady")
     kubectl.apply(tiny_policy("steady", "steady"))
+    wait_for("sidecar ConfigMap", lambda: kubectl.run(
+        "get", "configmap", names.sidecar_config_map("steady"), check=False).returncode == 0)
     fleet.add("s0")
     fleet.ready(1)
     joined = wait_for("membership of s0", lambda: (s := status_of(kubectl, "steady")).get("memberCount") == 1 and s)
