@@ -28,8 +28,8 @@ from pydantic import ValidationError
 from kvtier import policy
 from kvtier.affinity import AffinityTable, load_imbalance, plan_membership_change
 
-from kvtier_operator import (arena_memory, conditions, conflicts, economics, epoch, membership, names, publish, sidecar_render,
-                             warmup)
+from kvtier_operator import (arena_memory, conditions, conflicts, crashpoints, economics, epoch, events, membership, names,
+                             publish, sidecar_render, warmup)
 from kvtier_operator.kube import Kube
 from kvtier_operator.registry import PolicyState
 from kvtier_operator.sidecar_client import FleetStats, SidecarClient
@@ -210,9 +210,16 @@ async def reconcile_membership(
         _post_verdict_changes(old_status, tiers, event)
     fields["conditions"] = [c.wire() for c in conditions.merge(
         old_status.conditions, observed, body["metadata"].get("generation"))]
+    epoch_changed = new_epoch or (old_status.epoch or 0) < table.epoch
+    if epoch_changed:
+        # Before the status write, named by the epoch: a crash between the two re-posts
+        # it (409, kept once) instead of losing it behind a status that already agrees.
+        await kube.create_event_once(events.once(body, f"epoch/{table.epoch}", "Normal", "EpochChanged",
+                                                 _epoch_message(table, plan, len(tenants))))
+        crashpoints.reached("membership-event-posted")
     await kube.patch_status(namespace, name, fields)
-    if new_epoch or (old_status.epoch or 0) < table.epoch:
-        event("Normal", "EpochChanged", _epoch_message(table, plan, len(tenants)))
+    if epoch_changed:
+        crashpoints.reached("membership-status-written")
     log.info("membership of %s/%s reconciled: epoch %d, %d members, new epoch: %s",
              namespace, name, table.epoch, len(members), new_epoch)
 
@@ -270,8 +277,10 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
         deadline = time.monotonic() + spec.affinity.warm_timeout_s
         try:
             await writer.write()
+            crashpoints.reached("membership-journal-written")
             await sidecars.warm_all(todo, {**leavers, **members}, spec.affinity.warm_timeout_s,
                                     ref_prefix=journal.ref_prefix, on_done=writer.done)
+            crashpoints.reached("membership-warmed")
             # A leaver that did not answer: warm from the surviving old home instead
             # (its own refs: the sidecar remembers the failed job under the first ones).
             retry = [r.from_fallback() for r in todo if r.key not in journal.done and r.fallback]
@@ -283,9 +292,12 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
         log.info("epoch %s: %d/%d warm-ups done, %d tenants cold", table.epoch,
                  len(journal.done), len(warm_plan.requests), len(warm_plan.cold_tenants))
     await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
+    crashpoints.reached("membership-table-published")
     if spec.redis and spec.redis.url:
         await publish.publish_redis(spec.redis.url, namespace, name, table, members, spec.redis.cluster)
+        crashpoints.reached("membership-redis-published")
     await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
+    crashpoints.reached("membership-journal-cleared")
 
 
 class _JournalWriter:
