@@ -190,6 +190,8 @@ async def reconcile_membership(
             await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
         if spec.redis and spec.redis.url:  # level-based: a Redis that missed an epoch catches up
             await publish.ensure_redis(spec.redis.url, namespace, name, table, members, spec.redis.cluster)
+        if _stale_journal(body, table.epoch):  # a crash after the publish left it behind
+            await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
 
     if leavers:  # the published table no longer names them: they may go
         await sidecars.release(leavers)
@@ -298,6 +300,13 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
         crashpoints.reached("membership-redis-published")
     await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
     crashpoints.reached("membership-journal-cleared")
+
+
+def _stale_journal(body: dict[str, Any], published_epoch: int) -> bool:
+    """A warm-up journal for an epoch already published (or older): nothing left to resume."""
+    raw = (body["metadata"].get("annotations") or {}).get(names.PENDING_EPOCH_ANNOTATION)
+    journal = warmup.PendingEpoch.from_json(raw)
+    return raw is not None and (journal is None or journal.epoch <= published_epoch)
 
 
 class _JournalWriter:
