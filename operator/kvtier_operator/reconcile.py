@@ -184,12 +184,13 @@ async def reconcile_membership(
     table, new_epoch = decision.table, decision.new_epoch
 
     if new_epoch:
-        await _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers)
+        state.redis_behind = not await _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers)
     else:
         if published_cm and _addresses_stale(published_cm, members):
             await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
         if spec.redis and spec.redis.url:  # level-based: a Redis that missed an epoch catches up
-            await publish.ensure_redis(spec.redis.url, namespace, name, table, members, spec.redis.cluster)
+            state.redis_behind = not await publish.ensure_redis(spec.redis.url, namespace, name, table, members,
+                                                                spec.redis.cluster)
         if _stale_journal(body, table.epoch):  # a crash after the publish left it behind
             await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
 
@@ -260,9 +261,9 @@ def _injection_observation(missing: list[str], old: policy.KVCachePolicyStatus, 
     return conditions.Observation("SidecarsInjected", "False", "PodsWithoutSidecar", message)
 
 
-async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers=None) -> None:
+async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers=None) -> bool:
     """Warm moved tenants on their new homes (from a leaver first), journaled, then
-    publish the new epoch."""
+    publish the new epoch. False: Redis (when configured) did not take it."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     digest = warmup.members_digest(members)
@@ -295,11 +296,13 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
                  len(journal.done), len(warm_plan.requests), len(warm_plan.cold_tenants))
     await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
     crashpoints.reached("membership-table-published")
+    redis_ok = True
     if spec.redis and spec.redis.url:
-        await publish.publish_redis(spec.redis.url, namespace, name, table, members, spec.redis.cluster)
+        redis_ok = await publish.publish_redis(spec.redis.url, namespace, name, table, members, spec.redis.cluster)
         crashpoints.reached("membership-redis-published")
     await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
     crashpoints.reached("membership-journal-cleared")
+    return redis_ok
 
 
 def _stale_journal(body: dict[str, Any], published_epoch: int) -> bool:
