@@ -1,24 +1,28 @@
-"""Admission and placement (rule: admission): who earns a slot, in what order, on which tier.
+"""Admission and placement (rule: admission): who earns a place, in what order, on which tier.
 
 * `CountMinSketch` counts sightings of block hashes in fixed memory, with TinyLFU's
-  periodic halving as decay, so old popularity fades.
-* `Admission` turns sightings into a decision: a block is stored from its
-  `bar`-th sighting (the bar starts at `min_sightings`, default 2 = "second sighting");
-  placement is inferred from reuse: small and hot -> pinned, seen twice -> DRAM,
-  once -> not stored. Callers never declare a policy.
-* `StoreQueue` holds admitted stores ordered by value (matched tokens x sightings);
-  when full it drops its LEAST valuable entry, never simply the newest.
-* `ThrashDetector` watches evictions against stores; when evictions/s exceed
-  0.9 x stores/s for a sustained stretch it raises the admission bar. Thrash only ever
-  makes admission stricter, never looser. What counts as an eviction here is a block
-  evicted before it served a single hit since it was stored: a full cache that evicts
-  cold-but-once-useful blocks is working, one that evicts what it just stored is
-  thrashing. Once thrash has been absent for a long calm (`RELAX_AFTER_CALM_WINDOWS`),
-  the bar steps back down by one, never below `min_sightings`: the workload that
-  forced it up has gone, and a bar stuck at its maximum would refuse a healthy cache
-  for good.
+  periodic halving as decay, so old popularity fades, and a doorkeeper: a block's
+  first sighting only sets a bit, so the one-shot majority never occupies counters.
+* `Admission` is TinyLFU's frequency filter: every lookup sights every full block of
+  the prompt, and when the cache is full a block leaving the window enters the main
+  region only if the sketch has seen it at least as often as main's victim is
+  still being hit (see `kvtier.eviction`). Stores themselves are never refused: free space is always
+  used, and a new block always gets its turn in the window.
+* Placement is inferred from reuse: small and hot -> pinned, otherwise DRAM.
+  Callers never declare a policy.
+* `StoreQueue` holds stores ordered by value (tokens x sightings); when full it
+  drops its LEAST valuable entry, never simply the newest.
 
-Everything here is pure bookkeeping over values and an injected clock.
+The old thrash detector is retired: it raised a sightings bar when evictions
+outpaced stores, which also fired on a cache that was behaving (fresh conversation
+turns are stored and evicted unused by design when they lose the duel) and then
+refused stores into free space. "Thrashing" is now only reported, and measured
+against a shadow LRU (`THRASH_RATIO`). The W-TinyLFU duel covers the case
+it was for: under a one-shot stream the window's candidates lose their duels, so the
+stream never displaces the reused set, and the window's share is steered against a
+shadow LRU of the same size (`kvtier.eviction`), never by eviction counts.
+
+Everything here is pure bookkeeping over values.
 """
 from __future__ import annotations
 
@@ -29,46 +33,52 @@ from typing import Callable, Generic, TypeVar
 
 import numpy as np
 
+from kvtier.eviction import admits
 from kvtier.keys import BlockHash
 
 DEFAULT_MIN_SIGHTINGS = 2
-"""Store on the second sighting: one-shot prefixes never take a slot (TinyLFU)."""
+"""A block seen fewer times never displaces another in a full cache: one-shot
+prefixes only ever use free space or the window (TinyLFU)."""
 
 HOT_SIGHTINGS = 4
 """Sightings after which a small prefix is treated as hot (a system prompt or an agent
 transcript re-sent every step earns it by its fourth use)."""
 
 THRASH_RATIO = 0.9
-"""Evictions/s above this fraction of stores/s means the cache evicts about as fast as
-it fills: entries die before their second use."""
-
-THRASH_WINDOW_S = 1.0
-"""Rates are compared per one-second window."""
-
-THRASH_SUSTAIN_WINDOWS = 5
-"""Thrash must persist this many consecutive windows before the bar moves, so one
-burst of evictions (say, after an invalidation) does not tighten admission."""
-
-MAX_ADMISSION_BAR = 8
-"""The bar never rises past this: a prefix seen eight times is worth caching whatever
-the churn."""
-
-RELAX_AFTER_CALM_WINDOWS = 60
-"""A minute of windows without thrash before the bar steps down one notch: far longer
-than the five windows that raise it, so the bar cannot oscillate."""
+"""Thrash, redefined against a shadow LRU of the same size: over the last sample the
+cache matched fewer than this fraction of the blocks plain LRU would have. A cache
+that evicts a lot but matches what LRU would is behaving, and is not thrashing.
+It only reports (a gauge and an alert); it no longer moves any admission bar."""
 
 SKETCH_WIDTH = 1 << 16
 SKETCH_DEPTH = 4
-"""64Ki counters x 4 rows x 4 bytes = 1 MiB: a few MB at most, per the design."""
+"""64Ki counters x 4 rows x 4 bytes = 1 MiB: the width when nothing else is said."""
+
+SKETCH_MIN_WIDTH = 1 << 10
+SKETCH_MAX_WIDTH = 1 << 19
+"""A cache's sketch has about one counter per sighting it counts between two
+halvings, so a one-shot stream does not inflate estimates, within these bounds:
+at most 8 MiB of counters (and 4 MiB of doorkeeper) however large the arena."""
 
 SKETCH_SAMPLE_FACTOR = 10
-"""TinyLFU reset: halve every counter after width x 10 additions."""
+"""TinyLFU reset for a sketch of fixed width: halve after width x 10 additions."""
+
+SKETCH_SLOT_MEMORY = 100
+"""A cache's sketch halves after 100 x (slots) additions: it must still remember a
+block's first sighting when the block comes back, and in prompt traffic that is
+often a conversation's next turn, many cache turnovers later (Caffeine's 10 x
+entries assumes reuse within about one turnover; measured on conversation
+traffic, 10 x loses a tenth of the hit rate at small capacities)."""
+
+DOORKEEPER_BITS_PER_COUNTER = 8
+"""Doorkeeper bits per sketch counter: one bit per block of the sample keeps its
+false-positive rate low at two probes."""
 
 
 class Placement(enum.Enum):
     """Where an admitted prefix lives, inferred from reuse."""
 
-    SKIP = "skip"        # seen once: not stored
+    SKIP = "skip"        # seen fewer than `bar` times: window only, never pinned
     DRAM = "dram"        # seen `bar` times: the host-DRAM tier
     PINNED = "pinned"    # small and hot: evicted only after every DRAM block
 
@@ -79,19 +89,24 @@ overhead (a lookup of a short prompt, the simulator's hot path)."""
 
 
 class CountMinSketch:
-    """Count-min sketch over 16-byte block hashes, with halving decay.
+    """Count-min sketch over 16-byte block hashes, with halving decay and an
+    optional doorkeeper.
 
     Row i indexes with h1 + i*h2 (the two 64-bit halves of the hash), which is
     enough independence for xxh3 output. Counts are over-estimates, never under.
-    Calls on a few hashes take a pure-Python path over a flat view of the same
-    table; both paths touch the same counters (pinned by a hypothesis test).
+    With the doorkeeper, a hash's first sighting only sets its two doorkeeper
+    probes (h1 and h2, one byte each); later ones count in the table, and an
+    estimate is the table's minimum plus one when the doorkeeper knows the hash.
+    Halving clears the doorkeeper. Calls on a few hashes take a pure-Python path
+    over flat views of the same arrays; both paths touch the same counters (pinned
+    by a hypothesis test).
     """
 
     __slots__ = ("width", "depth", "table", "additions", "sample_size", "resets", "_mask", "_rows",
-                 "_flat")
+                 "_flat", "door", "_door_flat", "_door_mask")
 
     def __init__(self, width: int = SKETCH_WIDTH, depth: int = SKETCH_DEPTH,
-                 sample_size: int | None = None) -> None:
+                 sample_size: int | None = None, doorkeeper: bool = False) -> None:
         if width < 16 or width & (width - 1):
             raise ValueError(f"sketch width must be a power of two >= 16, got {width}")
         if depth < 1:
@@ -104,6 +119,21 @@ class CountMinSketch:
         self._mask = np.uint64(width - 1)
         self._rows = np.arange(depth, dtype=np.uint64)[:, None]
         self._flat = memoryview(self.table).cast("B").cast("I")  # halving is in place: stays valid
+        door_size = width * DOORKEEPER_BITS_PER_COUNTER if doorkeeper else 0
+        self.door = np.zeros(door_size, dtype=np.uint8) if doorkeeper else None
+        self._door_flat = memoryview(self.door).cast("B") if doorkeeper else None
+        self._door_mask = door_size - 1
+
+    @classmethod
+    def for_slots(cls, slots: int, doorkeeper: bool = True) -> CountMinSketch:
+        """A sketch sized for a cache of `slots` blocks: halving after
+        `SKETCH_SLOT_MEMORY` x slots additions, about one counter per addition in
+        between (within the width bounds)."""
+        sample = max(slots, 1) * SKETCH_SLOT_MEMORY
+        width = SKETCH_MIN_WIDTH
+        while width < sample and width < SKETCH_MAX_WIDTH:
+            width *= 2
+        return cls(width, SKETCH_DEPTH, sample, doorkeeper)
 
     def add(self, hashes: list[BlockHash]) -> None:
         """Count one sighting of each hash (duplicates in one call count once)."""
@@ -115,9 +145,15 @@ class CountMinSketch:
             self._add_many(hashes)
         self.additions += len(hashes)
         if self.additions >= self.sample_size:
-            self.table >>= 1
-            self.additions //= 2
-            self.resets += 1
+            self.halve()
+
+    def halve(self) -> None:
+        """TinyLFU's reset: halve every counter and forget the doorkeeper."""
+        self.table >>= 1
+        self.additions //= 2
+        self.resets += 1
+        if self.door is not None:
+            self.door[:] = 0
 
     def estimate(self, hashes: list[BlockHash]) -> np.ndarray:
         """Estimated sightings of each hash (int64 array, same order)."""
@@ -127,20 +163,55 @@ class CountMinSketch:
             return self._estimate_few(hashes)
         return self._estimate_many(hashes)
 
-    def _index(self, hashes: list[BlockHash]) -> np.ndarray:
-        halves = np.frombuffer(b"".join(hashes), dtype="<u8").reshape(-1, 2)
+    def estimate_one(self, h: BlockHash) -> int:
+        """Estimated sightings of one hash (the eviction duel's hot path)."""
+        flat = self._flat
+        lo = int.from_bytes(h[:8], "little")
+        hi = int.from_bytes(h[8:16], "little")
+        if self.depth == 4:  # unrolled, as in `_cells`
+            m, w = self.width - 1, self.width
+            est = min(flat[lo & m], flat[w + ((lo + hi) & m)], flat[2 * w + ((lo + 2 * hi) & m)],
+                      flat[3 * w + ((lo + 3 * hi) & m)])
+        else:
+            est = min(flat[c] for c in self._cells(h))
+        door = self._door_flat
+        if door is not None:
+            dm = self._door_mask
+            est += door[lo & dm] & door[hi & dm]
+        return est
+
+    def _halves(self, hashes: list[BlockHash]) -> np.ndarray:
+        return np.frombuffer(b"".join(hashes), dtype="<u8").reshape(-1, 2)
+
+    def _index(self, halves: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
             return ((halves[:, 0][None, :] + self._rows * halves[:, 1][None, :]) & self._mask).astype(np.intp)
 
+    def _door_probes(self, halves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        m = np.uint64(self._door_mask)
+        return (halves[:, 0] & m).astype(np.intp), (halves[:, 1] & m).astype(np.intp)
+
     def _add_many(self, hashes: list[BlockHash]) -> None:
-        idx = self._index(hashes)
+        halves = self._halves(hashes)
+        idx = self._index(halves)
+        if self.door is not None:
+            p1, p2 = self._door_probes(halves)
+            seen = (self.door[p1] & self.door[p2]).astype(bool)
+            self.door[p1] = 1
+            self.door[p2] = 1
+            idx = idx[:, seen]
         rows = np.arange(self.depth)[:, None]
         self.table[rows, idx] += 1
 
     def _estimate_many(self, hashes: list[BlockHash]) -> np.ndarray:
-        idx = self._index(hashes)
+        halves = self._halves(hashes)
+        idx = self._index(halves)
         rows = np.arange(self.depth)[:, None]
-        return self.table[rows, idx].min(axis=0).astype(np.int64)
+        est = self.table[rows, idx].min(axis=0).astype(np.int64)
+        if self.door is not None:
+            p1, p2 = self._door_probes(halves)
+            est += self.door[p1] & self.door[p2]
+        return est
 
     def _cells(self, h: bytes) -> list[int]:
         """Flat positions (row * width + column) of the hash's counters, one per row."""
@@ -151,67 +222,40 @@ class CountMinSketch:
             return [lo & m, w + ((lo + hi) & m), 2 * w + ((lo + 2 * hi) & m), 3 * w + ((lo + 3 * hi) & m)]
         return [i * w + ((lo + i * hi) & m) for i in range(self.depth)]
 
+    def _door_seen(self, h: bytes) -> int:
+        door, m = self._door_flat, self._door_mask
+        return door[int.from_bytes(h[:8], "little") & m] & door[int.from_bytes(h[8:16], "little") & m]
+
     def _add_few(self, hashes: list[BlockHash]) -> None:
         flat = self._flat
+        halves = [(int.from_bytes(h[:8], "little"), int.from_bytes(h[8:16], "little")) for h in hashes]
+        door = self._door_flat
+        if door is not None:  # read every probe before setting any, as numpy does
+            dm = self._door_mask
+            seen = [door[lo & dm] and door[hi & dm] for lo, hi in halves]
+            for lo, hi in halves:
+                door[lo & dm] = door[hi & dm] = 1
+            halves = [pair for pair, s in zip(halves, seen) if s]
+            if not halves:
+                return
         # One increment per distinct counter, as numpy's fancy-index += does.
-        cells = self._cells(hashes[0]) if len(hashes) == 1 else {c for h in hashes for c in self._cells(h)}
+        m, w = self.width - 1, self.width
+        if self.depth == 4:  # the default depth, unrolled: the simulator's hot path
+            cells = set()
+            for lo, hi in halves:
+                cells.update((lo & m, w + ((lo + hi) & m), 2 * w + ((lo + 2 * hi) & m),
+                              3 * w + ((lo + 3 * hi) & m)))
+        else:
+            cells = {i * w + ((lo + i * hi) & m) for lo, hi in halves for i in range(self.depth)}
         for c in cells:
             flat[c] = (flat[c] + 1) & 0xFFFFFFFF
 
     def _estimate_few(self, hashes: list[BlockHash]) -> np.ndarray:
         flat = self._flat
-        return np.array([min(flat[c] for c in self._cells(h)) for h in hashes], dtype=np.int64)
-
-
-class ThrashDetector:
-    """Evictions vs stores per window; `check` says when to raise the admission bar."""
-
-    __slots__ = ("ratio", "window_s", "sustain_windows", "_start", "_stores", "_evictions",
-                 "consecutive", "events", "thrashing", "calm_windows")
-
-    def __init__(self, ratio: float = THRASH_RATIO, window_s: float = THRASH_WINDOW_S,
-                 sustain_windows: int = THRASH_SUSTAIN_WINDOWS) -> None:
-        if window_s <= 0 or sustain_windows < 1 or not 0 < ratio:
-            raise ValueError("thrash detector needs window_s > 0, sustain_windows >= 1, ratio > 0")
-        self.ratio, self.window_s, self.sustain_windows = ratio, window_s, sustain_windows
-        self._start: float | None = None
-        self._stores = 0
-        self._evictions = 0
-        self.consecutive = 0
-        self.events = 0
-        self.thrashing = False
-        self.calm_windows = 0  # whole windows since the last one that thrashed
-
-    def record(self, now_s: float, stored_blocks: int = 0, evicted_blocks: int = 0) -> bool:
-        """Account blocks stored/evicted at `now_s`. Returns True when a sustained
-        stretch of thrash just completed (the caller raises the bar once per stretch)."""
-        fired = self._roll(now_s)
-        self._stores += stored_blocks
-        self._evictions += evicted_blocks
-        return fired
-
-    def _roll(self, now_s: float) -> bool:
-        if self._start is None:
-            self._start = now_s
-            return False
-        elapsed = now_s - self._start
-        if elapsed < self.window_s:
-            return False
-        thrashed = self._evictions > 0 and self._evictions > self.ratio * self._stores
-        self.consecutive = self.consecutive + 1 if thrashed else 0
-        # Whole idle windows after the one just closed were calm, whatever it was.
-        windows = max(1, int(elapsed // self.window_s))
-        self.calm_windows = windows - 1 if thrashed else self.calm_windows + windows
-        if elapsed >= 2 * self.window_s:
-            self.consecutive = 0  # an idle window in between breaks the stretch
-        self.thrashing = self.consecutive > 0
-        self._start = now_s
-        self._stores = self._evictions = 0
-        if self.consecutive >= self.sustain_windows:
-            self.consecutive = 0
-            self.events += 1
-            return True
-        return False
+        est = [min(flat[c] for c in self._cells(h)) for h in hashes]
+        if self._door_flat is not None:
+            est = [e + self._door_seen(h) for e, h in zip(est, hashes)]
+        return np.array(est, dtype=np.int64)
 
 
 def placement(sightings: int, prefix_bytes: int, bar: int, pin_max_bytes: int,
@@ -225,48 +269,44 @@ def placement(sightings: int, prefix_bytes: int, bar: int, pin_max_bytes: int,
 
 
 class Admission:
-    """The sketch plus the admission bar that thrash can raise."""
+    """The frequency filter: the sketch, the least sightings a block needs to enter a
+    full main region, and how the duels went."""
 
-    __slots__ = ("sketch", "min_sightings", "bar", "max_bar", "thrash", "rejects", "admits")
+    __slots__ = ("sketch", "min_sightings", "rejects", "admits")
 
     def __init__(self, min_sightings: int = DEFAULT_MIN_SIGHTINGS, *,
-                 sketch: CountMinSketch | None = None, thrash: ThrashDetector | None = None,
-                 max_bar: int = MAX_ADMISSION_BAR) -> None:
+                 sketch: CountMinSketch | None = None) -> None:
         if isinstance(min_sightings, bool) or not isinstance(min_sightings, int) or min_sightings < 1:
             raise ValueError(f"min_sightings must be an integer >= 1, got {min_sightings!r}")
-        self.sketch = sketch or CountMinSketch()
+        self.sketch = sketch or CountMinSketch(doorkeeper=True)
         self.min_sightings = min_sightings
-        self.bar = min_sightings
-        self.max_bar = max(max_bar, min_sightings)
-        self.thrash = thrash or ThrashDetector()
         self.rejects = 0
         self.admits = 0
+
+    @property
+    def bar(self) -> int:
+        """Sightings a window candidate needs before it may displace anything."""
+        return self.min_sightings
 
     def sight(self, hashes: list[BlockHash]) -> None:
         self.sketch.add(hashes)
 
-    def admitted_blocks(self, hashes: list[BlockHash]) -> tuple[int, int]:
-        """How many leading blocks of `hashes` meet the bar, and the sightings of the
-        last of them (0, 0 when none does)."""
-        if not hashes:
-            return 0, 0
-        counts = self.sketch.estimate(hashes)
-        below = np.flatnonzero(counts < self.bar)
-        n = int(below[0]) if below.size else len(hashes)
-        if n == 0:
-            self.rejects += 1
-            return 0, 0
-        self.admits += 1
-        return n, int(counts[n - 1])
+    def frequency(self, h: BlockHash) -> int:
+        return self.sketch.estimate_one(h)
 
-    def record(self, now_s: float, stored_blocks: int = 0, evicted_blocks: int = 0) -> None:
-        """Feed the thrash detector; a completed thrash stretch raises the bar by one,
-        a long calm lowers it by one (never below `min_sightings`)."""
-        if self.thrash.record(now_s, stored_blocks, evicted_blocks) and self.bar < self.max_bar:
-            self.bar += 1
-        elif self.thrash.calm_windows >= RELAX_AFTER_CALM_WINDOWS and self.bar > self.min_sightings:
-            self.bar -= 1
-            self.thrash.calm_windows = 0
+    def duel(self, candidate: BlockHash, victim_frequency: float) -> bool:
+        """Does the window's candidate (its tail block's sightings) displace main's
+        victim (its decayed hit frequency)?"""
+        return self.duel_sightings(self.frequency(candidate), victim_frequency)
+
+    def duel_sightings(self, sightings: int, victim_frequency: float) -> bool:
+        """The duel for a candidate whose sightings are already known."""
+        won = admits(sightings, victim_frequency, self.min_sightings)
+        if won:
+            self.admits += 1
+        else:
+            self.rejects += 1
+        return won
 
 
 T = TypeVar("T")

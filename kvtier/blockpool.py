@@ -48,6 +48,8 @@ class BlockPool:
 
     def give_back(self, slots: list[SlotId] | list[int]) -> None:
         """Return slots to the free set. Double frees are caller bugs."""
+        if not slots:
+            return
         for s in slots:
             if self._is_free[s]:
                 raise RuntimeError(f"slot {s} freed twice")

@@ -19,9 +19,12 @@ and what the sidecar and the simulator build on:
 * `drain(budget_s)` / `flush()` apply queued stores; `stats(tenant)`;
   `invalidate(predicate_on_root)`; `hottest_prefixes(tenant, max_bytes)` for warm-up.
 
-Admission is TinyLFU-like end to end: a store is admitted from the `min_sightings`-th
-sighting (the bar thrash can raise), and an admitted store evicts only victims whose
-decayed hit frequency does not exceed its own sightings.
+The policy is W-TinyLFU over the prefix tree (`kvtier.eviction`): every store lands
+in a small LRU window (free space is never refused); when the cache is full, a block
+leaving the window enters the main region only if the frequency sketch (every
+lookup sights every block of its prompt) has seen it at least as often as main's
+victim (ordered by decayed hit frequency) is still being hit; the window's share is steered against a shadow LRU of the same size; eviction
+takes unpinned leaves, tails first, so no block outlives its parent.
 
 Queued stores are applied in small time-bounded slices by whoever calls `store` or
 `drain` (never by a background thread that would hold the GIL against lookups);
@@ -39,16 +42,24 @@ import numpy as np
 
 from kvtier.admission import (
     DEFAULT_MIN_SIGHTINGS,
+    THRASH_RATIO,
     HOT_SIGHTINGS,
     Admission,
     CountMinSketch,
     Placement,
     StoreQueue,
-    ThrashDetector,
     placement,
 )
 from kvtier.blockpool import BlockPool, slot_runs
-from kvtier.eviction import DEFAULT_HALF_LIFE_S, DecayedFrequencyPolicy
+from kvtier.eviction import (
+    DEFAULT_HALF_LIFE_S,
+    MAIN,
+    WINDOW,
+    DecayedFrequencyPolicy,
+    HillClimber,
+    LruReferenceTuner,
+    PolicyConfig,
+)
 from kvtier.keys import (
     DEFAULT_BLOCK_SIZE,
     TOKEN_DTYPE,
@@ -131,6 +142,7 @@ class Reservation:
     _owner: Any = field(repr=False)
     done: bool = False
     cancelled: bool = False
+    forced: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -183,6 +195,9 @@ class CacheStats:
     min_sightings: int
     admission_admits: int
     admission_rejects: int
+    window_blocks: int
+    window_target_blocks: int
+    main_blocks: int
     thrashing: bool
     thrash_events: int
     queue_depth: int
@@ -207,14 +222,17 @@ class LocalCache:
                  drain_budget_s: float = DEFAULT_DRAIN_BUDGET_S,
                  half_life_s: float = DEFAULT_HALF_LIFE_S, hot_sightings: int = HOT_SIGHTINGS,
                  pinned_fraction: float = PINNED_FRACTION, pin_max_bytes: int | None = None,
-                 sketch: CountMinSketch | None = None, thrash: ThrashDetector | None = None) -> None:
+                 sketch: CountMinSketch | None = None, policy: PolicyConfig | None = None,
+                 thrash_ratio: float = THRASH_RATIO) -> None:
         for name, v in (("capacity_bytes", capacity_bytes), ("block_bytes", block_bytes)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if capacity_bytes < block_bytes:
             raise ValueError(f"capacity_bytes ({capacity_bytes}) must hold at least one block of {block_bytes} bytes")
-        if drain_budget_s < 0 or not 0 <= pinned_fraction <= 1:
-            raise ValueError("drain_budget_s must be >= 0 and pinned_fraction in [0, 1]")
+        if drain_budget_s < 0 or not 0 <= pinned_fraction <= 1 or not 0 < thrash_ratio <= 1:
+            raise ValueError("drain_budget_s must be >= 0, pinned_fraction in [0, 1] and thrash_ratio in (0, 1]")
+        self.thrash_ratio = thrash_ratio
+        self._thrash_events = 0
         self.block_size = check_block_size(block_size)
         self.block_bytes = int(block_bytes)
         self.num_slots = int(capacity_bytes) // self.block_bytes
@@ -229,7 +247,15 @@ class LocalCache:
         self._arena = self._make_arena(arena)
         self._pool = BlockPool(self.num_slots)
         self._index = PrefixIndex(self.block_size, DecayedFrequencyPolicy(half_life_s), self.clock)
-        self._admission = Admission(min_sightings, sketch=sketch, thrash=thrash)
+        self.policy = policy or PolicyConfig()
+        self._admission = Admission(min_sightings, sketch=sketch or CountMinSketch.for_slots(
+            self.num_slots, doorkeeper=self.policy.doorkeeper))
+        self._climber = HillClimber(self.num_slots, self.policy.window_fraction) \
+            if self.policy.adapt == "climb" else None
+        self._reference = LruReferenceTuner(self.num_slots, self.policy.window_fraction) \
+            if self.policy.adapt == "shadow" else None
+        self._duel = self._duel_tails if self.policy.duel else None
+        self._set_targets(self.num_slots * self.policy.window_fraction)
         self._queue: StoreQueue[_PendingStore] = StoreQueue(queue_capacity)
         self._lock = threading.RLock()
         self._reservations: dict[int, Reservation] = {}
@@ -240,6 +266,7 @@ class LocalCache:
         self._stores_applied = 0
         self._invalidated_blocks = 0
         self._reserved_blocks = 0
+        self._chain_memo: tuple[KeyRoot, bytes, int, list[BlockHash]] | None = None
 
     # ------------------------------------------------------------------ engine API
 
@@ -257,11 +284,12 @@ class LocalCache:
         limit = n_full if allow_full else (len(tokens) - 1) // self.block_size
         with self._lock:
             m = self._index.match(root, tb, n_full)
-            self._sight(root, tb, m, n_full)
+            hashes = self._sight(root, tb, m, n_full)
             counters = self._tenant(root.tenant)
             counters.lookups += 1
             counters.prompt_tokens += len(tokens)
             matched = min(m.cached_blocks, limit)
+            self._adapt(hashes, limit, matched)
             if matched == 0:
                 return Miss()
             node = self._index.pin(self._index.truncate(m, matched))
@@ -309,9 +337,9 @@ class LocalCache:
         `kv_blocks` holds those blocks back to back in the canonical layout
         (`(len(token_ids) // block_size) * block_bytes` bytes; None only when
         metadata_only). It is referenced, not copied, until the store is applied: do
-        not overwrite it afterwards. Admission decides which leading blocks earn a
-        slot; the store is queued by value and applied later (here, in a slice of at
-        most `drain_budget_s`, or by `drain`/`flush`). Returns whether it was queued.
+        not overwrite it afterwards. Every not-yet-cached block is stored, into the
+        window; the store is queued by value and applied later (here, in a slice of
+        at most `drain_budget_s`, or by `drain`/`flush`). Returns whether it was queued.
         """
         tokens = as_token_array(token_ids)
         n_full = len(tokens) // self.block_size
@@ -324,13 +352,9 @@ class LocalCache:
             first = m.cached_blocks
             if first == n_full:
                 return False
-            hashes = chain_hashes(m.last_hash() or root.digest(), tb, self.block_size, first)
-            admitted, sightings = self._admission.admitted_blocks(hashes)
-            if admitted == 0:
-                return False
-            end = first + admitted
-            pending = _PendingStore(root, tokens, end, kv, sightings)
-            dropped = self._queue.push(end * self.block_size * sightings, pending)
+            sightings = max(1, self._admission.frequency(self._chain_from(m, root, tb)[0]))
+            pending = _PendingStore(root, tokens, n_full, kv, sightings)
+            dropped = self._queue.push(n_full * self.block_size * sightings, pending)
             self._stores_enqueued += 1
         if self.drain_budget_s > 0:
             self.drain(self.drain_budget_s)
@@ -349,11 +373,12 @@ class LocalCache:
     # ------------------------------------------------------------------ zero-copy path
 
     def reserve(self, root: KeyRoot, token_ids: Any, *, force: bool = False) -> Reservation | None:
-        """Admit and allocate slots for the prompt's not-yet-cached full blocks.
+        """Allocate slots for the prompt's not-yet-cached full blocks.
 
-        Returns None when admission refuses, everything is already cached, or no slot
-        can be freed. `force=True` skips admission (warm-up of prefixes known to be
-        hot). The caller writes the blocks into the arena and then `commit`s.
+        Returns None when everything is already cached or no slot can be freed.
+        The blocks go to the window, or with `force=True` (warm-up of prefixes known
+        to be hot) straight to the main region. The caller writes the blocks into
+        the arena and then `commit`s.
         """
         tokens = as_token_array(token_ids)
         n_full = len(tokens) // self.block_size
@@ -363,15 +388,8 @@ class LocalCache:
             first = m.cached_blocks
             if first == n_full:
                 return None
-            if force:
-                end, sightings = n_full, self._admission.bar
-            else:
-                hashes = chain_hashes(m.last_hash() or root.digest(), tb, self.block_size, first)
-                admitted, sightings = self._admission.admitted_blocks(hashes)
-                if admitted == 0:
-                    return None
-                end = first + admitted
-            return self._reserve_from(m, root, tokens, end, sightings, forced=force)
+            sightings = self._admission.bar if force else None
+            return self._reserve_from(m, root, tokens, n_full, sightings, forced=force)
 
     def commit(self, res: Reservation, num_blocks: int | None = None) -> int:
         """Publish a reservation's blocks to the index. Returns blocks added (blocks
@@ -391,11 +409,11 @@ class LocalCache:
                 return 0
             self._pool.give_back(res.slots[n:])
             unused, _ = self._index.insert(res.root, res.token_ids.tobytes(), res.first_block,
-                                           res.slots[:n], res._hashes[:n], hot=res.tier == TIER_PINNED)
+                                           res.slots[:n], res._hashes[:n], hot=res.tier == TIER_PINNED,
+                                           main=res.forced)
             self._pool.give_back(unused)
             added = n - len(unused)
             self._tenant(res.root.tenant).stored_blocks += added
-            self._admission.record(self.clock(), stored_blocks=added)
             return added
 
     def abort(self, res: Reservation) -> None:
@@ -515,6 +533,7 @@ class LocalCache:
                 blocks = self._index.tenant_blocks.get(tenant, 0)
                 evictions = self._index.tenant_evictions.get(tenant, 0)
             a = self._admission
+            regions = self._index.region_blocks
             return CacheStats(
                 tenant=tenant, lookups=c.lookups, hits=c.hits, misses=c.lookups - c.hits,
                 hit_rate=c.hits / c.lookups if c.lookups else 0.0,
@@ -524,7 +543,9 @@ class LocalCache:
                 capacity_bytes=self.capacity_bytes, evictions=evictions, tier_hits=dict(c.tier_hits),
                 pinned_bytes=self._index.hot_blocks * self.block_bytes,
                 admission_bar=a.bar, min_sightings=a.min_sightings, admission_admits=a.admits,
-                admission_rejects=a.rejects, thrashing=a.thrash.thrashing, thrash_events=a.thrash.events,
+                admission_rejects=a.rejects, window_blocks=regions[WINDOW],
+                window_target_blocks=int(min(self._index.window_target, self.num_slots)),
+                main_blocks=regions[MAIN], thrashing=self._thrashing(), thrash_events=self._thrash_events,
                 queue_depth=len(self._queue), queue_capacity=self._queue.capacity,
                 queue_drops=self._queue.drops, stores_enqueued=self._stores_enqueued,
                 stores_applied=self._stores_applied, invalidated_blocks=self._invalidated_blocks,
@@ -551,10 +572,50 @@ class LocalCache:
             c = self._tenants[tenant] = _TenantCounters()
         return c
 
-    def _sight(self, root: KeyRoot, tb: bytes, m: Match, n_full: int) -> None:
+    def _sight(self, root: KeyRoot, tb: bytes, m: Match, n_full: int) -> list[BlockHash]:
+        """Count one sighting of every full block of the prompt (the cached ones'
+        hashes are in the index, the rest are chained on from the match); returns
+        all of them."""
+        hashes = self._index.hashes_to(m)
         if m.cached_blocks < n_full:
-            parent = m.last_hash() or root.digest()
-            self._admission.sight(chain_hashes(parent, tb, self.block_size, m.cached_blocks))
+            hashes += self._chain_from(m, root, tb)
+        self._admission.sight(hashes)
+        return hashes
+
+    def _adapt(self, hashes: list[BlockHash], limit: int, matched: int) -> None:
+        """Move the window's share from what this lookup says (see `kvtier.eviction`)."""
+        if self._reference is not None:
+            ref = self._reference
+            sampled = ref.adjustments
+            if ref.record(hashes, limit, matched):
+                self._set_targets(ref.window_target)
+            if ref.adjustments != sampled and self._thrashing():
+                self._thrash_events += 1
+        elif self._climber is not None and self._climber.record(len(hashes), matched):
+            self._set_targets(self._climber.window_target)
+
+    def _chain_from(self, m: Match, root: KeyRoot, tb: bytes) -> list[BlockHash]:
+        """Hashes of the prompt's full blocks after the match. The last prompt's are
+        kept: a lookup, its store and the store's reservation chain the same blocks."""
+        first = m.cached_blocks
+        memo = self._chain_memo
+        if memo is not None and memo[2] <= first and memo[0] == root and memo[1] == tb:
+            return memo[3][first - memo[2]:]
+        hashes = chain_hashes(m.last_hash() or root.digest(), tb, self.block_size, first)
+        self._chain_memo = (root, tb, first, hashes)
+        return hashes
+
+    def _duel_tails(self, candidate: Node, victim: Node) -> bool:
+        return self._admission.duel(candidate.hashes[-1],
+                                    self._index.policy.frequency(victim.freq, self.clock()))
+
+    def _thrashing(self) -> bool:
+        """Over the last sample, fewer matches than `thrash_ratio` x a same-size LRU's."""
+        ref = self._reference
+        return ref is not None and ref.last_ours < self.thrash_ratio * ref.last_lru
+
+    def _set_targets(self, window_blocks: float) -> None:
+        self._index.window_target = window_blocks
 
     def _maybe_promote(self, node: Node, matched_blocks: int) -> None:
         """Small and hot -> pinned tier, inferred from the node's decayed hit count."""
@@ -576,46 +637,48 @@ class LocalCache:
         return self._reserve_from(m, p.root, p.token_ids, p.end_block, p.sightings)
 
     def _reserve_from(self, m: Match, root: KeyRoot, tokens: np.ndarray, end: int,
-                      sightings: int, forced: bool = False) -> Reservation | None:
-        """Pin the cached prefix, take slots for blocks [cached, end). An admitted
-        store evicts only victims no more frequent than its own sightings; a forced
-        one (warm-up) evicts whatever the policy says."""
+                      sightings: int | None, forced: bool = False) -> Reservation | None:
+        """Pin the cached prefix, take slots for blocks [cached, end). `sightings`
+        (for placement) defaults to the sketch's count of the first new block."""
         first = m.cached_blocks
         tb = tokens.tobytes()
-        parent_hash = m.last_hash() or root.digest()
+        hashes = self._chain_from(m, root, tb)[:end - first]
+        if sightings is None:
+            sightings = self._admission.frequency(hashes[0])
         parent = self._index.pin(m, touch=False) if first > 0 else None
-        slots = self._allocate(end - first, None if forced else float(sightings))
+        slots = self._allocate(end - first, None if forced else sightings)
         if not slots:
             if parent is not None:
                 self._pool.give_back(self._index.unpin(parent))
             return None
-        hashes = chain_hashes(parent_hash, tb, self.block_size, first, len(slots))
+        hashes = hashes[:len(slots)]
         where = placement(sightings, end * self.block_bytes, self._admission.bar,
                           self.pin_max_bytes, self.hot_sightings)
         fits_hot = self._index.hot_blocks + end <= self.pinned_budget_blocks
         tier = TIER_PINNED if where is Placement.PINNED and fits_hot else TIER_DRAM
         res = Reservation(root, tokens, first, slots, [s * self.block_bytes for s in slots], tier,
-                          hashes, parent, self)
+                          hashes, parent, self, forced=forced)
         self._reservations[id(res)] = res
         self._reserved_blocks += len(slots)
         return res
 
-    def _allocate(self, n: int, keep_above: float | None = None) -> list[int]:
-        """Up to n slots: free ones first, then evicted ones (evicting only now, so
-        released blocks stay hittable until their memory is needed). Victims more
-        frequent than `keep_above` are kept (see `PrefixIndex.evict`)."""
+    def _allocate(self, n: int, sightings: int | None = None) -> list[int]:
+        """Up to n slots: free ones first (free space is never refused), then evicted
+        ones, W-TinyLFU deciding which (evicting only now, so released blocks stay
+        hittable until their memory is needed). `sightings` are the new blocks'
+        for their own duel when they overflow the window; None (a forced warm-up)
+        takes what the policy gives."""
         slots = self._pool.take(n)
         if len(slots) < n:
-            unused_before = self._index.evicted_unused_blocks
-            freed = self._index.evict(n - len(slots), keep_above)
+            incoming = None
+            if sightings is not None and self.policy.duel:
+                incoming = lambda victim: self._admission.duel_sightings(  # noqa: E731
+                    sightings, self._index.policy.frequency(victim.freq, self.clock()))
+            freed = self._index.evict(n - len(slots), self._duel, incoming)
             if freed:
                 self._evictions += len(freed)
                 self._pool.give_back(freed)
                 slots.extend(self._pool.take(n - len(slots)))
-                # Thrash is storing what gets evicted before anyone reuses it; evicting
-                # blocks that did serve hits is a full cache doing its job.
-                wasted = self._index.evicted_unused_blocks - unused_before
-                self._admission.record(self.clock(), evicted_blocks=wasted)
         slots.sort()
         return slots
 

@@ -1,29 +1,106 @@
-"""Eviction policy: frequency-aware with exponential decay (TinyLFU-style).
+"""Eviction policy: W-TinyLFU over the prefix tree's leaves (pure bookkeeping).
 
-The index evicts only unpinned leaves, tails first (see `kvtier.radix`); this module
-only says WHICH evictable leaf goes first. Each node keeps a decayed hit frequency
+Caffeine's W-TinyLFU, adapted to a tree whose leaves alone may be evicted:
+
+* Every stored block enters the WINDOW, a region in LRU order. Free space is never
+  refused: while slots are free nothing is evicted and nothing is compared.
+* The rest is the MAIN region, ordered by decayed hit frequency (below).
+* When the cache is full and the window is over its share, the window's least
+  recent leaf is the CANDIDATE and main's lowest-scored leaf the VICTIM. The
+  candidate moves into main only if the frequency sketch has seen it at least
+  `min_sightings` times and at least as often as the victim is still being hit
+  (`admits`); otherwise the candidate is evicted. So a stream of one-shot prompts
+  churns through the window and never displaces what is reused.
+* The window's share is tuned online against a shadow LRU of the same size
+  (`LruReferenceTuner`): when LRU would have matched more blocks over a sample, the
+  window grows toward plain LRU (recency-heavy traffic: conversations, whose blocks'
+  first reuse is the next turn); otherwise it shrinks toward strict frequency-based
+  admission (hot prompts under a scan). Caffeine's hill climbing on the hit rate
+  (`HillClimber`) is kept as an ablation: measured on the shipped conversation trace,
+  its per-sample hit rates were too noisy to steer by (docs/TRACE_REPLAY.md).
+
+Main's order is not Caffeine's segmented LRU: each node keeps a decayed hit count
 
     f(now) = f(t) * 2 ** (-(now - t) / half_life_s)
 
-and a touch adds one. Two nodes compare the same way at every instant, because
-log2 f(now) = log2 f(t) + t / half_life_s - now / half_life_s and the last term is
-common to both. So the sortable key
+(a touch adds one), so a prefix hit once long ago scores below one hit often and
+recently, and a finished conversation ages out by decay without anyone declaring it
+dead. Measured on conversation traffic, a segmented LRU keeps finished conversations
+(hit several times, so protected) over live ones and loses to plain LRU; decay does
+not. Two nodes compare the same way at every instant, because log2 f(now) =
+log2 f(t) + t / half_life_s - now / half_life_s and the last term is common to both,
+so the sortable key `score = log2 f(t) + t / half_life_s` never changes between
+touches, which lets the index keep main's evictable leaves in a heap. Hot
+(pinned-tier) nodes sort after every ordinary node.
 
-    score = log2 f(t) + t / half_life_s
-
-never changes between touches, which lets the index keep evictable leaves in a heap.
-A prefix hit once a long time ago scores below one hit often and recently; a dead
-conversation ages out by decay without anyone declaring it dead. Hot (pinned-tier)
-nodes sort after every ordinary node.
+Leaf-first eviction (SGLang/vLLM's radix caches): only unpinned leaves are taken,
+tails before heads, so a block is never kept while its parent is evicted.
 """
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Hashable
+
+WINDOW, MAIN = 0, 1
+"""The two regions a cached node can be in."""
 
 DEFAULT_HALF_LIFE_S = 300.0
 """A prefix's frequency halves every five minutes unseen: long enough to keep a system
 prompt across a quiet spell, short enough that a finished conversation ages out."""
+
+WINDOW_INITIAL_FRACTION = 0.01
+"""Caffeine's starting window: 1% of the capacity, then the tuner moves it."""
+
+WINDOW_MAX_FRACTION = 1.0
+"""The tuner may grow the window to the whole cache (plain LRU)."""
+
+CLIMB_STEP_FRACTION = 0.0625
+"""First hill-climbing step: 6.25% of the capacity (Caffeine's)."""
+
+REFERENCE_STEP_FRACTION = 0.125
+"""Each sample behind (ahead of) the shadow LRU moves the window by 12.5% of the
+capacity: eight samples span the whole range, so the window reaches LRU's regime
+within a few capacities' worth of traffic."""
+
+CLIMB_STEP_DECAY = 0.98
+"""Each step is 2% smaller than the last, so the window settles."""
+
+CLIMB_RESTART_THRESHOLD = 0.05
+"""A hit-rate change this large (absolute) means the workload changed: restart the
+climb with a full step."""
+
+CLIMB_SAMPLE_FACTOR = 1.0
+"""One sample = lookups covering this many times the capacity in blocks: enough
+traffic to have cycled the cache once, so a window change has shown its effect."""
+
+
+ADAPTATIONS = ("shadow", "climb", "off")
+"""How the window's share moves: against a shadow LRU (the default), by Caffeine's
+hill climbing on the hit rate, or not at all."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """The W-TinyLFU knobs. Defaults are the shipped policy; the others exist to
+    measure what each part buys (ablation), not for tuning per deployment."""
+
+    window_fraction: float = WINDOW_INITIAL_FRACTION
+    adapt: str = "shadow"
+    doorkeeper: bool = True
+    duel: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.window_fraction <= 1.0:
+            raise ValueError(f"window_fraction must be in [0, 1], got {self.window_fraction}")
+        if self.adapt not in ADAPTATIONS:
+            raise ValueError(f"adapt must be one of {', '.join(ADAPTATIONS)}, got {self.adapt!r}")
+
+
+def admits(candidate_sightings: int, victim_frequency: float, min_sightings: int) -> bool:
+    """TinyLFU's duel: does the window's candidate displace main's victim?"""
+    return candidate_sightings >= min_sightings and candidate_sightings >= victim_frequency
 
 
 @dataclass(slots=True)
@@ -35,7 +112,7 @@ class FrequencyState:
 
 
 class DecayedFrequencyPolicy:
-    """The eviction strategy: `touch` on access, `score` to order victims (low first)."""
+    """Main's order: `touch` on access, `score` to order victims (low first)."""
 
     __slots__ = ("half_life_s",)
 
@@ -60,3 +137,129 @@ class DecayedFrequencyPolicy:
         if state.freq <= 0.0:
             return -math.inf
         return math.log2(state.freq) + state.t_s / self.half_life_s
+
+
+class HillClimber:
+    """Tunes the window's share of the capacity from the observed hit rate.
+
+    Each sample (lookups covering `sample_blocks` blocks) yields a hit rate; if it
+    improved on the previous sample the window keeps moving the same way, otherwise
+    it turns around. Steps decay geometrically and restart on a large change.
+    """
+
+    __slots__ = ("capacity", "sample_blocks", "step", "_looked", "_hit", "_previous", "_direction",
+                 "window_target", "adjustments")
+
+    def __init__(self, capacity_blocks: int, window_fraction: float = WINDOW_INITIAL_FRACTION,
+                 sample_factor: float | None = None) -> None:
+        self.capacity = capacity_blocks
+        factor = CLIMB_SAMPLE_FACTOR if sample_factor is None else sample_factor
+        self.sample_blocks = max(1, int(capacity_blocks * factor))
+        self.step = capacity_blocks * CLIMB_STEP_FRACTION
+        self.window_target = capacity_blocks * window_fraction
+        self._looked = 0
+        self._hit = 0
+        self._previous: float | None = None
+        self._direction = 1.0
+        self.adjustments = 0
+
+    def record(self, looked_blocks: int, hit_blocks: int) -> bool:
+        """Account one lookup; returns True when the window target just moved."""
+        self._looked += looked_blocks
+        self._hit += hit_blocks
+        if self._looked < self.sample_blocks:
+            return False
+        rate = self._hit / self._looked
+        self._looked = self._hit = 0
+        previous, self._previous = self._previous, rate
+        if previous is None:
+            return self._move()
+        if rate < previous:
+            self._direction = -self._direction
+        if abs(rate - previous) >= CLIMB_RESTART_THRESHOLD:
+            self.step = self.capacity * CLIMB_STEP_FRACTION
+        else:
+            self.step *= CLIMB_STEP_DECAY
+        return self._move()
+
+    def _move(self) -> bool:
+        before = self.window_target
+        target = before + self._direction * self.step
+        self.window_target = min(self.capacity * WINDOW_MAX_FRACTION, max(0.0, target))
+        self.adjustments += 1
+        return self.window_target != before
+
+
+class ShadowLru:
+    """A ghost LRU of the same capacity: block hashes only, no KV.
+
+    It answers one question per lookup: how many blocks would plain LRU (what every
+    engine ships) have matched here? `LruReferenceTuner` moves the window with it.
+    Costs one dict operation per prompt block and ~100 bytes per slot.
+    """
+
+    __slots__ = ("capacity", "_blocks")
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = capacity_blocks
+        self._blocks: OrderedDict[Hashable, None] = OrderedDict()
+
+    def access(self, hashes: list, limit: int) -> int:
+        """Serve one prompt's full blocks (in order); returns the blocks LRU would have
+        matched (at most `limit`, the last-token rule), then stores them all, the
+        head most recent so a prefix loses its tail first."""
+        blocks = self._blocks
+        hit = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            hit += 1
+        for h in reversed(hashes):
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        for _ in range(len(blocks) - self.capacity):
+            blocks.popitem(last=False)
+        return min(hit, limit)
+
+
+class LruReferenceTuner:
+    """Moves the window's share so the cache never does worse than LRU would.
+
+    Every sample (lookups covering `capacity` blocks) compares the blocks this cache
+    matched with what a same-size `ShadowLru` matched. Behind LRU: the window grows
+    by a step (toward LRU, which a full-size window is). At or ahead of LRU: it
+    shrinks by a step (toward stricter frequency admission, which is where the
+    cache gains over LRU). The sign of a whole sample's difference is a steadier
+    signal than the change of the hit rate between two samples.
+    """
+
+    __slots__ = ("capacity", "window_target", "step", "shadow", "_looked", "_ours", "_lru", "adjustments",
+                 "last_ours", "last_lru")
+
+    def __init__(self, capacity_blocks: int, window_fraction: float = WINDOW_INITIAL_FRACTION) -> None:
+        self.capacity = capacity_blocks
+        self.window_target = capacity_blocks * window_fraction
+        self.step = capacity_blocks * REFERENCE_STEP_FRACTION
+        self.shadow = ShadowLru(capacity_blocks)
+        self._looked = self._ours = self._lru = 0
+        self.adjustments = 0
+        self.last_ours = self.last_lru = 0  # blocks matched over the last whole sample
+
+    def record(self, hashes: list, limit: int, matched: int) -> bool:
+        """Account one lookup (all its full blocks' hashes, the last-token limit and
+        the blocks this cache matched). Returns True when the window target moved."""
+        self._lru += self.shadow.access(hashes, limit)
+        self._ours += matched
+        self._looked += len(hashes)
+        if self._looked < self.capacity * CLIMB_SAMPLE_FACTOR:
+            return False
+        behind = self._ours < self._lru
+        self.last_ours, self.last_lru = self._ours, self._lru
+        self._looked = self._ours = self._lru = 0
+        before = self.window_target
+        target = before + self.step if behind else before - self.step
+        self.window_target = min(float(self.capacity), max(0.0, target))
+        self.adjustments += 1
+        return self.window_target != before

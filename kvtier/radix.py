@@ -13,23 +13,31 @@ Invariants, kept where state changes:
   unpin walks the same way. Splitting an edge gives the new head the tail's pin count,
   so an unpin that walks up from the tail still decrements exactly what was pinned.
 * Eviction takes only unpinned leaves, and only from the tail of the edge: tails go
-  before heads, a parent becomes a leaf (evictable) when its last child goes. The
-  order among evictable leaves is the `DecayedFrequencyPolicy` score (hot nodes last).
+  before heads, a parent becomes a leaf (evictable) when its last child goes, so a
+  block is never kept while its parent is evicted. Which leaf goes is W-TinyLFU's
+  choice (`kvtier.eviction`): every node is in the window (an LRU list; touching a
+  node moves it and its ancestors to the recent end) or in the main region (a heap
+  of evictable leaves by decayed hit frequency, hot nodes last).
 * Byte accounting: `num_blocks` = blocks reachable from live roots; `dead_blocks` =
   blocks of invalidated nodes still pinned by a reader. Every block ever inserted is
   in exactly one of: the index, a dead pinned node, or returned to the caller.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import heapq
+import itertools
+
 import numpy as np
 
-from kvtier.eviction import DecayedFrequencyPolicy, FrequencyState
+from kvtier.eviction import MAIN, WINDOW, DecayedFrequencyPolicy, FrequencyState
 from kvtier.keys import BlockHash, KeyRoot, check_block_size
+
+Duel = Callable[["Node", "Node"], bool]
+"""(window candidate, main victim) -> does the candidate move into main?"""
 
 
 @dataclass(slots=True, eq=False)
@@ -51,9 +59,10 @@ class Node:
     freq: FrequencyState = field(default_factory=FrequencyState)
     last_access_s: float = 0.0
     hot: bool = False
-    reused: bool = False  # hit at least once since stored: evicting it is not thrash
+    region: int = WINDOW
     alive: bool = True
     version: int = 0
+    queued: int = -1  # the version last queued as an eviction victim
 
     @property
     def num_blocks(self) -> int:
@@ -98,16 +107,21 @@ class PrefixIndex:
         self.policy = policy or DecayedFrequencyPolicy()
         self.clock = clock or time.monotonic
         self._roots: dict[KeyRoot, Node] = {}
-        self._heap: list[tuple[int, float, float, int, int, Node]] = []
+        self._window: OrderedDict[Node, None] = OrderedDict()  # least recent first
+        self._heap: list[tuple[int, float, float, int, int, Node]] = []  # main's evictable leaves
         self._seq = itertools.count()
+        self.region_blocks = [0, 0]
+        # Blocks the window may hold before its least recent leaf must leave it
+        # (the owner sets it; W-TinyLFU's adaptive share).
+        self.window_target = float("inf")
+        # Told (region, hashes) of every block eviction takes: the ghost lists.
+        self.on_evict: Callable[[int, list[BlockHash]], None] | None = None
         self.num_blocks = 0
         self.dead_blocks = 0
         self.hot_blocks = 0
         self.num_nodes = 0
         self.tenant_blocks: dict[str, int] = {}
         self.tenant_evictions: dict[str, int] = {}
-        # Blocks evicted before any hit since they were stored: the thrash signal.
-        self.evicted_unused_blocks = 0
 
     # ------------------------------------------------------------------ matching
 
@@ -163,10 +177,11 @@ class PrefixIndex:
         while n is not None:
             n.pins += 1
             if touch and n.parent is not None:
-                n.reused = True
                 self.policy.touch(n.freq, now)
                 n.last_access_s = now
                 n.version += 1
+                if n.region == WINDOW:
+                    self._window.move_to_end(n)
             n = n.parent
         return node
 
@@ -205,6 +220,21 @@ class PrefixIndex:
         return out
 
     @staticmethod
+    def hashes_to(m: Match) -> list[BlockHash]:
+        """Hashes of the matched blocks, in prompt order."""
+        if m.node is None or m.within == 0:
+            return []
+        parts = [m.node.hashes[:m.within]]
+        n = m.node.parent
+        while n is not None and n.parent is not None:
+            parts.append(n.hashes)
+            n = n.parent
+        out: list[BlockHash] = []
+        for p in reversed(parts):
+            out.extend(p)
+        return out
+
+    @staticmethod
     def path(node: Node) -> list[Node]:
         """Nodes from the first edge under the root down to `node`."""
         out: list[Node] = []
@@ -217,9 +247,10 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ insertion
 
-    def insert(self, root: KeyRoot, token_bytes: bytes, first_block: int,
-               slots: list[int], hashes: list[BlockHash], hot: bool = False) -> tuple[list[int], Node | None]:
-        """Attach blocks [first_block, first_block + len(slots)) of the prompt.
+    def insert(self, root: KeyRoot, token_bytes: bytes, first_block: int, slots: list[int],
+               hashes: list[BlockHash], hot: bool = False, main: bool = False) -> tuple[list[int], Node | None]:
+        """Attach blocks [first_block, first_block + len(slots)) of the prompt, in the
+        window (or, when hot or `main`, straight in the main region).
 
         Blocks already present (inserted meanwhile by someone else) keep their old
         slots; the corresponding new slots are returned as unused. If the prefix before
@@ -248,48 +279,117 @@ class PrefixIndex:
         step = self.block_token_bytes
         now = self.clock()
         new = Node(root, node, token_bytes[pos * step:end * step], list(slots[used_from:]),
-                   list(hashes[used_from:]), pos, hot=hot, last_access_s=now)
+                   list(hashes[used_from:]), pos, hot=hot, region=MAIN if hot or main else WINDOW,
+                   last_access_s=now)
         self.policy.touch(new.freq, now)
         node.children[new.tokens[:step]] = new
         self._count(new, +1)
-        self._push(new)
+        if new.region == WINDOW:
+            self._window[new] = None
+            # Window ancestors become more recent than their new child, so the
+            # window's least recent node is a leaf unless its children left.
+            n = node
+            while n.parent is not None:
+                if n.region == WINDOW:
+                    self._window.move_to_end(n)
+                n = n.parent
+        else:
+            self._push(new)
         return unused, new
 
     # ------------------------------------------------------------------ eviction
 
-    def evict(self, num_blocks: int, keep_above: float | None = None) -> list[int]:
-        """Free up to `num_blocks` blocks from unpinned leaves, lowest score first,
-        each leaf from its tail. Returns the freed slots (fewer if all else is pinned).
+    def evict(self, num_blocks: int, duel: Duel | None = None,
+              incoming: Callable[[Node], bool] | None = None) -> list[int]:
+        """Free up to `num_blocks` blocks from unpinned leaves, each leaf from its tail.
+        Returns the freed slots (fewer if everything else is pinned).
 
-        `keep_above` is TinyLFU's admission duel: eviction stops at the first victim
-        whose decayed hit frequency exceeds it (a newcomer seen twice does not push
-        out a prefix hit ten times recently). Hot (pinned-tier) victims always win.
+        While the window holds more than `window_target` blocks, its least recent
+        leaf (the candidate) meets main's lowest-scored leaf (the victim):
+        `duel(candidate, victim)` true moves the candidate into main and the victim
+        pays; false evicts the candidate. Without a duel the candidate always moves.
+        When the blocks being made room for are more than the whole window may
+        hold and it has no leaf left to offer, they are the candidate themselves:
+        `incoming(victim)` false stops here (fewer slots; free space was already
+        used up).
+        Otherwise main's victim goes, then the window's least recent leaf; hot
+        (pinned-tier) leaves go only when nothing else is left.
         """
         freed: list[int] = []
-        now = self.clock()
         while len(freed) < num_blocks:
-            victim = self._pop_victim()
-            if victim is None:
+            need = num_blocks - len(freed)
+            over = self.region_blocks[WINDOW] + num_blocks > self.window_target
+            cand = self._window_candidate() if over else None
+            victim = self._peek_victim()
+            if over and cand is None and num_blocks > self.window_target and victim is not None \
+                    and incoming is not None and not victim.hot:
+                if not incoming(victim):
+                    break
+                freed.extend(self._trim_tail(victim, need))
+                continue
+            if victim is not None and victim.hot:
+                other = cand or self._window_candidate()
+                if other is not None:  # hot leaves outlast every ordinary block
+                    freed.extend(self._trim_tail(other, need))
+                    continue
+            if cand is not None:
+                if victim is None:
+                    self._to_main(cand)  # main is empty: nothing to duel with
+                elif duel is None or duel(cand, victim):
+                    self._to_main(cand)
+                    freed.extend(self._trim_tail(victim, need))
+                else:
+                    freed.extend(self._trim_tail(cand, need))
+                continue
+            node = victim or self._window_candidate()
+            if node is None:
                 break
-            if keep_above is not None and (victim.hot or
-                                           self.policy.frequency(victim.freq, now) > keep_above):
-                self._push(victim)
-                break
-            reused = victim.reused
-            trimmed = self._trim_tail(victim, num_blocks - len(freed))
-            if not reused:
-                self.evicted_unused_blocks += len(trimmed)
-            freed.extend(trimmed)
+            freed.extend(self._trim_tail(node, need))
         return freed
 
-    def _pop_victim(self) -> Node | None:
-        while self._heap:
-            entry = heapq.heappop(self._heap)
+    def _window_candidate(self) -> Node | None:
+        """The window's least recent evictable leaf. Window nodes met on the way that
+        still have children move to main: their children need them."""
+        inner: list[Node] = []
+        found = None
+        for n in self._window:
+            if n.pins or not n.slots:
+                continue
+            if n.children:
+                inner.append(n)
+                continue
+            found = n
+            break
+        for n in inner:
+            self._to_main(n)
+        return found
+
+    def _to_main(self, n: Node) -> None:
+        del self._window[n]
+        self.region_blocks[WINDOW] -= len(n.slots)
+        n.region = MAIN
+        self.region_blocks[MAIN] += len(n.slots)
+        if self._evictable(n):
+            self._push(n)
+
+    def _peek_victim(self) -> Node | None:
+        """Main's lowest-scored evictable leaf, left in the heap (a duel it wins
+        keeps it there)."""
+        heap = self._heap
+        while heap:
+            entry = heap[0]
             node, version = entry[5], entry[4]
-            if not self._evictable(node):
+            if node.region != MAIN or not self._evictable(node):
+                heapq.heappop(heap)
+                if node.queued == version:
+                    node.queued = -1  # not queued any more: a later push must go in
                 continue
             if version != node.version:
-                self._push(node)  # stale key: requeue with its current score
+                heapq.heappop(heap)
+                if node.queued == version:
+                    node.queued = -1
+                if node.queued != node.version:
+                    self._push(node)  # stale key: requeue with its current score
                 continue
             return node
         return None
@@ -299,6 +399,8 @@ class PrefixIndex:
         keep = len(node.slots) - k
         child_key = node.tokens[:self.block_token_bytes]
         freed = node.slots[keep:][::-1]  # tail first
+        if self.on_evict is not None:
+            self.on_evict(node.region, node.hashes[keep:])
         node.slots = node.slots[:keep]
         node.hashes = node.hashes[:keep]
         node.tokens = node.tokens[:keep * self.block_token_bytes]
@@ -306,11 +408,14 @@ class PrefixIndex:
         t = node.root.tenant
         self.tenant_evictions[t] = self.tenant_evictions.get(t, 0) + k
         if keep:
+            node.version += 1  # its queued entry (if any) is stale now
             self._push(node)
             return freed
         parent = node.parent
         assert parent is not None
         del parent.children[child_key]
+        if node.region == WINDOW:
+            del self._window[node]
         node.alive = False
         self.num_nodes -= 1
         if not parent.children and parent.pins == 0:
@@ -340,6 +445,8 @@ class PrefixIndex:
                 n.alive = False
                 if n.parent is None:
                     continue
+                if n.region == WINDOW:
+                    del self._window[n]
                 dropped += len(n.slots)
                 self._count_blocks(n, -len(n.slots))
                 self.num_nodes -= 1
@@ -358,6 +465,8 @@ class PrefixIndex:
         added = 0
         for n in self.path(node):
             if not n.hot:
+                if n.region == WINDOW:
+                    self._to_main(n)
                 n.hot = True
                 n.version += 1
                 added += len(n.slots)
@@ -397,9 +506,10 @@ class PrefixIndex:
         parent = node.parent
         assert parent is not None and 0 < k < len(node.slots)
         head = Node(node.root, parent, node.tokens[:k * step], node.slots[:k], node.hashes[:k],
-                    node.start_block, pins=node.pins,
-                    freq=FrequencyState(node.freq.freq, node.freq.t_s),
-                    last_access_s=node.last_access_s, hot=node.hot, reused=node.reused)
+                    node.start_block, pins=node.pins, freq=FrequencyState(node.freq.freq, node.freq.t_s),
+                    last_access_s=node.last_access_s, hot=node.hot, region=node.region)
+        if head.region == WINDOW:  # blocks move from node to head: region totals unchanged
+            self._window[head] = None
         parent.children[head.tokens[:step]] = head
         node.tokens = node.tokens[k * step:]
         node.slots = node.slots[k:]
@@ -417,14 +527,23 @@ class PrefixIndex:
         return (1 if n.hot else 0, self.policy.score(n.freq), n.last_access_s)
 
     def _push(self, n: Node) -> None:
+        """Queue a main-region leaf as an eviction victim (window leaves are listed
+        in the window's LRU order instead)."""
+        if n.region != MAIN or n.queued == n.version:
+            return  # window leaves are not queued; this version already is
         hot, score, last = self._key(n)
+        n.queued = n.version
         heapq.heappush(self._heap, (hot, score, last, next(self._seq), n.version, n))
         if len(self._heap) > 4 * self.num_nodes + 1024:
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
-        self._heap = [(*self._key(n), next(self._seq), n.version, n)
-                      for n in self.iter_nodes() if self._evictable(n)]
+        self._heap = []
+        for n in self.iter_nodes():
+            n.queued = -1
+            if n.region == MAIN and self._evictable(n):
+                n.queued = n.version
+                self._heap.append((*self._key(n), next(self._seq), n.version, n))
         heapq.heapify(self._heap)
 
     def _drop_empty_root(self, sentinel: Node) -> None:
@@ -438,6 +557,7 @@ class PrefixIndex:
 
     def _count_blocks(self, n: Node, delta: int) -> None:
         self.num_blocks += delta
+        self.region_blocks[n.region] += delta
         if n.hot:
             self.hot_blocks += delta
         t = n.root.tenant

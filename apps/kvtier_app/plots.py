@@ -28,7 +28,8 @@ def plot(rep: ScenarioReport, out_dir: Path) -> list[Path]:
     """Write the plots that fit this scenario into out_dir; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     makers = {"capacity": [_capacity], "membership": [_over_time], "rollout": [_over_time, _prefill_over_time],
-              "compare": [_imbalance], "design-notes": [_imbalance], "thrash": [_over_time]}
+              "compare": [_imbalance], "design-notes": [_imbalance], "thrash": [_over_time],
+              "trace-fleet": [_imbalance]}
     return [m(rep, out_dir) for m in makers.get(rep.name, [])]
 
 

@@ -4,6 +4,7 @@
     kvtier simulate compare --requests 50000 --policies random,kvtier,oracle
     kvtier simulate capacity --plots out/  # hit rate vs DRAM per policy, as PNG
     kvtier simulate all --json report.json --plots out/
+    kvtier simulate trace requests.jsonl   # replay recorded traffic (see `trace --help`)
 
 Exit status: 0 on success, 2 on a bad flag (the message names it).
 """
@@ -46,6 +47,10 @@ def _fail(flag: str, message: str) -> int:
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "trace":
+        from kvtier_app import trace_cli
+
+        return trace_cli.main(argv[1:])
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse already printed the message naming the flag

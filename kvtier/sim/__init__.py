@@ -20,5 +20,9 @@ Modules, one concern each:
 - `policies`  routing policies behind one interface.
 - `engine`    the event loop.
 - `scenarios` steady state, join/leave, rollout, thrash, capacity sweep.
-- `report`, `plots`, `cli`  output.
+- `trace`     recorded traces (Mooncake/Dynamo JSONL): parsing, and prompts built
+              from hash ids.
+- `replay`    a trace through one cache (kvtier, LRU, Belady, infinite) or a fleet.
+- `tracegen`  synthetic traces of other shapes, in the same format.
+- `report`  terminal tables and JSON (the front-ends and plots live in `kvtier_app`).
 """

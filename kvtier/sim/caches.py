@@ -22,6 +22,7 @@ from typing import Protocol
 
 from kvtier.admission import DEFAULT_MIN_SIGHTINGS
 from kvtier.cache import LocalCache
+from kvtier.eviction import PolicyConfig
 from kvtier.keys import KeyRoot
 from kvtier.sim.request import SimRequest
 
@@ -133,17 +134,18 @@ class OracleCache:
 class KvtierCache:
     """kvtier's real `LocalCache`, metadata-only, on the simulation's clock.
 
-    Stores are applied before the replica's next request (`flush`), so the sim does
-    not model store-queue overflow; admission (second sighting, thrash-raised bar),
-    the pinned tier and frequency-aware eviction run exactly as in the sidecar.
+    Stores take the zero-copy path (`reserve` + `commit`) before the replica's next
+    request, so the sim does not model store-queue overflow; the W-TinyLFU policy
+    (window, frequency duel, window steered against a shadow LRU), the pinned tier
+    and leaf-first eviction run exactly as in the sidecar. `policy` replaces the default policy (ablations).
     """
 
     needs_hashes = False
 
     def __init__(self, capacity_bytes: int, block_bytes: int, block_size: int, clock,
-                 min_sightings: int = DEFAULT_MIN_SIGHTINGS) -> None:
+                 min_sightings: int = DEFAULT_MIN_SIGHTINGS, policy: PolicyConfig | None = None) -> None:
         self.cache = LocalCache(capacity_bytes, block_bytes, block_size, min_sightings,
-                                metadata_only=True, clock=clock, drain_budget_s=0.0)
+                                metadata_only=True, clock=clock, drain_budget_s=0.0, policy=policy)
         self.block_size = block_size
 
     def peek(self, req: SimRequest, root: KeyRoot) -> int:
@@ -154,8 +156,9 @@ class KvtierCache:
         hit = cache.lookup(root, req.tokens)
         matched = hit.matched_tokens
         cache.release(hit)
-        if cache.store(root, req.tokens, None):
-            cache.flush()
+        res = cache.reserve(root, req.tokens)  # the zero-copy store path, applied at once
+        if res is not None:
+            cache.commit(res)
         return matched
 
     def used_blocks(self) -> int:

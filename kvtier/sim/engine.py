@@ -184,7 +184,7 @@ class Simulation:
         outs = w.output_tokens.tolist()
         tpl_key = (w.tenant.astype(np.int64) * w.template_elems.shape[1] + w.template).tolist()
         tpl_elems = w.template_elems[w.tenant, w.template].tolist()
-        prompt_tokens = (w.prompt_elems() * unit).tolist()
+        prompt_tokens = w.prompt_tokens().tolist()
         names = roots.tenant_names
         build_tokens = w.token_builder()
         replica_col = np.empty(n, dtype=np.int32)

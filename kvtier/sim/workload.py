@@ -123,6 +123,10 @@ class Workload:
         lengths[has_doc] += self.doc_elems[self.tenant[has_doc], self.doc[has_doc]]
         return lengths + self.session_elems + self.query_elems
 
+    def prompt_tokens(self) -> np.ndarray:
+        """Prompt length of every request, in real tokens."""
+        return self.prompt_elems() * self.spec.token_unit
+
     def token_builder(self):
         """A fast `tokens(i)` for the event loop: the columns as Python lists, read once."""
         tenant, template, doc = self.tenant.tolist(), self.template.tolist(), self.doc.tolist()

@@ -4,6 +4,12 @@ The sidecar creates the segment (`Arena.create`) and hands its buffer to LocalCa
 engine processes map the same segment (`Arena.attach`) and copy block runs straight
 out of it, so a local hit moves no KV bytes over a socket.
 
+A segment is found by name, and a name can be taken over: a sidecar started with the
+same identity on the same host unlinks the old segment and creates its own. So each
+segment ends with a random tag (after the slots), the sidecar tells engines its tag
+with the name, and `attach` refuses a segment whose tag differs: an engine must never
+copy another sidecar's slots as its own sidecar's blocks.
+
 We talk to `shm_open` directly instead of `multiprocessing.shared_memory`: before
 Python 3.13 an *attaching* process registers the segment with its resource tracker,
 which unlinks it when that engine exits — pulling the tier out from under the sidecar.
@@ -17,8 +23,13 @@ import _posixshmem
 import numpy as np
 
 
+TAG_BYTES = 16
+"""Random bytes after the slots naming one segment (collisions: 2^-128)."""
+
+
 class ArenaError(RuntimeError):
-    """The segment could not be created or mapped (e.g. /dev/shm too small)."""
+    """The segment could not be created or mapped (e.g. /dev/shm too small), or the
+    segment under the name is not the one the sidecar created."""
 
 
 class Arena:
@@ -35,10 +46,16 @@ class Arena:
         self.block_bytes = block_bytes
         self.slots = size // block_bytes
         self.owner = owner
-        self._mmap = mmap.mmap(fd, size)
+        self._mmap = mmap.mmap(fd, size + TAG_BYTES)
         os.close(fd)
-        self.buffer = memoryview(self._mmap)
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._whole = memoryview(self._mmap)
+        self.buffer = self._whole[:size]
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8, count=size)
+
+    @property
+    def tag(self) -> bytes:
+        """The segment's identity (written once by its creator)."""
+        return bytes(self._whole[self.size:self.size + TAG_BYTES])
 
     @classmethod
     def create(cls, name: str, slots: int, block_bytes: int) -> "Arena":
@@ -51,9 +68,9 @@ class Arena:
             pass
         fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:
-            os.ftruncate(fd, size)
+            os.ftruncate(fd, size + TAG_BYTES)
             if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(fd, 0, size)
+                os.posix_fallocate(fd, 0, size + TAG_BYTES)
         except OSError as exc:
             os.close(fd)
             _posixshmem.shm_unlink("/" + name)
@@ -61,16 +78,24 @@ class Arena:
                 f"arena {name}: cannot reserve {size} bytes of shared memory ({exc}); "
                 "enlarge /dev/shm (an emptyDir with medium: Memory) or lower dram_capacity_bytes"
             ) from exc
-        return cls(name, fd, size, block_bytes, owner=True)
+        arena = cls(name, fd, size, block_bytes, owner=True)
+        arena._whole[size:] = os.urandom(TAG_BYTES)
+        return arena
 
     @classmethod
-    def attach(cls, name: str, size: int, block_bytes: int) -> "Arena":
+    def attach(cls, name: str, size: int, block_bytes: int, tag: bytes | None = None) -> "Arena":
+        """Map an existing segment. With `tag` (what its creator reported), a segment
+        that is not that creator's is refused with ArenaError."""
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
         actual = os.fstat(fd).st_size
-        if actual < size:
+        if actual < size + TAG_BYTES:
             os.close(fd)
-            raise ArenaError(f"arena {name}: segment holds {actual} bytes, expected {size}")
-        return cls(name, fd, size, block_bytes, owner=False)
+            raise ArenaError(f"arena {name}: segment holds {actual} bytes, expected {size + TAG_BYTES}")
+        arena = cls(name, fd, size, block_bytes, owner=False)
+        if tag is not None and arena.tag != tag:
+            arena.close()
+            raise ArenaError(f"arena {name}: the segment under this name belongs to another sidecar")
+        return arena
 
     def slot_view(self, slot: int, count: int = 1) -> memoryview:
         start = slot * self.block_bytes
@@ -87,6 +112,7 @@ class Arena:
         self.array = None  # type: ignore[assignment]
         try:
             self.buffer.release()
+            self._whole.release()
             self._mmap.close()
         except BufferError:
             pass  # a caller still holds a view; the mapping goes with the process

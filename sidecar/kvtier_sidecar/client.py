@@ -114,7 +114,9 @@ class SidecarClient:
         if self.arena is None or info.get("instance") != self.info.get("instance"):
             # A new sidecar: map its arena. The old mapping stays alive for hits that
             # still reference it (their bytes were pinned when they were handed out).
-            self.arena = Arena.attach(info["shm_name"], info["arena_bytes"], info["block_bytes"])
+            # The tag proves the segment under the name is this sidecar's own.
+            self.arena = Arena.attach(info["shm_name"], info["arena_bytes"], info["block_bytes"],
+                                      bytes.fromhex(info["arena_tag"]))
             self.generation += 1
         self.info = info
 

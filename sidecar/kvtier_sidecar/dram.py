@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from kvtier.admission import THRASH_RATIO, ThrashDetector
+from kvtier.admission import THRASH_RATIO
 from kvtier.cache import Hit, LocalCache, Reservation
 from kvtier.keys import KeyRoot
 
@@ -49,8 +49,7 @@ class DramTier:
         self.block_size = block_size
         self.kv_heads = kv_heads
         self.cache = LocalCache(arena.slots * arena.block_bytes, arena.block_bytes, block_size,
-                                min_sightings=min_sightings, arena=arena.array,
-                                thrash=ThrashDetector(ratio=thrash_ratio))
+                                min_sightings=min_sightings, arena=arena.array, thrash_ratio=thrash_ratio)
         self._digest = np.zeros(arena.slots, dtype=np.uint64)
         self._generation = np.zeros(arena.slots, dtype=np.int64)
         self._digest_gen = np.full(arena.slots, -1, dtype=np.int64)
@@ -175,4 +174,4 @@ class DramTier:
         s = self.cache.stats(None)
         return {"bytes_used": s.bytes_used, "capacity_bytes": s.capacity_bytes, "evictions": s.evictions,
                 "reserved_blocks": s.reserved_blocks, "admission_bar": s.admission_bar,
-                "thrashing": float(s.thrashing)}
+                "thrashing": float(s.thrashing), "window_blocks": s.window_blocks}

@@ -59,7 +59,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def hello_for(config: SidecarConfig, arena: Arena) -> dict:
     m = config.model
-    return {"shm_name": arena.name, "arena_bytes": arena.size, "block_bytes": arena.block_bytes,
+    return {"shm_name": arena.name, "arena_tag": arena.tag.hex(), "arena_bytes": arena.size,
+            "block_bytes": arena.block_bytes,
             "block_size": config.block_size, "slots": arena.slots, "dtype": f"u{m.dtype_bytes}",
             "block_shape": [m.layers, m.kv_planes, m.kv_heads, config.block_size, m.head_dim], "kv_heads": m.kv_heads}
 

@@ -167,7 +167,7 @@ class SidecarState:
     capacity_bytes: float
     reserved_blocks: float
     evictions: float
-    admission_bar: float  # sightings a block needs before it is stored (thrash raises it)
+    admission_bar: float  # sightings a block needs to displace another in a full cache
     thrashing: bool
     pinned_hits: int
     index_up: bool | None  # None: no global index configured
@@ -223,8 +223,10 @@ def _sidecar_families(s: SidecarState) -> Iterable:
     yield gauge("kvtier_dram_reserved_blocks", "Slots reserved by writers not yet committed", s.reserved_blocks)
     yield gauge("kvtier_pinned_hits", "Lookup hits the engine has not released yet", s.pinned_hits)
     yield counter("kvtier_evictions", "Blocks evicted from the DRAM tier", s.evictions)
-    yield gauge("kvtier_admission_bar", "Sightings a block needs before it is stored", s.admission_bar)
-    yield gauge("kvtier_thrashing", "1 while the thrash detector holds the admission bar up", float(s.thrashing))
+    yield gauge("kvtier_admission_bar", "Sightings a block needs to displace another in a full cache",
+                s.admission_bar)
+    yield gauge("kvtier_thrashing", "1 while the cache matches under thrash_ratio x what a same-size LRU would",
+                float(s.thrashing))
     if s.index_up is not None:
         yield gauge("kvtier_index_up", "1 while the global index (Redis) answers", float(s.index_up))
         errors = CounterMetricFamily("kvtier_index_errors", "Global index operations that failed",

@@ -9,6 +9,7 @@ processes replaying a multi-tenant workload through them.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -124,10 +125,17 @@ class SidecarHandle:
         return json.loads(body)
 
 
+def fleet_namespace(workdir: Path) -> str:
+    """One namespace per fleet directory: the arena's shared-memory name derives from
+    (namespace, pod), so fleets run side by side on one host (tests in parallel) never
+    take each other's segments; a sidecar restarted in the same fleet replaces its own."""
+    return "kvtier-fleet-" + hashlib.blake2b(str(Path(workdir).resolve()).encode(), digest_size=4).hexdigest()
+
+
 def sidecar_config(name: str, ip: str, workdir: Path, oracle, redis_url: str | None = None,
                    secret_file: str | None = None, **overrides) -> dict:
     config = {
-        "pod_name": name, "pod_namespace": "kvtier-fleet", "pod_ip": ip,
+        "pod_name": name, "pod_namespace": fleet_namespace(workdir), "pod_ip": ip,
         "http_port": 0, "peer_port": 0, "engine_socket": str(workdir / f"{name}.sock"),
         "model": dict(oracle.shape), "block_size": oracle.block_size,
         "dram_capacity_bytes": 64 << 20, "redis_url": redis_url, "peer_secret_file": secret_file,

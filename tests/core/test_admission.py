@@ -1,4 +1,5 @@
-"""Admission pieces in isolation: the sketch, the value-ordered queue, thrash, placement."""
+"""Admission pieces in isolation: the sketch and its doorkeeper, the duel, the value-ordered
+queue, placement."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +12,6 @@ from kvtier.admission import (
     CountMinSketch,
     Placement,
     StoreQueue,
-    ThrashDetector,
     placement,
 )
 from kvtier.keys import KeyRoot, block_hashes
@@ -51,14 +51,42 @@ def test_sketch_rejects_bad_dimensions(width, depth):
         CountMinSketch(width=width, depth=depth)
 
 
-def test_admission_admits_the_leading_blocks_that_meet_the_bar():
-    adm = Admission(min_sightings=2, sketch=CountMinSketch(width=4096))
-    shared, tail = hashes(0, 3), hashes(900, 2)
-    adm.sight(shared + tail)
-    adm.sight(shared)
-    assert adm.admitted_blocks(shared + tail) == (3, 2)
-    assert adm.admitted_blocks(tail) == (0, 0)
-    assert adm.rejects == 1 and adm.admits == 1
+def test_doorkeeper_keeps_first_sightings_out_of_the_counters():
+    sk = CountMinSketch(width=1024, depth=4, doorkeeper=True)
+    once, twice = hashes(0, 50), hashes(5_000, 5)
+    sk.add(once)
+    sk.add(twice)
+    sk.add(twice)
+    assert sk.table.sum() == 4 * 5          # only the second sightings reached the table
+    assert sk.estimate(twice).tolist() == [2] * 5
+    assert (sk.estimate(once) >= 1).all()   # a doorkeeper hit still counts as one sighting
+    assert [sk.estimate_one(h) for h in twice] == [2] * 5
+
+
+def test_halving_forgets_the_doorkeeper_too():
+    sk = CountMinSketch(width=64, depth=2, sample_size=1_000, doorkeeper=True)
+    h = hashes(0, 3)
+    sk.add(h)
+    sk.halve()
+    assert sk.estimate(h).tolist() == [0, 0, 0]
+
+
+def test_sketch_for_a_cache_grows_with_its_slots_within_bounds():
+    small, large = CountMinSketch.for_slots(10), CountMinSketch.for_slots(10_000_000)
+    assert small.width >= 1000 and large.width == 1 << 19
+    assert small.sample_size < large.sample_size
+
+
+def test_a_candidate_displaces_a_victim_only_when_seen_as_often_and_at_least_min_sightings():
+    adm = Admission(min_sightings=2, sketch=CountMinSketch(width=4096, doorkeeper=True))
+    seen_once, seen_thrice = hashes(0, 1), hashes(900, 1)
+    adm.sight(seen_once)
+    for _ in range(3):
+        adm.sight(seen_thrice)
+    assert not adm.duel(seen_once[0], victim_frequency=0.5)   # one sighting is below the bar
+    assert adm.duel(seen_thrice[0], victim_frequency=3.0)      # ties go to the newcomer
+    assert not adm.duel(seen_thrice[0], victim_frequency=3.5)
+    assert (adm.admits, adm.rejects) == (1, 2)
 
 
 def test_queue_drops_the_least_valuable_entry_not_the_newest():
@@ -79,44 +107,6 @@ def test_queue_pops_the_oldest_of_equal_values_first():
     assert [q.pop() for _ in range(4)] == [0, 1, 2, 3]
 
 
-def test_thrash_needs_a_sustained_stretch():
-    td = ThrashDetector(ratio=0.9, window_s=1.0, sustain_windows=3)
-    fired = []
-    t = 0.0
-    for window in range(7):
-        fired.append(td.record(t, stored_blocks=10, evicted_blocks=10))
-        t += 1.0
-    # Windows close on the next record: windows 0, 1, 2 complete at t=3.
-    assert fired == [False, False, False, True, False, False, True]
-    assert td.events == 2
-
-
-def test_evictions_below_ninety_percent_of_stores_are_not_thrash():
-    td = ThrashDetector(ratio=0.9, window_s=1.0, sustain_windows=2)
-    for i in range(10):
-        assert not td.record(float(i), stored_blocks=10, evicted_blocks=8)
-    assert not td.thrashing and td.events == 0
-
-
-def test_a_calm_window_breaks_the_stretch():
-    td = ThrashDetector(ratio=0.9, window_s=1.0, sustain_windows=3)
-    pattern = [10, 10, 0, 10, 10, 0, 10, 10]
-    assert not any(td.record(float(i), stored_blocks=10, evicted_blocks=e) for i, e in enumerate(pattern))
-
-
-def test_thrash_raises_the_bar_up_to_its_cap_and_never_lowers_it():
-    adm = Admission(min_sightings=2, thrash=ThrashDetector(window_s=1.0, sustain_windows=1), max_bar=4)
-    bars = []
-    for i in range(10):
-        adm.record(float(i), stored_blocks=5, evicted_blocks=5)
-        bars.append(adm.bar)
-    for i in range(10, 20):
-        adm.record(float(i), stored_blocks=5, evicted_blocks=0)
-        bars.append(adm.bar)
-    assert bars[:4] == [2, 3, 4, 4] and bars[-1] == 4
-    assert bars == sorted(bars)
-
-
 def test_placement_is_inferred_from_reuse():
     assert placement(1, 100, bar=2, pin_max_bytes=1000) is Placement.SKIP
     assert placement(2, 100, bar=2, pin_max_bytes=1000) is Placement.DRAM
@@ -131,15 +121,19 @@ def test_min_sightings_must_be_a_positive_int(bad):
         Admission(min_sightings=bad)
 
 
+@pytest.mark.parametrize("doorkeeper", [False, True])
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=12), min_size=1, max_size=40))
-def test_short_input_path_counts_exactly_like_the_vectorised_path(batches):
-    few, many = CountMinSketch(width=64, sample_size=50), CountMinSketch(width=64, sample_size=50)
+@given(batches=st.lists(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=12), min_size=1, max_size=40))
+def test_short_input_path_counts_exactly_like_the_vectorised_path(batches, doorkeeper):
+    few = CountMinSketch(width=64, sample_size=50, doorkeeper=doorkeeper)
+    many = CountMinSketch(width=64, sample_size=50, doorkeeper=doorkeeper)
     for hashes in batches:
         few._add_few(hashes)
         many._add_many(hashes)
         assert np.array_equal(few._estimate_few(hashes), many._estimate_many(hashes))
         assert np.array_equal(few.table, many.table)
+        if doorkeeper:
+            assert np.array_equal(few.door, many.door)
     sketch = CountMinSketch(width=64, sample_size=50)  # the public API mixes both paths
     for hashes in batches:
         sketch.add(hashes)

@@ -1,11 +1,20 @@
-"""The decayed-frequency eviction policy."""
+"""The eviction policy's pure parts: decayed frequency, the duel rule, the shadow LRU and the
+window tuners."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from kvtier.eviction import DecayedFrequencyPolicy, FrequencyState
+from kvtier.eviction import (
+    DecayedFrequencyPolicy,
+    FrequencyState,
+    HillClimber,
+    LruReferenceTuner,
+    PolicyConfig,
+    ShadowLru,
+    admits,
+)
 
 
 def test_frequency_halves_every_half_life():
@@ -43,3 +52,57 @@ def test_untouched_state_sorts_first():
 def test_half_life_must_be_positive(bad):
     with pytest.raises(ValueError, match="half_life_s"):
         DecayedFrequencyPolicy(bad)
+
+
+def test_the_duel_needs_min_sightings_and_at_least_the_victims_frequency():
+    assert admits(2, 1.5, min_sightings=2)
+    assert admits(3, 3.0, min_sightings=2)          # a tie goes to the newcomer (recency)
+    assert not admits(3, 3.2, min_sightings=2)
+    assert not admits(1, 0.0, min_sightings=2)      # one sighting never displaces anything
+
+
+def test_shadow_lru_matches_prefixes_caps_at_the_limit_and_evicts_tails_first():
+    lru = ShadowLru(4)
+    assert lru.access(["a", "b", "c"], limit=3) == 0
+    assert lru.access(["a", "b", "c"], limit=2) == 2          # the last-token rule's cap
+    assert lru.access(["x", "y"], limit=2) == 0               # 5 blocks: c, the oldest tail, goes
+    assert lru.access(["a", "b", "c"], limit=3) == 2
+
+
+def test_reference_tuner_grows_the_window_while_behind_lru_and_shrinks_it_when_ahead():
+    t = LruReferenceTuner(100, window_fraction=0.01)
+    start = t.window_target
+    moved = [t.record([f"h{i}"], limit=1, matched=0) for i in range(100)]   # LRU misses too: a tie
+    assert moved[-1] and t.window_target < start or t.window_target == 0.0
+    for _ in range(3):                                                      # now LRU hits, we miss
+        for i in range(100):
+            t.record(["same"], limit=1, matched=0)
+    assert t.window_target == 3 * t.step
+    for i in range(100 * 20):                                               # we hit, LRU hits: ahead-or-equal
+        t.record(["same"], limit=1, matched=1)
+    assert t.window_target == 0.0
+
+
+def test_window_target_stays_within_the_capacity():
+    t = LruReferenceTuner(10, window_fraction=1.0)
+    for _ in range(200):
+        t.record(["k"], limit=1, matched=0)      # always behind
+    assert t.window_target == 10.0
+
+
+def test_hill_climber_keeps_direction_on_improvement_and_turns_on_loss():
+    c = HillClimber(100, window_fraction=0.5, sample_factor=1.0)
+    c.record(100, 10)                     # first sample: moves up
+    up = c.window_target
+    assert up > 50
+    c.record(100, 20)                     # better: same direction
+    assert c.window_target > up
+    higher = c.window_target
+    c.record(100, 12)                     # worse: turn around
+    assert c.window_target < higher
+
+
+@pytest.mark.parametrize("kw", [dict(window_fraction=1.5), dict(window_fraction=-0.1), dict(adapt="sometimes")])
+def test_policy_config_rejects_bad_values(kw):
+    with pytest.raises(ValueError):
+        PolicyConfig(**kw)

@@ -34,11 +34,11 @@ class Slots:
         return out
 
 
-def insert(ix: PrefixIndex, slots: Slots, tb: bytes, first: int = 0, root: KeyRoot = ROOT):
+def insert(ix: PrefixIndex, slots: Slots, tb: bytes, first: int = 0, root: KeyRoot = ROOT, main: bool = False):
     n = len(tb) // (4 * B) - first
     s = slots.take(n)
     hashes = block_hashes(root, np.frombuffer(tb, dtype="<u4"))[first:]
-    unused, node = ix.insert(root, tb, first, s, hashes)
+    unused, node = ix.insert(root, tb, first, s, hashes, main=main)
     return s, unused, node
 
 
@@ -127,28 +127,68 @@ def test_eviction_takes_tails_before_heads_and_parents_after_their_children():
     assert ix.num_blocks == 0 and ix.roots() == []
 
 
-def test_frequently_hit_leaf_outlives_a_recent_one_hit_leaf():
+def test_in_main_a_frequently_hit_leaf_outlives_a_recent_one_hit_leaf():
     clock = Clock()
     ix, sl = PrefixIndex(B, clock=clock), Slots()
-    hot, _, _ = insert(ix, sl, toks((0, 32)))
+    hot, _, _ = insert(ix, sl, toks((0, 32)), main=True)
     for _ in range(5):
         clock.t += 1
         ix.unpin(ix.pin(ix.match(ROOT, toks((0, 32)), 2)))
     clock.t += 1
-    cold, _, _ = insert(ix, sl, toks((500, 532)))
+    cold, _, _ = insert(ix, sl, toks((500, 532)), main=True)
     assert ix.evict(2) == [cold[1], cold[0]]
 
 
-def test_frequency_decays_so_old_popularity_fades():
+def test_in_main_frequency_decays_so_old_popularity_fades():
     clock = Clock()
     ix, sl = PrefixIndex(B, clock=clock), Slots()
-    old, _, _ = insert(ix, sl, toks((0, 32)))
+    old, _, _ = insert(ix, sl, toks((0, 32)), main=True)
     for _ in range(5):
         ix.unpin(ix.pin(ix.match(ROOT, toks((0, 32)), 2)))
     clock.t += 10 * 3600  # many half-lives later
-    new, _, _ = insert(ix, sl, toks((500, 532)))
+    new, _, _ = insert(ix, sl, toks((500, 532)), main=True)
     ix.unpin(ix.pin(ix.match(ROOT, toks((500, 532)), 2)))
     assert ix.evict(2) == [old[1], old[0]]
+
+
+def test_the_window_evicts_its_least_recent_leaf_whatever_its_hits():
+    clock = Clock()
+    ix, sl = PrefixIndex(B, clock=clock), Slots()
+    hot, _, _ = insert(ix, sl, toks((0, 32)))
+    for _ in range(5):
+        ix.unpin(ix.pin(ix.match(ROOT, toks((0, 32)), 2)))
+    clock.t += 1
+    recent, _, _ = insert(ix, sl, toks((500, 532)))
+    assert ix.evict(2) == [hot[1], hot[0]]
+
+
+def test_a_window_candidate_that_loses_its_duel_is_evicted_and_main_keeps_its_victim():
+    ix, sl = PrefixIndex(B), Slots()
+    kept, _, _ = insert(ix, sl, toks((0, 32)), main=True)
+    cand, _, _ = insert(ix, sl, toks((500, 532)))
+    ix.window_target = 0
+    duels = []
+    freed = ix.evict(2, duel=lambda c, v: duels.append((c.slots[:], v.slots[:])) or False)
+    assert freed == [cand[1], cand[0]] and duels[0] == (cand, kept)
+    assert ix.match(ROOT, toks((0, 32)), 2).cached_blocks == 2
+
+
+def test_a_window_candidate_that_wins_moves_to_main_and_the_victim_pays():
+    ix, sl = PrefixIndex(B), Slots()
+    victim, _, _ = insert(ix, sl, toks((0, 32)), main=True)
+    cand, _, _ = insert(ix, sl, toks((500, 532)))
+    ix.window_target = 0
+    assert ix.evict(2, duel=lambda c, v: True) == [victim[1], victim[0]]
+    assert ix.region_blocks == [0, 2]  # the candidate now lives in main
+    assert ix.match(ROOT, toks((500, 532)), 2).cached_blocks == 2
+
+
+def test_new_blocks_that_overflow_the_window_duel_for_their_slots():
+    ix, sl = PrefixIndex(B), Slots()
+    insert(ix, sl, toks((0, 32)), main=True)
+    ix.window_target = 0
+    assert ix.evict(2, incoming=lambda victim: False) == []      # they lose: no slot
+    assert len(ix.evict(2, incoming=lambda victim: True)) == 2    # they win: main's victim pays
 
 
 def test_hot_nodes_are_evicted_after_every_ordinary_node():

@@ -38,7 +38,7 @@ def test_lru_evicts_the_least_recently_used_prefix_tail_first():
     assert lru.used_blocks() == 4
 
 
-def test_kvtier_cache_stores_on_the_second_sighting_and_hits_on_the_third():
+def test_kvtier_cache_stores_into_free_space_at_once_and_hits_on_the_second_sighting():
     clock = [0.0]
     cache = KvtierCache(capacity_bytes=64 * 1024, block_bytes=1024, block_size=BS, clock=lambda: clock[0])
     prompt = list(range(17))
@@ -46,7 +46,7 @@ def test_kvtier_cache_stores_on_the_second_sighting_and_hits_on_the_third():
     for t in range(3):
         clock[0] = float(t)
         got.append(cache.serve(_req(prompt), ROOT, clock[0]))
-    assert got == [0, 0, 16]
+    assert got == [0, 16, 16]
     assert cache.peek(_req(prompt), ROOT) == 16
     cache.drop_all()
     assert cache.peek(_req(prompt), ROOT) == 0
