@@ -62,7 +62,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         )
     memo.options = options
     memo.kube = Kube.from_environment()
-    memo.sidecars = SidecarClient.create(options.warms_per_target)
+    memo.sidecars = SidecarClient.create(options.warms_per_target, options.sidecar_token_file)
     memo.policies = PolicyRegistry()
     memo.http = aiohttp.ClientSession()  # rollout analysis: Prometheus and Alertmanager
     memo.rollout_metrics = metrics.RolloutMetrics()
@@ -124,7 +124,7 @@ async def spec_changed(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
         body = await memo.kube.read_policy(namespace, name)
         if body is None:
             return
-        fields = await reconcile.reconcile_spec(memo.kube, body, _poster(body))
+        fields = await reconcile.reconcile_spec(memo.kube, body, _poster(body), memo.options.sidecar_access())
         await memo.kube.patch_status(namespace, name, fields)
     # Every policy of the namespace: a changed selector may start or end an overlap.
     registry.wake_namespace(namespace)
@@ -188,7 +188,9 @@ def inject_sidecar(
     except ValueError:
         return  # the owner's spec is invalid: inject nothing rather than the wrong config
     options: OperatorOptions = memo.options
-    result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(image=options.sidecar_image))
+    result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(
+        image=options.sidecar_image, auth_mode=options.sidecar_auth, auth_users=options.sidecar_auth_users,
+        protect_metrics=options.sidecar_protect_metrics, metrics_users=options.sidecar_metrics_users))
     if result is not None:
         patch["metadata"] = result["metadata"]
         patch["spec"] = result["spec"]
@@ -201,8 +203,10 @@ async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, body: kopf.
     # by kopf until the pods converge), then the policy's own objects.
     await rollout_teardown.settle_workload(memo.kube, dict(body), _poster(dict(body)))
     redis_spec = spec.get("redis") or {}
-    if redis_spec.get("url"):
-        await publish.delete_redis(redis_spec["url"], namespace, name, bool(redis_spec.get("cluster")))
+    parsed = policy.KVCachePolicySpec.model_validate(dict(spec)) if redis_spec else None
+    url = await reconcile.redis_url(memo.kube, namespace, parsed) if parsed else None
+    if url:
+        await publish.delete_redis(url, namespace, name, bool(redis_spec.get("cluster")))
     for cm in (names.sidecar_config_map(name), names.affinity_config_map(name)):
         await memo.kube.delete_config_map(namespace, cm)
     memo.policies.forget(PolicyKey(namespace, name))

@@ -47,6 +47,8 @@ FLUSH_BATCH_BLOCKS = 4_000
 # Remembered registrations to withdraw at shutdown; beyond this, TTL cleans up.
 MAX_REMEMBERED_KEYS = 1_000_000
 HEARTBEAT_S = 2.0
+# A warm-up's membership check is on the control path, not a lookup's: a second is fine.
+MEMBERSHIP_CHECK_TIMEOUT_S = 1.0
 # A member is live while its heartbeat is younger than this.
 MEMBER_TTL_S = 3 * HEARTBEAT_S
 
@@ -111,6 +113,9 @@ class GlobalIndex:
         self.reads = Breaker()
         self.writes = Breaker()
         self._members: set[str] = set()
+        # True once a heartbeat has written our member entry: from then on a missing
+        # entry means Redis lost its data, and the remembered blocks are written again.
+        self._joined = False
         self._tasks: list[asyncio.Task] = []
         self.stats = collections.Counter()
 
@@ -243,10 +248,14 @@ class GlobalIndex:
         if self.writable:
             try:
                 pipe = self.redis.pipeline(transaction=False)
+                pipe.zscore(self.members_key, self.host)
                 pipe.zadd(self.members_key, {self.host: now + MEMBER_TTL_S})
                 pipe.zremrangebyscore(self.members_key, "-inf", now)
-                await pipe.execute()
+                previous_score, *_ = await pipe.execute()
                 self.writes.succeeded()
+                if self._joined and previous_score is None:
+                    await self._republish()
+                self._joined = True
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
                 self._failed("heartbeat", exc, self.writes)
         if self.available:
@@ -257,11 +266,38 @@ class GlobalIndex:
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
                 self._failed("members", exc, self.reads)
 
+    async def _republish(self) -> None:
+        """Our member entry vanished although we heartbeat in time: Redis lost its data
+        (a restart without persistence, a failover to an empty replica, a flush). Write
+        every remembered entry again, so peers find this host's blocks without waiting
+        for new stores. An entry for a block evicted since costs a shorter peer answer
+        only (the serving peer matches by tokens)."""
+        keys = list(self._remembered)
+        expiry = int(time.time()) + self.ttl_s
+        for start in range(0, len(keys), FLUSH_BATCH_BLOCKS):
+            pipe = self.redis.pipeline(transaction=False)
+            for key in keys[start : start + FLUSH_BATCH_BLOCKS]:
+                pipe.hset(key, self.host, expiry)
+                pipe.expire(key, self.ttl_s)
+            await pipe.execute()
+        self.stats["republished_blocks"] += len(keys)
+        log.info("redis lost its index entries; republished %d blocks", len(keys))
+
     def _read_ok(self) -> None:
         self.reads.succeeded()
         if self.writes.state is Health.UNREACHABLE:
             # The server answers again: let the queued writes try now instead of after the backoff.
             self.writes.down_until = 0.0
+
+    async def is_member(self, host: str) -> bool:
+        """Whether `host` heartbeats in this index's member set now (one round trip);
+        False when Redis cannot say (a warm-up source must be proven, not assumed)."""
+        try:
+            expiry = await asyncio.wait_for(self.redis.zscore(self.members_key, host), MEMBERSHIP_CHECK_TIMEOUT_S)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self._failed("membership check", exc)
+            return False
+        return expiry is not None and float(expiry) > time.time()
 
     def forget_member(self, host: str) -> None:
         """A peer that failed a fetch is skipped until its next heartbeat refresh."""

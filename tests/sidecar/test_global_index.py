@@ -114,3 +114,25 @@ def test_deregister_withdraws_entries_and_membership(redis_url):
         assert await me.longest_prefix(TAG, hashes(6)) is None
         await a.close(); await me.close()
     run(go())
+
+
+def test_a_redis_that_lost_its_data_gets_this_hosts_entries_again_at_the_next_heartbeat(redis_url):
+    async def go():
+        a = GlobalIndex(redis_url, "h1:1")
+        me = GlobalIndex(redis_url, "me:1")
+        hs = hashes(12)
+        await a.heartbeat()
+        a.register(TAG, hs)
+        assert await a.flush()
+        assert (await me.longest_prefix(TAG, hs)).matched_blocks == 12
+        redis_sync.Redis.from_url(redis_url).flushall()  # a restart without persistence
+        assert await me.longest_prefix(TAG, hs) is None
+        await a.heartbeat()
+        answer = await me.longest_prefix(TAG, hs)
+        assert answer.matched_blocks == 12 and answer.hosts == ["h1:1"]
+        assert a.stats["republished_blocks"] == 12
+        # A heartbeat that finds its own entry writes nothing again.
+        await a.heartbeat()
+        assert a.stats["republished_blocks"] == 12
+        await a.close(); await me.close()
+    run(go())
