@@ -25,7 +25,7 @@ class OperatorProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, crash_at: str | None = None) -> "OperatorProcess":
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        env = {**os.environ, **self.options.to_env(), "KUBECONFIG": str(self.kubeconfig)}
         env.pop(crashpoints.ENV, None)
         if crash_at:
             env[crashpoints.ENV] = crash_at
