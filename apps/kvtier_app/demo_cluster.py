@@ -320,6 +320,19 @@ class ClusterDemo:
         return Phase(table.epoch, members, fleet_report(total, stats, self.oracle.block_bytes, elapsed),
                      {m: len(r) for m, r in routed.items()})
 
+    def wait_fleet_hit_rate(self) -> float:
+        """Wait until the operator's periodic refresh put the members' own hit rate
+        (their hits over their lookups) into status, so `kubectl get kvcp` shows it."""
+        _, addresses = self.table()
+
+        def shown() -> float | None:
+            stats = [self.sidecar_stats(a["ip"]) for a in addresses.values()]
+            lookups = sum(s["lookups"] for s in stats)
+            expected = round(sum(s["hits"] for s in stats) / lookups, 4) if lookups else None
+            rate = self.status().get("fleetHitRate")
+            return rate if expected is not None and rate == expected else None
+        return wait_for("the fleet hit rate in the policy's status", shown)
+
     def sidecar_stats(self, ip: str, tenant: str | None = None) -> dict[str, Any]:
         url = f"http://{ip}:{SIDECAR_HTTP_PORT}/cache/stats" + (f"?tenant={tenant}" if tenant else "")
         request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.control_token}"})
@@ -436,6 +449,7 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         if moves and not any(warmed.values()):
             raise DemoFailed(f"tenants {sorted(moves)} moved but none was warmed on its new home before the epoch")
         phase2 = demo.replay(work[requests:])
+        demo.wait_fleet_hit_rate()
         kvcp = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
         status = demo.status()
 

@@ -10,6 +10,7 @@
     inject_sidecar       mutating admission webhook for pod CREATE
     policy_deleted       finalizer: a rollout in flight rolled back (rollout_teardown.py), then
                          the Redis key and ConfigMaps
+    hit_rate_tick        timer per policy: status.fleetHitRate under steady traffic
     rollout_tick         timer per policy with a workloadRef (rollout_handlers.py)
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kubernetes.client.rest import ApiException
 
 from kvtier import policy
 
-from kvtier_operator import conflicts, injection, metrics, names, publish, reconcile, rollout_teardown
+from kvtier_operator import conflicts, hit_rate, injection, metrics, names, publish, reconcile, rollout_teardown
 from kvtier_operator.kube import Kube
 from kvtier_operator.membership import PodView, pod_view
 from kvtier_operator.options import (
@@ -166,6 +167,15 @@ async def membership_loop(
             await asyncio.sleep(options.debounce_s)  # let a burst of pod events settle
     finally:
         registry.close_trigger(key)
+
+
+@kopf.timer(*POLICY, id="hit-rate", interval=hit_rate.HIT_RATE_REFRESH_S)
+async def hit_rate_tick(name: str, namespace: str, memo: kopf.Memo, pods_by_namespace: kopf.Index,
+                        **_: Any) -> None:
+    """kopf runs a timer's passes one after another (never two at once per policy)."""
+    views = list(pods_by_namespace.get(namespace, []))
+    await hit_rate.refresh(memo.kube, memo.sidecars, namespace, name, views,
+                           memo.policies.entry(PolicyKey(namespace, name)))
 
 
 @kopf.on.event("", "v1", "pods")

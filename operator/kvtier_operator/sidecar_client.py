@@ -28,6 +28,9 @@ STATS_TIMEOUT_S = 3.0
 # the warm-up must not take the peer links away from live traffic.
 MAX_WARMS_IN_FLIGHT = 16
 JOB_POLL_INTERVAL_S = 0.1
+# Stats requests in flight at once: a large fleet's refresh must not open a socket per
+# member at the same instant (each answer is small; 16 keep a pass short).
+MAX_STATS_IN_FLIGHT = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +128,13 @@ class SidecarClient:
         await self._session.close()
 
     async def fleet_stats(self, members: Mapping[str, Member]) -> FleetStats:
-        answers = await asyncio.gather(*(self._stats(m) for m in members.values()))
+        """Every member's stats, at most `MAX_STATS_IN_FLIGHT` requests at a time."""
+        gate = asyncio.Semaphore(MAX_STATS_IN_FLIGHT)
+
+        async def one(member: Member) -> MemberStats | None:
+            async with gate:
+                return await self._stats(member)
+        answers = await asyncio.gather(*(one(m) for m in members.values()))
         return FleetStats(tuple(a for a in answers if a is not None))
 
     async def _stats(self, member: Member) -> MemberStats | None:

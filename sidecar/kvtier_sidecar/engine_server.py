@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from kvtier.keys import KeyRoot
 
-from .engine_proto import FRAME, EngineOp, FrameError, decode_header, encode, split_body
+from .engine_proto import FRAME, EngineOp, EngineReport, FrameError, decode_header, encode, split_body
 from .wire import WireRoot
 
 log = logging.getLogger("kvtier.sidecar.engine")
@@ -144,6 +144,14 @@ class EngineServer:
             ticket = _int(payload, "ticket", 0, MAX_ID)
             svc.store_abort(ticket, owner)
             tickets.discard(ticket)
+            return {}, None
+        if op == EngineOp.REPORT:
+            try:
+                report = EngineReport.model_validate(payload)
+            except ValidationError as exc:
+                raise ValueError("invalid report: " + "; ".join(
+                    f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))) from None
+            svc.engine_report(report)
             return {}, None
         if op == EngineOp.HELLO:
             return {**self.hello, "instance": svc.instance}, None

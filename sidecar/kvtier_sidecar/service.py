@@ -158,10 +158,16 @@ class Sidecar:
         if step.committed_blocks and step.ticket is not None:
             t = step.ticket
             self.counters.add(Count.STORED_BLOCKS, step.committed_blocks)
+            self.counters.add(Count.STORED_BYTES, step.committed_blocks * self.tier.block_bytes)
             self.platform.mirror(t.root, t.tokens)
             self._after_store(t.root, t.tokens, t.reservation.first_block + step.committed_blocks,
                               t.reservation.slots)
         return step.ok
+
+    def engine_report(self, report) -> None:
+        """What only the engine knows (an `engine_proto.EngineReport`), into the counters."""
+        self.counters.add(Count.ENGINE_LOADED_BYTES, report.loaded_bytes)
+        self.counters.add(Count.ENGINE_LOAD_ERRORS, report.load_errors)
 
     def store_abort(self, ticket_id: int, owner: object = None) -> None:
         self.tickets.abort(TicketId(ticket_id), owner)
