@@ -35,6 +35,9 @@ from kvtier_operator.registry import PolicyKey, PolicyRegistry
 from kvtier_operator.sidecar_client import SidecarClient
 
 POLICY = (policy.GROUP, policy.VERSION, policy.PLURAL)
+# While Redis lags the published table: short enough that routers reading Redis catch
+# up within seconds of its return, long enough not to hammer a Redis that is down.
+REDIS_RETRY_S = 2.0
 log = logging.getLogger("kvtier.operator")
 
 
@@ -156,7 +159,9 @@ async def membership_loop(
                     log.exception("membership reconcile of %s/%s failed; retrying", namespace, name)
                     await asyncio.sleep(1.0)
             try:
-                await asyncio.wait_for(trigger.wait(), timeout=options.resync_interval_s)
+                behind = registry.entry(key).state.redis_behind
+                await asyncio.wait_for(trigger.wait(),
+                                       timeout=REDIS_RETRY_S if behind else options.resync_interval_s)
             except asyncio.TimeoutError:
                 pass
             await asyncio.sleep(options.debounce_s)  # let a burst of pod events settle

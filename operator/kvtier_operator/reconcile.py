@@ -29,8 +29,8 @@ from kvtier import policy
 from kvtier.sidecar_config import SidecarConfig
 from kvtier.affinity import AffinityTable, load_imbalance, plan_membership_change
 
-from kvtier_operator import (arena_memory, conditions, conflicts, economics, epoch, membership, names, netpol, publish,
-                             sidecar_render, warmup)
+from kvtier_operator import (arena_memory, conditions, conflicts, crashpoints, economics, epoch, events, membership, names,
+                             netpol, publish, sidecar_render, warmup)
 from kvtier_operator.kube import Kube
 from kvtier_operator.registry import PolicyState
 from kvtier_operator.sidecar_client import FleetStats, SidecarClient
@@ -195,13 +195,16 @@ async def reconcile_membership(
     table, new_epoch = decision.table, decision.new_epoch
 
     if new_epoch:
-        await _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers)
+        state.redis_behind = not await _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers)
     else:
         if published_cm and _addresses_stale(published_cm, members):
             await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
         url = await redis_url(kube, namespace, spec)
-        if url:  # level-based: a Redis that missed an epoch catches up
-            await publish.ensure_redis(url, namespace, name, table, members, spec.redis.cluster)
+        # Level-based: a Redis that missed an epoch catches up.
+        state.redis_behind = bool(url) and not await publish.ensure_redis(url, namespace, name, table, members,
+                                                                          spec.redis.cluster)
+        if _stale_journal(body, table.epoch):  # a crash after the publish left it behind
+            await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
 
     if leavers:  # the published table no longer names them: they may go
         await sidecars.release(leavers)
@@ -222,9 +225,16 @@ async def reconcile_membership(
         _post_verdict_changes(old_status, tiers, event)
     fields["conditions"] = [c.wire() for c in conditions.merge(
         old_status.conditions, observed, body["metadata"].get("generation"))]
+    epoch_changed = new_epoch or (old_status.epoch or 0) < table.epoch
+    if epoch_changed:
+        # Before the status write, named by the epoch: a crash between the two re-posts
+        # it (409, kept once) instead of losing it behind a status that already agrees.
+        await kube.create_event_once(events.once(body, f"epoch/{table.epoch}", "Normal", "EpochChanged",
+                                                 _epoch_message(table, plan, len(tenants))))
+        crashpoints.reached("membership-event-posted")
     await kube.patch_status(namespace, name, fields)
-    if new_epoch or (old_status.epoch or 0) < table.epoch:
-        event("Normal", "EpochChanged", _epoch_message(table, plan, len(tenants)))
+    if epoch_changed:
+        crashpoints.reached("membership-status-written")
     log.info("membership of %s/%s reconciled: epoch %d, %d members, new epoch: %s",
              namespace, name, table.epoch, len(members), new_epoch)
 
@@ -263,9 +273,9 @@ def _injection_observation(missing: list[str], old: policy.KVCachePolicyStatus, 
     return conditions.Observation("SidecarsInjected", "False", "PodsWithoutSidecar", message)
 
 
-async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers=None) -> None:
+async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers=None) -> bool:
     """Warm moved tenants on their new homes (from a leaver first), journaled, then
-    publish the new epoch."""
+    publish the new epoch. False: Redis (when configured) did not take it."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     digest = warmup.members_digest(members)
@@ -282,8 +292,10 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
         deadline = time.monotonic() + spec.affinity.warm_timeout_s
         try:
             await writer.write()
+            crashpoints.reached("membership-journal-written")
             await sidecars.warm_all(todo, {**leavers, **members}, spec.affinity.warm_timeout_s,
                                     ref_prefix=journal.ref_prefix, on_done=writer.done)
+            crashpoints.reached("membership-warmed")
             # A leaver that did not answer: warm from the surviving old home instead
             # (its own refs: the sidecar remembers the failed job under the first ones).
             retry = [r.from_fallback() for r in todo if r.key not in journal.done and r.fallback]
@@ -295,10 +307,22 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
         log.info("epoch %s: %d/%d warm-ups done, %d tenants cold", table.epoch,
                  len(journal.done), len(warm_plan.requests), len(warm_plan.cold_tenants))
     await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
+    crashpoints.reached("membership-table-published")
+    redis_ok = True
     url = await redis_url(kube, namespace, spec)
     if url:
-        await publish.publish_redis(url, namespace, name, table, members, spec.redis.cluster)
+        redis_ok = await publish.publish_redis(url, namespace, name, table, members, spec.redis.cluster)
+        crashpoints.reached("membership-redis-published")
     await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
+    crashpoints.reached("membership-journal-cleared")
+    return redis_ok
+
+
+def _stale_journal(body: dict[str, Any], published_epoch: int) -> bool:
+    """A warm-up journal for an epoch already published (or older): nothing left to resume."""
+    raw = (body["metadata"].get("annotations") or {}).get(names.PENDING_EPOCH_ANNOTATION)
+    journal = warmup.PendingEpoch.from_json(raw)
+    return raw is not None and (journal is None or journal.epoch <= published_epoch)
 
 
 def peer_secret(name: str, namespace: str) -> dict[str, Any]:
