@@ -106,7 +106,7 @@ def _peer_results(peer: str, redis_url: str, tokens: np.ndarray, kv: np.ndarray,
     from bench import peer_contest as pc
 
     run_bytes, n_blocks = kv.nbytes, kv.nbytes // BLOCK_BYTES
-    transport = TcpTransport(lambda: b"bench-secret", 1.0, 30.0)
+    transport = TcpTransport(b"bench-secret", 1.0, 30.0)
     root = _root()
 
     def fetch(dst: np.ndarray) -> None:

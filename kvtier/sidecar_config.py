@@ -71,6 +71,20 @@ DEFAULT_DRAIN_TIMEOUT_S = 20.0
 # before it warms) arrived for this long: nobody is warming from it. Under a test's
 # 10 s graceful stop, above an operator's reaction to a pod deletion.
 DEFAULT_DRAIN_IDLE_S = 5.0
+# Peer secret rotation: the previous secret stays accepted this long after the file
+# changed. A mounted Secret reaches pods up to the kubelet's sync period (60 s) plus its
+# cache TTL (60 s) apart; three minutes covers that with room.
+DEFAULT_PEER_SECRET_OVERLAP_S = 180.0
+
+# Where Kubernetes mounts a pod's ServiceAccount token and the cluster CA.
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+# The audience the operator's projected token is minted for: a token meant for the API
+# server (or anything else) is not accepted by a sidecar, nor a sidecar's by anything else.
+DEFAULT_CONTROL_AUDIENCE = "kvtier-sidecar"
+# TokenReview answers are reused this long (kube-rbac-proxy caches likewise): the
+# operator's calls cost the API server one review per half minute, and a revoked token
+# keeps working at most this long.
+DEFAULT_CONTROL_AUTH_CACHE_TTL_S = 30.0
 
 RELOADABLE_FIELDS = frozenset({
     "log_level",
@@ -86,6 +100,7 @@ RELOADABLE_FIELDS = frozenset({
     "nvme",
     "drain_timeout_s",
     "drain_idle_s",
+    "warm_peers",
 })
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
@@ -156,6 +171,27 @@ class NvmeConfig(BaseModel):
         return self.mode != "off"
 
 
+class ControlAuthConfig(BaseModel):
+    """Who may use the mutating control endpoints (invalidate, warm, drain/done) and
+    per-tenant stats. `tokenreview`: a bearer token the API server's TokenReview says is
+    valid for `audience` and belongs to one of `allowed_users` (the operator's
+    ServiceAccount, `system:serviceaccount:<ns>:<name>`); none -> 401, someone else ->
+    403. `open`: no check (a sidecar on loopback in tests and the local demo only).
+    /healthz and /readyz are always open; /metrics too unless `protect_metrics`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["open", "tokenreview"] = "tokenreview"
+    audience: str = Field(DEFAULT_CONTROL_AUDIENCE, min_length=1, max_length=253)
+    allowed_users: list[str] = Field(default_factory=list, max_length=100)
+    protect_metrics: bool = False
+    metrics_users: list[str] = Field(default_factory=list, max_length=100)  # /metrics only (e.g. Prometheus)
+    cache_ttl_s: float = Field(DEFAULT_CONTROL_AUTH_CACHE_TTL_S, ge=0, le=600)
+    api_server: str = ""  # empty: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
+    token_file: str = f"{SERVICE_ACCOUNT_DIR}/token"  # this sidecar's own token (to call TokenReview)
+    ca_file: str = f"{SERVICE_ACCOUNT_DIR}/ca.crt"
+
+
 class SidecarConfig(BaseModel):
     """Everything one sidecar needs; see the module docstring for the file format."""
 
@@ -185,6 +221,9 @@ class SidecarConfig(BaseModel):
 
     peer_enabled: bool = True  # False: no peer server, no peer fetches, no warm-ups, no index
     peer_secret_file: str | None = None
+    peer_secret_overlap_s: float = Field(DEFAULT_PEER_SECRET_OVERLAP_S, ge=0, le=3600)
+    # Peers a warm-up may dial besides the global index's live members (host:port).
+    warm_peers: list[str] = Field(default_factory=list, max_length=10_000)
     peer_max_concurrency: int = Field(8, ge=1, le=1024)
     peer_timeout_s: float = Field(DEFAULT_PEER_TIMEOUT_S, gt=0)
     peer_connect_timeout_s: float = Field(0.25, gt=0)
@@ -193,6 +232,8 @@ class SidecarConfig(BaseModel):
 
     platform_tenant: str = "platform"
     platform_prefixes: list[list[int]] = Field(default_factory=list)
+
+    control_auth: ControlAuthConfig = ControlAuthConfig()
 
     metrics_top_tenants: int = Field(DEFAULT_METRICS_TOP_TENANTS, ge=1, le=1000)
     stats_max_tenants: int = Field(DEFAULT_STATS_MAX_TENANTS, ge=1, le=100_000)
@@ -267,7 +308,19 @@ ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
     "POD_IP": ("pod_ip",),
     "KVTIER_WEIGHTS_VERSION": ("model", "weights_version"),
     "KVTIER_REDIS_URL": ("redis_url",),
+    # The webhook injects the operator's identity: who may call the control API.
+    # The mounted peer Secret's file (named in the pod, where a runtime maps its path).
+    "KVTIER_PEER_SECRET_FILE": ("peer_secret_file",),
+    "KVTIER_CONTROL_AUTH_MODE": ("control_auth", "mode"),
+    "KVTIER_CONTROL_AUTH_USERS": ("control_auth", "allowed_users"),
+    "KVTIER_CONTROL_AUTH_AUDIENCE": ("control_auth", "audience"),
+    "KVTIER_CONTROL_AUTH_PROTECT_METRICS": ("control_auth", "protect_metrics"),
+    "KVTIER_CONTROL_AUTH_METRICS_USERS": ("control_auth", "metrics_users"),
+    "KVTIER_CONTROL_AUTH_TOKEN_FILE": ("control_auth", "token_file"),
+    "KVTIER_CONTROL_AUTH_CA_FILE": ("control_auth", "ca_file"),
 }
+# Environment variables holding a comma-separated list.
+LIST_ENV = frozenset({"KVTIER_CONTROL_AUTH_USERS", "KVTIER_CONTROL_AUTH_METRICS_USERS"})
 
 
 def from_mapping(data: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> SidecarConfig:
@@ -280,7 +333,7 @@ def from_mapping(data: Mapping[str, Any] | None, env: Mapping[str, str] | None =
         node = merged
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = value
+        node[path[-1]] = [v.strip() for v in value.split(",") if v.strip()] if var in LIST_ENV else value
     return SidecarConfig.model_validate(merged)
 
 

@@ -46,6 +46,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# --- checkov (chart lint), in its own venv -------------------------------------------
+bash hack/checkov.sh
+
 # --- Kubernetes control plane, kubectl, helm; Prometheus with Kubernetes discovery -----
 if [ "${KVTIER_SKIP_CONTROLPLANE:-0}" != 1 ]; then
   bash hack/controlplane.sh

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.sidecar_config import DEFAULT_CONTROL_AUDIENCE
 from kvtier_testenv import polling
 from kvtier_testenv.binaries import REPO_ROOT
 
@@ -49,6 +50,9 @@ CHART = REPO_ROOT / "charts" / "kvtier"
 RELEASE = "kvtier"
 SYSTEM_NAMESPACE = "kvtier-system"
 NAMESPACE = "kvtier-demo"
+# The serving pods' ServiceAccount: the chart lets it create TokenReviews, nothing else.
+SERVING_SERVICE_ACCOUNT = "default"
+CONTROL_AUDIENCE = DEFAULT_CONTROL_AUDIENCE
 POLICY = "demo"
 WORKLOAD = "llm"
 APP_LABEL = "kvtier-demo-llm"
@@ -135,6 +139,7 @@ def statefulset_manifest(replicas: int, version: str) -> dict[str, Any]:
             "template": {"metadata": {"labels": labels,
                                       "annotations": {"kvtier.io/weights-version": version}}, "spec": {
                 "terminationGracePeriodSeconds": 5,
+                "serviceAccountName": SERVING_SERVICE_ACCOUNT,
                 # The serving engine's image: not runnable here, so the node agent
                 # reports it running; the demo's engine clients stand in for it.
                 "containers": [{"name": "engine", "image": "example.com/llm-engine:1"}]}},
@@ -193,8 +198,14 @@ class ClusterDemo:
         values = {
             "operator": {"watchNamespaces": [NAMESPACE], "healthPort": free_port()},
             "webhook": {"url": f"https://127.0.0.1:{webhook_port}/inject-sidecar", "port": webhook_port},
+            # The serving pods' sidecars may check the operator's token (TokenReview).
+            "controlAuth": {"servingServiceAccounts": [{"namespace": NAMESPACE, "name": SERVING_SERVICE_ACCOUNT}]},
         }
         self.helm.install(RELEASE, CHART, "--create-namespace", values=values)
+        # The demo reads sidecar stats as the operator does: with a token minted for the
+        # sidecars' audience for the operator's ServiceAccount (the demo is the cluster admin).
+        self.control_token = self.kubectl.in_namespace(SYSTEM_NAMESPACE).run(
+            "create", "token", f"{RELEASE}-operator", f"--audience={CONTROL_AUDIENCE}").stdout.strip()
         self.stack.callback(self._uninstall)
 
         self.step("node agent: runs the operator pod and the injected sidecars as local processes")
@@ -309,10 +320,23 @@ class ClusterDemo:
         return Phase(table.epoch, members, fleet_report(total, stats, self.oracle.block_bytes, elapsed),
                      {m: len(r) for m, r in routed.items()})
 
-    @staticmethod
-    def sidecar_stats(ip: str, tenant: str | None = None) -> dict[str, Any]:
+    def wait_fleet_hit_rate(self) -> float:
+        """Wait until the operator's periodic refresh put the members' own hit rate
+        (their hits over their lookups) into status, so `kubectl get kvcp` shows it."""
+        _, addresses = self.table()
+
+        def shown() -> float | None:
+            stats = [self.sidecar_stats(a["ip"]) for a in addresses.values()]
+            lookups = sum(s["lookups"] for s in stats)
+            expected = round(sum(s["hits"] for s in stats) / lookups, 4) if lookups else None
+            rate = self.status().get("fleetHitRate")
+            return rate if expected is not None and rate == expected else None
+        return wait_for("the fleet hit rate in the policy's status", shown)
+
+    def sidecar_stats(self, ip: str, tenant: str | None = None) -> dict[str, Any]:
         url = f"http://{ip}:{SIDECAR_HTTP_PORT}/cache/stats" + (f"?tenant={tenant}" if tenant else "")
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.control_token}"})
+        with urllib.request.urlopen(request, timeout=5) as resp:
             return json.loads(resp.read())
 
     # -- rollouts --
@@ -425,6 +449,7 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         if moves and not any(warmed.values()):
             raise DemoFailed(f"tenants {sorted(moves)} moved but none was warmed on its new home before the epoch")
         phase2 = demo.replay(work[requests:])
+        demo.wait_fleet_hit_rate()
         kvcp = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
         status = demo.status()
 

@@ -163,10 +163,12 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
                 wrong += 1
                 samples.append(f"{req.tenant}: {tokens} != recompute {recomputed}")
         metrics = {m: _hit_tokens(addresses[m]["ip"]) for m in sorted(table.members)}
+        fleet_hit_rate = demo.wait_fleet_hit_rate()
         kvcp = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
     finally:
         demo.close()
-    return {"ok": wrong == 0 and errors == 0 and hits > 0, "kubectl_get_kvcp": kvcp, "requests": len(work),
+    return {"ok": wrong == 0 and errors == 0 and hits > 0, "kubectl_get_kvcp": kvcp, "fleet_hit_rate": fleet_hit_rate,
+            "requests": len(work),
             "served": served, "hits": hits, "cached_tokens": cached_tokens, "prompt_tokens": prompt_tokens,
             "wrong_answers": wrong, "errors": errors, "samples": samples[:3],
             "sidecar_hit_tokens": metrics, "epoch": table.epoch}

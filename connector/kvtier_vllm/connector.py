@@ -116,6 +116,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self.rank = 0
         self.paged: PagedKV | None = None
         self._load_errors: set[int] = set()
+        self._reports_refused = False  # a sidecar that does not know REPORT (an older release)
         log.info("KvtierConnector %s: socket %s, block size %d (vLLM %d), identity %s", role.name,
                  self.cfg.socket, self.block_size, self.vllm_block_size, self.identity.model_dump())
 
@@ -243,6 +244,7 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata):
             return
+        before = self.stats.data["loaded_bytes"], self.stats.data["load_errors"]
         for spec in meta.specs.loads:
             started = time.perf_counter()
             try:
@@ -257,6 +259,21 @@ class KvtierConnector(KVConnectorBase_V1):
                                       self.block_size, self.vllm_block_size, self.vllm_block_size)
                 self._load_errors.update(page for page, _ in failed)
                 self.stats.add("load_errors", len(spec.slots) - loaded)
+        self._report(self.stats.data["loaded_bytes"] - before[0], self.stats.data["load_errors"] - before[1])
+
+    def _report(self, loaded_bytes: int, load_errors: int) -> None:
+        """The same counts this step added to KVConnectorStats, to the sidecar's /metrics
+        (engine socket REPORT). Best effort: a sidecar that is away misses them, and one
+        that refuses them is not asked again."""
+        if self._reports_refused:
+            return
+        try:
+            self.client.report(loaded_bytes, load_errors)
+        except ValueError as exc:
+            self._reports_refused = True
+            log.warning("kvtier: the sidecar refused the load report (%s); not reporting again", exc)
+        except Exception:  # a report is never worth failing the forward pass for
+            log.warning("kvtier: load report failed", exc_info=True)
 
     def _load(self, spec: LoadSpec) -> int:
         """Copy the spec's blocks in; returns how many leading blocks were copied."""

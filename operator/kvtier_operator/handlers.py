@@ -10,6 +10,7 @@
     inject_sidecar       mutating admission webhook for pod CREATE
     policy_deleted       finalizer: a rollout in flight rolled back (rollout_teardown.py), then
                          the Redis key and ConfigMaps
+    hit_rate_tick        timer per policy: status.fleetHitRate under steady traffic
     rollout_tick         timer per policy with a workloadRef (rollout_handlers.py)
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kubernetes.client.rest import ApiException
 
 from kvtier import policy
 
-from kvtier_operator import conflicts, injection, metrics, names, publish, reconcile, rollout_teardown
+from kvtier_operator import conflicts, hit_rate, injection, metrics, names, publish, reconcile, rollout_teardown
 from kvtier_operator.kube import Kube
 from kvtier_operator.membership import PodView, pod_view
 from kvtier_operator.options import (
@@ -34,6 +35,9 @@ from kvtier_operator.registry import PolicyKey, PolicyRegistry
 from kvtier_operator.sidecar_client import SidecarClient
 
 POLICY = (policy.GROUP, policy.VERSION, policy.PLURAL)
+# While Redis lags the published table: short enough that routers reading Redis catch
+# up within seconds of its return, long enough not to hammer a Redis that is down.
+REDIS_RETRY_S = 2.0
 log = logging.getLogger("kvtier.operator")
 
 
@@ -59,7 +63,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         )
     memo.options = options
     memo.kube = Kube.from_environment()
-    memo.sidecars = SidecarClient.create(options.warms_per_target)
+    memo.sidecars = SidecarClient.create(options.warms_per_target, options.sidecar_token_file)
     memo.policies = PolicyRegistry()
     memo.http = aiohttp.ClientSession()  # rollout analysis: Prometheus and Alertmanager
     memo.rollout_metrics = metrics.RolloutMetrics()
@@ -121,7 +125,7 @@ async def spec_changed(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
         body = await memo.kube.read_policy(namespace, name)
         if body is None:
             return
-        fields = await reconcile.reconcile_spec(memo.kube, body, _poster(body))
+        fields = await reconcile.reconcile_spec(memo.kube, body, _poster(body), memo.options.sidecar_access())
         await memo.kube.patch_status(namespace, name, fields)
     # Every policy of the namespace: a changed selector may start or end an overlap.
     registry.wake_namespace(namespace)
@@ -155,12 +159,23 @@ async def membership_loop(
                     log.exception("membership reconcile of %s/%s failed; retrying", namespace, name)
                     await asyncio.sleep(1.0)
             try:
-                await asyncio.wait_for(trigger.wait(), timeout=options.resync_interval_s)
+                behind = registry.entry(key).state.redis_behind
+                await asyncio.wait_for(trigger.wait(),
+                                       timeout=REDIS_RETRY_S if behind else options.resync_interval_s)
             except asyncio.TimeoutError:
                 pass
             await asyncio.sleep(options.debounce_s)  # let a burst of pod events settle
     finally:
         registry.close_trigger(key)
+
+
+@kopf.timer(*POLICY, id="hit-rate", interval=hit_rate.HIT_RATE_REFRESH_S)
+async def hit_rate_tick(name: str, namespace: str, memo: kopf.Memo, pods_by_namespace: kopf.Index,
+                        **_: Any) -> None:
+    """kopf runs a timer's passes one after another (never two at once per policy)."""
+    views = list(pods_by_namespace.get(namespace, []))
+    await hit_rate.refresh(memo.kube, memo.sidecars, namespace, name, views,
+                           memo.policies.entry(PolicyKey(namespace, name)))
 
 
 @kopf.on.event("", "v1", "pods")
@@ -183,7 +198,9 @@ def inject_sidecar(
     except ValueError:
         return  # the owner's spec is invalid: inject nothing rather than the wrong config
     options: OperatorOptions = memo.options
-    result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(image=options.sidecar_image))
+    result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(
+        image=options.sidecar_image, auth_mode=options.sidecar_auth, auth_users=options.sidecar_auth_users,
+        protect_metrics=options.sidecar_protect_metrics, metrics_users=options.sidecar_metrics_users))
     if result is not None:
         patch["metadata"] = result["metadata"]
         patch["spec"] = result["spec"]
@@ -196,8 +213,10 @@ async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, body: kopf.
     # by kopf until the pods converge), then the policy's own objects.
     await rollout_teardown.settle_workload(memo.kube, dict(body), _poster(dict(body)))
     redis_spec = spec.get("redis") or {}
-    if redis_spec.get("url"):
-        await publish.delete_redis(redis_spec["url"], namespace, name, bool(redis_spec.get("cluster")))
+    parsed = policy.KVCachePolicySpec.model_validate(dict(spec)) if redis_spec else None
+    url = await reconcile.redis_url(memo.kube, namespace, parsed) if parsed else None
+    if url:
+        await publish.delete_redis(url, namespace, name, bool(redis_spec.get("cluster")))
     for cm in (names.sidecar_config_map(name), names.affinity_config_map(name)):
         await memo.kube.delete_config_map(namespace, cm)
     memo.policies.forget(PolicyKey(namespace, name))

@@ -11,6 +11,8 @@ Added to the pod:
                                     engine, so a local hit is a copy with no socket)
                 + kvtier-run       (emptyDir: the engine socket)
                 + kvtier-nvme      (hostPath spec.tiers.nvme.path, unless nvme mode is off)
+                + kvtier-peer-secret (the policy's Secret <policy>-kvtier-peer, when the peer
+                                    tier is on: the key peers prove themselves with)
     every existing container mounts kvtier-shm at /dev/shm and kvtier-run at
     /var/run/kvtier, unless it already mounts something there, and gets the engine
     env (`engine_env`: the policy-rendered --kv-transfer-config, the weights digest,
@@ -20,6 +22,14 @@ Added to the pod:
                                     after SIGTERM it serves peers while the operator warms
                                     its tenants on their new homes
     metadata.annotations[kvtier.io/injected-by] = <policy name>
+
+The sidecar itself needs no privilege: it satisfies the `restricted` Pod Security
+Standard (non-root, no privilege escalation, every capability dropped, the runtime's
+default seccomp profile, a read-only root filesystem whose writable paths are the
+volumes above; TMPDIR points at kvtier-run). It runs as the pod's user when the pod names one, else as the image's
+non-root user; the engine must run as the same user (the arena and the engine socket
+are private to it). `kvtier-nvme` is a hostPath volume, which `restricted` (and
+`baseline`) namespaces refuse: keep nvme off there.
 """
 from __future__ import annotations
 
@@ -28,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier import policy
-from kvtier.sidecar_config import DEFAULT_DRAIN_TIMEOUT_S, SidecarConfig
+from kvtier.sidecar_config import DEFAULT_DRAIN_TIMEOUT_S, SERVICE_ACCOUNT_DIR, SidecarConfig
 
 from kvtier_operator import arena_memory, conflicts, names
 from kvtier_operator.engine_env import with_engine_env
@@ -50,6 +60,11 @@ class SidecarImage:
     command: tuple[str, ...] = ("kvtier-sidecar",)
     pull_policy: str = "IfNotPresent"
     resources: dict[str, Any] = field(default_factory=dict)
+    # Who may call the sidecar's control API (the operator's identity, checked by TokenReview).
+    auth_mode: str = "tokenreview"
+    auth_users: str = ""
+    protect_metrics: bool = False
+    metrics_users: str = ""
 
 
 def selecting_policy(pod: dict[str, Any], policies: list[conflicts.PolicyRef]) -> str | None:
@@ -115,8 +130,22 @@ def _volumes(policy_name: str, spec: policy.KVCachePolicySpec) -> list[dict[str,
         {"name": names.CONFIG_VOLUME, "configMap": {"name": names.sidecar_config_map(policy_name)}},
         {"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(arena_bytes + SHM_HEADROOM_BYTES)}},
         {"name": names.RUN_VOLUME, "emptyDir": {}},
-    ] + ([{"name": names.NVME_VOLUME, "hostPath": {"path": spec.tiers.nvme.path, "type": "DirectoryOrCreate"}}]
+    ] + ([{"name": names.PEER_SECRET_VOLUME, "secret": {"secretName": names.peer_secret(policy_name)}}]
+         if spec.tiers.peer.enabled else []) + ([{"name": names.NVME_VOLUME, "hostPath": {"path": spec.tiers.nvme.path, "type": "DirectoryOrCreate"}}]
          if spec.tiers.nvme.mode != "off" else [])
+
+
+def restricted_security_context() -> dict[str, Any]:
+    """The sidecar container's securityContext: what the `restricted` Pod Security
+    Standard asks of a container, and a read-only root filesystem."""
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def _field_env(name: str, path: str) -> dict[str, Any]:
@@ -130,10 +159,28 @@ def _env(spec: policy.KVCachePolicySpec) -> list[dict[str, Any]]:
         _field_env("POD_IP", "status.podIP"),
         _field_env("KVTIER_WEIGHTS_VERSION", f"metadata.annotations['{names.WEIGHTS_VERSION_ANNOTATION}']"),
         {"name": "XDG_RUNTIME_DIR", "value": names.RUN_MOUNT_PATH},
+        # The root filesystem is read-only: temporary files go to the writable volume.
+        {"name": "TMPDIR", "value": names.RUN_MOUNT_PATH},
     ]
     if spec.redis and spec.redis.secret_ref:
         ref = spec.redis.secret_ref
         env.append({"name": "KVTIER_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return env
+
+
+def _auth_env(image: SidecarImage) -> list[dict[str, Any]]:
+    """The operator's identity travels with the pod, not the policy's ConfigMap: it is
+    the operator's deployment that decides who the operator is."""
+    env = [{"name": "KVTIER_CONTROL_AUTH_MODE", "value": image.auth_mode}]
+    if image.auth_mode == "tokenreview":
+        # The pod's own ServiceAccount token calls TokenReview (named here, so a runtime
+        # that maps mount paths sees them too).
+        env += [{"name": "KVTIER_CONTROL_AUTH_USERS", "value": image.auth_users},
+                {"name": "KVTIER_CONTROL_AUTH_TOKEN_FILE", "value": f"{SERVICE_ACCOUNT_DIR}/token"},
+                {"name": "KVTIER_CONTROL_AUTH_CA_FILE", "value": f"{SERVICE_ACCOUNT_DIR}/ca.crt"},
+                {"name": "KVTIER_CONTROL_AUTH_PROTECT_METRICS", "value": str(image.protect_metrics).lower()}]
+        if image.metrics_users:
+            env.append({"name": "KVTIER_CONTROL_AUTH_METRICS_USERS", "value": image.metrics_users})
     return env
 
 
@@ -145,7 +192,7 @@ def _sidecar_container(
         "image": image.image,
         "imagePullPolicy": image.pull_policy,
         "command": [*image.command, "--config", f"{names.CONFIG_MOUNT_PATH}/{names.CONFIG_KEY}"],
-        "env": _env(spec),
+        "env": _env(spec) + _auth_env(image),
         "ports": [
             {"name": "kvtier-http", "containerPort": cfg.http_port, "protocol": "TCP"},
             {"name": "kvtier-peer", "containerPort": cfg.peer_port, "protocol": "TCP"},
@@ -156,7 +203,13 @@ def _sidecar_container(
             {"name": names.SHM_VOLUME, "mountPath": names.SHM_MOUNT_PATH},
             {"name": names.RUN_VOLUME, "mountPath": names.RUN_MOUNT_PATH},
         ],
+        "securityContext": restricted_security_context(),
     }
+    if spec.tiers.peer.enabled:
+        container["volumeMounts"].append({"name": names.PEER_SECRET_VOLUME, "mountPath": names.PEER_SECRET_MOUNT_PATH,
+                                          "readOnly": True})
+        container["env"].append({"name": "KVTIER_PEER_SECRET_FILE",
+                                 "value": f"{names.PEER_SECRET_MOUNT_PATH}/{names.PEER_SECRET_KEY}"})
     if spec.tiers.nvme.mode != "off":  # the shadow probe (and a future tier) uses the node's disk
         container["volumeMounts"].append({"name": names.NVME_VOLUME, "mountPath": spec.tiers.nvme.path})
     container["resources"] = _resources(spec, image)

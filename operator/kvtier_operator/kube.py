@@ -4,6 +4,7 @@ in a worker thread; every function here is one request (or a read-then-write).""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,8 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 
 from kvtier import policy
+
+log = logging.getLogger("kvtier.operator.kube")
 
 
 @dataclass(slots=True)
@@ -65,6 +68,50 @@ class Kube:
                  "data": body.get("data", {})}
         await asyncio.to_thread(self.core.patch_namespaced_config_map, meta["name"], meta["namespace"], patch)
         return True
+
+    # --- Secrets (only those the chart grants by name: redis.secretRef) -------------
+
+    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        """One key of a Secret, decoded; None when the Secret or the key is missing or
+        this operator may not read it (the chart grants `get` per named Secret only)."""
+        import base64
+
+        try:
+            secret = await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace)
+        except ApiException as exc:
+            if exc.status in (403, 404):
+                log.warning("cannot read Secret %s/%s: %s", namespace, name, exc.reason)
+                return None
+            raise
+        raw = (secret.data or {}).get(key)
+        return base64.b64decode(raw).decode() if raw else None
+
+    async def create_secret_if_absent(self, body: dict[str, Any]) -> bool:
+        """Create the Secret unless one of that name exists (never reads or changes an
+        existing one: the operator holds `create` on Secrets, not `get` or `patch`).
+        True when it was created."""
+        meta = body["metadata"]
+        try:
+            await asyncio.to_thread(self.core.create_namespaced_secret, meta["namespace"], body)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    # --- NetworkPolicies -----------------------------------------------------------
+
+    async def apply_network_policy(self, body: dict[str, Any]) -> None:
+        """Create the NetworkPolicy, or replace its spec when it already exists."""
+        net = kubernetes.client.NetworkingV1Api(self.core.api_client)
+        meta = body["metadata"]
+        try:
+            await asyncio.to_thread(net.create_namespaced_network_policy, meta["namespace"], body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            patch = {"metadata": {"labels": meta.get("labels", {})}, "spec": body["spec"]}
+            await asyncio.to_thread(net.patch_namespaced_network_policy, meta["name"], meta["namespace"], patch)
 
     async def delete_config_map(self, namespace: str, name: str) -> None:
         try:

@@ -42,6 +42,23 @@ def _parser() -> argparse.ArgumentParser:
                    help="make a self-signed certificate in DIR (its cert.pem is the webhook's caBundle)")
     p.add_argument("--warms-per-target", type=int, default=_DEFAULTS.warms_per_target,
                    help="warm-ups in flight per new home when tenants move")
+    p.add_argument("--sidecar-auth", choices=("tokenreview", "open"), default=_DEFAULTS.sidecar_auth,
+                   help="the injected sidecars' control API: TokenReview-checked (default) or open")
+    p.add_argument("--sidecar-auth-user", action="append", default=[],
+                   help="identity the sidecars accept (repeatable), e.g. system:serviceaccount:NS:NAME")
+    p.add_argument("--sidecar-protect-metrics", action="store_true",
+                   help="the sidecars' /metrics needs the operator's token too")
+    p.add_argument("--sidecar-metrics-user", action="append", default=[],
+                   help="identity allowed the sidecars' protected /metrics only (repeatable)")
+    p.add_argument("--sidecar-token-file",
+                   help="this operator's projected ServiceAccount token for the sidecars' audience")
+    p.add_argument("--network-policies", action="store_true",
+                   help="write a NetworkPolicy per KVCachePolicy guarding the sidecars' ports")
+    p.add_argument("--operator-namespace", default="", help="this operator's namespace (NetworkPolicy peer)")
+    p.add_argument("--operator-pod-labels", default="", help="k=v,k=v labels of this operator's pods")
+    p.add_argument("--monitoring-namespace", default="", help="namespace allowed to scrape sidecar metrics")
+    p.add_argument("--close-serving-ports", action="store_true",
+                   help="the per-policy NetworkPolicy leaves the pods' other ports to other policies")
     p.add_argument("--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--service-account-dir", type=Path, metavar="DIR",
                    help="in-cluster credentials (token, ca.crt, namespace) mounted here")
@@ -61,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     if (args.webhook_cert or args.webhook_self_signed) and not args.webhook_host:
         print("kvtier-operator: --webhook-host is required with a webhook certificate", file=sys.stderr)
         return 2
+    if args.network_policies and not (args.operator_namespace and args.operator_pod_labels):
+        print("kvtier-operator: --network-policies needs --operator-namespace and --operator-pod-labels",
+              file=sys.stderr)
+        return 2
     if args.warms_per_target < 1:
         print("kvtier-operator: --warms-per-target must be at least 1", file=sys.stderr)
         return 2
@@ -74,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         sidecar_image=args.sidecar_image, webhook_host=args.webhook_host, webhook_port=args.webhook_port,
         webhook_cert=cert, webhook_key=key, warms_per_target=args.warms_per_target, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        sidecar_auth=args.sidecar_auth, sidecar_auth_users=",".join(args.sidecar_auth_user),
+        sidecar_token_file=args.sidecar_token_file, sidecar_protect_metrics=args.sidecar_protect_metrics,
+        sidecar_metrics_users=",".join(args.sidecar_metrics_user),
+        network_policies=args.network_policies,
+        operator_namespace=args.operator_namespace, operator_pod_labels=args.operator_pod_labels,
+        monitoring_namespace=args.monitoring_namespace, serving_ports_open=not args.close_serving_ports,
     )
     os.environ.update(options.to_env())
 

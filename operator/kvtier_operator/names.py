@@ -27,6 +27,9 @@ CONFIG_VOLUME = "kvtier-config"
 SHM_VOLUME = "kvtier-shm"
 RUN_VOLUME = "kvtier-run"
 NVME_VOLUME = "kvtier-nvme"
+PEER_SECRET_VOLUME = "kvtier-peer-secret"
+PEER_SECRET_MOUNT_PATH = "/var/run/secrets/kvtier-peer"
+PEER_SECRET_KEY = "secret"
 CONFIG_MOUNT_PATH = "/etc/kvtier"
 CONFIG_KEY = "sidecar.yaml"
 SHM_MOUNT_PATH = "/dev/shm"
@@ -40,6 +43,11 @@ REDIS_AFFINITY_CHANNEL = "kvt:affinity"
 
 def sidecar_config_map(policy_name: str) -> str:
     return f"{policy_name}-kvtier-sidecar"
+
+
+def peer_secret(policy_name: str) -> str:
+    """The Secret holding the policy's peer secret (created by the operator if absent)."""
+    return f"{policy_name}-kvtier-peer"
 
 
 def affinity_config_map(policy_name: str) -> str:

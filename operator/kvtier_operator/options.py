@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier_operator.netpol import SidecarAccess
 
 ENV_PREFIX = "KVTIER_OPERATOR_"
 # Watches are re-established at least this often, so a silently dropped connection
@@ -32,6 +36,30 @@ class OperatorOptions:
     warms_per_target: int = WARMS_PER_TARGET
     metrics_host: str = "0.0.0.0"  # the pod's metrics port: scraped from inside the cluster
     metrics_port: int = 0  # 0: no metrics server
+    # The sidecars' control API: "tokenreview" (the injected sidecars accept only
+    # `sidecar_auth_users`, checked with TokenReview) or "open" (loopback tests only).
+    sidecar_auth: str = "tokenreview"
+    sidecar_auth_users: str = ""  # comma-separated; normally this operator's own ServiceAccount
+    sidecar_protect_metrics: bool = False  # /metrics needs the token too
+    sidecar_metrics_users: str = ""  # comma-separated identities allowed /metrics only
+    # This operator's projected token for the sidecars' audience (re-read as kubelet rotates it).
+    sidecar_token_file: str | None = None
+    # A NetworkPolicy per KVCachePolicy guarding the sidecars' ports (see netpol).
+    network_policies: bool = False
+    operator_namespace: str = ""
+    operator_pod_labels: str = ""  # k=v,k=v: this operator's pods, allowed to the HTTP port
+    monitoring_namespace: str = ""  # allowed to the HTTP port (metrics); empty: none
+    serving_ports_open: bool = True
+
+    def sidecar_access(self) -> "SidecarAccess | None":
+        """What the per-policy NetworkPolicy allows; None when they are off."""
+        from kvtier_operator.netpol import SidecarAccess
+
+        if not self.network_policies:
+            return None
+        labels = dict(kv.split("=", 1) for kv in self.operator_pod_labels.split(",") if "=" in kv)
+        return SidecarAccess(self.operator_namespace, labels, self.monitoring_namespace or None,
+                             self.serving_ports_open)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "OperatorOptions":
@@ -46,6 +74,16 @@ class OperatorOptions:
             resync_interval_s=float(get("RESYNC_INTERVAL_S", cls.resync_interval_s)),
             debounce_s=float(get("DEBOUNCE_S", cls.debounce_s)),
             warms_per_target=int(get("WARMS_PER_TARGET", cls.warms_per_target)),
+            sidecar_auth=get("SIDECAR_AUTH", "tokenreview"),
+            sidecar_auth_users=get("SIDECAR_AUTH_USERS", ""),
+            sidecar_protect_metrics=get("SIDECAR_PROTECT_METRICS", "false") == "true",
+            sidecar_metrics_users=get("SIDECAR_METRICS_USERS", ""),
+            sidecar_token_file=get("SIDECAR_TOKEN_FILE"),
+            network_policies=get("NETWORK_POLICIES", "false") == "true",
+            operator_namespace=get("OPERATOR_NAMESPACE", ""),
+            operator_pod_labels=get("OPERATOR_POD_LABELS", ""),
+            monitoring_namespace=get("MONITORING_NAMESPACE", ""),
+            serving_ports_open=get("SERVING_PORTS_OPEN", "true") == "true",
             metrics_host=get("METRICS_HOST", cls.metrics_host),
             metrics_port=int(get("METRICS_PORT", cls.metrics_port)),
         )
@@ -57,11 +95,20 @@ class OperatorOptions:
             "RESYNC_INTERVAL_S": str(self.resync_interval_s),
             "DEBOUNCE_S": str(self.debounce_s),
             "WARMS_PER_TARGET": str(self.warms_per_target),
+            "SIDECAR_AUTH": self.sidecar_auth,
+            "SIDECAR_PROTECT_METRICS": str(self.sidecar_protect_metrics).lower(),
+            "NETWORK_POLICIES": str(self.network_policies).lower(),
+            "SERVING_PORTS_OPEN": str(self.serving_ports_open).lower(),
             "METRICS_HOST": self.metrics_host,
             "METRICS_PORT": str(self.metrics_port),
         }
         for key, value in (("WEBHOOK_HOST", self.webhook_host), ("WEBHOOK_CERT", self.webhook_cert),
-                           ("WEBHOOK_KEY", self.webhook_key)):
+                           ("WEBHOOK_KEY", self.webhook_key), ("SIDECAR_AUTH_USERS", self.sidecar_auth_users),
+                           ("SIDECAR_TOKEN_FILE", self.sidecar_token_file),
+                           ("SIDECAR_METRICS_USERS", self.sidecar_metrics_users),
+                           ("OPERATOR_NAMESPACE", self.operator_namespace),
+                           ("OPERATOR_POD_LABELS", self.operator_pod_labels),
+                           ("MONITORING_NAMESPACE", self.monitoring_namespace)):
             if value:
                 out[key] = value
         return {ENV_PREFIX + k: v for k, v in out.items()}

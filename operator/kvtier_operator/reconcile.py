@@ -26,14 +26,17 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
 from kvtier import policy
+from kvtier.sidecar_config import SidecarConfig
 from kvtier.affinity import AffinityTable, load_imbalance, plan_membership_change
 
-from kvtier_operator import (arena_memory, conditions, conflicts, economics, epoch, membership, names, publish, sidecar_render,
-                             warmup)
+from kvtier_operator import (arena_memory, conditions, conflicts, crashpoints, economics, epoch, events, membership, names,
+                             netpol, publish, sidecar_render, warmup)
 from kvtier_operator.kube import Kube
 from kvtier_operator.registry import PolicyState
 from kvtier_operator.sidecar_client import FleetStats, SidecarClient
 
+# 256 bits of key for the peer handshake's HMAC-SHA256.
+PEER_SECRET_BYTES = 32
 log = logging.getLogger("kvtier.operator")
 
 # Rollout phases belong to the rollout controller; membership never overwrites them.
@@ -48,8 +51,10 @@ def _status(body: dict[str, Any]) -> policy.KVCachePolicyStatus:
         return policy.KVCachePolicyStatus()
 
 
-async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn) -> dict[str, Any]:
-    """Render the sidecar config and the tier verdicts. Returns the status fields to set."""
+async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn,
+                         access: netpol.SidecarAccess | None = None) -> dict[str, Any]:
+    """Render the sidecar config (and, given `access`, the NetworkPolicy guarding the
+    sidecars' ports) and the tier verdicts. Returns the status fields to set."""
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     try:
@@ -63,6 +68,12 @@ async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn) -> di
     _post_verdict_changes(old, tiers, event)
     fields: dict[str, Any] = {"observedGeneration": generation, "tiers": [v.wire() for v in tiers]}
     failure = await _write_sidecar_config(kube, body, spec, fields)
+    if spec.tiers.peer.enabled:
+        await kube.create_secret_if_absent(_adopted(peer_secret(name, namespace), body))
+    if access is not None:
+        cfg = SidecarConfig()  # the ports the webhook injects
+        await kube.apply_network_policy(_adopted(netpol.sidecar_network_policy(
+            name, namespace, spec.selector, cfg.http_port, cfg.peer_port, access), body))
     if failure is None:
         observed += [conditions.Observation("SidecarConfigRendered", "True", "Rendered",
                                             f"ConfigMap {fields['sidecarConfigMap']} digest {fields['sidecarConfigHash']}"),
@@ -184,12 +195,16 @@ async def reconcile_membership(
     table, new_epoch = decision.table, decision.new_epoch
 
     if new_epoch:
-        await _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers)
+        state.redis_behind = not await _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers)
     else:
         if published_cm and _addresses_stale(published_cm, members):
             await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
-        if spec.redis and spec.redis.url:  # level-based: a Redis that missed an epoch catches up
-            await publish.ensure_redis(spec.redis.url, namespace, name, table, members, spec.redis.cluster)
+        url = await redis_url(kube, namespace, spec)
+        # Level-based: a Redis that missed an epoch catches up.
+        state.redis_behind = bool(url) and not await publish.ensure_redis(url, namespace, name, table, members,
+                                                                          spec.redis.cluster)
+        if _stale_journal(body, table.epoch):  # a crash after the publish left it behind
+            await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
 
     if leavers:  # the published table no longer names them: they may go
         await sidecars.release(leavers)
@@ -210,9 +225,16 @@ async def reconcile_membership(
         _post_verdict_changes(old_status, tiers, event)
     fields["conditions"] = [c.wire() for c in conditions.merge(
         old_status.conditions, observed, body["metadata"].get("generation"))]
+    epoch_changed = new_epoch or (old_status.epoch or 0) < table.epoch
+    if epoch_changed:
+        # Before the status write, named by the epoch: a crash between the two re-posts
+        # it (409, kept once) instead of losing it behind a status that already agrees.
+        await kube.create_event_once(events.once(body, f"epoch/{table.epoch}", "Normal", "EpochChanged",
+                                                 _epoch_message(table, plan, len(tenants))))
+        crashpoints.reached("membership-event-posted")
     await kube.patch_status(namespace, name, fields)
-    if new_epoch or (old_status.epoch or 0) < table.epoch:
-        event("Normal", "EpochChanged", _epoch_message(table, plan, len(tenants)))
+    if epoch_changed:
+        crashpoints.reached("membership-status-written")
     log.info("membership of %s/%s reconciled: epoch %d, %d members, new epoch: %s",
              namespace, name, table.epoch, len(members), new_epoch)
 
@@ -251,9 +273,9 @@ def _injection_observation(missing: list[str], old: policy.KVCachePolicyStatus, 
     return conditions.Observation("SidecarsInjected", "False", "PodsWithoutSidecar", message)
 
 
-async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers=None) -> None:
+async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers=None) -> bool:
     """Warm moved tenants on their new homes (from a leaver first), journaled, then
-    publish the new epoch."""
+    publish the new epoch. False: Redis (when configured) did not take it."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     digest = warmup.members_digest(members)
@@ -270,8 +292,10 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
         deadline = time.monotonic() + spec.affinity.warm_timeout_s
         try:
             await writer.write()
+            crashpoints.reached("membership-journal-written")
             await sidecars.warm_all(todo, {**leavers, **members}, spec.affinity.warm_timeout_s,
                                     ref_prefix=journal.ref_prefix, on_done=writer.done)
+            crashpoints.reached("membership-warmed")
             # A leaver that did not answer: warm from the surviving old home instead
             # (its own refs: the sidecar remembers the failed job under the first ones).
             retry = [r.from_fallback() for r in todo if r.key not in journal.done and r.fallback]
@@ -283,9 +307,47 @@ async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, l
         log.info("epoch %s: %d/%d warm-ups done, %d tenants cold", table.epoch,
                  len(journal.done), len(warm_plan.requests), len(warm_plan.cold_tenants))
     await kube.apply_config_map(_adopted(publish.affinity_config_map(name, namespace, table, members), body))
-    if spec.redis and spec.redis.url:
-        await publish.publish_redis(spec.redis.url, namespace, name, table, members, spec.redis.cluster)
+    crashpoints.reached("membership-table-published")
+    redis_ok = True
+    url = await redis_url(kube, namespace, spec)
+    if url:
+        redis_ok = await publish.publish_redis(url, namespace, name, table, members, spec.redis.cluster)
+        crashpoints.reached("membership-redis-published")
     await kube.patch_annotations(namespace, name, {names.PENDING_EPOCH_ANNOTATION: None})
+    crashpoints.reached("membership-journal-cleared")
+    return redis_ok
+
+
+def _stale_journal(body: dict[str, Any], published_epoch: int) -> bool:
+    """A warm-up journal for an epoch already published (or older): nothing left to resume."""
+    raw = (body["metadata"].get("annotations") or {}).get(names.PENDING_EPOCH_ANNOTATION)
+    journal = warmup.PendingEpoch.from_json(raw)
+    return raw is not None and (journal is None or journal.epoch <= published_epoch)
+
+
+def peer_secret(name: str, namespace: str) -> dict[str, Any]:
+    """The policy's peer secret, random, made once: the sidecars' peer handshake key.
+    Rotate it by replacing the Secret's data; sidecars accept old and new for
+    `peer_secret_overlap_s` (see docs/SECURITY.md)."""
+    import base64
+    import os
+
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": names.peer_secret(name), "namespace": namespace,
+                         "labels": {names.POLICY_LABEL: name, names.COMPONENT_LABEL: "peer-secret"}},
+            "data": {names.PEER_SECRET_KEY: base64.b64encode(os.urandom(PEER_SECRET_BYTES).hex().encode()).decode()}}
+
+
+async def redis_url(kube: Kube, namespace: str, spec: policy.KVCachePolicySpec) -> str | None:
+    """The policy's Redis URL: `redis.url`, or the key of the Secret `redis.secretRef`
+    names (read each time, so a rotated password is picked up); None without Redis or
+    when the Secret cannot be read (publication then degrades to the ConfigMap)."""
+    if spec.redis is None:
+        return None
+    if spec.redis.url:
+        return spec.redis.url
+    ref = spec.redis.secret_ref
+    return await kube.read_secret_key(namespace, ref.name, ref.key) if ref else None
 
 
 class _JournalWriter:

@@ -21,6 +21,9 @@ class PolicyState:
     full recompute, never a wrong plan."""
 
     assignment: Assignment | None = None
+    # The last pass could not bring Redis up to the published table: retry soon,
+    # not only at the next resync, so routers reading Redis catch up once it returns.
+    redis_behind: bool = False
 
 
 @dataclass(slots=True)

@@ -6,7 +6,12 @@ forever (template at the target version, partition mid-way, pods on two versions
 with no controller left to finish or undo it.
 
     settle(workload, stable)   pure: the patch that rolls the workload back, or None
+    settle_pair(pair, ...)     pure: a Deployment pair's writes back to the stable one
     settle_workload(...)       the delete handler's step: patch, Event, wait for pods
+
+A Deployment rolls as a stable/canary pair (`deployment_pair`): the stable Deployment
+grows back to the fleet size first, and the canary `<name>-kvtier-canary` is deleted
+only once the stable one has that many ready pods, so no moment serves fewer replicas.
 
 Rolling back rather than forward: the target version never passed its recovery check,
 and the stable version is what every pod ran (and every cache was warm for) before.
@@ -22,7 +27,7 @@ import kopf
 
 from kvtier import policy
 
-from kvtier_operator import names, rollout
+from kvtier_operator import deployment_pair, events, names, rollout
 from kvtier_operator.rollout_reconcile import workload_patch
 
 log = logging.getLogger("kvtier.operator.teardown")
@@ -45,6 +50,17 @@ def settle(workload: rollout.Workload, stable: str | None) -> rollout.WorkloadPa
     return rollout.WorkloadPatch(template_version=stable, partition=0)
 
 
+def settle_pair(pair: deployment_pair.Pair, stable_version: str | None,
+                stable: dict[str, Any]) -> deployment_pair.Writes | None:
+    """The writes that hand a Deployment pair back to its stable side: stable at the
+    fleet size on `stable_version`, then the canary deleted. None: no canary is left."""
+    if pair.canary is None:
+        return None
+    version = stable_version or pair.stable.version or ""
+    return deployment_pair.converge(pair, rollout.WorkloadPatch(template_version=version, partition=0),
+                                    in_flight=False, stable=stable)
+
+
 def pods_off(versions: dict[str, str | None], stable: str) -> list[str]:
     """Pods not (yet) on the stable version."""
     return sorted(name for name, v in versions.items() if v != stable)
@@ -59,9 +75,14 @@ async def settle_workload(kube, body: dict[str, Any], event: EventFn, now: Calla
     except ValueError:
         return  # an unreadable policy never drove a rollout
     ref, stable = pol.spec.workload_ref, (pol.status.version if pol.status else None)
-    if ref is None or ref.kind != "StatefulSet" or stable is None:
+    if ref is None or stable is None:
         return
     namespace = meta["namespace"]
+    if ref.kind == "Deployment":
+        await _settle_deployment_pair(kube, body, ref.name, stable)
+        return
+    if ref.kind != "StatefulSet":
+        return
     sts = await kube.read_stateful_set(namespace, ref.name)
     if sts is None:
         return
@@ -91,6 +112,44 @@ async def settle_workload(kube, body: dict[str, Any], event: EventFn, now: Calla
         return
     raise kopf.TemporaryError(f"waiting for StatefulSet {ref.name} to return to {stable}: "
                               f"{len(off)} pods off it, {ready}/{workload.replicas} present", delay=SETTLE_POLL_S)
+
+
+async def _settle_deployment_pair(kube, body: dict[str, Any], name: str, stable_version: str) -> None:
+    """Scale the stable Deployment back to the fleet, then delete the canary; raises
+    kopf.TemporaryError to be called again until the canary is gone (bounded)."""
+    meta = body["metadata"]
+    namespace = meta["namespace"]
+    stable = await kube.read_deployment(namespace, name)
+    if stable is None:
+        return
+    canary_name = deployment_pair.canary_name(name)
+    pair = deployment_pair.pair_of(stable, await kube.read_deployment(namespace, canary_name))
+    writes = settle_pair(pair, stable_version, stable)
+    if writes is None:
+        return
+    # Exactly once however many ticks the hand-back takes (named by the policy's uid).
+    await kube.create_event_once(events.once(
+        body, "rollout-abandoned", "Normal", "RolloutAbandoned",
+        f"policy deleted mid-rollout: Deployment {canary_name} ({pair.canary.replicas if pair.canary else 0} "
+        f"replicas on {pair.canary.version if pair.canary else '-'}) is removed and {name} returns to "
+        f"{pair.fleet} replicas on the stable version {stable_version}"))
+    if writes.stable is not None:
+        await kube.patch_deployment(namespace, name, writes.stable)
+    if writes.canary is not None:
+        await kube.patch_deployment(namespace, canary_name, writes.canary)
+    if writes.canary_delete:
+        await kube.delete_deployment(namespace, canary_name)
+        return
+    waited = time.time() - _deleted_at(meta)
+    if waited > SETTLE_TIMEOUT_S:
+        await kube.create_event_once(events.once(
+            body, "rollout-not-settled", "Warning", "RolloutNotSettled",
+            f"Deployment {name} has {pair.stable.ready}/{pair.fleet} ready pods after {SETTLE_TIMEOUT_S:.0f}s; "
+            f"deleting {canary_name} and releasing the policy anyway"))
+        await kube.delete_deployment(namespace, canary_name)
+        return
+    raise kopf.TemporaryError(f"waiting for Deployment {name} to serve {pair.fleet} ready pods before "
+                              f"{canary_name} goes: {pair.stable.ready} ready", delay=SETTLE_POLL_S)
 
 
 def _deleted_at(meta: dict[str, Any]) -> float:

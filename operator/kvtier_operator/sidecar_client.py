@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ STATS_TIMEOUT_S = 3.0
 # the warm-up must not take the peer links away from live traffic.
 MAX_WARMS_IN_FLIGHT = 16
 JOB_POLL_INTERVAL_S = 0.1
+# Stats requests in flight at once: a large fleet's refresh must not open a socket per
+# member at the same instant (each answer is small; 16 keep a pass short).
+MAX_STATS_IN_FLIGHT = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,28 +88,60 @@ def parse_stats(member: str, body: Mapping[str, Any]) -> MemberStats | None:
     )
 
 
+class BearerToken:
+    """The operator's projected token for the sidecars' audience, re-read when the file
+    changes (kubelet rotates it well before it expires). No file: no header (sidecars
+    whose control API is open)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._stamp: tuple | None = None
+        self._value = ""
+
+    def headers(self) -> dict[str, str] | None:
+        if not self.path:
+            return None
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if stamp != self._stamp:
+                self._value, self._stamp = open(self.path).read().strip(), stamp
+        except OSError as exc:
+            log.warning("cannot read the sidecar token %s: %s", self.path, exc)
+        return {"Authorization": f"Bearer {self._value}"} if self._value else None
+
+
 class SidecarClient:
     """One aiohttp session for the operator's lifetime (created in `on.startup`)."""
 
-    def __init__(self, session: aiohttp.ClientSession, warms_per_target: int = WARMS_PER_TARGET):
+    def __init__(self, session: aiohttp.ClientSession, warms_per_target: int = WARMS_PER_TARGET,
+                 token_file: str | None = None):
         self._session = session
         self.warms_per_target = warms_per_target
+        self._token = BearerToken(token_file)
 
     @classmethod
-    def create(cls, warms_per_target: int = WARMS_PER_TARGET) -> "SidecarClient":
-        return cls(aiohttp.ClientSession(), warms_per_target)
+    def create(cls, warms_per_target: int = WARMS_PER_TARGET, token_file: str | None = None) -> "SidecarClient":
+        return cls(aiohttp.ClientSession(), warms_per_target, token_file)
 
     async def close(self) -> None:
         await self._session.close()
 
     async def fleet_stats(self, members: Mapping[str, Member]) -> FleetStats:
-        answers = await asyncio.gather(*(self._stats(m) for m in members.values()))
+        """Every member's stats, at most `MAX_STATS_IN_FLIGHT` requests at a time."""
+        gate = asyncio.Semaphore(MAX_STATS_IN_FLIGHT)
+
+        async def one(member: Member) -> MemberStats | None:
+            async with gate:
+                return await self._stats(member)
+        answers = await asyncio.gather(*(one(m) for m in members.values()))
         return FleetStats(tuple(a for a in answers if a is not None))
 
     async def _stats(self, member: Member) -> MemberStats | None:
         try:
             async with self._session.get(
-                f"{member.http_url()}/cache/stats", timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)
+                f"{member.http_url()}/cache/stats", timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S),
+                headers=self._token.headers(),
             ) as resp:
                 if resp.status != 200:
                     return None
@@ -127,7 +163,8 @@ class SidecarClient:
         async def done(member: Member) -> None:
             try:
                 async with self._session.post(f"{member.http_url()}/cache/drain/done", json={},
-                                              timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as resp:
+                                              timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S),
+                                              headers=self._token.headers()) as resp:
                     log.info("released leaving pod %s: %s", member.name, resp.status)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 log.info("leaving pod %s not released: %s", member.name, exc)
@@ -175,7 +212,7 @@ class SidecarClient:
             while True:
                 remaining = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
                 async with self._session.post(f"{target.http_url()}/cache/warm", json=api.dump(body),
-                                              timeout=remaining) as resp:
+                                              timeout=remaining, headers=self._token.headers()) as resp:
                     if resp.status == 429:  # the sidecar's warm queue is full: ask again when told
                         wait_s = _retry_after_s(resp.headers.get("Retry-After"))
                         if time.monotonic() + wait_s >= deadline:
@@ -197,7 +234,8 @@ class SidecarClient:
         """Warm-ups run in the background on the sidecar: wait for the job to finish."""
         while time.monotonic() < deadline:
             timeout = aiohttp.ClientTimeout(total=max(0.1, min(STATS_TIMEOUT_S, deadline - time.monotonic())))
-            async with self._session.get(f"{target.http_url()}/cache/jobs", timeout=timeout) as resp:
+            async with self._session.get(f"{target.http_url()}/cache/jobs", timeout=timeout,
+                                         headers=self._token.headers()) as resp:
                 record = api.Jobs.model_validate(await resp.json()).root.get(job) if resp.status == 200 else None
             if record is not None and record.state == api.JobState.DONE:
                 return True

@@ -200,6 +200,14 @@ class SidecarClient:
                    int(answer["hit"]), self.arena, self.generation, str(self.info.get("instance", "")),
                    [int(d) for d in sums] if sums is not None else None)
 
+    def report(self, loaded_bytes: int = 0, load_errors: int = 0) -> bool:
+        """Tell the sidecar what only the engine knows since the last report (see
+        `engine_proto.EngineReport`); False when the sidecar did not take it."""
+        if not loaded_bytes and not load_errors:
+            return True
+        return self._call(EngineOp.REPORT, {"loaded_bytes": int(loaded_bytes), "load_errors": int(load_errors)}) \
+            is not None
+
     def release(self, hit: Hit | Miss) -> None:
         if not isinstance(hit, Hit) or hit.generation != self.generation:
             return  # a miss, or a hit from a sidecar that is gone (its pins went with it)

@@ -16,7 +16,14 @@ class Count(StrEnum):
     STORED_BLOCKS = "stored_blocks"
     INVALIDATED_BLOCKS = "invalidated_blocks"
     WARMED_BLOCKS = "warmed_blocks"
+    STORED_BYTES = "stored_bytes"
+    ENGINE_LOADED_BYTES = "engine_loaded_bytes"  # reported by the engine (engine socket REPORT)
+    ENGINE_LOAD_ERRORS = "engine_load_errors"  # blocks the engine reported as not loaded
     WARM_REFUSED = "warm_refused"  # warm-ups answered 429: the queue was full
+    PEER_SECRET_ROTATIONS = "peer_secret_rotations"  # the mounted peer secret changed
+    TOKEN_REVIEWS = "token_reviews"  # control-API tokens sent to the API server's TokenReview
+    AUTH_MISSING = "auth_missing"  # control-API calls without a bearer token
+    AUTH_UNAVAILABLE = "auth_unavailable"  # calls refused because TokenReview could not be asked
 
 
 class Counters:

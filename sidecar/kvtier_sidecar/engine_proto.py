@@ -14,6 +14,12 @@ out of (or into) the shared-memory arena named in the HELLO answer.
     STORE_BEGIN  {root, tp, rank}  + tokens           -> {ticket, n_blocks} + slots (ticket 0: declined)
     STORE_COMMIT {ticket, rank}                       -> {committed}
     STORE_ABORT  {ticket}                             -> {}
+    REPORT       {loaded_bytes, load_errors}          -> {}
+
+REPORT carries what only the engine knows (`EngineReport`): the KV bytes it really
+copied in from the arena, and the blocks it told its scheduler it could not load (a
+failed copy or checksum: the engine recomputes them). The sidecar counts both for
+its /metrics.
 
 `digests` (optional) asks for each hit block's xxh3-64, as computed after its store,
 so an engine can verify what it copies out of the arena.
@@ -28,6 +34,7 @@ import struct
 from enum import IntEnum
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, NonNegativeInt
 
 FRAME = struct.Struct("<IBII")  # body_len (json_len field + json + tail), op, request_id, json_len
 # A 1M-token prompt's ids plus its JSON; anything larger is a broken or hostile client.
@@ -41,6 +48,16 @@ class EngineOp(IntEnum):
     STORE_BEGIN = 4
     STORE_COMMIT = 5
     STORE_ABORT = 6
+    REPORT = 7
+
+
+class EngineReport(BaseModel):
+    """The engine's own counts since its last report (deltas, never totals)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    loaded_bytes: NonNegativeInt = 0  # KV bytes copied from the arena into the engine
+    load_errors: NonNegativeInt = 0  # blocks reported to the engine's scheduler as not loaded
 
 
 class FrameError(ValueError):

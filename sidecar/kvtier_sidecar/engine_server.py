@@ -2,7 +2,10 @@
 
 Each connection is one engine process. Its pinned hits and open store tickets are
 remembered per connection and released when it goes away, so a crashed engine never
-leaks pins (which would make blocks unevictable) or reserved slots.
+leaks pins (which would make blocks unevictable) or reserved slots. They also belong
+to it: a RELEASE, STORE_COMMIT or STORE_ABORT naming another connection's hit or
+ticket (or a rank another connection began) is answered with an error and changes
+nothing. The socket itself is mode 0660 in the pod's private runtime directory.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from pydantic import ValidationError
 
 from kvtier.keys import KeyRoot
 
-from .engine_proto import FRAME, EngineOp, FrameError, decode_header, encode, split_body
+from .engine_proto import FRAME, EngineOp, EngineReport, FrameError, decode_header, encode, split_body
 from .wire import WireRoot
 
 log = logging.getLogger("kvtier.sidecar.engine")
@@ -73,6 +76,7 @@ class EngineServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        owner = object()  # this connection: hits and tickets it made belong to it alone
         hits: set[int] = set()
         tickets: set[int] = set()
         try:
@@ -89,7 +93,7 @@ class EngineServer:
                 rest = await reader.readexactly(body_len - 4)
                 try:
                     payload, tail = split_body(rest, json_len)
-                    answer, out_tail = await self._handle(op, payload, tail, hits, tickets)
+                    answer, out_tail = await self._handle(op, payload, tail, hits, tickets, owner)
                 except (FrameError, ValueError, ValidationError, KeyError, TypeError, OverflowError) as exc:
                     self.bad_frames += 1
                     answer, out_tail = {"error": _message(exc)}, None
@@ -101,15 +105,16 @@ class EngineServer:
         except Exception:  # one broken engine connection must not take the sidecar down
             log.exception("engine connection failed")
         finally:
-            self.service.release_all(hits, tickets)
+            self.service.release_all(hits, tickets, owner)
             writer.close()
 
-    async def _handle(self, op: int, payload: dict, tail: np.ndarray, hits: set[int], tickets: set[int]):
+    async def _handle(self, op: int, payload: dict, tail: np.ndarray, hits: set[int], tickets: set[int],
+                      owner: object):
         svc = self.service
         if op == EngineOp.LOOKUP:
             root = self._root(payload["root"])
             tokens = _tokens(tail)
-            answer = await svc.lookup(root, tokens)
+            answer = await svc.lookup(root, tokens, owner)
             if answer is None:
                 return {"hit": 0}, None
             hits.add(answer.hit_id)
@@ -119,25 +124,34 @@ class EngineServer:
             return reply, np.asarray(answer.slots, dtype="<u4")
         if op == EngineOp.RELEASE:
             hit_id = _int(payload, "hit", 0, MAX_ID)
+            svc.release(hit_id, owner)
             hits.discard(hit_id)
-            svc.release(hit_id)
             return {}, None
         if op == EngineOp.STORE_BEGIN:
             root = self._root(payload["root"])
             tp, rank = _int(payload, "tp", 1, MAX_TP, default=1), _int(payload, "rank", 0, MAX_TP - 1, default=0)
-            ticket, first_block, slots = svc.store_begin(root, _tokens(tail), tp, rank)
+            ticket, first_block, slots = svc.store_begin(root, _tokens(tail), tp, rank, owner)
             if ticket:
                 tickets.add(ticket)
             return {"ticket": ticket, "first_block": first_block}, np.asarray(slots, dtype="<u4")
         if op == EngineOp.STORE_COMMIT:
             ticket = _int(payload, "ticket", 0, MAX_ID)
             rank = _int(payload, "rank", 0, MAX_TP - 1, default=0)
+            committed = svc.store_commit(ticket, rank, owner)
             tickets.discard(ticket)
-            return {"committed": svc.store_commit(ticket, rank)}, None
+            return {"committed": committed}, None
         if op == EngineOp.STORE_ABORT:
             ticket = _int(payload, "ticket", 0, MAX_ID)
+            svc.store_abort(ticket, owner)
             tickets.discard(ticket)
-            svc.store_abort(ticket)
+            return {}, None
+        if op == EngineOp.REPORT:
+            try:
+                report = EngineReport.model_validate(payload)
+            except ValidationError as exc:
+                raise ValueError("invalid report: " + "; ".join(
+                    f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))) from None
+            svc.engine_report(report)
             return {}, None
         if op == EngineOp.HELLO:
             return {**self.hello, "instance": svc.instance}, None

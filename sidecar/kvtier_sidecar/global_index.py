@@ -46,7 +46,12 @@ MAX_PENDING_REGISTRATIONS = 10_000
 FLUSH_BATCH_BLOCKS = 4_000
 # Remembered registrations to withdraw at shutdown; beyond this, TTL cleans up.
 MAX_REMEMBERED_KEYS = 1_000_000
+# Socket and connect timeout for Redis: long enough for a loaded Redis to answer a
+# background write, while request-path calls are cut far sooner by their own deadline.
+SOCKET_TIMEOUT_FLOOR_S = 0.5
 HEARTBEAT_S = 2.0
+# A warm-up's membership check is on the control path, not a lookup's: a second is fine.
+MEMBERSHIP_CHECK_TIMEOUT_S = 1.0
 # A member is live while its heartbeat is younger than this.
 MEMBER_TTL_S = 3 * HEARTBEAT_S
 
@@ -91,12 +96,15 @@ class IndexAnswer:
 
 class GlobalIndex:
     def __init__(self, url: str, host: str, prefix: str = "kvt", ttl_s: int = 600,
-                 timeout_s: float = 0.05, cluster: bool = False) -> None:
+                 timeout_s: float = 0.05, cluster: bool = False, socket_timeout_s: float | None = None) -> None:
         self.host = host
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
-        kwargs = dict(socket_timeout=max(timeout_s, 0.5), socket_connect_timeout=0.5)
+        # What one socket operation may wait; a request-path call never waits this long
+        # (it is cut at `timeout_s` by wait_for).
+        self.socket_timeout_s = socket_timeout_s or max(timeout_s, SOCKET_TIMEOUT_FLOOR_S)
+        kwargs = dict(socket_timeout=self.socket_timeout_s, socket_connect_timeout=SOCKET_TIMEOUT_FLOOR_S)
         if cluster:
             # No retry_on_timeout here: the cluster client rejects it (it retries
             # through its own Retry object, and every call is bounded by wait_for).
@@ -286,6 +294,16 @@ class GlobalIndex:
         if self.writes.state is Health.UNREACHABLE:
             # The server answers again: let the queued writes try now instead of after the backoff.
             self.writes.down_until = 0.0
+
+    async def is_member(self, host: str) -> bool:
+        """Whether `host` heartbeats in this index's member set now (one round trip);
+        False when Redis cannot say (a warm-up source must be proven, not assumed)."""
+        try:
+            expiry = await asyncio.wait_for(self.redis.zscore(self.members_key, host), MEMBERSHIP_CHECK_TIMEOUT_S)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self._failed("membership check", exc)
+            return False
+        return expiry is not None and float(expiry) > time.time()
 
     def forget_member(self, host: str) -> None:
         """A peer that failed a fetch is skipped until its next heartbeat refresh."""

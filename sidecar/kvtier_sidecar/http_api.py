@@ -5,6 +5,7 @@
     POST /cache/warm             {"tenant", "from_peer", "max_bytes", "ref"?} -> 202, pulled in background
                                  (409 when the peer tier is off or a known ref comes with other
                                  parameters; a known ref with the same ones answers its job;
+                                 403 when from_peer is not a member of this sidecar's fleet;
                                  429 with Retry-After when the bounded warm queue is full)
     POST /cache/drain/done       a draining sidecar may exit now (409 when not draining)
     GET  /cache/jobs             background jobs: state, started_s/finished_s (wall clock), bytes
@@ -14,6 +15,10 @@
 Bodies and answers are the pydantic models of `kvtier.control_api` (the operator's
 client reads the same ones); anything malformed is a 4xx with a message saying what
 was wrong. Handlers are thin: the work is in `service.Sidecar`.
+
+Everything under /cache/ (and /metrics when `control_auth.protect_metrics`) needs the
+operator's token (see `control_auth`): 401 without a valid one, 403 for someone else,
+and nothing changes. /healthz and /readyz are always open (the kubelet probes them).
 """
 from __future__ import annotations
 
@@ -56,7 +61,11 @@ async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel | web
         return _bad(f"invalid request: {fields}", 422)
 
 
-def make_app(service) -> web.Application:
+PROTECTED_PREFIX = "/cache/"
+
+
+def make_app(service, auth=None, protect_metrics: bool = False) -> web.Application:
+    """`auth`: a control_auth.TokenReviewer, or None for an open control API."""
     async def stats(request: web.Request) -> web.Response:
         tenant = request.query.get("tenant")
         if tenant is not None and not (0 < len(tenant) <= api.MAX_NAME_CHARS):
@@ -75,6 +84,9 @@ def make_app(service) -> web.Application:
         body = await _body(request, api.WarmRequest)
         if isinstance(body, web.Response):
             return body
+        if not await service.may_warm_from(body.from_peer):
+            return _bad(f"from_peer {body.from_peer} is not a member of this sidecar's fleet "
+                        "(neither in warm_peers nor a live member of the global index)", 403)
         try:
             job, started = service.warm(body.tenant, body.from_peer, body.max_bytes, body.ref)
         except (PeerTierDisabled, RefConflict) as exc:
@@ -114,7 +126,18 @@ def make_app(service) -> web.Application:
             log.exception("http handler failed", extra={"path": request.path})
             return _bad("internal error", 500)
 
-    app = web.Application(middlewares=[never_crash], client_max_size=MAX_BODY_BYTES)
+    @web.middleware
+    async def authenticated(request: web.Request, handler):
+        if auth is None or not (request.path.startswith(PROTECTED_PREFIX)
+                                or (protect_metrics and request.path == "/metrics")):
+            return await handler(request)
+        decision = await auth.check(request.headers.get("Authorization"), metrics=request.path == "/metrics")
+        if decision.allowed:
+            return await handler(request)
+        headers = {"WWW-Authenticate": 'Bearer realm="kvtier-sidecar"'} if decision.status == 401 else None
+        return web.json_response({"error": decision.reason}, status=decision.status, headers=headers)
+
+    app = web.Application(middlewares=[never_crash, authenticated], client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/cache/stats", stats)
     app.router.add_post("/cache/invalidate", invalidate)
     app.router.add_post("/cache/warm", warm)

@@ -34,11 +34,14 @@ from kvtier.sidecar_config import SidecarConfig
 
 from . import logs
 from .arena import Arena, ArenaError
+from .control_auth import TokenReviewer
+from .counters import Count
 from .dram import DramTier
 from .engine_server import EngineServer
 from .global_index import GlobalIndex
 from .http_api import make_app
 from .nvme_probe import NvmeProbe
+from .peer_keys import PeerKeyring, SecretFileWatch
 from .peer_tcp import PeerServer, TcpTransport
 from .service import Sidecar
 
@@ -102,20 +105,30 @@ class SidecarProcess:
         # (it only ever names peers to fetch from).
         self.peer_server = self.index = self.transport = None
         advertise = ""
+        self.keyring = PeerKeyring(c.peer_secret(), c.peer_secret_overlap_s)
+        self.secret_watch = SecretFileWatch(c.peer_secret_file, self.keyring)
         if c.peer_enabled:
-            self.peer_server = PeerServer(tier, c.pod_ip, c.peer_port, c.peer_secret(), c.peer_max_concurrency,
-                                          c.peer_timeout_s).start()
-            stack.callback(self.peer_server.close)
+            self.peer_server = PeerServer(tier, c.pod_ip, c.peer_port, self.keyring, c.peer_max_concurrency,
+                                          c.peer_timeout_s)
             advertise = c.peer_advertise or self.peer_server.address
+            self.peer_server.endpoint = advertise
+            self.peer_server.start()
+            stack.callback(self.peer_server.close)
             if c.redis_url:
                 self.index = GlobalIndex(c.redis_url, advertise, c.index_key_prefix, c.index_ttl_s,
                                          c.index_lookup_timeout_s, c.redis_cluster)
                 stack.push_async_callback(self._leave_index, self.index)
-            self.transport = TcpTransport(self.config.peer_secret, c.peer_connect_timeout_s, c.peer_timeout_s)
+            self.transport = TcpTransport(self.keyring, c.peer_connect_timeout_s, c.peer_timeout_s, identity=advertise)
         self.service = Sidecar(c, tier, self.index, self.transport, instance=uuid.uuid4().hex)
         stack.callback(self.service.close)
         self.service.bind_loop(asyncio.get_running_loop())
-        runner = web.AppRunner(make_app(self.service), access_log=None, handle_signals=False)
+        self.auth = TokenReviewer(c.control_auth, self.service.counters) if c.control_auth.mode == "tokenreview" else None
+        if self.auth is None:
+            log.warning("control API open: no token is checked (control_auth.mode=open)")
+        else:
+            stack.push_async_callback(self.auth.close)
+        runner = web.AppRunner(make_app(self.service, self.auth, c.control_auth.protect_metrics),
+                               access_log=None, handle_signals=False)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         socket_path = c.engine_socket_path()
@@ -210,6 +223,10 @@ class SidecarProcess:
         logged and ignored (the running config stays)."""
         while True:
             await asyncio.sleep(CONFIG_POLL_S)
+            if self.secret_watch.poll():
+                self.service.counters.add(Count.PEER_SECRET_ROTATIONS)
+                log.info("peer secret rotated; the previous one stays accepted for the overlap",
+                         extra={"overlap_s": self.keyring.overlap_s})
             stamp = self._stamp()
             if stamp == self._config_stamp:
                 continue
@@ -229,8 +246,6 @@ class SidecarProcess:
         merged = self.config.model_copy(update=applicable)
         self.config = merged
         self.service.apply_config(merged)
-        if self.peer_server is not None:
-            self.peer_server.set_secret(merged.peer_secret())
         if "nvme" in applicable:
             self._start_nvme_probe(merged.nvme)
         if "log_level" in applicable:

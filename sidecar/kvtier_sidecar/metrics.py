@@ -35,7 +35,8 @@ MAX_TRACKED_TENANTS = 4096
 _HEAP_SLACK = 4
 TIERS = ("dram", "peer")
 # Sidecar counters rendered under their own typed families below, not generically.
-_TYPED_COUNTERS = frozenset({"peer_fetches", "peer_fetch_errors", "peer_checksum_mismatches"})
+_TYPED_COUNTERS = frozenset({"peer_fetches", "peer_fetch_errors", "peer_checksum_mismatches", "stored_bytes",
+                             "engine_loaded_bytes", "engine_load_errors"})
 # Global index operations, exported at 0 before their first failure (so rates exist).
 INDEX_OPERATIONS = ("lookup", "register", "heartbeat")
 # The states `kvtier_index_health` reports per kind of operation (redis_health.Health).
@@ -250,6 +251,13 @@ def _sidecar_families(s: SidecarState) -> Iterable:
     peer_errors.add_metric([s.version, "checksum"], mismatches)
     peer_errors.add_metric([s.version, "transport"], s.counters.get("peer_fetch_errors", 0) - mismatches)
     yield peer_errors
+    # The engine-facing byte counters, exported at 0 before the first store or report.
+    yield counter("kvtier_stored_bytes", "KV bytes the engine stored (committed stores)",
+                  s.counters.get("stored_bytes", 0))
+    yield counter("kvtier_engine_loaded_bytes", "KV bytes the engine reported copying in from the arena",
+                  s.counters.get("engine_loaded_bytes", 0))
+    yield counter("kvtier_engine_load_errors", "Blocks the engine reported to its scheduler as not loaded "
+                  "(recomputed)", s.counters.get("engine_load_errors", 0))
     for name, value in sorted(s.counters.items()):
         if name not in _TYPED_COUNTERS:
             yield counter(f"kvtier_{name}", name.replace("_", " "), value)

@@ -4,8 +4,10 @@ and the client that receives them straight into reserved arena slots.
 Threads, not asyncio, on purpose: `socket.sendall` of an arena memoryview and
 `recv_into` an arena slot release the GIL and copy once in the kernel, which is what
 keeps a fetch near raw loopback throughput (asyncio's stream buffers add a copy).
-Concurrency is bounded by a semaphore and served by a fixed set of worker threads; a
-peer over the bound gets BUSY at once. Measurements: bench/notes/peer-throughput.md.
+Handshakes (see `wire`) run first on one non-blocking thread under an overall
+deadline; only an authenticated connection takes a slot. Concurrency is bounded by a
+semaphore and served by a fixed set of worker threads; a peer over the bound gets BUSY
+at once. Measurements: bench/notes/peer-throughput.md.
 Every socket operation has a deadline. Framing lives in `wire`.
 """
 from __future__ import annotations
@@ -14,9 +16,11 @@ import concurrent.futures
 import logging
 import os
 import queue
+import selectors
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -27,6 +31,7 @@ from kvtier.keys import KeyRoot
 from kvtier.peer_address import parse_peer
 
 from . import wire
+from .peer_keys import PeerKeyring
 from .sockio import recv_exact, recv_into_exact
 from .transport import FetchOutcome, FetchSink, HotPrefixes
 
@@ -40,6 +45,16 @@ THREADED_HASH_BYTES = 256 << 10 if (os.cpu_count() or 1) >= 4 else 1 << 62
 # AUTH and request are in flight): a well-behaved client closes within a round trip.
 DRAIN_BEFORE_CLOSE_S = 0.2
 DRAIN_BEFORE_CLOSE_BYTES = 1 << 20
+# A real peer finishes the handshake in two round trips (well under a millisecond on
+# one network); a connection still proving itself after this is cut.
+HANDSHAKE_TIMEOUT_S = 1.0
+# Connections proving themselves at once; a newcomer past this pushes out the oldest
+# (an attacker must open connections faster than this many per handshake timeout).
+MAX_PENDING_HANDSHAKES = 256
+# Longest the handshake thread sleeps without looking at the stop flag.
+HANDSHAKE_POLL_S = 0.2
+# Refusals (BUSY, UNAUTHORIZED) waiting for the spare worker; beyond, hang up at once.
+MAX_QUEUED_REFUSALS = 64
 # Socket buffers big enough to keep a multi-MiB run in flight while the receiver hashes.
 SOCKET_BUFFER_BYTES = 8 << 20
 
@@ -112,26 +127,60 @@ def _drain_before_close(conn: socket.socket) -> None:
             return
 
 
+@dataclass(slots=True)
+class _Handshake:
+    """One connection still proving itself: no peer slot, no worker thread yet."""
+
+    conn: socket.socket
+    deadline: float
+    need: int
+    buf: bytearray = field(default_factory=bytearray)
+    stage: str = "hello"  # hello -> identity -> proof
+    client_nonce: bytes = b""
+    client_id: str = ""
+    server_nonce: bytes = b""
+    secrets: list[bytes] = field(default_factory=list)
+
+
+def as_keyring(keys: PeerKeyring | bytes | None) -> PeerKeyring:
+    """A fixed secret (tests, benchmarks) is a keyring that never rotates."""
+    return keys if isinstance(keys, PeerKeyring) else PeerKeyring(keys, 0.0)
+
+
 class PeerServer:
     """Serves FETCH and HOT to authenticated peers: at most `max_concurrency`
-    connections at once, each on one of a fixed set of worker threads."""
+    connections at once, each on one of a fixed set of worker threads.
 
-    def __init__(self, source: PeerSource, host: str, port: int, secret: bytes | None,
-                 max_concurrency: int = 8, timeout_s: float = 2.0) -> None:
+    Handshakes come first and cost no slot: one thread multiplexes every connection
+    still proving itself (non-blocking sockets), each under an overall deadline of
+    `handshake_timeout_s`, at most MAX_PENDING_HANDSHAKES at once (a newcomer pushes
+    out the oldest). A client that trickles bytes holds a few hundred bytes of buffer
+    until its deadline, never a slot a real peer needs."""
+
+    def __init__(self, source: PeerSource, host: str, port: int, keys: PeerKeyring | bytes | None,
+                 max_concurrency: int = 8, timeout_s: float = 2.0, endpoint: str | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.source = source
-        self.secret = secret or b""
+        self.keys = as_keyring(keys)
         self.timeout_s = timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
         self._slots = threading.BoundedSemaphore(max_concurrency)
         self._sock = socket.create_server((host, port), reuse_port=False, backlog=128)
+        self._sock.setblocking(False)
         self.address = "%s:%d" % self._sock.getsockname()[:2]
+        # The address peers dial (the one they sign); the bound one unless advertised otherwise.
+        self.endpoint = endpoint or self.address
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name="peer-accept", daemon=True)
+        self._thread = threading.Thread(target=self._handshake_loop, name="peer-handshake", daemon=True)
+        self._pending: dict[int, _Handshake] = {}
+        self._refusals = threading.BoundedSemaphore(MAX_QUEUED_REFUSALS)
         # Workers outlive connections: starting a thread per connection cost ~0.35 ms
-        # here, on the path of every fetch. One spare serves the BUSY refusals.
+        # here, on the path of every fetch. One spare serves the refusals.
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = [threading.Thread(target=self._work, name="peer-conn", daemon=True)
                          for _ in range(max_concurrency + 1)]
-        self.counters = {"connections": 0, "fetches": 0, "bytes_sent": 0, "busy": 0, "unauthorized": 0, "bad_requests": 0}
+        self.counters = {"connections": 0, "fetches": 0, "bytes_sent": 0, "busy": 0, "unauthorized": 0,
+                         "bad_requests": 0, "handshake_timeouts": 0, "handshakes_displaced": 0}
 
     def start(self) -> "PeerServer":
         for worker in self._workers:
@@ -147,7 +196,8 @@ class PeerServer:
                 log.exception("peer worker failed")
 
     def set_secret(self, secret: bytes | None) -> None:
-        self.secret = secret or b""
+        """Rotate to `secret` (the previous one stays accepted for the keyring's overlap)."""
+        self.keys.rotate(secret)
 
     def close(self) -> None:
         self._stop.set()
@@ -158,51 +208,141 @@ class PeerServer:
         for _ in self._workers:
             self._jobs.put(None)
 
-    def _accept_loop(self) -> None:
-        """Greets each connection at once, then hands it to a worker.
+    # -- handshakes (one thread, non-blocking) -------------------------------------------
 
-        The greeting goes out from this thread so the client's AUTH and request
-        travel while a worker picks the connection up: the hand-off overlaps a round
-        trip instead of adding to it."""
-        while not self._stop.is_set():
+    def _handshake_loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ, None)
+        try:
+            while not self._stop.is_set():
+                wait = HANDSHAKE_POLL_S
+                if self._pending:
+                    oldest = next(iter(self._pending.values()))
+                    wait = max(0.0, min(wait, oldest.deadline - time.monotonic()))
+                for key, _ in sel.select(wait):
+                    if key.data is None:
+                        self._accept(sel)
+                    else:
+                        self._advance(sel, key.data)
+                self._expire(sel, time.monotonic())
+        except OSError:
+            pass  # the listening socket closed under us: shutting down
+        finally:
+            for hs in list(self._pending.values()):
+                self._drop(sel, hs)
+            sel.close()
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        while True:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
+            except (BlockingIOError, InterruptedError):
                 return
             self.counters["connections"] += 1
-            busy = not self._slots.acquire(blocking=False)
-            nonce = bytes(wire.NONCE_BYTES) if busy else os.urandom(wire.NONCE_BYTES)
-            try:
-                conn.settimeout(self.timeout_s)
-                conn.sendall(wire.HELLO_MAGIC + nonce)  # a fresh socket's buffer takes it whole
-            except OSError:
-                conn.close()
-                if not busy:
-                    self._slots.release()
-                continue
-            if busy:
-                self.counters["busy"] += 1
-                self._jobs.put((self._refuse_busy, conn))
-            else:
-                self._jobs.put((self._serve, conn, nonce))
+            conn.setblocking(False)
+            if len(self._pending) >= MAX_PENDING_HANDSHAKES:
+                self.counters["handshakes_displaced"] += 1
+                self._drop(sel, next(iter(self._pending.values())))
+            hs = _Handshake(conn, time.monotonic() + self.handshake_timeout_s, wire.HELLO.size)
+            self._pending[conn.fileno()] = hs
+            sel.register(conn, selectors.EVENT_READ, hs)
 
-    def _refuse_busy(self, conn: socket.socket) -> None:
+    def _drop(self, sel: selectors.BaseSelector, hs: _Handshake) -> None:
+        self._forget(sel, hs)
+        hs.conn.close()
+
+    def _forget(self, sel: selectors.BaseSelector, hs: _Handshake) -> None:
+        self._pending.pop(hs.conn.fileno(), None)
         try:
-            conn.sendall(wire.encode_response(wire.Status.BUSY, {"error": "peer at its concurrency limit"}))
+            sel.unregister(hs.conn)
+        except (KeyError, ValueError):
+            pass
+
+    def _expire(self, sel: selectors.BaseSelector, now: float) -> None:
+        while self._pending:
+            hs = next(iter(self._pending.values()))
+            if hs.deadline > now:
+                return
+            self.counters["handshake_timeouts"] += 1
+            self._drop(sel, hs)
+
+    def _advance(self, sel: selectors.BaseSelector, hs: _Handshake) -> None:
+        """Read what the current stage still needs (never more: the client's request
+        may follow its proof in the same segment), then act on a complete stage."""
+        try:
+            chunk = hs.conn.recv(hs.need - len(hs.buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(sel, hs)
+            return
+        if not chunk:
+            self._drop(sel, hs)
+            return
+        hs.buf += chunk
+        try:
+            while len(hs.buf) >= hs.need:
+                if self._stage_done(sel, hs):
+                    return
+        except wire.ProtocolError:
+            self.counters["bad_requests"] += 1
+            self._drop(sel, hs)
+
+    def _stage_done(self, sel: selectors.BaseSelector, hs: _Handshake) -> bool:
+        """Act on a complete stage; True once the connection left the handshake."""
+        raw, hs.buf = bytes(hs.buf), bytearray()
+        if hs.stage == "hello":
+            hs.client_nonce, hs.need = wire.decode_hello_head(raw)
+            hs.stage = "identity"
+            return False
+        if hs.stage == "identity":
+            hs.client_id = wire.decode_identity(raw)
+            hs.server_nonce = os.urandom(wire.NONCE_BYTES)
+            hs.secrets = self.keys.accepted()
+            proofs = [wire.proof(k, wire.Role.SERVER, hs.client_nonce, hs.server_nonce, self.endpoint, hs.client_id)
+                      for k in hs.secrets]
+            challenge = wire.encode_challenge(hs.server_nonce, proofs)
+            if hs.conn.send(challenge) != len(challenge):  # a fresh socket's buffer takes it whole
+                raise wire.ProtocolError("client does not read")
+            hs.stage, hs.need = "proof", wire.PROOF_BYTES
+            return False
+        self._forget(sel, hs)
+        hs.conn.setblocking(True)
+        hs.conn.settimeout(self.timeout_s)
+        if wire.proof_matches(hs.secrets, raw, wire.Role.CLIENT, hs.client_nonce, hs.server_nonce,
+                              self.endpoint, hs.client_id) is None:
+            self.counters["unauthorized"] += 1
+            self._refuse(hs.conn, wire.Status.UNAUTHORIZED, "bad peer credentials")
+        elif not self._slots.acquire(blocking=False):
+            self.counters["busy"] += 1
+            self._refuse(hs.conn, wire.Status.BUSY, "peer at its concurrency limit")
+        else:
+            self._jobs.put((self._serve, hs.conn))
+        return True
+
+    def _refuse(self, conn: socket.socket, status: wire.Status, why: str) -> None:
+        """Answer on the spare worker; past MAX_QUEUED_REFUSALS just hang up (a flood of
+        refusals must not queue sockets without bound)."""
+        if not self._refusals.acquire(blocking=False):
+            conn.close()
+            return
+        self._jobs.put((self._send_refusal, conn, status, why))
+
+    def _send_refusal(self, conn: socket.socket, status: wire.Status, why: str) -> None:
+        try:
+            conn.sendall(wire.encode_response(status, {"error": why}))
             _drain_before_close(conn)
         except OSError:
             pass
         finally:
             conn.close()
+            self._refusals.release()
 
-    def _serve(self, conn: socket.socket, nonce: bytes) -> None:
+    # -- authenticated connections (a slot and a worker each) ----------------------------
+
+    def _serve(self, conn: socket.socket) -> None:
         try:
             _tune(conn)
-            if not wire.auth_ok(self.secret, nonce, recv_exact(conn, wire.AUTH_BYTES)):
-                self.counters["unauthorized"] += 1
-                conn.sendall(wire.encode_response(wire.Status.UNAUTHORIZED, {"error": "bad peer credentials"}))
-                _drain_before_close(conn)
-                return
             while not self._stop.is_set():
                 try:
                     head = recv_exact(conn, wire.REQUEST.size)
@@ -288,27 +428,43 @@ def _left(deadline: float) -> float:
     return left
 
 
+class PeerAuthError(wire.ProtocolError):
+    """The other side did not prove it holds a secret this sidecar accepts."""
+
+
 class TcpTransport:
     """Client side. A connection per call: fetches are few and large, and a fresh
-    connection never inherits a half-read stream from a failed transfer."""
+    connection never inherits a half-read stream from a failed transfer.
 
-    def __init__(self, secret_fn, connect_timeout_s: float = 0.25, timeout_s: float = 2.0) -> None:
+    `identity` is this sidecar's own advertised peer address (signed into both proofs)."""
+
+    def __init__(self, keys: PeerKeyring | bytes | None, connect_timeout_s: float = 0.25, timeout_s: float = 2.0,
+                 identity: str = "") -> None:
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="peer-verify")
-        self._secret_fn = secret_fn
+        self.keys = as_keyring(keys)
+        self.identity = identity
         self.connect_timeout_s = connect_timeout_s
         self.timeout_s = timeout_s
 
-    def _connect(self, peer: str, deadline: float) -> socket.socket:
+    def _connect(self, peer: str, deadline: float) -> tuple[socket.socket, bytes]:
+        """A connection whose server proved a shared secret for `peer`, and this side's
+        proof, to send ahead of the first request (one segment, no extra round trip)."""
         addr = parse_peer(peer)  # "[v6]:port" too
         sock = socket.create_connection((addr.host, addr.port), timeout=self.connect_timeout_s)
         try:
             _tune(sock)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
-            hello = recv_exact(sock, len(wire.HELLO_MAGIC) + wire.NONCE_BYTES)
-            if hello[:4] != wire.HELLO_MAGIC:
-                raise wire.ProtocolError("peer did not greet with the kvtier peer protocol")
-            sock.sendall(wire.auth_tag(self._secret_fn() or b"", hello[4:]))
-            return sock
+            client_nonce = os.urandom(wire.NONCE_BYTES)
+            sock.sendall(wire.encode_hello(client_nonce, self.identity))
+            server_nonce, n = wire.decode_challenge_head(recv_exact(sock, wire.CHALLENGE.size))
+            proofs = recv_exact(sock, n * wire.PROOF_BYTES)
+            secrets = self.keys.accepted()
+            for i in range(n):
+                secret = wire.proof_matches(secrets, proofs[i * wire.PROOF_BYTES:(i + 1) * wire.PROOF_BYTES],
+                                            wire.Role.SERVER, client_nonce, server_nonce, peer, self.identity)
+                if secret is not None:
+                    return sock, wire.proof(secret, wire.Role.CLIENT, client_nonce, server_nonce, peer, self.identity)
+            raise PeerAuthError(f"{peer} did not prove a shared peer secret for its address")
         except BaseException:
             sock.close()
             raise
@@ -319,7 +475,10 @@ class TcpTransport:
         outcome = FetchOutcome()
         deadline = time.monotonic() + self.timeout_s
         try:
-            sock = self._connect(peer, deadline)
+            sock, client_proof = self._connect(peer, deadline)
+        except PeerAuthError:
+            outcome.error = "peer failed authentication"
+            return outcome
         except (OSError, wire.ProtocolError, ValueError) as exc:
             outcome.error = f"connect: {exc.__class__.__name__}"
             return outcome
@@ -327,7 +486,7 @@ class TcpTransport:
             request = wire.FetchRequest(root=root_to_wire(root), block_bytes=block_bytes,
                                         block_size=block_size, max_blocks=max_blocks,
                                         skip_blocks=skip_blocks)
-            sock.sendall(wire.encode_fetch(request, token_ids))
+            sock.sendall(client_proof + wire.encode_fetch(request, token_ids))
             status, length = wire.decode_response_header(recv_exact(sock, wire.RESPONSE.size))
             body = recv_exact(sock, length)
             if status is not wire.Status.OK:
@@ -379,9 +538,9 @@ class TcpTransport:
 
     def hot_prefixes(self, peer: str, tenant: str, max_bytes: int) -> HotPrefixes:
         deadline = time.monotonic() + self.timeout_s
-        sock = self._connect(peer, deadline)
+        sock, client_proof = self._connect(peer, deadline)
         try:
-            sock.sendall(wire.encode_request(wire.Op.HOT, wire.HotRequest(tenant=tenant, max_bytes=max_bytes).model_dump_json().encode()))
+            sock.sendall(client_proof + wire.encode_request(wire.Op.HOT, wire.HotRequest(tenant=tenant, max_bytes=max_bytes).model_dump_json().encode()))
             status, length = wire.decode_response_header(recv_exact(sock, wire.RESPONSE.size))
             body = recv_exact(sock, length)
             if status is not wire.Status.OK:

@@ -37,7 +37,7 @@ from .global_index import GlobalIndex
 from .jobs import JobRegistry, QueueFull, RefConflict  # noqa: F401  (answered 429 / 409 by http_api)
 from .peer_fetch import PeerFetcher
 from .platform_prefix import PlatformPrefixes
-from .store_tickets import TicketBook, TicketId
+from .store_tickets import OwnershipError, TicketBook, TicketId
 from .transport import PeerTransport
 
 
@@ -82,6 +82,7 @@ class Sidecar:
         self.jobs_registry = JobRegistry()
         self._warm_slots = asyncio.Semaphore(WARM_CONCURRENCY)
         self._hits: dict[int, TierHit] = {}
+        self._hit_owners: dict[int, object] = {}  # hit -> the engine connection that holds it
         self._ids = itertools.count(1)
         self.nvme = None  # an nvme_probe.NvmeProbe when the config measures a local disk
         self.started_s = time.time()
@@ -99,7 +100,7 @@ class Sidecar:
 
     # -- engine path --------------------------------------------------------------------
 
-    async def lookup(self, root: KeyRoot, tokens: np.ndarray) -> LookupAnswer | None:
+    async def lookup(self, root: KeyRoot, tokens: np.ndarray, owner: object = None) -> LookupAnswer | None:
         hit = self.tier.lookup(root, tokens)
         tier_name = "dram" if hit else None
         peer_bytes = 0
@@ -129,10 +130,15 @@ class Sidecar:
             return None
         hit_id = next(self._ids)
         self._hits[hit_id] = hit
+        self._hit_owners[hit_id] = owner
         return LookupAnswer(hit_id, hit.matched_tokens, hit.slots, tier_name or "dram")
 
-    def release(self, hit_id: int) -> bool:
+    def release(self, hit_id: int, owner: object = None) -> bool:
+        """Unpin a hit; only the connection that looked it up may (OwnershipError)."""
+        if hit_id in self._hits and self._hit_owners.get(hit_id) is not owner:
+            raise OwnershipError(f"hit {hit_id} belongs to another engine connection")
         hit = self._hits.pop(hit_id, None)
+        self._hit_owners.pop(hit_id, None)
         if hit is None:
             return False
         self.tier.release(hit.handle)
@@ -140,23 +146,31 @@ class Sidecar:
 
     # -- stores -------------------------------------------------------------------------
 
-    def store_begin(self, root: KeyRoot, tokens: np.ndarray, tp: int, rank: int) -> tuple[int, int, list[int]]:
+    def store_begin(self, root: KeyRoot, tokens: np.ndarray, tp: int, rank: int,
+                    owner: object = None) -> tuple[int, int, list[int]]:
         """(ticket, first_block, slots) for the engine to write; ticket 0: declined.
-        All TP ranks of one prompt share a ticket; it commits when every rank did."""
-        return self.tickets.begin(root, tokens, tp, rank)
+        All TP ranks of one prompt share a ticket, each rank from the connection that
+        began it; it commits when every rank did (see store_tickets)."""
+        return self.tickets.begin(root, tokens, tp, rank, owner)
 
-    def store_commit(self, ticket_id: int, rank: int) -> bool:
-        step = self.tickets.commit_rank(TicketId(ticket_id), rank)
+    def store_commit(self, ticket_id: int, rank: int, owner: object = None) -> bool:
+        step = self.tickets.commit_rank(TicketId(ticket_id), rank, owner)
         if step.committed_blocks and step.ticket is not None:
             t = step.ticket
             self.counters.add(Count.STORED_BLOCKS, step.committed_blocks)
+            self.counters.add(Count.STORED_BYTES, step.committed_blocks * self.tier.block_bytes)
             self.platform.mirror(t.root, t.tokens)
             self._after_store(t.root, t.tokens, t.reservation.first_block + step.committed_blocks,
                               t.reservation.slots)
         return step.ok
 
-    def store_abort(self, ticket_id: int) -> None:
-        self.tickets.abort(TicketId(ticket_id))
+    def engine_report(self, report) -> None:
+        """What only the engine knows (an `engine_proto.EngineReport`), into the counters."""
+        self.counters.add(Count.ENGINE_LOADED_BYTES, report.loaded_bytes)
+        self.counters.add(Count.ENGINE_LOAD_ERRORS, report.load_errors)
+
+    def store_abort(self, ticket_id: int, owner: object = None) -> None:
+        self.tickets.abort(TicketId(ticket_id), owner)
 
     def expire_tickets(self) -> int:
         return self.tickets.expire()
@@ -232,6 +246,17 @@ class Sidecar:
             return {"dropped_blocks": dropped}
         return self.jobs_registry.spawn(api.JobKind.INVALIDATE, run())
 
+    async def may_warm_from(self, peer: str) -> bool:
+        """Warm-ups dial only this sidecar's own fleet: a peer listed in `warm_peers`, or
+        a live member of the global index (written only by sidecars holding the Redis
+        credentials). With neither configured the caller's word is all there is: the
+        control API's authentication is then the only gate (see docs/SECURITY.md)."""
+        if peer in self.config.warm_peers:
+            return True
+        if self.index is not None:
+            return await self.index.is_member(peer)
+        return not self.config.warm_peers
+
     def warm(self, tenant: str, peer: str, max_bytes: int, ref: str | None = None) -> tuple[api.JobId, bool]:
         """Start pulling `tenant`'s hot prefixes from `peer`; (job, started). A `ref`
         names the request: asking again with a ref this sidecar still remembers answers
@@ -299,11 +324,13 @@ class Sidecar:
         self.drain_done.set()
         return True
 
-    def release_all(self, hit_ids, tickets) -> None:
+    def release_all(self, hit_ids, tickets, owner: object = None) -> None:
+        """A connection went away: its pins and every store it joined (a TP group
+        missing a rank can never complete)."""
         for h in list(hit_ids):
-            self.release(h)
+            self.release(h, owner)
         for t in list(tickets):
-            self.store_abort(t)
+            self.store_abort(t, owner)
 
     def close(self) -> None:
         self.fetcher.close()

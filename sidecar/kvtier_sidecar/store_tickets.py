@@ -1,7 +1,10 @@
 """The book of open stores: the engine asks for slots, writes its KV into the arena,
 then commits. All TP ranks of one prompt share one ticket (same root, tokens and TP
-degree); the blocks become visible only when every rank committed its shard
-(rule: all-ranks-commit). A ticket left open past `STORE_TICKET_TIMEOUT_S` is aborted."""
+degree); the blocks become visible only when every rank 0..tp-1 committed its shard
+(rule: all-ranks-commit). Each rank belongs to the engine connection (`owner`) that
+began it: a commit for a rank nobody began, or from another connection, and an abort
+from a connection that joined no rank, raise `OwnershipError` and change nothing.
+A ticket left open past `STORE_TICKET_TIMEOUT_S` is aborted."""
 from __future__ import annotations
 
 import itertools
@@ -30,7 +33,12 @@ class StoreTicket:
     reservation: Reservation
     tp: int
     created_s: float
+    ranks: dict[int, object]  # rank -> the engine connection that began it
     committed_ranks: set[int] = field(default_factory=set)
+
+
+class OwnershipError(ValueError):
+    """An engine connection named a hit, ticket or rank it does not hold."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +59,8 @@ class TicketBook:
         self._by_key: dict[tuple, TicketId] = {}
         self._ids = itertools.count(1)
 
-    def begin(self, root: KeyRoot, tokens: np.ndarray, tp: int, rank: int) -> tuple[TicketId, int, list[int]]:
+    def begin(self, root: KeyRoot, tokens: np.ndarray, tp: int, rank: int,
+              owner: object = None) -> tuple[TicketId, int, list[int]]:
         """(ticket, first_block, slots) for the engine to write; DECLINED: nothing to write."""
         if tp < 1 or not (0 <= rank < tp) or self.tier.kv_heads % tp:
             raise ValueError(f"tp={tp} rank={rank} does not divide {self.tier.kv_heads} kv heads")
@@ -59,29 +68,36 @@ class TicketBook:
         ticket_id = self._by_key.get(key)
         if ticket_id is not None and ticket_id in self._tickets:
             t = self._tickets[ticket_id]
+            if t.ranks.setdefault(rank, owner) is not owner:
+                raise OwnershipError(f"rank {rank} of this store was begun by another engine connection")
             return ticket_id, t.reservation.first_block, t.reservation.slots
         reservation = self.tier.reserve(root, tokens, None, None, admit=True)
         self.metrics.store(root.tenant, reservation is not None)
         if reservation is None:
             return DECLINED, 0, []
         ticket_id = TicketId(next(self._ids))
-        self._tickets[ticket_id] = StoreTicket(root, tokens.copy(), reservation, tp, time.monotonic())
+        self._tickets[ticket_id] = StoreTicket(root, tokens.copy(), reservation, tp, time.monotonic(), {rank: owner})
         self._by_key[key] = ticket_id
         return ticket_id, reservation.first_block, reservation.slots
 
-    def commit_rank(self, ticket_id: TicketId, rank: int) -> CommitStep:
+    def commit_rank(self, ticket_id: TicketId, rank: int, owner: object = None) -> CommitStep:
         t = self._tickets.get(ticket_id)
         if t is None:
             return CommitStep(False)
+        if rank not in t.ranks or t.ranks[rank] is not owner:
+            raise OwnershipError(f"ticket {ticket_id} rank {rank} was not begun by this engine connection")
         t.committed_ranks.add(rank)
-        if len(t.committed_ranks) < t.tp:
+        if t.committed_ranks != set(range(t.tp)):
             return CommitStep(True)
         self._forget(ticket_id)
         committed = self.tier.commit(t.reservation, len(t.reservation.slots))
         return CommitStep(committed > 0, t, committed)
 
-    def abort(self, ticket_id: TicketId) -> None:
+    def abort(self, ticket_id: TicketId, owner: object = None, expired: bool = False) -> None:
+        """Give up a store: a connection that joined it, or the expiry sweep."""
         t = self._tickets.get(ticket_id)
+        if t is not None and not expired and not any(o is owner for o in t.ranks.values()):
+            raise OwnershipError(f"ticket {ticket_id} belongs to another engine connection")
         if t is not None:
             self._forget(ticket_id)
             self.tier.abort(t.reservation)
@@ -94,5 +110,5 @@ class TicketBook:
         now = time.monotonic()
         stale = [tid for tid, t in self._tickets.items() if now - t.created_s > STORE_TICKET_TIMEOUT_S]
         for tid in stale:
-            self.abort(tid)
+            self.abort(tid, expired=True)
         return len(stale)

@@ -2,8 +2,9 @@
 
 Pure encoding and decoding; the sockets live in `peer_tcp`. One connection:
 
-    server -> client   HELLO    b"KVP1" | nonce[16]
-    client -> server   AUTH     hmac_sha256(secret, nonce | b"kvtier-peer-v1")[32]
+    client -> server   HELLO    b"KVP2" | client_nonce[16] | id_len u8 | client_id
+    server -> client   CHALLENGE b"KVP2" | server_nonce[16] | n u8 | server_proof[32] * n
+    client -> server   PROOF    client_proof[32]
     client -> server   REQUEST  b"KVRQ" | op u8 | body_len u32 | body
     server -> client   RESPONSE b"KVRS" | status u8 | body_len u32 | body(JSON)
     server -> client   RUN*     b"KVRN" | first_block u32 | n_blocks u32 | xxh3_64 u64 * n_blocks | bytes
@@ -13,6 +14,17 @@ The response announces `n_blocks`; RUN frames follow in block order until they a
 Each run carries its checksums (one xxh3-64 per block, computed once when the block
 was stored, not per fetch), so a receiver keeps every block verified before a
 corruption or a cut connection: a partial answer is still a correct answer.
+
+The handshake is mutual and bound to its endpoints. A proof is
+HMAC-SHA256(secret, context | role | client_nonce | server_nonce | server_endpoint |
+client_id): both nonces, so neither side can replay an old proof; the role, so a
+server's proof is never a client's (no reflection); the endpoint the client meant to
+reach (the address it dialled, which the server checks against the address it
+advertises), so a proof a sidecar was lured into making for a fake peer is useless
+at the real one (no relay). The server proves first, once per secret it accepts (the
+current one and, during a rotation's overlap, the previous one); the client answers
+with a secret whose server proof checked out, and sends its request only after the
+server proved it holds the secret, so a fake peer learns neither tokens nor tenants.
 """
 from __future__ import annotations
 
@@ -20,15 +32,22 @@ import hashlib
 import hmac
 import json
 import struct
-from enum import IntEnum
+from enum import Enum, IntEnum
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-HELLO_MAGIC = b"KVP1"
+HELLO_MAGIC = b"KVP2"
 NONCE_BYTES = 16
-AUTH_BYTES = 32
-AUTH_CONTEXT = b"kvtier-peer-v1"
+PROOF_BYTES = 32
+PROOF_CONTEXT = b"kvtier-peer-v2"
+# Identities are host:port strings; one length byte bounds what a server buffers.
+MAX_IDENTITY_BYTES = 255
+# Secrets a server proves with at once: the current one and the previous one during
+# a rotation's overlap; a challenge announcing more is not this protocol.
+MAX_PROOFS = 2
+HELLO = struct.Struct("<4s16sB")
+CHALLENGE = struct.Struct("<4s16sB")
 REQUEST = struct.Struct("<4sBI")
 REQUEST_MAGIC = b"KVRQ"
 RESPONSE = struct.Struct("<4sBI")
@@ -110,12 +129,67 @@ class HotResponse(BaseModel):
     prefixes: list[HotPrefix]
 
 
-def auth_tag(secret: bytes, nonce: bytes) -> bytes:
-    return hmac.new(secret, nonce + AUTH_CONTEXT, hashlib.sha256).digest()
+class Role(bytes, Enum):
+    SERVER = b"S"
+    CLIENT = b"C"
 
 
-def auth_ok(secret: bytes, nonce: bytes, tag: bytes) -> bool:
-    return hmac.compare_digest(auth_tag(secret, nonce), tag)
+def _field(raw: bytes) -> bytes:
+    return struct.pack("<H", len(raw)) + raw
+
+
+def proof(secret: bytes, role: Role, client_nonce: bytes, server_nonce: bytes, server_endpoint: str,
+          client_id: str) -> bytes:
+    """The MAC one side sends: every field length-prefixed, so no two field lists
+    produce the same signed bytes."""
+    material = (PROOF_CONTEXT + role.value + _field(client_nonce) + _field(server_nonce)
+                + _field(server_endpoint.encode()) + _field(client_id.encode()))
+    return hmac.new(secret, material, hashlib.sha256).digest()
+
+
+def proof_matches(secrets: list[bytes], got: bytes, role: Role, client_nonce: bytes, server_nonce: bytes,
+                  server_endpoint: str, client_id: str) -> bytes | None:
+    """The secret among `secrets` that produced `got`, or None."""
+    for secret in secrets:
+        if hmac.compare_digest(proof(secret, role, client_nonce, server_nonce, server_endpoint, client_id), got):
+            return secret
+    return None
+
+
+def encode_hello(client_nonce: bytes, client_id: str) -> bytes:
+    raw = client_id.encode()
+    if len(raw) > MAX_IDENTITY_BYTES:
+        raise ProtocolError(f"client identity longer than {MAX_IDENTITY_BYTES} bytes")
+    return HELLO.pack(HELLO_MAGIC, client_nonce, len(raw)) + raw
+
+
+def decode_hello_head(raw: bytes) -> tuple[bytes, int]:
+    """(client_nonce, identity length) from HELLO's fixed part."""
+    magic, nonce, id_len = HELLO.unpack(raw)
+    if magic != HELLO_MAGIC:
+        raise ProtocolError("not the kvtier peer protocol (bad hello magic)")
+    return nonce, id_len
+
+
+def decode_identity(raw: bytes) -> str:
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise ProtocolError("client identity is not UTF-8") from None
+
+
+def encode_challenge(server_nonce: bytes, proofs: list[bytes]) -> bytes:
+    return CHALLENGE.pack(HELLO_MAGIC, server_nonce, len(proofs)) + b"".join(proofs)
+
+
+def decode_challenge_head(raw: bytes) -> tuple[bytes, int]:
+    """(server_nonce, number of proofs) from CHALLENGE's fixed part."""
+    magic, nonce, n = CHALLENGE.unpack(raw)
+    if magic != HELLO_MAGIC:
+        raise ProtocolError("peer did not greet with the kvtier peer protocol")
+    if not 0 < n <= MAX_PROOFS:
+        raise ProtocolError(f"challenge with {n} proofs")
+    return nonce, n
 
 
 def encode_request(op: Op, body: bytes) -> bytes:

@@ -140,6 +140,8 @@ def sidecar_config(name: str, ip: str, workdir: Path, oracle, redis_url: str | N
         "model": dict(oracle.shape), "block_size": oracle.block_size,
         "dram_capacity_bytes": 64 << 20, "redis_url": redis_url, "peer_secret_file": secret_file,
         "peer_timeout_s": 1.0, "log_level": "WARNING",
+        # Loopback fleets have no API server to review tokens: the control API is open.
+        "control_auth": {"mode": "open"},
     }
     config.update(overrides)
     return config

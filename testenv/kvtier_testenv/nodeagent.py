@@ -6,7 +6,7 @@ containers we can run natively (by default the one named `kvtier-sidecar`):
     NodeAgent(kubeconfig, namespaces=["t-1"], selector="app=web")
       1. registers a Node (Ready) named `node_name`;
       2. binds each selected, unscheduled pod to it (pods/binding, as the scheduler);
-      3. gives it a unique loopback IP (127.1.x.y), so several pods' processes can
+      3. gives it a unique loopback IP (127.N.x.y, N from the process id), so several pods' processes can
          each bind the same port on their own address;
       4. materialises its volumes under a short per-pod directory (a hash of the pod
          uid, so Unix socket paths inside stay far below the 108-byte limit whatever

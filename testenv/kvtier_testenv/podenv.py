@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import re
 import threading
 from collections.abc import Mapping
@@ -18,8 +19,10 @@ if TYPE_CHECKING:
 
 # Per-pod directories are named by this many hex digits of a hash of the pod uid.
 POD_DIR_HASH_CHARS = 10
-# Pod IPs come from 127.1.0.0/16, away from 127.0.0.1 that servers in tests use.
-_POD_IPS = (f"127.1.{i // 254}.{i % 254 + 1}" for i in itertools.count(1))
+# Pod IPs come from a 127.N.0.0/16 picked by process id, away from 127.0.0.0/24 that
+# servers in tests use: test runs sharing a machine rarely hand out the same address.
+_POD_NET = 1 + os.getpid() % 254
+_POD_IPS = (f"127.{_POD_NET}.{i // 254}.{i % 254 + 1}" for i in itertools.count(1))
 _POD_IPS_LOCK = threading.Lock()
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")
 

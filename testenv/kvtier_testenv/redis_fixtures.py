@@ -67,17 +67,19 @@ class RedisServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), password: str | None = None) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.binary = redis_binary()
-        self.extra_args = extra_args
+        self.password = password  # requirepass: every client must AUTH first
+        self.extra_args = extra_args + (("--requirepass", password) if password else ())
         self._dir = tempfile.mkdtemp(prefix="kvtier-redis-")
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self) -> "RedisServer":
         if self.proc is not None and self.proc.poll() is None:
@@ -111,10 +113,14 @@ class RedisServer:
     def ping(self) -> bool:
         try:
             with socket.create_connection((self.host, self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                s.sendall(self._auth() + b"PING\r\n")
+                answer = s.recv(64)
+                return answer.startswith(b"+OK\r\n+PONG" if self.password else b"+PONG")
         except OSError:
             return False
+
+    def _auth(self) -> bytes:
+        return f"AUTH {self.password}\r\n".encode() if self.password else b""
 
     @property
     def running(self) -> bool:
@@ -124,6 +130,10 @@ class RedisServer:
         """One command over a raw socket (inline protocol), the reply's raw bytes.
         Raw so the helper needs no client library and works on a half-started node."""
         with socket.create_connection((self.host, self.port), timeout=timeout_s) as s:
+            if self.password:
+                s.sendall(self._auth())
+                if not s.recv(16).startswith(b"+OK"):
+                    raise RuntimeError("redis-server refused the password")
             s.sendall(" ".join(args).encode() + b"\r\n")
             head = s.recv(65536)
             if not head.startswith(b"$"):

@@ -3,7 +3,6 @@ missing build fails with the fix in the message."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,6 @@ from kvtier_testenv import binaries
 from kvtier_testenv.controlplane import ControlPlane, port_is_free
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.nodeagent import NodeAgent
-
-# Generous sanity bound on a 2-core machine; the figure itself is reported, not asserted.
-START_SANITY_BOUND_S = 60.0
 
 
 def pid_alive(pid: int) -> bool:
@@ -29,10 +25,7 @@ def pid_alive(pid: int) -> bool:
 
 @pytest.mark.k8s
 def test_teardown_leaves_no_process_port_or_directory_behind() -> None:
-    started = time.monotonic()
     with ControlPlane(controller_manager=True) as cp:
-        elapsed_s = time.monotonic() - started
-        assert elapsed_s < START_SANITY_BOUND_S
         k = Kubectl(cp.kubeconfig)
         k.run("create", "namespace", "leak")
         k = k.in_namespace("leak")

@@ -89,4 +89,6 @@ def test_atomic_volume_swaps_payload_and_drops_removed_keys(tmp_path: Path) -> N
 def test_pod_ips_are_unique_loopback_addresses() -> None:
     ips = [podenv.next_pod_ip() for _ in range(600)]
     assert len(set(ips)) == 600
-    assert all(ip.startswith("127.1.") and not ip.endswith(".0") and not ip.endswith(".255") for ip in ips)
+    assert all(ip.startswith(f"127.{podenv._POD_NET}.") and not ip.endswith(".0") and not ip.endswith(".255")
+               for ip in ips)
+    assert not any(ip.startswith("127.0.") for ip in ips)  # clear of the test servers' 127.0.0.x

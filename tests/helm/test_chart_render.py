@@ -25,12 +25,14 @@ def test_default_render_has_every_object_least_privilege_and_hardening():
         ("ServiceAccount", "kvtier-operator"), ("ClusterRole", "kvtier-operator"),
         ("ClusterRoleBinding", "kvtier-operator"), ("Deployment", "kvtier-operator"),
         ("Service", "kvtier-operator"), ("Secret", "kvtier-webhook-tls"),
-        ("MutatingWebhookConfiguration", "kvtier-sidecar-injector"),
+        ("MutatingWebhookConfiguration", "kvtier-sidecar-injector"), ("NetworkPolicy", "kvtier-operator"),
         ("ConfigMap", "kvtier-alert-rules"), ("ConfigMap", "kvtier-dashboard"),
     }
     rules = objects[("ClusterRole", "kvtier-operator")]["rules"]
     granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
-    assert not any(r == "secrets" or v in ("*", "update", "deletecollection") for _, r, v in granted)
+    assert not any(v in ("*", "update", "deletecollection") for _, r, v in granted)
+    # Secrets: create (the per-policy peer secret) and nothing else cluster-wide.
+    assert {v for _, r, v in granted if r == "secrets"} == {"create"}
     assert ("", "pods", "watch") in granted and ("", "pods", "patch") not in granted
     assert ("kvtier.io", "kvcachepolicies/status", "patch") in granted
 
@@ -90,7 +92,7 @@ def test_custom_values_reach_the_objects(tmp_path):
     c = operator_container(objects, "prod-kvtier-operator")
     assert c["image"] == "registry.local/kvtier:1.2.3" and c["imagePullPolicy"] == "Always"
     # values merge over the defaults key by key
-    assert c["resources"] == {"requests": {"cpu": "50m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}}
+    assert c["resources"] == {"requests": {"cpu": "50m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}}
     assert [a for a in c["args"] if a.startswith("--namespace=")] == ["--namespace=serving-a", "--namespace=serving-b"]
     f = flags(c)
     assert f["sidecar-image"] == "registry.local/kvtier-sidecar:1.2.4"
@@ -112,13 +114,13 @@ def test_user_provided_certificate_renders_no_secret_and_uses_the_given_ca_bundl
     hook = objects[("MutatingWebhookConfiguration", "kvtier-sidecar-injector")]["webhooks"][0]
     assert hook["clientConfig"]["caBundle"] == "Q0EK"
     pod = objects[("Deployment", "kvtier-operator")]["spec"]["template"]["spec"]
-    assert pod["volumes"] == [{"name": "webhook-tls", "secret": {"secretName": "from-cert-manager"}}]
+    assert pod["volumes"][0] == {"name": "webhook-tls", "secret": {"secretName": "from-cert-manager"}}
 
 
 def test_webhook_disabled_renders_no_webhook_service_or_flags():
     objects = render({"webhook": {"enabled": False}})
     assert {kind for kind, _ in objects} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
-                                             "ConfigMap"}  # the monitoring ConfigMaps
+                                             "NetworkPolicy", "ConfigMap"}  # ConfigMap: the monitoring ones
     assert not any(a.startswith("--webhook") for a in operator_container(objects)["args"])
 
 

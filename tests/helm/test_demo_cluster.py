@@ -35,6 +35,10 @@ def test_cluster_demo_scales_with_warm_up_rolls_out_and_back_and_serves_no_wrong
     assert len(moved) == result["status"]["movedTenants"]
     assert moved and any(m["warmed_bytes"] > 0 for m in moved.values())
     assert "demo" in result["kubectl_get_kvcp"] and "Ready" in result["kubectl_get_kvcp"]
+    # The operator's periodic refresh put the traffic's hit rate into status (no
+    # membership change happened during the second replay).
+    assert 0 < result["status"]["fleetHitRate"] <= 1
+    assert str(result["status"]["fleetHitRate"]) in result["kubectl_get_kvcp"]
     tiers = {t["tier"]: t["verdict"] for t in result["status"]["tiers"]}
     assert tiers["dram"] == "serve"
     r = result["rollouts"]

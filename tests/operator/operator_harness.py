@@ -70,11 +70,15 @@ class RunningOperator:
 
 
 def operator_options(tmp_path: Path, webhook_port: int | None = None, **overrides: Any) -> OperatorOptions:
+    # The node agent's sidecars have no ServiceAccount token to call TokenReview with
+    # unless a test sets that up (tests/operator/test_control_auth_e2e.py does).
+    overrides.setdefault("sidecar_auth", "open")
+    knobs = {"debounce_s": 0.2, "resync_interval_s": 30, **overrides}
     if webhook_port is None:
-        return OperatorOptions(debounce_s=0.2, resync_interval_s=30, **overrides)
+        return OperatorOptions(**knobs)
     cert = certs.self_signed(tmp_path / "tls", ["127.0.0.1"])
     return OperatorOptions(webhook_host="127.0.0.1", webhook_port=webhook_port, webhook_cert=str(cert.cert),
-                           webhook_key=str(cert.key), debounce_s=0.2, resync_interval_s=30, **overrides)
+                           webhook_key=str(cert.key), **knobs)
 
 
 def events(kubectl: Kubectl, name: str, reason: str) -> list[dict[str, Any]]:

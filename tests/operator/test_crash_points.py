@@ -25,7 +25,7 @@ class OperatorProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, crash_at: str | None = None) -> "OperatorProcess":
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        env = {**os.environ, **self.options.to_env(), "KUBECONFIG": str(self.kubeconfig)}
         env.pop(crashpoints.ENV, None)
         if crash_at:
             env[crashpoints.ENV] = crash_at
@@ -61,7 +61,7 @@ def operator_process(namespace, operator_kubeconfig, control_plane, tmp_path):
     admin.delete("mutatingwebhookconfiguration", hook)
 
 
-@pytest.mark.parametrize("point", crashpoints.POINTS)
+@pytest.mark.parametrize("point", crashpoints.ROLLOUT_POINTS)
 def test_operator_killed_after_each_rollout_side_effect_converges_to_the_uninterrupted_step(
         operator_process, kubectl, node_agent_factory, point):
     op = operator_process.start()

@@ -410,3 +410,48 @@ def test_nvme_shadow_measurement_feeds_the_tier_verdict(operator, kubectl, node_
     assert nvme["verdict"] == "shadow"
     cond = {c["type"]: c for c in status_of(kubectl, "disk")["conditions"]}["NvmeTier"]
     assert f"NVMe {nvme['measuredGbps']:.2f} GB/s" in cond["message"]
+
+
+# No membership resync during the test: only the hit-rate timer can write the rate.
+NO_RESYNC = {"resync_interval_s": 3600.0}
+
+
+@pytest.mark.parametrize("operator", [NO_RESYNC], indirect=True)
+def test_fleet_hit_rate_follows_steady_traffic_without_membership_change(operator, kubectl, node_agent_factory):
+    """Traffic through a member's real sidecar, with no pod event and no resync: the
+    operator's hit-rate timer writes the fleet's rate (the sidecar's own hits/lookups)
+    into status, and `kubectl get kvcp -o wide` shows it in the HitRate column."""
+    fleet = Fleet(kubectl, node_agent_factory(workdir=short_workdir()), "steady", "steady")
+    kubectl.apply(tiny_policy("steady", "steady"))
+    wait_for("sidecar ConfigMap", lambda: kubectl.run(
+        "get", "configmap", names.sidecar_config_map("steady"), check=False).returncode == 0)
+    fleet.add("s0")
+    fleet.ready(1)
+    joined = wait_for("membership of s0", lambda: (s := status_of(kubectl, "steady")).get("memberCount") == 1 and s)
+    assert joined.get("fleetHitRate") is None  # no lookups yet: no rate to show
+    pod_version = kubectl.get_json("pod", "s0")["metadata"]["resourceVersion"]
+
+    sidecar = fleet.sidecar("s0")
+    sidecar.seed("tenant-a", PROMPTS)
+    assert sidecar.holds("tenant-a", PROMPTS)
+    stats = sidecar.get("/cache/stats")
+    expected = round(stats["hits"] / stats["lookups"], 4)
+    assert expected > 0
+
+    status = wait_for("the fleet hit rate in status", lambda: (s := status_of(kubectl, "steady"))
+                      .get("fleetHitRate") == expected and s)
+    assert status["epoch"] == joined["epoch"] and status["memberCount"] == 1
+    # The membership loop was never woken: the pod did not change after it joined.
+    assert kubectl.get_json("pod", "s0")["metadata"]["resourceVersion"] == pod_version
+    assert float(printed_column(kubectl.run("get", "kvcp", "steady", "-o", "wide").stdout, "HITRATE")) \
+        == pytest.approx(expected, abs=1e-4)
+
+
+def printed_column(table: str, header: str) -> str:
+    """One column of kubectl's first row, cut at the header's position (an empty
+    column prints nothing, so splitting on spaces would shift the columns)."""
+    head, row = table.splitlines()[:2]
+    start = head.index(header)
+    nxt = re.search(r"\S", head[start + len(header):])
+    stop = start + len(header) + nxt.start() if nxt else len(row)
+    return row[start:stop].strip()

@@ -10,7 +10,7 @@ import yaml
 
 from kvtier import control_api, policy
 from kvtier.affinity import AffinityTable, TenantMove, plan_membership_change
-from kvtier_operator import conditions, conflicts, injection, membership, names, publish, warmup
+from kvtier_operator import conditions, conflicts, hit_rate, injection, membership, names, publish, warmup
 from kvtier_operator.sidecar_client import FleetStats, parse_stats
 from operator_cases import EXAMPLES_DIR
 
@@ -163,6 +163,17 @@ def test_fleet_stats_union_tenants_and_weight_hit_rate_by_lookups():
     ))
     assert fleet.tenants == ["x", "y", "z"]
     assert fleet.hit_rate == pytest.approx(120 / 400)
+
+
+def test_hit_rate_refresh_writes_only_a_changed_rate():
+    fleet = FleetStats((parse_stats("a", _stats_body(300, 100, ("x",))),))
+    assert hit_rate.changed_fields(policy.KVCachePolicyStatus(), fleet) == {"fleetHitRate": 0.3333}
+    same = policy.KVCachePolicyStatus(fleet_hit_rate=0.3333)
+    assert hit_rate.changed_fields(same, fleet) is None
+    assert hit_rate.changed_fields(policy.KVCachePolicyStatus(fleet_hit_rate=0.25), fleet) == {"fleetHitRate": 0.3333}
+    no_lookups = FleetStats((parse_stats("a", _stats_body()),))
+    assert hit_rate.changed_fields(same, no_lookups) is None
+    assert hit_rate.changed_fields(policy.KVCachePolicyStatus(), FleetStats(())) is None
 
 
 def test_stats_that_are_not_the_control_api_model_read_as_no_answer():

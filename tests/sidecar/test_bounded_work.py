@@ -53,8 +53,11 @@ def post_warm(side, ref: str, peer: str) -> tuple[int, dict[str, str]]:
 
 def test_warm_flood_toward_a_stalled_peer_is_bounded_and_engine_lookups_keep_their_latency(
         spawn, oracle, redis_url, secret_file):
+    silent = socket.create_server(("127.0.0.4", 0))  # accepts, never greets: a stalled peer
+    stalled = "%s:%d" % silent.getsockname()[:2]
     a = spawn("a", "127.0.0.2", redis_url, secret_file)
-    b = spawn("b", "127.0.0.3", redis_url, secret_file)
+    # Warm-ups dial only the fleet: the stalled peer is one of it by config.
+    b = spawn("b", "127.0.0.3", redis_url, secret_file, warm_peers=[stalled])
     ca, cb = SidecarClient(a.socket), SidecarClient(b.socket)
     r = redis_sync.Redis.from_url(redis_url)
     root = oracle.root("t")
@@ -65,8 +68,6 @@ def test_warm_flood_toward_a_stalled_peer_is_bounded_and_engine_lookups_keep_the
 
     before = [peer_lookup_s(cb, root, p) for p in prompts[:PROMPTS]]
 
-    silent = socket.create_server(("127.0.0.4", 0))  # accepts, never greets: a stalled peer
-    stalled = "%s:%d" % silent.getsockname()[:2]
     try:
         answers = [post_warm(b, f"flood/{i}", stalled) for i in range(FLOOD)]
         statuses = [s for s, _ in answers]

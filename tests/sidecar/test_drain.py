@@ -11,6 +11,12 @@ from kvtier_sidecar.client import Hit, SidecarClient
 from .test_sidecar_process import BB, poll, prompt, seed_cache
 
 
+# Far longer than any drain here takes: a sidecar that exits well before it ended its
+# drain for the reason under test, not for the timeout.
+DRAIN_TIMEOUT_S = 60
+DRAIN_IDLE_S = 0.5
+
+
 def _exit_code_within(handle, timeout_s: float) -> int | None:
     try:
         return handle.proc.wait(timeout_s)
@@ -19,7 +25,7 @@ def _exit_code_within(handle, timeout_s: float) -> int | None:
 
 
 def test_sigterm_drains_not_ready_yet_serves_warm_ups_and_engine_until_drain_done(spawn, oracle, secret_file):
-    leaver = spawn("leaver", "127.0.0.2", None, secret_file, drain_timeout_s=60, drain_idle_s=60)
+    leaver = spawn("leaver", "127.0.0.2", None, secret_file, drain_timeout_s=DRAIN_TIMEOUT_S, drain_idle_s=60)
     heir = spawn("heir", "127.0.0.3", None, secret_file)
     client = SidecarClient(leaver.socket)
     root, tokens = oracle.root("moved"), prompt(100, seed=3)
@@ -47,11 +53,9 @@ def test_sigterm_drains_not_ready_yet_serves_warm_ups_and_engine_until_drain_don
     assert np.array_equal(dst, oracle.kv(root, tokens)[: 6 * BB])
 
     client.close()
-    started = time.monotonic()
     status, _ = leaver.post("/cache/drain/done", {})
     assert status == 202
-    assert _exit_code_within(leaver, 10) == 0
-    assert time.monotonic() - started < 10
+    assert _exit_code_within(leaver, DRAIN_TIMEOUT_S / 2) == 0  # released, not timed out
 
 
 def test_drain_done_on_a_sidecar_that_is_not_draining_is_refused_with_409(spawn):
@@ -62,16 +66,17 @@ def test_drain_done_on_a_sidecar_that_is_not_draining_is_refused_with_409(spawn)
 
 
 def test_draining_sidecar_nobody_talks_to_exits_after_the_idle_window(spawn, secret_file):
-    side = spawn("idle", "127.0.0.4", None, secret_file, drain_timeout_s=60, drain_idle_s=0.5)
+    side = spawn("idle", "127.0.0.4", None, secret_file, drain_timeout_s=DRAIN_TIMEOUT_S, drain_idle_s=DRAIN_IDLE_S)
     started = time.monotonic()
     side.proc.send_signal(signal.SIGTERM)
-    assert _exit_code_within(side, 10) == 0
-    assert 0.4 <= time.monotonic() - started < 10
+    assert _exit_code_within(side, DRAIN_TIMEOUT_S / 2) == 0  # idle, not timed out
+    # It waited its idle window (the idle clock may start a moment before the signal).
+    assert time.monotonic() - started >= 0.8 * DRAIN_IDLE_S
 
 
 def test_second_signal_ends_the_drain_at_once(spawn, secret_file):
-    side = spawn("twice", "127.0.0.5", None, secret_file, drain_timeout_s=60, drain_idle_s=60)
+    side = spawn("twice", "127.0.0.5", None, secret_file, drain_timeout_s=DRAIN_TIMEOUT_S, drain_idle_s=60)
     side.proc.send_signal(signal.SIGTERM)
     poll(lambda: side.get("/readyz")[0] == 503)
     side.proc.send_signal(signal.SIGTERM)
-    assert _exit_code_within(side, 10) == 0
+    assert _exit_code_within(side, DRAIN_TIMEOUT_S / 2) == 0  # the second signal, not the timeout

@@ -45,6 +45,10 @@ class Sink:
         return [memoryview(self.buf)[i * BB:(i + 1) * BB] for i in range(n)]
 
 
+# What the server sends before its response: the challenge with one proof.
+CHALLENGE_BYTES = wire.CHALLENGE.size + wire.PROOF_BYTES
+
+
 def serve(tier, secret=b"s3cret"):
     return PeerServer(tier, "127.0.0.1", 0, secret, max_concurrency=4, timeout_s=1.0).start()
 
@@ -58,22 +62,29 @@ def test_fetch_streams_the_token_matched_prefix_with_verified_runs(tier):
     kv = fill(tier, "a", toks)
     server = serve(tier)
     sink = Sink()
-    out = TcpTransport(lambda: b"s3cret").fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=10, skip_blocks=3)
+    out = TcpTransport(b"s3cret").fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=10, skip_blocks=3)
     assert out.error is None and out.announced_blocks == 7 and out.verified_blocks == 7
     assert np.array_equal(sink.buf[: 7 * BB], kv[3 * BB: 10 * BB])
     # Another tenant's root with the same tokens matches nothing.
-    miss = TcpTransport(lambda: b"s3cret").fetch(server.address, ORACLE.root("b"), toks, 16, BB, Sink(), max_blocks=10)
+    miss = TcpTransport(b"s3cret").fetch(server.address, ORACLE.root("b"), toks, 16, BB, Sink(), max_blocks=10)
     assert miss.verified_blocks == 0 and miss.error is None
     server.close()
 
 
-def test_wrong_secret_gets_nothing(tier):
+def test_wrong_secret_gets_nothing_and_sends_no_request(tier):
     toks = tokens_of(64)
     fill(tier, "a", toks)
     server = serve(tier)
-    out = TcpTransport(lambda: b"guess").fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4)
-    assert out.verified_blocks == 0 and out.error
-    assert server.counters["unauthorized"] == 1
+    out = TcpTransport(b"guess").fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4)
+    # The server's proof does not check out under "guess": the client stops before its request.
+    assert out.verified_blocks == 0 and out.error == "peer failed authentication"
+    assert server.counters["fetches"] == 0
+    # A client that answers the challenge with a wrong proof is refused.
+    s = _authenticated(server.address, b"guess")
+    s.sendall(wire.encode_request(wire.Op.HOT, wire.HotRequest(tenant="a", max_bytes=1 << 20).model_dump_json().encode()))
+    status, _ = wire.decode_response_header(s.recv(wire.RESPONSE.size, socket.MSG_WAITALL))
+    assert status is wire.Status.UNAUTHORIZED and server.counters["unauthorized"] == 1
+    s.close()
     server.close()
 
 
@@ -82,12 +93,13 @@ def test_flipped_byte_fails_its_run_checksum_and_nothing_after_is_kept(tier, mon
     toks = tokens_of(160)
     kv = fill(tier, "a", toks)
     server = serve(tier)
-    header_bytes = 20 + wire.RESPONSE.size + len(wire.FetchHeader(matched_tokens=160, n_blocks=8, block_bytes=BB).model_dump_json())
+    header_bytes = CHALLENGE_BYTES + wire.RESPONSE.size + len(wire.FetchHeader(matched_tokens=160, n_blocks=8, block_bytes=BB).model_dump_json())
     run_header = wire.RUN.size + 2 * 8
     # Corrupt a byte inside the third run's first block (block 4).
     proxy = FaultyProxy(server.address, flip_at=header_bytes + 2 * (run_header + 2 * BB) + run_header + 100)
+    server.endpoint = proxy.address  # the address its peers dial (and sign)
     sink = Sink()
-    out = TcpTransport(lambda: b"s3cret").fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=8)
+    out = TcpTransport(b"s3cret").fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=8)
     assert out.error == "checksum mismatch" and out.verified_blocks == 4
     assert np.array_equal(sink.buf[: 4 * BB], kv[: 4 * BB])
     proxy.close(); server.close()
@@ -98,9 +110,10 @@ def test_peer_dying_mid_transfer_leaves_a_verified_partial_answer(tier, monkeypa
     toks = tokens_of(160)
     kv = fill(tier, "a", toks)
     server = serve(tier)
-    proxy = FaultyProxy(server.address, cut_at=20 + 200 + 3 * (wire.RUN.size + 16 + 2 * BB))
+    proxy = FaultyProxy(server.address, cut_at=CHALLENGE_BYTES + 200 + 3 * (wire.RUN.size + 16 + 2 * BB))
+    server.endpoint = proxy.address
     sink = Sink()
-    out = TcpTransport(lambda: b"s3cret").fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=9)
+    out = TcpTransport(b"s3cret").fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=9)
     assert out.error and 0 < out.verified_blocks < 9
     assert np.array_equal(sink.buf[: out.verified_blocks * BB], kv[: out.verified_blocks * BB])
     proxy.close(); server.close()
@@ -109,11 +122,14 @@ def test_peer_dying_mid_transfer_leaves_a_verified_partial_answer(tier, monkeypa
 def test_stalled_peer_times_out_into_a_miss():
     silent = socket.create_server(("127.0.0.1", 0))
     addr = "%s:%d" % silent.getsockname()[:2]
-    t = TcpTransport(lambda: b"", connect_timeout_s=0.2, timeout_s=0.3)
+    t = TcpTransport(b"", connect_timeout_s=0.2, timeout_s=1.0)
     import time
     t0 = time.monotonic()
     out = t.fetch(addr, ORACLE.root("a"), tokens_of(64), 16, BB, Sink(), max_blocks=4)
-    assert out.verified_blocks == 0 and out.error and time.monotonic() - t0 < 2
+    # Bounded by its own timeouts (its deadline, and at most one more socket wait),
+    # never by the peer: a stalled peer would hold it forever.
+    assert out.verified_blocks == 0 and out.error
+    assert time.monotonic() - t0 < t.connect_timeout_s + 2 * t.timeout_s
     silent.close()
 
 
@@ -139,15 +155,13 @@ def test_peer_protocol_fuzz_server_keeps_serving(tier):
     rng = random.Random(3)
     host, port = server.address.split(":")
     for i in range(2000):
-        s = socket.create_connection((host, int(port)), timeout=1)
+        kind = i % 4
+        s = (socket.create_connection((host, int(port)), timeout=1) if kind == 0
+             else _authenticated(server.address, b""))
         try:
-            hello = s.recv(20)
-            assert hello[:4] == wire.HELLO_MAGIC
-            kind = i % 4
             if kind == 0:
                 s.sendall(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 80))))
             else:
-                s.sendall(wire.auth_tag(b"", hello[4:]))
                 if kind == 1:
                     s.sendall(wire.REQUEST.pack(wire.REQUEST_MAGIC, rng.randrange(256), rng.randrange(1 << 32)))
                 elif kind == 2:
@@ -164,16 +178,20 @@ def test_peer_protocol_fuzz_server_keeps_serving(tier):
         finally:
             s.close()
     sink = Sink()
-    out = TcpTransport(lambda: b"").fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=4)
+    out = TcpTransport(b"").fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=4)
     assert out.verified_blocks == 4 and np.array_equal(sink.buf[: 4 * BB], kv[: 4 * BB])
     server.close()
 
 
-def _authenticated(address: str, secret: bytes) -> socket.socket:
+def _authenticated(address: str, secret: bytes, client_id: str = "test-client") -> socket.socket:
+    """A socket past the handshake, as a real peer would leave it."""
     host, port = address.split(":")
     s = socket.create_connection((host, int(port)), timeout=2)
-    hello = s.recv(20, socket.MSG_WAITALL)
-    s.sendall(wire.auth_tag(secret, hello[4:]))
+    client_nonce = os.urandom(wire.NONCE_BYTES)
+    s.sendall(wire.encode_hello(client_nonce, client_id))
+    server_nonce, n = wire.decode_challenge_head(s.recv(wire.CHALLENGE.size, socket.MSG_WAITALL))
+    s.recv(n * wire.PROOF_BYTES, socket.MSG_WAITALL)
+    s.sendall(wire.proof(secret, wire.Role.CLIENT, client_nonce, server_nonce, address, client_id))
     return s
 
 
@@ -184,7 +202,7 @@ def test_connections_over_the_concurrency_bound_get_busy_and_their_slots_come_ba
     kv = fill(tier, "a", toks)
     server = PeerServer(tier, "127.0.0.1", 0, b"k", max_concurrency=2, timeout_s=5.0).start()
     holders = [_authenticated(server.address, b"k") for _ in range(2)]
-    transport = TcpTransport(lambda: b"k")
+    transport = TcpTransport(b"k")
     out = transport.fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4)
     assert out.error == "busy" and out.verified_blocks == 0 and server.counters["busy"] == 1
     for s in holders:
@@ -234,9 +252,11 @@ def test_sendmsg_all_gives_up_at_its_deadline_when_nobody_reads():
     from kvtier_sidecar.peer_tcp import sendmsg_all
 
     a, b = socket.socketpair()
-    a.settimeout(0.2)
+    socket_timeout_s, deadline_s = 0.5, 0.5
+    a.settimeout(socket_timeout_s)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
-        sendmsg_all(a, [bytes(64 << 20)], deadline=time.monotonic() + 0.3)
-    assert time.monotonic() - t0 < 2
+        sendmsg_all(a, [bytes(64 << 20)], deadline=time.monotonic() + deadline_s)
+    # The deadline is checked between sends: it may be overrun by one socket wait.
+    assert time.monotonic() - t0 < deadline_s + 2 * socket_timeout_s
     a.close(); b.close()

@@ -15,5 +15,9 @@ def test_vllm_pods_hit_through_injected_sidecars_and_answer_as_recompute():
     assert result["served"] == result["requests"] == 12
     assert result["hits"] > 0 and result["cached_tokens"] > 0
     assert sum(result["sidecar_hit_tokens"].values()) == result["cached_tokens"]
-    assert result["kubectl_get_kvcp"].splitlines()[1].split()[:2] == ["demo", "Ready"]
+    head, row = result["kubectl_get_kvcp"].splitlines()[:2]
+    assert row.split()[:2] == ["demo", "Ready"]
+    # The operator's periodic refresh shows the hit rate without a membership change.
+    assert 0 < result["fleet_hit_rate"] <= 1
+    assert str(result["fleet_hit_rate"]) in row[head.index("HITRATE"):]
     assert result["ok"]

@@ -176,9 +176,16 @@ def test_corrupted_blocks_change_the_output_and_with_checksums_are_a_miss(world)
     assert corrupted["outputs"] != [world.reference["Q"]]
 
     c = world.engine("c", "s1", verify_checksums=True)
+    reported = {n: _metric(s1, n) for n in ("kvtier_engine_load_errors_total", "kvtier_engine_loaded_bytes_total")}
     got = world.ask(c, ["Q", "P"])
     assert got["outputs"] == [world.reference["Q"], world.reference["P"]]
     assert got["cached"][1] == _hit("P")  # intact blocks still load with checksums on
+    # The connector's KVConnectorStats counts, as it reported them to the sidecar's
+    # /metrics: Q's blocks were handed back to vLLM as load errors, P's bytes loaded.
+    assert _metric(s1, "kvtier_engine_load_errors_total") - reported["kvtier_engine_load_errors_total"] \
+        == _hit("Q") // BLOCK
+    assert _metric(s1, "kvtier_engine_loaded_bytes_total") - reported["kvtier_engine_loaded_bytes_total"] \
+        == _hit("P") // BLOCK * arena.block_bytes
     world.c = c
 
 

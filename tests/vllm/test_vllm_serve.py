@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvtier import policy
+from kvtier.sidecar_config import ControlAuthConfig
 from kvtier_operator import injection, names, sidecar_render
 from kvtier_operator.engine_env import KV_TRANSFER_CONFIG_ENV
 from kvtier_testenv.fleet import SidecarHandle
@@ -84,7 +85,9 @@ def test_vllm_serve_with_the_webhooks_env_serves_each_tenant_from_its_own_blocks
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(run_dir))  # what the webhook gives the sidecar
     cfg = sidecar_render.sidecar_config(spec).model_copy(
         update={"pod_name": POD, "pod_namespace": NAMESPACE, "pod_ip": "127.0.0.2", "http_port": 0, "peer_port": 0,
-                "peer_enabled": False})
+                "peer_enabled": False,
+                # no API server here to review tokens: the test reads stats without one
+                "control_auth": ControlAuthConfig(mode="open")})
     sidecar = SidecarHandle("sidecar", "127.0.0.2", tmp_path, cfg.model_dump(mode="json")).start()
 
     model = write_model(tmp_path / "model", seed=0)

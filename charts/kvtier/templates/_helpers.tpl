@@ -34,11 +34,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{- define "kvtier.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "kvtier.sidecarImage" -}}
+{{- if .Values.sidecar.image.digest -}}
+{{- printf "%s@%s" .Values.sidecar.image.repository .Values.sidecar.image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.sidecar.image.repository (default .Chart.AppVersion .Values.sidecar.image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The host of webhook.url ("" when unset), without port or brackets. */}}
