@@ -191,7 +191,7 @@ def test_fleet_under_redis_and_peer_sigkill_serves_zero_wrong_kv(spawn, oracle, 
     t.start()
     results = run_engines(assignments, "synthetic", duration_s=ENGINE_CAP_S, stop_file=str(stop_file))
     t.join()
-    assert not failures, failures
+    assert not failures, (failures, faults)  # faults: how far the chaos got
     assert faults == ["redis killed", "redis back", "peer s2 killed", "peer s2 back"]
     assert all(r.requests > 0 for r in results)
     total = results[0]
