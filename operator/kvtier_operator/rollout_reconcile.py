@@ -18,15 +18,14 @@ planner too. A pod counts as ready by the same rule membership uses
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 from datetime import datetime, timezone
 from typing import Any
 
 from kvtier import breakeven, policy
 
-from kvtier_operator import (analysis, conditions, crashpoints, deployment_pair, economics, names, prom_client,
-                             rollout)
+from kvtier_operator import (analysis, conditions, crashpoints, deployment_pair, economics, events, names,
+                             prom_client, rollout)
 from kvtier_operator.conditions import Observation
 from kvtier_operator.membership import Member, MemberName, pod_view
 
@@ -141,22 +140,12 @@ def step_event(body: dict[str, Any], plan: rollout.Plan) -> dict[str, Any]:
     """The step's Event, named by (policy, target version, step, history length,
     reason): a re-planned step after a crash has the same name; a later rollout to the
     same target (after a rollback grew the history) has another."""
-    meta = body["metadata"]
     kind, reason, message = plan.event
     r = plan.rollout
     # A plan without rollout status (a rejected request) is named by its message.
-    what = (f"{meta.get('uid')}/{r.target_version}/{r.step}/{len(r.history)}/{r.handled_request}" if r is not None
-            else f"{meta.get('uid')}/{message}")
-    key = hashlib.sha256(f"{what}/{reason}".encode()).hexdigest()[:16]
-    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {
-        "apiVersion": "v1", "kind": "Event",
-        "metadata": {"name": f"{meta['name']}.{key}", "namespace": meta["namespace"]},
-        "involvedObject": {"apiVersion": f"{policy.GROUP}/{policy.VERSION}", "kind": policy.KIND,
-                           "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid")},
-        "type": kind, "reason": reason, "message": message[:1024], "count": 1,
-        "firstTimestamp": now, "lastTimestamp": now, "source": {"component": "kvtier-operator"},
-    }
+    happening = (f"{r.target_version}/{r.step}/{len(r.history)}/{r.handled_request}" if r is not None
+                 else message)
+    return events.once(body, happening, kind, reason, message)
 
 
 def workload_patch(patch: rollout.WorkloadPatch) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from kvtier import control_api as api
 
 
 def test_a_warm_request_names_what_is_wrong():
-    with pytest.raises(ValidationError, match="from_peer must be host:port"):
+    with pytest.raises(ValidationError, match=r"from_peer\n.*peer address 'not a peer' must be host:port"):
         api.WarmRequest(tenant="t", from_peer="not a peer", max_bytes=1)
     with pytest.raises(ValidationError, match="max_bytes"):
         api.WarmRequest(tenant="t", from_peer="10.0.0.1:8082", max_bytes=0)
