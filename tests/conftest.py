@@ -13,3 +13,26 @@ pytest_plugins = [
     "kvtier_testenv.k8s_fixtures",
     "kvtier_testenv.prometheus_fixtures",
 ]
+
+
+import os
+from pathlib import Path
+
+import pytest
+
+_SHM = Path("/dev/shm")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _unlink_arenas_left_by_killed_sidecars():
+    """Tests SIGKILL sidecars on purpose, and a killed sidecar never unlinks its
+    shared-memory arena: without this, every run would leave its arenas in /dev/shm
+    (memory-backed) until the machine runs out. Only segments this session created go."""
+    before = {p.name for p in _SHM.glob("kvt-*")}
+    yield
+    for p in _SHM.glob("kvt-*"):
+        if p.name not in before:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
