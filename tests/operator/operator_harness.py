@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -83,6 +84,11 @@ def operator_argv(namespace: str, options: OperatorOptions) -> list[str]:
     return argv
 
 
+# kopf's own shutdown (handlers cancelled, cleanup activity) takes a few seconds on a
+# loaded box; past this the process is SIGKILLed.
+STOP_TIMEOUT_S = 15
+
+
 class OperatorProcess:
     """The operator as its own process (`kvtier-operator`, the ServiceAccount's
     kubeconfig), optionally set to die right after a crash point (KVTIER_CRASH_AT)."""
@@ -103,14 +109,23 @@ class OperatorProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def webhook_listening(self) -> bool:
+        """This process's injection webhook accepts connections: a pod created before
+        that starts without the sidecar (the webhook fails open)."""
+        try:
+            socket.create_connection((self.options.webhook_host, self.options.webhook_port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(15)
+                self.proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(5)
+                self.proc.wait(STOP_TIMEOUT_S)
 
 
 def operator_options(tmp_path: Path, webhook_port: int | None = None, **overrides: Any) -> OperatorOptions:

@@ -11,14 +11,12 @@
   but the operator's own retries."""
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 
 from kvtier_operator import crashpoints, names
 from operator_harness import wait_for
-from test_crash_points import operator_process  # noqa: F401  (fixture)
 from test_operator_e2e import operator  # noqa: F401  (fixture)
 from test_operator_e2e import (Fleet, affinity_table, epochs_in_events, new_warm_jobs, pending_journal, redis_table,
                                short_workdir, status_of, wait_table)
@@ -46,16 +44,6 @@ def three_member_fleet(kubectl, agent, redis_url: str) -> tuple[Fleet, object]:
     return fleet, fleet.learn_tenants(len(TENANTS))
 
 
-def webhook_listening(op) -> bool:
-    """The restarted operator's injection webhook accepts connections (a pod created
-    before that runs without the sidecar: the webhook fails open)."""
-    try:
-        socket.create_connection((op.options.webhook_host, op.options.webhook_port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
 def assert_one_join_epoch(kubectl, fleet: Fleet, t0, joined_at: float, redis_url: str):
     t1 = wait_table(kubectl, POLICY, 4, epoch=t0.epoch + 1)
     moved = {t for t in TENANTS if t0.homes_for(t) != t1.homes_for(t)}
@@ -74,12 +62,12 @@ def assert_one_join_epoch(kubectl, fleet: Fleet, t0, joined_at: float, redis_url
 
 @pytest.mark.parametrize("point", crashpoints.MEMBERSHIP_POINTS)
 def test_operator_killed_after_each_join_side_effect_converges_to_one_epoch_warmed_once(
-        operator_process, kubectl, node_agent_factory, redis_server_fn, point):  # noqa: F811
+        operator_process, kubectl, node_agent_factory, redis_server_fn, point):
     op = operator_process.start()
     fleet, t0 = three_member_fleet(kubectl, node_agent_factory(workdir=short_workdir()), redis_server_fn.url)
     op.stop()
     op.start(crash_at=point)
-    wait_for("the webhook of the restarted operator", lambda: webhook_listening(op))
+    wait_for("the webhook of the restarted operator", op.webhook_listening)
     joined_at = time.time()
     fleet.add("f3")
     fleet.ready(4)
