@@ -87,6 +87,9 @@ def operator_argv(namespace: str, options: OperatorOptions) -> list[str]:
 # kopf's own shutdown (handlers cancelled, cleanup activity) takes a few seconds on a
 # loaded box; past this the process is SIGKILLed.
 STOP_TIMEOUT_S = 15
+# A crash point is reached within a pass or two of the change that leads to it;
+# generous for a loaded 2-core box.
+CRASH_WAIT_S = 120
 
 
 class OperatorProcess:
@@ -108,6 +111,11 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def exit_code(self) -> int:
+        """Wait for the process to end (a crash point reached) and return its status."""
+        assert self.proc is not None
+        return self.proc.wait(CRASH_WAIT_S)
 
     def webhook_listening(self) -> bool:
         """This process's injection webhook accepts connections: a pod created before

@@ -50,7 +50,7 @@ def test_operator_killed_after_each_rollout_side_effect_converges_to_the_uninter
     op.start(crash_at=point)
     kubectl.run("patch", "kvcp", "llm", "--type=merge", "-p",
                 f'{{"spec": {{"model": {{"weightsVersion": "{NEW}"}}}}}}')
-    assert op.proc.wait(120) == crashpoints.CRASH_EXIT_CODE  # it died right after `point`
+    assert op.exit_code() == crashpoints.CRASH_EXIT_CODE  # it died right after `point`
     sts = w.sts()["spec"]
     patched = sts["updateStrategy"]["rollingUpdate"]["partition"] == REPLICAS - 1
     assert patched == (point == "rollout-workload-patched"), (point, sts["updateStrategy"])

@@ -71,7 +71,7 @@ def test_operator_killed_after_each_join_side_effect_converges_to_one_epoch_warm
     joined_at = time.time()
     fleet.add("f3")
     fleet.ready(4)
-    assert op.proc.wait(120) == crashpoints.CRASH_EXIT_CODE  # it died right after `point`
+    assert op.exit_code() == crashpoints.CRASH_EXIT_CODE  # it died right after `point`
     published = affinity_table(kubectl, POLICY).epoch == t0.epoch + 1
     assert published == (crashpoints.MEMBERSHIP_POINTS.index(point) >= PUBLISHED_FROM), (point, published)
 
