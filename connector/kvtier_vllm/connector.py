@@ -353,9 +353,10 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         self._finish_layer_loads()
-        if self.paged is not None and len(self._waited) == len(self.paged.layers):
+        if not self._layerwise and self.paged is not None and len(self._waited) == len(self.paged.layers):
             # every layer asked for its KV before reading it: loads may overlap the pass
             self._layerwise = True
+            log.info("kvtier: every layer waits for its load; loads now overlap the forward pass layer by layer")
         self._waited.clear()
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata):
