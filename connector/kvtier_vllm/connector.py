@@ -55,7 +55,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvtier_vllm")
+# Under "vllm": vLLM configures that logger (VLLM_CONFIGURE_LOGGING), so the connector
+# logs where and how vLLM's own connectors do.
+log = logging.getLogger("vllm.kvtier_vllm")
 
 RECOMPUTE_POLICY = "recompute"
 """The only kv_load_failure_policy under which a failed load costs a recompute, not the request."""

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-log = logging.getLogger("kvtier.vllm")
+log = logging.getLogger("vllm.kvtier_vllm")  # see connector.py
 
 CopyLayer = Callable[[int], None]
 """Copies one layer of one job (raises on failure)."""

@@ -34,6 +34,8 @@ SHAPE = TinyLlama()
 # far longer than in production before it counts as a miss, so a machine busy starting
 # vLLM engines does not turn a hit the test expects into a miss.
 LOOKUP_TIMEOUT_S = 20.0
+OVERLAP_LOG = "loads now overlap the forward pass layer by layer"
+"""What the connector logs once vLLM showed that every layer waits for its load."""
 BLOCK = 32
 WEIGHTS = "sha256:" + "5e" * 32
 OTHER_WEIGHTS = "sha256:" + "77" * 32
@@ -149,6 +151,10 @@ def test_fresh_engine_serves_prefix_stored_by_another_with_identical_outputs(wor
         assert got["outputs"] == [world.reference[name]], name
         assert got["cached"] == [cached], name
     assert _metric(world.sidecars["s1"], "kvtier_prefix_cache_hits_total", tier="dram") >= 2 * _hit("P")
+    # the first pass showed vLLM asks before every layer: the later hits (P_MORE,
+    # DIVERGE, identical outputs above) were loaded layer by layer during the pass
+    wait_for("loads overlapping the forward pass", lambda: OVERLAP_LOG in (world.workdir / "b.log").read_text(),
+             POLL_S)
 
 
 def _arena(sidecar: SidecarHandle) -> Arena:
