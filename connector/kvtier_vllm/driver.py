@@ -9,7 +9,8 @@ stdin, one JSON object per line:
     {"op": "quit"}
 stdout: a line "READY {...}" once the engine is up, then one "RESULT {...}" line per
 command: {"outputs": [[ids...]], "cached": [num_cached_tokens...], "seconds": s,
-"ttft": [s...]}. Everything else vLLM prints goes to stderr.
+"ttft": [s...]}. Everything else vLLM prints, in this process or its engine core,
+goes to stderr.
 """
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ import time
 
 def main() -> int:
     spec = json.loads(sys.argv[1])
-    real_stdout = sys.stdout
-    sys.stdout = sys.stderr  # vLLM's prints must not interleave with the protocol
+    # The protocol keeps the real stdout; everything else writing to fd 1 — vLLM's prints
+    # and the engine-core process it starts, which inherits the descriptor — goes to stderr.
+    real_stdout = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     from vllm import LLM, SamplingParams
 
     kwargs = dict(model=spec["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,

@@ -190,20 +190,26 @@ def kv_views(layer: Array, layout: PagedLayout, head_dim: int) -> tuple[Array, A
     raise LayoutError(f"unknown layout {layout!r}")
 
 
-def sub_block_view(plane: Array, block_tokens: int) -> Array:
-    """(pages, heads, page_tokens, D) -> (pages, page_tokens // block_tokens, heads,
-    block_tokens, D): a page's kvtier blocks side by side, still a view."""
-    pages, heads, tokens, dim = plane.shape
+def _split_tokens(a: Array, axis: int, block_tokens: int) -> Array:
+    """Split token axis `axis` of `a` into (blocks per page, block_tokens) and bring the
+    blocks-per-page axis to position 1; still a view."""
+    tokens = a.shape[axis]
     if tokens % block_tokens:
         raise LayoutError(f"kvtier block size {block_tokens} does not divide vLLM's page of {tokens} tokens")
     per_page = tokens // block_tokens
-    if hasattr(plane, "permute"):
-        split = plane.unflatten(2, (per_page, block_tokens))
+    if hasattr(a, "permute"):
+        split = a.unflatten(axis, (per_page, block_tokens))
     else:
-        split = plane.reshape(pages, heads, per_page, block_tokens, dim)
-        if not np.shares_memory(split, plane):
+        split = a.reshape(*a.shape[:axis], per_page, block_tokens, *a.shape[axis + 1 :])
+        if not np.shares_memory(split, a):
             raise LayoutError("page tokens cannot be split into kvtier blocks without a copy")
-    return _permute(split, (0, 2, 1, 3, 4))
+    return _permute(split, (0, axis, *(i for i in range(1, split.ndim) if i != axis)))
+
+
+def sub_block_view(plane: Array, block_tokens: int) -> Array:
+    """(pages, heads, page_tokens, D) -> (pages, page_tokens // block_tokens, heads,
+    block_tokens, D): a page's kvtier blocks side by side, still a view."""
+    return _split_tokens(plane, 2, block_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,17 +267,7 @@ def _page_part(sub_view: Array, run: Run, per_page: int) -> Array:
 def _kt_sub_block_view(k_t: Array, block_tokens: int) -> Array:
     """(pages, heads, D, page_tokens) -> (pages, page_tokens // block_tokens, heads, D,
     block_tokens): each kvtier block's transposed K, still a view."""
-    pages, heads, dim, tokens = k_t.shape
-    if tokens % block_tokens:
-        raise LayoutError(f"kvtier block size {block_tokens} does not divide vLLM's page of {tokens} tokens")
-    per_page = tokens // block_tokens
-    if hasattr(k_t, "permute"):
-        split = k_t.unflatten(3, (per_page, block_tokens))
-    else:
-        split = k_t.reshape(pages, heads, dim, per_page, block_tokens)
-        if not np.shares_memory(split, k_t):
-            raise LayoutError("page tokens cannot be split into kvtier blocks without a copy")
-    return _permute(split, (0, 3, 1, 2, 4))
+    return _split_tokens(k_t, 3, block_tokens)
 
 
 def block_views(layer: Array, layout: PagedLayout, head_dim: int, block_tokens: int,

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from kvtier_testenv import binaries
+from kvtier_testenv import binaries, processes
 from kvtier_testenv.ports import HOST, free_port
 from kvtier_testenv.polling import wait_for
 
@@ -243,13 +243,7 @@ class _Server:
         self.proc = None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_TIMEOUT_S)
+        processes.stop(self.proc, STOP_TIMEOUT_S)
         self.proc = None
 
     def log_tail(self, lines: int = 30) -> str:

@@ -17,6 +17,7 @@ from kopf.testing import KopfRunner
 
 from kvtier_operator import certs, crashpoints
 from kvtier_operator.options import OperatorOptions
+from kvtier_testenv import processes
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv import polling
 from operator_cases import ROOT
@@ -127,13 +128,7 @@ class OperatorProcess:
             return False
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_TIMEOUT_S)
+        processes.stop(self.proc, STOP_TIMEOUT_S)
 
 
 def operator_options(tmp_path: Path, webhook_port: int | None = None, **overrides: Any) -> OperatorOptions:

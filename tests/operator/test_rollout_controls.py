@@ -20,7 +20,7 @@ import pytest
 
 from kvtier.affinity import AffinityTable
 from kvtier_operator import certs, names
-from kvtier_testenv import binaries
+from kvtier_testenv import binaries, processes
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.ports import free_port
 from operator_harness import events, register_webhook, wait_for
@@ -57,13 +57,7 @@ class OperatorProcess:
         self.proc.wait(15)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(15)
+        processes.stop(self.proc, 30)
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
