@@ -241,7 +241,7 @@ class LocalCache:
         self.clock = clock or time.monotonic
         self.drain_budget_s = drain_budget_s
         self.hot_sightings = hot_sightings
-        self.pinned_budget_blocks = int(self.num_slots * pinned_fraction)
+        self.pinned_fraction = pinned_fraction
         self.pin_max_bytes = (int(self.capacity_bytes * PIN_MAX_FRACTION)
                               if pin_max_bytes is None else int(pin_max_bytes))
         self._arena = self._make_arena(arena)
@@ -615,7 +615,17 @@ class LocalCache:
         return ref is not None and ref.last_ours < self.thrash_ratio * ref.last_lru
 
     def _set_targets(self, window_blocks: float) -> None:
+        """The window's share, and the pinned tier's: a part of the main region, so it
+        shrinks as the window grows (a full-size window leaves no main region, and
+        the cache is then exactly LRU)."""
         self._index.window_target = window_blocks
+        main_share = max(0.0, self.num_slots - window_blocks)
+        self._index.hot_budget = int(main_share * self.pinned_fraction)
+
+    @property
+    def pinned_budget_blocks(self) -> int:
+        """Blocks the pinned tier may hold now."""
+        return self._index.hot_budget
 
     def _maybe_promote(self, node: Node, matched_blocks: int) -> None:
         """Small and hot -> pinned tier, inferred from the node's decayed hit count."""

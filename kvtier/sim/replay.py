@@ -35,11 +35,13 @@ KVTIER_VARIANTS: dict[str, PolicyConfig] = {
     "kvtier": PolicyConfig(),
     "kvtier-hill-climb": PolicyConfig(adapt="climb"),
     "kvtier-fixed-window": PolicyConfig(adapt="off"),
+    "kvtier-lru-window": PolicyConfig(window_fraction=1.0, adapt="off"),
     "kvtier-no-window": PolicyConfig(window_fraction=0.0, adapt="off"),
     "kvtier-no-doorkeeper": PolicyConfig(doorkeeper=False),
     "kvtier-no-duel": PolicyConfig(duel=False),
 }
-"""The shipped policy and, for the ablation, each part of it switched off."""
+"""The shipped policy and, for the ablation, each part of it switched off; the
+lru-window variant pins the window at the whole cache (it must equal plain LRU)."""
 
 BASELINES = ("lru", "belady", "infinite")
 SINGLE_POLICIES = tuple(KVTIER_VARIANTS) + BASELINES
