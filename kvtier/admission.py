@@ -113,6 +113,7 @@ class CountMinSketch:
             raise ValueError(f"sketch depth must be >= 1, got {depth}")
         self.width, self.depth = width, depth
         self.table = np.zeros((depth, width), dtype=np.uint32)
+        self.table.fill(0)  # touch every page now: first touches scattered over lookups cost page faults
         self.additions = 0
         self.sample_size = sample_size if sample_size is not None else width * SKETCH_SAMPLE_FACTOR
         self.resets = 0
@@ -121,6 +122,8 @@ class CountMinSketch:
         self._flat = memoryview(self.table).cast("B").cast("I")  # halving is in place: stays valid
         door_size = width * DOORKEEPER_BITS_PER_COUNTER if doorkeeper else 0
         self.door = np.zeros(door_size, dtype=np.uint8) if doorkeeper else None
+        if self.door is not None:
+            self.door.fill(0)
         self._door_flat = memoryview(self.door).cast("B") if doorkeeper else None
         self._door_mask = door_size - 1
 
