@@ -56,6 +56,7 @@ from kvtier.eviction import (
     MAIN,
     WINDOW,
     DecayedFrequencyPolicy,
+    GhostTuner,
     HillClimber,
     LruReferenceTuner,
     PolicyConfig,
@@ -254,6 +255,10 @@ class LocalCache:
             if self.policy.adapt == "climb" else None
         self._reference = LruReferenceTuner(self.num_slots, self.policy.window_fraction) \
             if self.policy.adapt == "shadow" else None
+        self._ghost = GhostTuner(self.num_slots, self.policy.window_fraction) \
+            if self.policy.adapt == "ghost" else None
+        if self._ghost is not None:
+            self._index.on_evict = self._ghost.evicted
         self._duel = self._duel_tails if self.policy.duel else None
         self._set_targets(self.num_slots * self.policy.window_fraction)
         self._queue: StoreQueue[_PendingStore] = StoreQueue(queue_capacity)
@@ -289,7 +294,7 @@ class LocalCache:
             counters.lookups += 1
             counters.prompt_tokens += len(tokens)
             matched = min(m.cached_blocks, limit)
-            self._adapt(hashes, limit, matched)
+            self._adapt(hashes, limit, matched, m.cached_blocks)
             if matched == 0:
                 return Miss()
             node = self._index.pin(self._index.truncate(m, matched))
@@ -582,9 +587,13 @@ class LocalCache:
         self._admission.sight(hashes)
         return hashes
 
-    def _adapt(self, hashes: list[BlockHash], limit: int, matched: int) -> None:
-        """Move the window's share from what this lookup says (see `kvtier.eviction`)."""
-        if self._reference is not None:
+    def _adapt(self, hashes: list[BlockHash], limit: int, matched: int, cached: int) -> None:
+        """Move the window's share from what this lookup says (see `kvtier.eviction`):
+        `hashes` are all its full blocks', the first `cached` of them cached."""
+        if self._ghost is not None:
+            if cached < len(hashes) and self._ghost.missed(hashes[cached:]):
+                self._set_targets(self._ghost.window_target)
+        elif self._reference is not None:
             ref = self._reference
             sampled = ref.adjustments
             if ref.record(hashes, limit, matched):

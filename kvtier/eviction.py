@@ -76,9 +76,9 @@ CLIMB_SAMPLE_FACTOR = 1.0
 traffic to have cycled the cache once, so a window change has shown its effect."""
 
 
-ADAPTATIONS = ("shadow", "climb", "off")
+ADAPTATIONS = ("shadow", "climb", "off", "ghost")
 """How the window's share moves: against a shadow LRU (the default), by Caffeine's
-hill climbing on the hit rate, or not at all."""
+hill climbing on the hit rate, not at all, or by ARC's ghost lists."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,3 +263,65 @@ class LruReferenceTuner:
         self.window_target = min(float(self.capacity), max(0.0, target))
         self.adjustments += 1
         return self.window_target != before
+
+
+class GhostTuner:
+    """ARC's adaptation (Megiddo & Modha, FAST'03), applied to the window's share.
+
+    Two ghost lists hold the hashes of blocks recently evicted from the window and
+    from main (hashes only, no KV). A ghost block counts only if its region could
+    have grown enough to keep it: the window's ghost holds at most what the window
+    could gain (capacity - window), main's at most what main could gain (the
+    window's share). A prompt whose uncached blocks are found in a ghost list would
+    have hit had that region been larger: each block found in the window's ghost
+    grows the window by max(1, |main ghost| / |window ghost|) blocks, each found in
+    main's ghost shrinks it by max(1, |window ghost| / |main ghost|). Every such
+    event moves the share, so there is no sample to be noisy over. An ablation
+    (`adapt="ghost"`), measured against the shipped shadow-LRU steering in
+    docs/TRACE_REPLAY.md.
+    """
+
+    __slots__ = ("capacity", "window_target", "ghosts", "adjustments")
+
+    def __init__(self, capacity_blocks: int, window_fraction: float = WINDOW_INITIAL_FRACTION) -> None:
+        self.capacity = capacity_blocks
+        self.window_target = capacity_blocks * window_fraction
+        self.ghosts: tuple[OrderedDict, OrderedDict] = (OrderedDict(), OrderedDict())  # [WINDOW], [MAIN]
+        self.adjustments = 0
+
+    def evicted(self, region: int, hashes: list) -> None:
+        """Eviction took these blocks from `region` (the index's `on_evict` hook)."""
+        ghost = self.ghosts[region]
+        for h in hashes:
+            ghost[h] = None
+        self._trim()
+
+    def missed(self, hashes: list) -> bool:
+        """A lookup missed these blocks (the prompt's blocks after its cached prefix,
+        in order). Returns True when the window's share moved."""
+        gw, gm = self.ghosts
+        grow = shrink = 0
+        for h in hashes:
+            if h in gw:
+                del gw[h]
+                grow += 1
+            elif h in gm:
+                del gm[h]
+                shrink += 1
+            else:
+                break
+        if not grow and not shrink:
+            return False
+        delta = grow * max(1.0, len(gm) / max(1, len(gw))) - shrink * max(1.0, len(gw) / max(1, len(gm)))
+        before = self.window_target
+        self.window_target = min(float(self.capacity), max(0.0, before + delta))
+        self.adjustments += 1
+        self._trim()
+        return self.window_target != before
+
+    def _trim(self) -> None:
+        gw, gm = self.ghosts
+        for _ in range(len(gw) - int(self.capacity - self.window_target)):
+            gw.popitem(last=False)
+        for _ in range(len(gm) - int(self.window_target)):
+            gm.popitem(last=False)

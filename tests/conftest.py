@@ -16,23 +16,55 @@ pytest_plugins = [
 
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 _SHM = Path("/dev/shm")
+# What the suite's processes leave in /dev/shm when SIGKILLed: sidecar arenas (kvt-*),
+# torch's shared-memory segments and multiprocessing semaphores of vLLM engines
+# (psm_*, sem.mp-*), and the control plane's etcd data directories (kvtier-etcd-*).
+_LEFT_BY_KILLED = ("kvt-*", "psm_*", "sem.mp-*", "kvtier-etcd-*")
+
+
+def _in_use() -> set[str]:
+    """Names under /dev/shm some live process has open or mapped (another checkout's
+    run on the same machine keeps its own)."""
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            used.update(line.split("/dev/shm/", 1)[1].split("/")[0].strip()
+                        for line in (proc / "maps").read_text().splitlines() if "/dev/shm/" in line)
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/"):
+                    used.add(target[len("/dev/shm/"):].split("/")[0])
+            cwd = os.readlink(proc / "cwd")
+            if cwd.startswith("/dev/shm/"):
+                used.add(cwd[len("/dev/shm/"):].split("/")[0])
+        except OSError:
+            continue
+    return used
+
+
+def _shm_entries() -> set[str]:
+    return {p.name for pattern in _LEFT_BY_KILLED for p in _SHM.glob(pattern)}
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _unlink_arenas_left_by_killed_sidecars():
-    """Tests SIGKILL sidecars on purpose, and a killed sidecar never unlinks its
-    shared-memory arena: without this, every run would leave its arenas in /dev/shm
-    (memory-backed) until the machine runs out. Only segments this session created go."""
-    before = {p.name for p in _SHM.glob("kvt-*")}
+def _unlink_shared_memory_left_by_killed_processes():
+    """Tests SIGKILL sidecars and engines on purpose, and a killed process never unlinks
+    its shared memory: without this, every run would leave segments in /dev/shm
+    (memory-backed) until the machine runs out. Only what this session created and no
+    live process still uses goes."""
+    before = _shm_entries()
     yield
-    for p in _SHM.glob("kvt-*"):
-        if p.name not in before:
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
+    for name in _shm_entries() - before - _in_use():
+        path = _SHM / name
+        try:
+            shutil.rmtree(path) if path.is_dir() else os.unlink(path)
+        except OSError:
+            pass

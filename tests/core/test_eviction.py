@@ -9,7 +9,10 @@ import pytest
 from kvtier.eviction import (
     DecayedFrequencyPolicy,
     FrequencyState,
+    GhostTuner,
     HillClimber,
+    MAIN,
+    WINDOW,
     LruReferenceTuner,
     PolicyConfig,
     ShadowLru,
@@ -106,3 +109,22 @@ def test_hill_climber_keeps_direction_on_improvement_and_turns_on_loss():
 def test_policy_config_rejects_bad_values(kw):
     with pytest.raises(ValueError):
         PolicyConfig(**kw)
+
+
+def test_arc_ghost_tuner_grows_the_window_on_its_ghost_hits_and_shrinks_it_on_mains():
+    t = GhostTuner(100, window_fraction=0.5)
+    t.evicted(WINDOW, ["w1", "w2"])
+    t.evicted(MAIN, ["m1"])
+    assert t.missed(["w1", "w2", "x"])            # two blocks a larger window would have kept
+    grown = t.window_target
+    assert grown > 50 and "w1" not in t.ghosts[WINDOW]
+    assert t.missed(["m1"]) and t.window_target < grown
+    assert not t.missed(["never-seen", "w1"])     # only the run right after the cached prefix counts
+
+
+def test_arc_ghost_lists_hold_only_what_their_region_could_have_gained():
+    t = GhostTuner(10, window_fraction=0.8)       # the window could gain 2 blocks, main 8
+    t.evicted(WINDOW, [f"w{i}" for i in range(5)])
+    t.evicted(MAIN, [f"m{i}" for i in range(12)])
+    assert list(t.ghosts[WINDOW]) == ["w3", "w4"]
+    assert len(t.ghosts[MAIN]) == 8 and "m11" in t.ghosts[MAIN]

@@ -60,6 +60,13 @@ def test_a_window_that_is_the_whole_cache_is_plain_lru_on_the_shipped_trace(ship
     assert 0.999 <= _ratio(*shipped, capacity, policy="kvtier-lru-window") <= 1.002
 
 
+@pytest.mark.parametrize("capacity", SWEEP)
+def test_steered_by_arc_ghost_lists_the_window_never_loses_to_lru_on_the_shipped_trace(shipped, capacity):
+    # The ablation that meets the >= LRU target everywhere (it gives up most of the
+    # gain at 3M tokens: 1.04x); the shipped steering keeps the gain and not this.
+    assert _ratio(*shipped, capacity, policy="kvtier-arc-window") >= 1.0
+
+
 @pytest.mark.parametrize("shape", ["documents", "scan"])
 @pytest.mark.parametrize("share", ["0.01", "0.05", "0.1", "0.25"])
 def test_where_admission_matters_kvtier_is_at_least_lru_on_synthetic_traces(shape, share):
