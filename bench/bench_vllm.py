@@ -35,7 +35,7 @@ PROMPT_TOKENS = 2000
 
 
 def _load(quick: bool) -> list[Result]:
-    from kvtier_testenv.vllm_engine import vllm_python
+    from kvtier_testenv.vllm_engine import vllm_env, vllm_python
 
     shapes = [("tiny Llama (4 layers, 2 kv heads, d64, fp32)", dict(layers=4, kv_heads=2, head_dim=64,
                                                                    dtype="float32", reps=30))]
@@ -46,7 +46,7 @@ def _load(quick: bool) -> list[Result]:
     for i, (label, shape) in enumerate(shapes):
         spec = {**shape, "block_size": 32, "tokens": PROMPT_TOKENS, "tag": f"b{i}-{random.randrange(1 << 30)}"}
         out = subprocess.run([vllm_python(), str(ROOT / "bench" / "vllm_load_probe.py"), json.dumps(spec)],
-                             capture_output=True, text=True, timeout=600, cwd=ROOT)
+                             capture_output=True, text=True, timeout=600, cwd=ROOT, env=vllm_env())
         if out.returncode:
             raise RuntimeError(out.stderr[-2000:])
         r = json.loads(out.stdout.strip().splitlines()[-1])

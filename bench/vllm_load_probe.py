@@ -1,7 +1,8 @@
 """Run by bench_vllm with the vLLM venv's python: time loading a 2,000-token hit from
 a real shared-memory arena into paged KV tensors laid out as vLLM's CPU backend
-lays them out (kvtier_vllm.paged, the connector's own copy path), against a plain
-copy of the same bytes out of the same arena. Prints one JSON line."""
+lays them out (kvtier_vllm.paged, the connector's own copy path, in the block format
+that layout stores), against a plain copy of the same bytes out of the same arena.
+Prints one JSON line."""
 import json
 import statistics
 import sys
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 
 from kvtier_sidecar.arena import Arena
-from kvtier_vllm.layouts import PagedLayout
+from kvtier_vllm.layouts import PagedLayout, block_planes
 from kvtier_vllm.paged import PagedKV
 
 spec = json.loads(sys.argv[1])
@@ -42,10 +43,10 @@ try:
 
     load_s = timed(lambda: paged.copy(arena, slots, block_ids, 0, to_paged=True))
     memcpy_s = timed(lambda: np.copyto(plain, src))
-    # the bytes landed where vLLM's kernels read them: block i's K of head 0, token 0
-    k0 = paged.layers[0][0][block_ids[0], 0, 0, 0]
-    canon0 = arena.slot_array(slots[0]).view(k0.dtype).reshape(paged.block_shape)[0, 0, 0, 0]
-    assert np.array_equal(k0, canon0)
+    # the bytes landed where vLLM's kernels read them: the first block's layer-0 K and V
+    stored = arena.slot_array(slots[0]).view(paged.layers[0][1].dtype).reshape(1, *paged.format_shape)
+    for plane, stored_plane in zip(paged.layers[0], block_planes(stored, paged.fmt, 0, dim)):
+        assert np.array_equal(plane[block_ids[0], 0], stored_plane[0])
     print(json.dumps({"bytes": n * block_bytes, "tokens": n * block, "load_s": load_s, "memcpy_s": memcpy_s}))
 finally:
     arena.close()

@@ -10,9 +10,10 @@
 #
 # The venv lands in ${KVTIER_CACHE:-$HOME/.cache/kvtier}/vllm/<key>, where <key> names the
 # versions and the interpreter, so a change to any of them builds afresh and a second
-# run is a no-op. A .pth file makes this checkout's kvtier, sidecar client and
-# kvtier_vllm importable there (the venv never installs kvtier itself, so an edit in
-# the checkout is seen at once).
+# run is a no-op. The venv never installs kvtier: every checkout on the machine shares
+# it, and whoever launches its python puts that checkout's kvtier, sidecar client and
+# kvtier_vllm on PYTHONPATH (testenv's `vllm_env`), so an edit is seen at once and two
+# checkouts never see each other's code.
 #
 # Usage:
 #   hack/vllm.sh                   build if missing; print the venv's python last
@@ -38,11 +39,12 @@ cache=${KVTIER_CACHE:-$HOME/.cache/kvtier}/vllm
 dest=$cache/$key
 python=$dest/bin/python
 
-link_checkout() {
-  # Points the venv at this checkout; cheap, so done on every run (the checkout may move).
+refresh_venv() {
+  # Older set-ups pointed the shared venv at one checkout with a .pth file; a stale one
+  # would put another checkout's code on the path, so it goes.
   local site
   site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  printf '%s\n' "$root" "$root/sidecar" "$root/connector" > "$site/kvtier-checkout.pth"
+  rm -f "$site/kvtier-checkout.pth"
   # The connector's own requirements, re-installed only when they change.
   if [ "$(cat "$dest/.connector-deps" 2>/dev/null)" != "$CONNECTOR_REQUIREMENTS" ]; then
     log "installing the connector's requirements: $CONNECTOR_REQUIREMENTS"
@@ -60,7 +62,7 @@ elif [ $# -gt 0 ]; then
 fi
 
 if [ -f "$dest/.complete" ] && [ -x "$python" ]; then
-  link_checkout
+  refresh_venv
   log "cached: $dest"
   echo "$python"
   exit 0
@@ -71,7 +73,7 @@ mkdir -p "$cache"
 exec 9>"$cache/.lock"
 flock 9
 if [ -f "$dest/.complete" ] && [ -x "$python" ]; then
-  link_checkout
+  refresh_venv
   log "cached (built by a concurrent run): $dest"
   echo "$python"
   exit 0
@@ -109,7 +111,7 @@ EOF
 mapfile -t req_list <<<"$reqs"
 "${pip[@]}" "${req_list[@]}"
 "$python" -c 'import torch, vllm; print(torch.__version__, vllm.__version__)' >&2
-link_checkout
+refresh_venv
 touch "$dest/.complete"
 log "done: $dest"
 echo "$python"

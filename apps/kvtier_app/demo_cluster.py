@@ -325,13 +325,20 @@ class ClusterDemo:
         (their hits over their lookups) into status, so `kubectl get kvcp` shows it."""
         _, addresses = self.table()
 
+        seen: dict[str, Any] = {}
+
         def shown() -> float | None:
             stats = [self.sidecar_stats(a["ip"]) for a in addresses.values()]
             lookups = sum(s["lookups"] for s in stats)
             expected = round(sum(s["hits"] for s in stats) / lookups, 4) if lookups else None
             rate = self.status().get("fleetHitRate")
+            seen.update(expected=expected, status=rate)
             return rate if expected is not None and rate == expected else None
-        return wait_for("the fleet hit rate in the policy's status", shown)
+        try:
+            return wait_for("the fleet hit rate in the policy's status", shown)
+        except DemoFailed as exc:
+            raise DemoFailed(f"{exc} (sidecars' hit rate {seen.get('expected')}, status "
+                             f"{seen.get('status')})\n{self.operator_log(60)}") from None
 
     def sidecar_stats(self, ip: str, tenant: str | None = None) -> dict[str, Any]:
         url = f"http://{ip}:{SIDECAR_HTTP_PORT}/cache/stats" + (f"?tenant={tenant}" if tenant else "")

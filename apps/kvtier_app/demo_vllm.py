@@ -29,6 +29,7 @@ from kvtier_app.demo_cluster import (
     APP_LABEL,
     NAMESPACE,
     POLICY,
+    SERVING_SERVICE_ACCOUNT,
     SIDECAR_HTTP_PORT,
     WORKLOAD,
     ClusterDemo,
@@ -66,7 +67,9 @@ def policy_manifest(shape: Any, redis_url: str) -> dict[str, Any]:
     }
 
 
-def statefulset_manifest(python: str, model: Path, cache_dir: Path) -> dict[str, Any]:
+def statefulset_manifest(python: str, pythonpath: str, model: Path, cache_dir: Path) -> dict[str, Any]:
+    """`python` and `pythonpath` stand for the serving image: here the pod runs the cached
+    vLLM venv, and this checkout's kvtier_vllm is what the image would have installed."""
     labels = {"app": APP_LABEL}
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "tiny", "--host", "$(POD_IP)", "--port", str(ENGINE_PORT),
@@ -81,9 +84,13 @@ def statefulset_manifest(python: str, model: Path, cache_dir: Path) -> dict[str,
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels, "annotations": {"kvtier.io/weights-version": WEIGHTS}},
-                "spec": {"terminationGracePeriodSeconds": 5, "containers": [{
+                "spec": {"terminationGracePeriodSeconds": 5,
+                         # may create TokenReviews: the sidecar checks the operator's token
+                         "serviceAccountName": SERVING_SERVICE_ACCOUNT,
+                         "containers": [{
                     "name": "engine", "image": "vllm/vllm-openai", "command": command,
                     "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                            {"name": "PYTHONPATH", "value": pythonpath},
                             {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
                             {"name": "VLLM_CACHE_ROOT", "value": str(cache_dir)}],
                     "readinessProbe": {"httpGet": {"path": "/health", "port": ENGINE_PORT}, "periodSeconds": 2},
@@ -117,7 +124,7 @@ def _hit_tokens(ip: str) -> float:
 def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     from kvtier import routing
     from kvtier_testenv.tiny_llama import TinyLlama, write_model
-    from kvtier_testenv.vllm_engine import vllm_python
+    from kvtier_testenv.vllm_engine import checkout_pythonpath, vllm_python
     from kvtier_testenv.workload import make_workload
 
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-vllm-demo-"))
@@ -132,7 +139,7 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         wait_for("tier verdicts in the policy's status", lambda: demo.status().get("tiers"))
         demo.step(f"StatefulSet {WORKLOAD}: {REPLICAS} vLLM servers; the webhook injects the sidecar and "
                   "the engine env (--kv-transfer-config rendered from the policy)")
-        demo.kubectl.apply(statefulset_manifest(python, model, workdir / "vllm-cache"))
+        demo.kubectl.apply(statefulset_manifest(python, checkout_pythonpath(), model, workdir / "vllm-cache"))
         pods = demo.agent.wait_ready(REPLICAS, NAMESPACE, f"app={APP_LABEL}", timeout_s=ENGINE_START_S)
         for pod in pods:
             names = [c["name"] for c in pod["spec"]["containers"]]

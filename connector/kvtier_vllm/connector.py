@@ -38,7 +38,7 @@ from .config import (
     rope_config_hash,
     tenant_of,
 )
-from .layouts import LayoutError, block_places, kv_views, layout_for
+from .layouts import LAYOUT_FORMATS, LayoutError, block_places, format_for_device, format_tag, kv_views, layout_for
 from .paged import PagedKV
 from .plan import LoadSpec, SchedulerBook, StepSpecs, StoreSpec, root_from_fields
 from .stats import KvtierConnectorStats
@@ -68,10 +68,12 @@ def engine_identity(vllm_config: "VllmConfig", attn_impl_id: str | None, model_i
     mc = vllm_config.model_config
     cache_dtype = vllm_config.cache_config.cache_dtype
     kv_dtype = str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
+    device = vllm_config.device_config.device_type
     if attn_impl_id is None:
         backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-        device = vllm_config.device_config.device_type
         attn_impl_id = f"vllm-{device}-{getattr(backend, 'name', backend) or 'auto'}"
+    # The blocks' byte format is part of their name: never read in another format.
+    attn_impl_id = format_tag(attn_impl_id, format_for_device(device))
     served = mc.served_model_name
     name = model_id or (served[0] if isinstance(served, (list, tuple)) else served) or mc.model
     return EngineIdentity(model_id=str(name), weights_version=weights_version, kv_dtype=kv_dtype,
@@ -198,6 +200,10 @@ class KvtierConnector(KVConnectorBase_V1):
         layout = layout_for(backend, tensors[0].shape, local_heads, self.head_dim, cpu_kernel=kernel)
         if any(tuple(t.shape) != tuple(tensors[0].shape) for t in tensors):
             raise LayoutError("vLLM's layers have KV caches of different shapes; KvtierConnector needs one shape")
+        expected = format_for_device(self._vllm_config.device_config.device_type)
+        if LAYOUT_FORMATS[layout] is not expected:
+            raise LayoutError(f"layout {layout.value} stores blocks as {LAYOUT_FORMATS[layout].value}, but the key "
+                              f"root names {expected.value} (from the device type); refusing to mix formats")
         page_tokens = kv_views(tensors[0], layout, self.head_dim)[0].shape[2]
         check_block_sizes(self.block_size, page_tokens)
         self.paged = PagedKV.from_tensors(tensors, layout, self.total_kv_heads, self.head_dim, self.block_size,

@@ -18,10 +18,23 @@ the attention backend:
   KV_FIRST     vLLM < 0.32 GPU backends: [2, pages, page_tokens, kv_heads, head_dim].
 
 `kv_views` turns a layer tensor into two (pages, kv_heads, page_tokens, head_dim)
-views, K and V, whatever the layout, so one copy routine serves them all. Copies go
-by runs: consecutive kvtier blocks that sit in consecutive arena slots and
-consecutive pages (or consecutive sub-blocks of one page) move with one strided copy
-per layer and plane, never token by token.
+views, K and V, whatever the layout. Copies go by runs: consecutive kvtier blocks that
+sit in consecutive arena slots and consecutive pages (or consecutive sub-blocks of one
+page) move with one strided copy per layer and plane, never token by token.
+
+A block's bytes in the arena follow a `BlockFormat`:
+
+  CANONICAL    (layers, K|V, kv_heads, block_tokens, head_dim), `kvtier.layout`'s order;
+               GPU backends (copies on the device reorder at memory speed).
+  CPU_PAGES    (layers, kv_heads, K|V, block_tokens * head_dim) with K stored
+               TRANSPOSED, [head_dim, block_tokens], V as rows: per layer and head, the
+               bytes a CPU_VEC page holds for those tokens. Loading a hit is then one
+               contiguous copy per (block, layer, head, plane) instead of a per-element
+               transpose, which on a CPU runs at a third of memcpy speed or less.
+
+Both keep kv heads as a whole axis, so a TP rank still takes heads h % tp == rank.
+The format is named in the key root (`format_tag`), so blocks written in one format
+are never read by an engine expecting the other.
 
 Works on numpy arrays and torch tensors alike (CPU or device), so the mapping is
 tested without torch and run on vLLM's tensors unchanged.
@@ -51,6 +64,62 @@ BACKEND_LAYOUTS = {
     "FLASHINFER": PagedLayout.SPLIT_LAST,
 }
 """vLLM attention backends (get_name()) whose 0.32 paged layout is known here."""
+
+
+class BlockFormat(enum.Enum):
+    CANONICAL = "canonical"
+    CPU_PAGES = "cpu-pages"
+
+
+LAYOUT_FORMATS = {
+    PagedLayout.CPU_VEC: BlockFormat.CPU_PAGES,
+    PagedLayout.SPLIT_LAST: BlockFormat.CANONICAL,
+    PagedLayout.KV_FIRST: BlockFormat.CANONICAL,
+}
+"""The arena format each paged layout loads from and stores to."""
+
+
+def format_for_device(device_type: str) -> BlockFormat:
+    """The block format an engine on `device_type` writes: the scheduler knows only the
+    device when it builds the key root; the worker checks its layout agrees."""
+    return BlockFormat.CPU_PAGES if device_type == "cpu" else BlockFormat.CANONICAL
+
+
+def format_tag(attn_impl_id: str, fmt: BlockFormat) -> str:
+    """The key root's attention id with the block format in it."""
+    return f"{attn_impl_id}+{fmt.value}"
+
+
+def format_shape(fmt: BlockFormat, layers: int, heads: int, block_tokens: int, head_dim: int) -> tuple[int, ...]:
+    """One block's array shape in `fmt` (heads: this array's kv heads)."""
+    if fmt is BlockFormat.CPU_PAGES:
+        return (layers, heads, 2, block_tokens * head_dim)
+    return (layers, 2, heads, block_tokens, head_dim)
+
+
+def head_axis(fmt: BlockFormat) -> int:
+    """The kv-head axis of an array of blocks (count, *format_shape)."""
+    return 2 if fmt is BlockFormat.CPU_PAGES else 3
+
+
+def shard_blocks(blocks: Array, fmt: BlockFormat, tp: int, rank: int) -> Array:
+    """The heads TP rank `rank` owns (h % tp == rank) of blocks (count, *format_shape), a view."""
+    if tp == 1:
+        return blocks
+    index = [slice(None)] * head_axis(fmt) + [slice(rank, None, tp)]
+    return blocks[tuple(index)]
+
+
+def block_planes(blocks: Array, fmt: BlockFormat, layer: int, head_dim: int) -> tuple[Array, Array]:
+    """K and V of `layer` in blocks (count, *format_shape), oriented as `block_views`
+    gives the pages for that format: CANONICAL (count, H, B, D) both; CPU_PAGES K
+    transposed (count, H, D, B), V (count, H, B, D)."""
+    if fmt is BlockFormat.CANONICAL:
+        return blocks[:, layer, 0], blocks[:, layer, 1]
+    count, _, heads, _, flat = blocks.shape
+    tokens = flat // head_dim
+    return (_split_rows(blocks[:, layer, :, 0], (count, heads, head_dim, tokens)),
+            _split_rows(blocks[:, layer, :, 1], (count, heads, tokens, head_dim)))
 
 
 class LayoutError(ValueError):
@@ -100,13 +169,20 @@ def _split_rows(a: Array, shape: tuple[int, ...]) -> Array:
     return out
 
 
+def _kt_view(layer: Array, head_dim: int) -> Array:
+    """A CPU_VEC layer's K as stored: (pages, kv_heads, head_dim, page_tokens)."""
+    pages, heads, tokens, _ = layer.shape
+    halves = _split_rows(layer, (pages, heads, 2, tokens * head_dim))
+    return _split_rows(halves[:, :, 0], (pages, heads, head_dim, tokens))
+
+
 def kv_views(layer: Array, layout: PagedLayout, head_dim: int) -> tuple[Array, Array]:
     """K and V of one layer tensor as (pages, kv_heads, page_tokens, head_dim) views."""
     if layout is PagedLayout.CPU_VEC:
         pages, heads, tokens, _ = layer.shape
         halves = _split_rows(layer, (pages, heads, 2, tokens * head_dim))
-        k_t = _split_rows(halves[:, :, 0], (pages, heads, head_dim, tokens))
-        return _permute(k_t, (0, 1, 3, 2)), _split_rows(halves[:, :, 1], (pages, heads, tokens, head_dim))
+        return (_permute(_kt_view(layer, head_dim), (0, 1, 3, 2)),
+                _split_rows(halves[:, :, 1], (pages, heads, tokens, head_dim)))
     if layout is PagedLayout.SPLIT_LAST:
         return layer[..., :head_dim], layer[..., head_dim:]
     if layout is PagedLayout.KV_FIRST:
@@ -182,19 +258,42 @@ def _page_part(sub_view: Array, run: Run, per_page: int) -> Array:
     return sub_view[run.page, run.sub : run.sub + run.count]
 
 
-def block_views(layer: Array, layout: PagedLayout, head_dim: int, block_tokens: int) -> tuple[Array, Array]:
-    """K and V of one layer as (pages, blocks per page, heads, block_tokens, D) views."""
+def _kt_sub_block_view(k_t: Array, block_tokens: int) -> Array:
+    """(pages, heads, D, page_tokens) -> (pages, page_tokens // block_tokens, heads, D,
+    block_tokens): each kvtier block's transposed K, still a view."""
+    pages, heads, dim, tokens = k_t.shape
+    if tokens % block_tokens:
+        raise LayoutError(f"kvtier block size {block_tokens} does not divide vLLM's page of {tokens} tokens")
+    per_page = tokens // block_tokens
+    if hasattr(k_t, "permute"):
+        split = k_t.unflatten(3, (per_page, block_tokens))
+    else:
+        split = k_t.reshape(pages, heads, dim, per_page, block_tokens)
+        if not np.shares_memory(split, k_t):
+            raise LayoutError("page tokens cannot be split into kvtier blocks without a copy")
+    return _permute(split, (0, 3, 1, 2, 4))
+
+
+def block_views(layer: Array, layout: PagedLayout, head_dim: int, block_tokens: int,
+                fmt: BlockFormat = BlockFormat.CANONICAL) -> tuple[Array, Array]:
+    """K and V of one layer as (pages, blocks per page, heads, block_tokens, D) views;
+    for CPU_PAGES, K as stored, (pages, blocks per page, heads, D, block_tokens)."""
     k, v = kv_views(layer, layout, head_dim)
+    if fmt is BlockFormat.CPU_PAGES:
+        if layout is not PagedLayout.CPU_VEC:
+            raise LayoutError(f"block format {fmt.value} is the CPU_VEC page's; layout {layout.value} has another")
+        return _kt_sub_block_view(_kt_view(layer, head_dim), block_tokens), sub_block_view(v, block_tokens)
     return sub_block_view(k, block_tokens), sub_block_view(v, block_tokens)
 
 
-def copy_run(layers: Sequence[tuple[Array, Array]], canon: Array, run: Run, to_paged: bool) -> None:
-    """Copy one run between canonical blocks `canon` ((count, L, 2, H, B, D): the
-    run's slots, this rank's heads) and every layer's (K, V) from `block_views`."""
+def copy_run(layers: Sequence[tuple[Array, Array]], blocks: Array, run: Run, to_paged: bool,
+             fmt: BlockFormat = BlockFormat.CANONICAL) -> None:
+    """Copy one run between arena blocks `blocks` ((count, *format_shape): the run's
+    slots, this rank's heads) and every layer's (K, V) from `block_views` (same `fmt`)."""
     for layer_index, planes in enumerate(layers):
-        for plane_index, view in enumerate(planes):
+        head_dim = planes[1].shape[-1]
+        for view, flat in zip(planes, block_planes(blocks, fmt, layer_index, head_dim)):
             paged = _page_part(view, run, view.shape[1])
-            flat = canon[:, layer_index, plane_index]
             if to_paged:
                 _copy(paged, flat)
             else:

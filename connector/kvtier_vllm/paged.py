@@ -14,7 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .layouts import PagedLayout, block_places, block_views, copy_run, plan_runs
+from .layouts import (
+    LAYOUT_FORMATS, BlockFormat, PagedLayout, block_places, block_views, copy_run, format_shape, plan_runs,
+    shard_blocks,
+)
 
 BIT_DTYPES = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
               8: (torch.int64, np.int64)}
@@ -23,7 +26,8 @@ BIT_DTYPES = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.
 
 @dataclass
 class PagedKV:
-    """`layers[l]` = (K, V) block views of layer l (`layouts.block_views`)."""
+    """`layers[l]` = (K, V) block views of layer l (`layouts.block_views`), in the
+    arena block format `fmt` the layout loads from and stores to."""
 
     layers: list[tuple[Any, Any]]
     itemsize: int
@@ -35,6 +39,10 @@ class PagedKV:
     page_tokens: int      # the attention kernel's page (manager_block or a divisor)
     tp: int = 1
     rank: int = 0
+    fmt: BlockFormat = BlockFormat.CANONICAL
+    whole_pages: list[Any] | None = None
+    """CPU_PAGES with one kvtier block per page: each layer as (pages, page elements),
+    so a run moves as one copy per layer (K and V of every head together)."""
 
     @classmethod
     def from_tensors(cls, tensors: list[torch.Tensor], layout: PagedLayout, total_kv_heads: int, head_dim: int,
@@ -43,15 +51,27 @@ class PagedKV:
         torch_bits, _ = BIT_DTYPES[itemsize]
         on_cpu = tensors[0].device.type == "cpu"
         arrays = [t.view(torch_bits).numpy() if on_cpu else t.view(torch_bits) for t in tensors]
-        layers = [block_views(a, layout, head_dim, block_size) for a in arrays]
-        page_tokens = layers[0][0].shape[1] * block_size
+        fmt = LAYOUT_FORMATS[layout]
+        layers = [block_views(a, layout, head_dim, block_size, fmt) for a in arrays]
+        page_tokens = layers[0][1].shape[1] * block_size
+        whole = None
+        if fmt is BlockFormat.CPU_PAGES and page_tokens == block_size and tp == 1:
+            whole = [a.reshape(a.shape[0], -1) for a in arrays]
+            if not all(np.shares_memory(w, a) for w, a in zip(whole, arrays)):
+                whole = None  # a page that is not one contiguous run of memory: plane by plane
         return cls(layers, itemsize, on_cpu, total_kv_heads, head_dim, block_size, manager_block, page_tokens,
-                   tp, rank)
+                   tp, rank, fmt, whole)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """One canonical block: (layers, K|V, all kv heads, block tokens, head_dim)."""
+        """One block's dimensions as the sidecar names them (its size is what must
+        agree): (layers, K|V, all kv heads, block tokens, head_dim)."""
         return (len(self.layers), 2, self.total_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def format_shape(self) -> tuple[int, ...]:
+        """One block's array shape in the arena, in this engine's block format."""
+        return format_shape(self.fmt, len(self.layers), self.total_kv_heads, self.block_size, self.head_dim)
 
     def copy(self, arena, slots: list[int], block_ids: list[int], first_block: int, to_paged: bool) -> None:
         """Blocks first_block.. of a request (vLLM blocks `block_ids`) <-> arena `slots`."""
@@ -61,8 +81,17 @@ class PagedKV:
         places = block_places(block_ids, first_block, len(slots), self.block_size, self.manager_block,
                               self.page_tokens)
         for run in plan_runs(slots, places, self.page_tokens // self.block_size):
-            raw = arena.slot_array(run.slot, run.count).view(np_bits).reshape(run.count, *self.block_shape)
-            canon = raw if self.on_cpu else torch.from_numpy(raw)
-            if self.tp > 1:
-                canon = canon[:, :, :, self.rank :: self.tp]
-            copy_run(self.layers, canon, run, to_paged)
+            raw = arena.slot_array(run.slot, run.count).view(np_bits).reshape(run.count, *self.format_shape)
+            if self.whole_pages is not None:
+                self._copy_whole_pages(raw, run.page, to_paged)
+                continue
+            blocks = raw if self.on_cpu else torch.from_numpy(raw)
+            copy_run(self.layers, shard_blocks(blocks, self.fmt, self.tp, self.rank), run, to_paged, self.fmt)
+
+    def _copy_whole_pages(self, raw: np.ndarray, page: int, to_paged: bool) -> None:
+        """A run of CPU_PAGES blocks, one page each: per layer, `count` page-sized copies."""
+        count = raw.shape[0]
+        for layer, pages in enumerate(self.whole_pages):
+            stored = raw[:, layer].reshape(count, -1)
+            paged = pages[page : page + count]
+            np.copyto(paged, stored) if to_paged else np.copyto(stored, paged)

@@ -3,9 +3,10 @@
 
 One pass reads each member's stats (one small `GET /cache/stats` each, bounded
 concurrency in `SidecarClient.fleet_stats`) and patches status only when the rounded
-rate changed. A pass is skipped while the policy's status lock is held: the membership
-reconcile or the rollout tick is writing status (and the membership reconcile writes
-the hit rate itself)."""
+rate changed. A pass takes the policy's status lock after whoever holds it (the
+membership reconcile or the rollout tick); asyncio's lock is first come, first served,
+so a namespace whose pods change all the time still gets its refresh in turn (kopf
+never runs two passes of one timer at once, so waiting cannot pile them up)."""
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,6 @@ def changed_fields(old: policy.KVCachePolicyStatus, stats: FleetStats) -> dict[s
 async def refresh(kube: Kube, sidecars: SidecarClient, namespace: str, name: str,
                   views: list[membership.PodView], entry: PolicyEntry) -> bool:
     """One refresh pass; True when it wrote status."""
-    if entry.lock.locked():
-        return False
     async with entry.lock:
         body = await kube.read_policy(namespace, name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):

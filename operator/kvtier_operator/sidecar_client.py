@@ -144,6 +144,7 @@ class SidecarClient:
                 headers=self._token.headers(),
             ) as resp:
                 if resp.status != 200:
+                    log.info("no stats from %s: HTTP %s %s", member.name, resp.status, (await resp.text())[:200])
                     return None
                 return parse_stats(member.name, await resp.json())
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:

@@ -37,6 +37,22 @@ def vllm_python() -> str:
     return out
 
 
+def checkout_pythonpath() -> str:
+    """This checkout's kvtier, sidecar client and kvtier_vllm, for the vLLM venv's python.
+
+    The cached venv is shared by every checkout on the machine (it never installs kvtier),
+    so each launch names its own checkout rather than the venv remembering one."""
+    return os.pathsep.join(str(REPO / d) if d else str(REPO) for d in ("", "sidecar", "connector"))
+
+
+def vllm_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment for a process run by the vLLM venv's python: `base` (default: this
+    process's), its PYTHONPATH replaced by this checkout's packages, plus `extra`."""
+    env = {**(os.environ if base is None else base), **extra}
+    env["PYTHONPATH"] = checkout_pythonpath()
+    return env
+
+
 def connector_config(socket: str, weights_version: str, **extra) -> dict:
     """A --kv-transfer-config for KvtierConnector on the sidecar at `socket`."""
     return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier_vllm.connector",
@@ -63,10 +79,9 @@ class VllmEngine:
     def start(self) -> "VllmEngine":
         spec = {"model": str(self.model), "kv_transfer_config": self.connector, "block_size": VLLM_BLOCK_SIZE,
                 "enable_prefix_caching": self.enable_prefix_caching}
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_SPACE_GIB,
-               "VLLM_CACHE_ROOT": str(self.workdir / f"{self.name}-cache"),
-               "VLLM_CONFIGURE_LOGGING": "1", "PYTHONUNBUFFERED": "1"}
-        env.pop("PYTHONPATH", None)
+        env = vllm_env(VLLM_CPU_KVCACHE_SPACE=KV_CACHE_SPACE_GIB,
+                       VLLM_CACHE_ROOT=str(self.workdir / f"{self.name}-cache"),
+                       VLLM_CONFIGURE_LOGGING="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([vllm_python(), "-m", DRIVER_MODULE, json.dumps(spec)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      cwd=self.workdir, start_new_session=True)

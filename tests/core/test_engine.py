@@ -172,8 +172,18 @@ def measure_once() -> dict:
     return json.loads(out.stdout)
 
 
-def test_measured_break_even_on_this_cpu_matches_the_formula_within_25_percent():
+# The formula counts only the weight matmuls, so it can only be optimistic about
+# recompute: measured/predicted stays under 1 (plus 25% for timing noise). How much the
+# rest of prefill (attention, softmax, RoPE, numpy elementwise) adds on top depends on
+# the CPU and its BLAS kernels: ~5-10% on one Intel host, ~40% on an AMD EPYC host of
+# the same class. A factor of two below is where the formula stops being useful.
+BREAK_EVEN_BAND = (0.5, 1.25)
+
+
+def test_measured_break_even_on_this_cpu_matches_the_formula_within_its_band():
     from kvtier import breakeven
+
+    low, high = BREAK_EVEN_BAND
 
     attempts = []
     for _ in range(3):  # bounded retry: a load spike on a shared machine can skew one run
@@ -181,9 +191,9 @@ def test_measured_break_even_on_this_cpu_matches_the_formula_within_25_percent()
         predicted = breakeven.break_even_gbps(m["kv_bytes"], m["params"], m["flops"] / 1e12, tp=1)
         measured = m["kv_bytes"] / m["s_per_token"] / 1e9
         attempts.append(measured / predicted)
-        if 0.75 <= attempts[-1] <= 1.25:
+        if low <= attempts[-1] <= high:
             break
-    assert 0.75 <= attempts[-1] <= 1.25, f"measured/predicted break-even per attempt: {attempts}"
+    assert low <= attempts[-1] <= high, f"measured/predicted break-even per attempt: {attempts}"
     # The verdict the numbers give: a LocalCache hit is far faster than recomputing.
     assert m["matched"] == 4096 - 16
     assert m["materialize_gbps"] / measured > 10

@@ -86,7 +86,9 @@ def _sidecar(workdir: Path, name: str, ip: str, redis_url: str, secret: str) -> 
     cfg = {"pod_name": name, "pod_namespace": "kvtier-vllm", "pod_ip": ip, "http_port": 0, "peer_port": 0,
            "engine_socket": str(workdir / f"{name}.sock"), "model": sidecar_model(SHAPE), "block_size": BLOCK,
            "dram_capacity_bytes": 64 << 20, "min_sightings": 1, "redis_url": redis_url,
-           "peer_secret_file": secret, "peer_timeout_s": 5.0, "log_level": "WARNING"}
+           "peer_secret_file": secret, "peer_timeout_s": 5.0, "log_level": "WARNING",
+           # No API server here to review tokens: the control API is open on loopback.
+           "control_auth": {"mode": "open"}}
     return SidecarHandle(name, ip, workdir, cfg).start()
 
 

@@ -24,7 +24,7 @@ from kvtier_operator.engine_env import KV_TRANSFER_CONFIG_ENV
 from kvtier_testenv.fleet import SidecarHandle
 from kvtier_testenv.polling import wait_for
 from kvtier_testenv.tiny_llama import TinyLlama, write_model
-from kvtier_testenv.vllm_engine import KV_CACHE_SPACE_GIB, START_TIMEOUT_S, vllm_python
+from kvtier_testenv.vllm_engine import KV_CACHE_SPACE_GIB, START_TIMEOUT_S, vllm_env, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -104,8 +104,8 @@ def test_vllm_serve_with_the_webhooks_env_serves_each_tenant_from_its_own_blocks
             "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
             "--max-model-len", "4096", "--no-enable-prefix-caching", "--load-format", "safetensors",
             "--enable-prompt-tokens-details", "--kv-transfer-config", env[KV_TRANSFER_CONFIG_ENV]]
-    proc_env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **env,
-                "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_SPACE_GIB, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
+    proc_env = vllm_env({**os.environ, **env}, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_SPACE_GIB,
+                        VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
     log = open(tmp_path / "vllm-serve.log", "w")
     proc = subprocess.Popen(argv, env=proc_env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
                             start_new_session=True)
