@@ -83,8 +83,10 @@ DEFAULT_DRAIN_BUDGET_S = 0.0005
 """Each `store` call applies queued stores for at most ~0.5 ms (at least one)."""
 
 PINNED_FRACTION = 0.10
-"""At most a tenth of the capacity may be hot (pinned tier): hot prefixes must not
-starve the DRAM tier that absorbs everything else."""
+"""At most a tenth of the main region may be hot (pinned tier): hot prefixes must not
+starve the DRAM tier that absorbs everything else, and as the window grows toward
+plain LRU the pinned tier shrinks with main (a prefix hot once must not hold slots
+against recency when the traffic asks for LRU)."""
 
 PIN_MAX_FRACTION = 0.02
 """One prefix may be pinned only if it is small: at most 2% of the capacity."""
