@@ -136,8 +136,9 @@ def _write_trace_notes(rep, table: str, quick: bool) -> None:
              "window by Caffeine's hill climbing instead of the shadow LRU, `kvtier-fixed-window` keeps it "
              "at 1%, `kvtier-window-50` / `kvtier-window-75` / `kvtier-lru-window` hold it at 50% / 75% / "
              "100% of the cache with no tuner (100% must equal LRU: the pinned tier shrinks with the main "
-             "region), `kvtier-no-window` at 0, `kvtier-no-doorkeeper` drops the doorkeeper, "
-             "`kvtier-no-duel` moves every window candidate into main.", "", "```", table, "```", "",
+             "region), `kvtier-arc-window` steers it by ARC's ghost lists from 100%, `kvtier-no-window` at 0, "
+             "`kvtier-no-doorkeeper` drops the doorkeeper, `kvtier-no-duel` moves every window candidate into "
+             "main.", "", "```", table, "```", "",
              "Synthetic traces (`kvtier.sim.tracegen`, 6,000 requests each): token hit rate kvtier / LRU.", "",
              "| shape | 1% | 5% | 10% | 25% | 50% | infinite |", "|---|---|---|---|---|---|---|"]
     for shape in tracegen.SHAPES:
