@@ -72,17 +72,17 @@ def test_shadow_lru_matches_prefixes_caps_at_the_limit_and_evicts_tails_first():
     assert lru.access(["a", "b", "c"], limit=3) == 2
 
 
-def test_reference_tuner_grows_the_window_while_behind_lru_and_shrinks_it_when_ahead():
+def test_reference_tuner_grows_the_window_while_behind_lru_shrinks_it_while_ahead_and_holds_when_level():
     t = LruReferenceTuner(100, window_fraction=0.01)
     start = t.window_target
-    moved = [t.record([f"h{i}"], limit=1, matched=0) for i in range(100)]   # LRU misses too: a tie
-    assert moved[-1] and t.window_target < start or t.window_target == 0.0
-    for _ in range(3):                                                      # now LRU hits, we miss
+    moved = [t.record([f"h{i}"], limit=1, matched=0) for i in range(100)]   # LRU misses too: level
+    assert not any(moved) and t.window_target == start
+    for _ in range(3):                                                      # LRU hits, we miss: behind
         for i in range(100):
             t.record(["same"], limit=1, matched=0)
-    assert t.window_target == 3 * t.step
-    for i in range(100 * 20):                                               # we hit, LRU hits: ahead-or-equal
-        t.record(["same"], limit=1, matched=1)
+    assert t.window_target == start + 3 * t.step
+    for i in range(100 * 20):                                               # we hit what LRU misses: ahead
+        t.record([f"new{i}"], limit=1, matched=1)
     assert t.window_target == 0.0
 
 
