@@ -43,10 +43,21 @@ try:
 
     load_s = timed(lambda: paged.copy(arena, slots, block_ids, 0, to_paged=True))
     memcpy_s = timed(lambda: np.copyto(plain, src))
+    # the same bytes in pieces the size of the load's copies (one block's layer): a
+    # copy whose pieces are smaller than glibc's non-temporal threshold uses ordinary
+    # stores, which also read each destination line first
+    piece = block_bytes // layers
+    plain_pieces, src_pieces = plain.reshape(-1, piece), src.reshape(-1, piece)
+
+    def pieces():
+        for i in range(len(src_pieces)):
+            np.copyto(plain_pieces[i], src_pieces[i])
+    pieces_s = timed(pieces)
     # the bytes landed where vLLM's kernels read them: the first block's layer-0 K and V
     stored = arena.slot_array(slots[0]).view(paged.layers[0][1].dtype).reshape(1, *paged.format_shape)
     for plane, stored_plane in zip(paged.layers[0], block_planes(stored, paged.fmt, 0, dim)):
         assert np.array_equal(plane[block_ids[0], 0], stored_plane[0])
-    print(json.dumps({"bytes": n * block_bytes, "tokens": n * block, "load_s": load_s, "memcpy_s": memcpy_s}))
+    print(json.dumps({"bytes": n * block_bytes, "tokens": n * block, "load_s": load_s, "memcpy_s": memcpy_s,
+                      "pieces_s": pieces_s, "piece_bytes": piece}))
 finally:
     arena.close()

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 _SHM = Path("/dev/shm")
-# What the suite's processes leave in /dev/shm when SIGKILLed: sidecar arenas (kvt-*),
-# torch's shared-memory segments and multiprocessing semaphores of vLLM engines
-# (psm_*, sem.mp-*), and the control plane's etcd data directories (kvtier-etcd-*).
-_LEFT_BY_KILLED = ("kvt-*", "psm_*", "sem.mp-*", "kvtier-etcd-*")
+# What the suite's processes leave in /dev/shm when SIGKILLed, large enough to matter:
+# sidecar arenas (kvt-*), torch's shared-memory segments of vLLM engines (psm_*), and
+# the control plane's etcd data directories (kvtier-etcd-*).
+_LEFT_BY_KILLED = ("kvt-*", "psm_*", "kvtier-etcd-*")
 
 
 def _in_use() -> set[str]:

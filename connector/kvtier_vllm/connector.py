@@ -3,9 +3,11 @@
 Scheduler side: one sidecar lookup per new request; the hit's tokens beyond vLLM's
 local prefix hit are offered to vLLM, and the pinned arena slots travel to the
 workers in the step's metadata (`plan`). Worker side: loads copy block runs from the
-shared-memory arena into the paged KV tensors before the forward pass; stores copy a
-finished prompt's full blocks into slots the sidecar reserved and commit them
-(`layouts` does the layout mapping).
+shared-memory arena into the paged KV tensors — layer by layer on a thread while the
+forward pass runs (`layer_loads`; each attention layer waits for its own KV), once a
+pass has shown that vLLM asks before every layer, and before the pass until then;
+stores copy a finished prompt's full blocks into slots the sidecar reserved and commit
+them (`layouts` does the layout mapping).
 
 Every fault is a miss or a recompute, never an exception on the request path and
 never wrong KV: a sidecar that is absent, restarting or slow gives 0 external tokens;
@@ -18,7 +20,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import xxhash
@@ -39,6 +41,7 @@ from .config import (
     tenant_of,
 )
 from .layouts import LAYOUT_FORMATS, LayoutError, block_places, format_for_device, format_tag, kv_views, layout_for
+from .layer_loads import LayerJob, LayerLoads
 from .paged import PagedKV
 from .plan import LoadSpec, SchedulerBook, StepSpecs, StoreSpec, root_from_fields
 from .stats import KvtierConnectorStats
@@ -52,7 +55,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvtier_vllm")
+# Under "vllm": vLLM configures that logger (VLLM_CONFIGURE_LOGGING), so the connector
+# logs where and how vLLM's own connectors do.
+log = logging.getLogger("vllm.kvtier_vllm")
 
 RECOMPUTE_POLICY = "recompute"
 """The only kv_load_failure_policy under which a failed load costs a recompute, not the request."""
@@ -118,6 +123,10 @@ class KvtierConnector(KVConnectorBase_V1):
         self.rank = 0
         self.paged: PagedKV | None = None
         self._load_errors: set[int] = set()
+        self._layer_ids: dict[str, int] = {}  # vLLM's layer name -> index in self.paged.layers
+        self._waited: set[int] = set()  # layers that asked for their load in this forward pass
+        self._layerwise = False  # set once a pass showed every layer waits for its load
+        self._layer_loads: tuple[LayerLoads, list, float, tuple[int, int]] | None = None
         self._reports_refused = False  # a sidecar that does not know REPORT (an older release)
         log.info("KvtierConnector %s: socket %s, block size %d (vLLM %d), identity %s", role.name,
                  self.cfg.socket, self.block_size, self.vllm_block_size, self.identity.model_dump())
@@ -196,6 +205,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if len(names) != self.num_layers:
             raise LayoutError(f"vLLM registered {len(names)} KV caches for a {self.num_layers}-layer model")
         tensors = [kv_caches[name] for name in names]
+        self._layer_ids = {name: i for i, name in enumerate(names)}
         kernel = self._cpu_kernel(backend, tensors[0])
         layout = layout_for(backend, tensors[0].shape, local_heads, self.head_dim, cpu_kernel=kernel)
         if any(tuple(t.shape) != tuple(tensors[0].shape) for t in tensors):
@@ -247,24 +257,74 @@ class KvtierConnector(KVConnectorBase_V1):
         return None
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._finish_layer_loads()  # normally done at the end of the previous step
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata):
             return
         before = self.stats.data["loaded_bytes"], self.stats.data["load_errors"]
+        pipelined: list[tuple[LoadSpec, int, LayerJob]] = []
         for spec in meta.specs.loads:
             started = time.perf_counter()
             try:
-                loaded = self._load(spec)
+                arena, n = self._verified(spec)
+                if n and self._layerwise:
+                    job = LayerJob(self._layer_copier(arena, spec, n), n)
+                    pipelined.append((spec, n, job))
+                    continue
+                self.paged.copy(arena, spec.slots[:n], spec.block_ids, spec.first_block, to_paged=True)
             except Exception:
                 log.exception("kvtier load failed; vLLM recomputes the blocks")
-                loaded = 0
-            self.stats.add("load_seconds", time.perf_counter() - started)
-            self.stats.add("loaded_blocks", loaded)
-            if loaded < len(spec.slots):
-                failed = block_places(spec.block_ids, spec.first_block + loaded, len(spec.slots) - loaded,
-                                      self.block_size, self.vllm_block_size, self.vllm_block_size)
-                self._load_errors.update(page for page, _ in failed)
-                self.stats.add("load_errors", len(spec.slots) - loaded)
+                n = 0
+            self._account_load(spec, n, time.perf_counter() - started)
+        if pipelined:
+            self._layer_loads = (LayerLoads([job for _, _, job in pipelined], len(self.paged.layers)).start(),
+                                 pipelined, time.perf_counter(), before)
+        else:
+            self._report(self.stats.data["loaded_bytes"] - before[0], self.stats.data["load_errors"] - before[1])
+
+    def _verified(self, spec: LoadSpec) -> tuple[Any, int]:
+        """The arena and how many leading blocks of the spec may be copied (0 when the
+        pins went with another sidecar instance; up to the first failed checksum)."""
+        self.client.connect()
+        if self.paged is None or self.client.info.get("instance") != spec.instance or self._arena_mismatch():
+            return None, 0  # the pins went with the sidecar that handed them out
+        arena = self.client.arena
+        n = len(spec.slots)
+        if spec.digests is not None:
+            for j, (slot, digest) in enumerate(zip(spec.slots, spec.digests)):
+                if xxhash.xxh3_64_intdigest(arena.slot_view(slot, 1)) != digest:
+                    log.warning("kvtier block %d of request %s failed its checksum; recomputing from there",
+                                spec.first_block + j, spec.req_id)
+                    n = j
+                    break
+        return arena, n
+
+    def _layer_copier(self, arena: Any, spec: LoadSpec, n: int) -> Callable[[int], None]:
+        paged, slots = self.paged, spec.slots[:n]
+        return lambda layer: paged.copy(arena, slots, spec.block_ids, spec.first_block, True, (layer,))
+
+    def _account_load(self, spec: LoadSpec, loaded: int, seconds: float) -> None:
+        """Stats for one request's load; the blocks not loaded go to vLLM as load errors."""
+        self.stats.add("load_seconds", seconds)
+        self.stats.add("loaded_blocks", loaded)
+        if loaded and self.client.arena is not None:
+            self.stats.add("loaded_bytes", loaded * self.client.arena.block_bytes // self.tp)
+        if loaded < len(spec.slots):
+            failed = block_places(spec.block_ids, spec.first_block + loaded, len(spec.slots) - loaded,
+                                  self.block_size, self.vllm_block_size, self.vllm_block_size)
+            self._load_errors.update(page for page, _ in failed)
+            self.stats.add("load_errors", len(spec.slots) - loaded)
+
+    def _finish_layer_loads(self) -> None:
+        """Wait for the step's layer-by-layer loads; account them like synchronous ones."""
+        if self._layer_loads is None:
+            return
+        loads, pipelined, started, before = self._layer_loads
+        self._layer_loads = None
+        loads.finish()
+        seconds = time.perf_counter() - started
+        for spec, n, job in pipelined:
+            self._account_load(spec, 0 if job.failed else n, seconds / len(pipelined))
         self._report(self.stats.data["loaded_bytes"] - before[0], self.stats.data["load_errors"] - before[1])
 
     def _report(self, loaded_bytes: int, load_errors: int) -> None:
@@ -281,32 +341,25 @@ class KvtierConnector(KVConnectorBase_V1):
         except Exception:  # a report is never worth failing the forward pass for
             log.warning("kvtier: load report failed", exc_info=True)
 
-    def _load(self, spec: LoadSpec) -> int:
-        """Copy the spec's blocks in; returns how many leading blocks were copied."""
-        self.client.connect()
-        if self.paged is None or self.client.info.get("instance") != spec.instance or self._arena_mismatch():
-            return 0  # the pins went with the sidecar that handed them out
-        arena = self.client.arena
-        n = len(spec.slots)
-        if spec.digests is not None:
-            for j, (slot, digest) in enumerate(zip(spec.slots, spec.digests)):
-                if xxhash.xxh3_64_intdigest(arena.slot_view(slot, 1)) != digest:
-                    log.warning("kvtier block %d of request %s failed its checksum; recomputing from there",
-                                spec.first_block + j, spec.req_id)
-                    n = j
-                    break
-        self.paged.copy(arena, spec.slots[:n], spec.block_ids, spec.first_block, to_paged=True)
-        self.stats.add("loaded_bytes", n * arena.block_bytes // self.tp)
-        return n
-
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv copies every layer before the forward pass
+        layer = self._layer_ids.get(layer_name)
+        if layer is None:
+            return
+        self._waited.add(layer)
+        if self._layer_loads is not None:
+            self._layer_loads[0].wait(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
         return  # stores run in wait_for_save, once every layer holds the step's KV
 
     def wait_for_save(self) -> None:
+        self._finish_layer_loads()
+        if not self._layerwise and self.paged is not None and len(self._waited) == len(self.paged.layers):
+            # every layer asked for its KV before reading it: loads may overlap the pass
+            self._layerwise = True
+            log.info("kvtier: every layer waits for its load; loads now overlap the forward pass layer by layer")
+        self._waited.clear()
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata):
             return
@@ -333,6 +386,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self.stats.add("saved_bytes", len(res.slots) * res.arena.block_bytes // self.tp)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_layer_loads()
         failed, self._load_errors = self._load_errors, set()
         return failed
 
@@ -352,4 +406,5 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
+        self._finish_layer_loads()
         self.client.close()

@@ -287,10 +287,12 @@ def block_views(layer: Array, layout: PagedLayout, head_dim: int, block_tokens: 
 
 
 def copy_run(layers: Sequence[tuple[Array, Array]], blocks: Array, run: Run, to_paged: bool,
-             fmt: BlockFormat = BlockFormat.CANONICAL) -> None:
+             fmt: BlockFormat = BlockFormat.CANONICAL, layer_ids: Sequence[int] | None = None) -> None:
     """Copy one run between arena blocks `blocks` ((count, *format_shape): the run's
-    slots, this rank's heads) and every layer's (K, V) from `block_views` (same `fmt`)."""
-    for layer_index, planes in enumerate(layers):
+    slots, this rank's heads) and the (K, V) from `block_views` (same `fmt`) of the
+    layers `layer_ids` (default: every layer)."""
+    for layer_index in range(len(layers)) if layer_ids is None else layer_ids:
+        planes = layers[layer_index]
         head_dim = planes[1].shape[-1]
         for view, flat in zip(planes, block_planes(blocks, fmt, layer_index, head_dim)):
             paged = _page_part(view, run, view.shape[1])

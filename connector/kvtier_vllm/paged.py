@@ -9,7 +9,7 @@ memory-bound copy); device tensors with torch, arena bytes going through a CPU v
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -73,8 +73,10 @@ class PagedKV:
         """One block's array shape in the arena, in this engine's block format."""
         return format_shape(self.fmt, len(self.layers), self.total_kv_heads, self.block_size, self.head_dim)
 
-    def copy(self, arena, slots: list[int], block_ids: list[int], first_block: int, to_paged: bool) -> None:
-        """Blocks first_block.. of a request (vLLM blocks `block_ids`) <-> arena `slots`."""
+    def copy(self, arena, slots: list[int], block_ids: list[int], first_block: int, to_paged: bool,
+             layer_ids: Sequence[int] | None = None) -> None:
+        """Blocks first_block.. of a request (vLLM blocks `block_ids`) <-> arena `slots`,
+        for the layers `layer_ids` (default: all)."""
         if not slots:
             return
         torch_bits, np_bits = BIT_DTYPES[self.itemsize]
@@ -83,15 +85,17 @@ class PagedKV:
         for run in plan_runs(slots, places, self.page_tokens // self.block_size):
             raw = arena.slot_array(run.slot, run.count).view(np_bits).reshape(run.count, *self.format_shape)
             if self.whole_pages is not None:
-                self._copy_whole_pages(raw, run.page, to_paged)
+                self._copy_whole_pages(raw, run.page, to_paged, layer_ids)
                 continue
             blocks = raw if self.on_cpu else torch.from_numpy(raw)
-            copy_run(self.layers, shard_blocks(blocks, self.fmt, self.tp, self.rank), run, to_paged, self.fmt)
+            copy_run(self.layers, shard_blocks(blocks, self.fmt, self.tp, self.rank), run, to_paged, self.fmt,
+                     layer_ids)
 
-    def _copy_whole_pages(self, raw: np.ndarray, page: int, to_paged: bool) -> None:
+    def _copy_whole_pages(self, raw: np.ndarray, page: int, to_paged: bool,
+                          layer_ids: Sequence[int] | None) -> None:
         """A run of CPU_PAGES blocks, one page each: per layer, `count` page-sized copies."""
         count = raw.shape[0]
-        for layer, pages in enumerate(self.whole_pages):
+        for layer in range(len(self.whole_pages)) if layer_ids is None else layer_ids:
             stored = raw[:, layer].reshape(count, -1)
-            paged = pages[page : page + count]
+            paged = self.whole_pages[layer][page : page + count]
             np.copyto(paged, stored) if to_paged else np.copyto(stored, paged)

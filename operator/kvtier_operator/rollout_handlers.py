@@ -2,6 +2,8 @@
 that runs `rollout_reconcile.reconcile_rollout` under the policy's status lock."""
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import kopf
@@ -9,6 +11,7 @@ import kopf
 from kvtier import policy
 
 from kvtier_operator import rollout
+from kvtier_operator.options import OperatorOptions
 from kvtier_operator.registry import PolicyKey, PolicyRegistry
 from kvtier_operator.rollout_reconcile import reconcile_rollout
 
@@ -16,6 +19,9 @@ POLICY = (policy.GROUP, policy.VERSION, policy.PLURAL)
 # The design's "every few seconds": a step's window is minutes, so a few seconds of
 # lag on a decision is noise, and stats requests stay rare for the sidecars.
 ROLLOUT_INTERVAL_S = 3.0
+# A local TCP connect: anything slower means the webhook is not serving yet.
+WEBHOOK_PROBE_TIMEOUT_S = 1.0
+log = logging.getLogger("kvtier.operator.rollout")
 
 
 def _has_workload(spec: kopf.Spec, **_: Any) -> bool:
@@ -24,6 +30,9 @@ def _has_workload(spec: kopf.Spec, **_: Any) -> bool:
 
 @kopf.timer(*POLICY, id="rollout", interval=ROLLOUT_INTERVAL_S, when=_has_workload)
 async def rollout_tick(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    if not await _webhook_serving(memo):
+        log.info("rollout of %s/%s waits: this operator's injection webhook does not serve yet", namespace, name)
+        return
     registry: PolicyRegistry = memo.policies
     async with registry.lock(PolicyKey(namespace, name)):  # one status writer at a time
         body = await memo.kube.read_policy(namespace, name)
@@ -31,6 +40,25 @@ async def rollout_tick(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
             return
         plan = await reconcile_rollout(memo.kube, memo.sidecars, body, memo.http)
         _observe_metrics(memo, namespace, name, plan)
+
+
+async def _webhook_serving(memo: kopf.Memo) -> bool:
+    """This operator's injection webhook accepts connections (or it serves none). A
+    rollout step recreates pods, and one created before the webhook serves (a restart's
+    first seconds) starts without the sidecar: the webhook fails open. Once seen
+    serving, it is not probed again."""
+    options: OperatorOptions = memo.options
+    if not options.webhook_host or memo.get("webhook_serving"):
+        return True
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(options.webhook_host, options.webhook_port),
+                                           WEBHOOK_PROBE_TIMEOUT_S)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    await writer.wait_closed()
+    memo.webhook_serving = True
+    return True
 
 
 def _observe_metrics(memo: kopf.Memo, namespace: str, name: str, plan: rollout.Plan | None) -> None:

@@ -214,7 +214,7 @@ class SidecarClient:
                 remaining = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
                 async with self._session.post(f"{target.http_url()}/cache/warm", json=api.dump(body),
                                               timeout=remaining, headers=self._token.headers()) as resp:
-                    if resp.status == 429:  # the sidecar's warm queue is full: ask again when told
+                    if resp.status in ASK_AGAIN_STATUSES:  # ask again when told, within the deadline
                         wait_s = _retry_after_s(resp.headers.get("Retry-After"))
                         if time.monotonic() + wait_s >= deadline:
                             return False
@@ -246,7 +246,10 @@ class SidecarClient:
         return False
 
 
-# When a 429 carries no usable Retry-After: a second, then ask again.
+# Answers that mean "not now" rather than "no": 429, the sidecar's warm queue is full;
+# 503, its global index cannot confirm the source peer (Redis away). Both say when.
+ASK_AGAIN_STATUSES = (429, 503)
+# When such an answer carries no usable Retry-After: a second, then ask again.
 DEFAULT_RETRY_AFTER_S = 1.0
 
 

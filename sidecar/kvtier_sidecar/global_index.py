@@ -27,6 +27,7 @@ import asyncio
 import collections
 import hashlib
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from typing import Iterable
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
-from .redis_health import Breaker, Health, classify, opens_both
+from .redis_health import BACKOFF_MAX_S, Breaker, Health, classify, opens_both
 
 log = logging.getLogger("kvtier.sidecar.index")
 
@@ -54,6 +55,20 @@ HEARTBEAT_S = 2.0
 MEMBERSHIP_CHECK_TIMEOUT_S = 1.0
 # A member is live while its heartbeat is younger than this.
 MEMBER_TTL_S = 3 * HEARTBEAT_S
+# A member set this young (since this host last found itself missing from it: its first
+# join, or a Redis that lost its data) may still lack live members: each heartbeats
+# within its period plus the longest backoff after an outage. Until then a "no" is
+# not yet a no.
+MEMBER_SET_SETTLE_S = MEMBER_TTL_S + BACKOFF_MAX_S
+# Whole seconds (an HTTP Retry-After) to ask again after a membership check Redis could
+# not answer: about one heartbeat, by which a returned Redis knows its members again.
+MEMBERSHIP_RETRY_AFTER_S = math.ceil(HEARTBEAT_S)
+
+
+class MembershipUnknown(RuntimeError):
+    """Redis cannot say now whether a host is a member (unreachable, timed out): neither
+    a yes nor a no, so the caller asks again later instead of refusing for good."""
+
 
 # `no-writes`: the lookup runs on a READONLY replica and while Redis is out of memory.
 LONGEST_PREFIX_LUA = """#!lua flags=no-writes
@@ -122,6 +137,7 @@ class GlobalIndex:
         # True once a heartbeat has written our member entry: from then on a missing
         # entry means Redis lost its data, and the remembered blocks are written again.
         self._joined = False
+        self._joined_at: float | None = None  # monotonic: when this host last (re)entered the member set
         self._tasks: list[asyncio.Task] = []
         self.stats = collections.Counter()
 
@@ -259,8 +275,10 @@ class GlobalIndex:
                 pipe.zremrangebyscore(self.members_key, "-inf", now)
                 previous_score, *_ = await pipe.execute()
                 self.writes.succeeded()
-                if self._joined and previous_score is None:
-                    await self._republish()
+                if previous_score is None:
+                    self._joined_at = time.monotonic()
+                    if self._joined:
+                        await self._republish()
                 self._joined = True
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
                 self._failed("heartbeat", exc, self.writes)
@@ -296,14 +314,21 @@ class GlobalIndex:
             self.writes.down_until = 0.0
 
     async def is_member(self, host: str) -> bool:
-        """Whether `host` heartbeats in this index's member set now (one round trip);
-        False when Redis cannot say (a warm-up source must be proven, not assumed)."""
+        """Whether `host` heartbeats in this index's member set now (one round trip).
+        Raises `MembershipUnknown` when Redis cannot say, or says no while the set may
+        still be filling (`MEMBER_SET_SETTLE_S`): a warm-up source must be proven, not
+        assumed, and neither an outage nor a fresh set proves it a stranger."""
         try:
             expiry = await asyncio.wait_for(self.redis.zscore(self.members_key, host), MEMBERSHIP_CHECK_TIMEOUT_S)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
-            self._failed("membership check", exc)
-            return False
-        return expiry is not None and float(expiry) > time.time()
+            self._failed("membership check", exc, self.reads)
+            raise MembershipUnknown(f"the global index cannot confirm {host} now ({exc.__class__.__name__})") from None
+        if expiry is not None and float(expiry) > time.time():
+            return True
+        if self._joined_at is None or time.monotonic() - self._joined_at < MEMBER_SET_SETTLE_S:
+            raise MembershipUnknown(f"{host} is not in the global index's member set yet, which is still "
+                                    "filling (this sidecar only just joined it, or Redis lost its data)")
+        return False
 
     def forget_member(self, host: str) -> None:
         """A peer that failed a fetch is skipped until its next heartbeat refresh."""

@@ -6,6 +6,7 @@
                                  (409 when the peer tier is off or a known ref comes with other
                                  parameters; a known ref with the same ones answers its job;
                                  403 when from_peer is not a member of this sidecar's fleet;
+                                 503 with Retry-After while the global index cannot say;
                                  429 with Retry-After when the bounded warm queue is full)
     POST /cache/drain/done       a draining sidecar may exit now (409 when not draining)
     GET  /cache/jobs             background jobs: state, started_s/finished_s (wall clock), bytes
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvtier import control_api as api
 
+from .global_index import MEMBERSHIP_RETRY_AFTER_S, MembershipUnknown
 from .service import PeerTierDisabled, QueueFull, RefConflict
 
 log = logging.getLogger("kvtier.sidecar.http")
@@ -84,7 +86,13 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
         body = await _body(request, api.WarmRequest)
         if isinstance(body, web.Response):
             return body
-        if not await service.may_warm_from(body.from_peer):
+        try:
+            member = await service.may_warm_from(body.from_peer)
+        except MembershipUnknown as exc:  # Redis is away: neither yes nor no, ask again
+            response = _bad(f"{exc}; retry later", 503)
+            response.headers["Retry-After"] = str(MEMBERSHIP_RETRY_AFTER_S)
+            return response
+        if not member:
             return _bad(f"from_peer {body.from_peer} is not a member of this sidecar's fleet "
                         "(neither in warm_peers nor a live member of the global index)", 403)
         try:

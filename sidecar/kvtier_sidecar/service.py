@@ -250,7 +250,8 @@ class Sidecar:
         """Warm-ups dial only this sidecar's own fleet: a peer listed in `warm_peers`, or
         a live member of the global index (written only by sidecars holding the Redis
         credentials). With neither configured the caller's word is all there is: the
-        control API's authentication is then the only gate (see docs/SECURITY.md)."""
+        control API's authentication is then the only gate (see docs/SECURITY.md).
+        Raises `global_index.MembershipUnknown` while the index cannot say."""
         if peer in self.config.warm_peers:
             return True
         if self.index is not None:

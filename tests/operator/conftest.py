@@ -30,3 +30,20 @@ def operator_kubeconfig(control_plane, kvcp_crd):
 
     Kubectl(control_plane.kubeconfig).apply(DEPLOY / "rbac.yaml")
     return control_plane.kubeconfig_for_service_account(OPERATOR_NAMESPACE, OPERATOR_SA)
+
+
+@pytest.fixture
+def operator_process(namespace, operator_kubeconfig, control_plane, tmp_path):
+    """The operator as its own process (not started yet), its webhook registered for
+    the test's namespace: tests start, crash and restart it."""
+    from kvtier_testenv.ports import free_port
+    from operator_harness import OperatorProcess, operator_options, register_webhook
+
+    admin = Kubectl(control_plane.kubeconfig)
+    port = free_port()
+    options = operator_options(tmp_path, port)
+    hook = register_webhook(admin, namespace, open(options.webhook_cert, "rb").read(), port)
+    op = OperatorProcess(namespace, operator_kubeconfig, options, tmp_path / "operator.log")
+    yield op
+    op.stop()
+    admin.delete("mutatingwebhookconfiguration", hook)

@@ -4,6 +4,10 @@ webhook on 127.0.0.1 with a self-signed certificate, registered with the apiserv
 from __future__ import annotations
 
 import base64
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,7 +15,7 @@ from typing import Any
 import yaml
 from kopf.testing import KopfRunner
 
-from kvtier_operator import certs
+from kvtier_operator import certs, crashpoints
 from kvtier_operator.options import OperatorOptions
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv import polling
@@ -67,6 +71,69 @@ class RunningOperator:
         if runner.exception is not None:
             raise runner.exception
         return runner.output
+
+
+def operator_argv(namespace: str, options: OperatorOptions) -> list[str]:
+    """`kvtier-operator`'s command line for `options`: the process builds its settings
+    from its flags, so each option a test sets must travel as a flag, not as the env."""
+    argv = [sys.executable, "-m", "kvtier_operator.main", "--namespace", namespace,
+            "--sidecar-auth", options.sidecar_auth, "--warms-per-target", str(options.warms_per_target)]
+    if options.webhook_host:
+        argv += ["--webhook-host", options.webhook_host, "--webhook-port", str(options.webhook_port),
+                 "--webhook-cert", str(options.webhook_cert), "--webhook-key", str(options.webhook_key)]
+    return argv
+
+
+# kopf's own shutdown (handlers cancelled, cleanup activity) takes a few seconds on a
+# loaded box; past this the process is SIGKILLed.
+STOP_TIMEOUT_S = 15
+# A crash point is reached within a pass or two of the change that leads to it;
+# generous for a loaded 2-core box.
+CRASH_WAIT_S = 120
+
+
+class OperatorProcess:
+    """The operator as its own process (`kvtier-operator`, the ServiceAccount's
+    kubeconfig), optionally set to die right after a crash point (KVTIER_CRASH_AT)."""
+
+    def __init__(self, namespace: str, kubeconfig: Path, options: OperatorOptions, log_path: Path) -> None:
+        self.namespace, self.kubeconfig, self.options, self.log_path = namespace, kubeconfig, options, log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, crash_at: str | None = None) -> "OperatorProcess":
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        env.pop(crashpoints.ENV, None)
+        if crash_at:
+            env[crashpoints.ENV] = crash_at
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(operator_argv(self.namespace, self.options), env=env, stdout=log, stderr=log)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def exit_code(self) -> int:
+        """Wait for the process to end (a crash point reached) and return its status."""
+        assert self.proc is not None
+        return self.proc.wait(CRASH_WAIT_S)
+
+    def webhook_listening(self) -> bool:
+        """This process's injection webhook accepts connections: a pod created before
+        that starts without the sidecar (the webhook fails open)."""
+        try:
+            socket.create_connection((self.options.webhook_host, self.options.webhook_port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(STOP_TIMEOUT_S)
 
 
 def operator_options(tmp_path: Path, webhook_port: int | None = None, **overrides: Any) -> OperatorOptions:
