@@ -75,7 +75,8 @@ def test_where_admission_matters_kvtier_is_at_least_lru_on_synthetic_traces(shap
 
 
 @pytest.mark.parametrize("share", ["0.01", "0.05", "0.1", "0.25"])
-def test_on_synthetic_conversations_kvtier_stays_within_a_tenth_of_lru(share):
-    # Measured shortfall: up to ~6% below LRU between 5% and 25%; see BENCHMARKS.md.
+def test_on_synthetic_conversations_kvtier_stays_within_3_percent_of_lru(share):
+    # Measured: 0.981-0.988x LRU from 5% to 25% (holding the window on a level
+    # sample; it was 0.970-0.982x when a level sample shrank it); see docs/TRACE_REPLAY.md.
     trace = tracegen.conversation(4_000)
-    assert _ratio(trace, replay.prepare(trace), share) >= 0.9
+    assert _ratio(trace, replay.prepare(trace), share) >= 0.97
