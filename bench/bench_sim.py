@@ -134,8 +134,11 @@ def _write_trace_notes(rep, table: str, quick: bool) -> None:
              "`kvtier simulate trace bench/traces/mooncake_conversation_trace.jsonl.gz --ablation "
              "--capacities 0.01,3M,0.05,0.075,0.1,0.25,0.5`. Ablation rows: `kvtier-hill-climb` tunes the "
              "window by Caffeine's hill climbing instead of the shadow LRU, `kvtier-fixed-window` keeps it "
-             "at 1%, `kvtier-no-window` at 0, `kvtier-no-doorkeeper` drops the doorkeeper, `kvtier-no-duel` "
-             "moves every window candidate into main.", "", "```", table, "```", "",
+             "at 1%, `kvtier-window-50` / `kvtier-window-75` / `kvtier-lru-window` hold it at 50% / 75% / "
+             "100% of the cache with no tuner (100% must equal LRU: the pinned tier shrinks with the main "
+             "region), `kvtier-arc-window` steers it by ARC's ghost lists from 100%, `kvtier-no-window` at 0, "
+             "`kvtier-no-doorkeeper` drops the doorkeeper, `kvtier-no-duel` moves every window candidate into "
+             "main.", "", "```", table, "```", "",
              "Synthetic traces (`kvtier.sim.tracegen`, 6,000 requests each): token hit rate kvtier / LRU.", "",
              "| shape | 1% | 5% | 10% | 25% | 50% | infinite |", "|---|---|---|---|---|---|---|"]
     for shape in tracegen.SHAPES:

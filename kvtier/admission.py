@@ -103,7 +103,7 @@ class CountMinSketch:
     """
 
     __slots__ = ("width", "depth", "table", "additions", "sample_size", "resets", "_mask", "_rows",
-                 "_flat", "door", "_door_flat", "_door_mask")
+                 "_row_base", "_table_flat", "_flat", "door", "_door_flat", "_door_mask")
 
     def __init__(self, width: int = SKETCH_WIDTH, depth: int = SKETCH_DEPTH,
                  sample_size: int | None = None, doorkeeper: bool = False) -> None:
@@ -113,14 +113,19 @@ class CountMinSketch:
             raise ValueError(f"sketch depth must be >= 1, got {depth}")
         self.width, self.depth = width, depth
         self.table = np.zeros((depth, width), dtype=np.uint32)
+        self.table.fill(0)  # touch every page now: first touches scattered over lookups cost page faults
         self.additions = 0
         self.sample_size = sample_size if sample_size is not None else width * SKETCH_SAMPLE_FACTOR
         self.resets = 0
         self._mask = np.uint64(width - 1)
         self._rows = np.arange(depth, dtype=np.uint64)[:, None]
+        self._row_base = self._rows * np.uint64(width)
+        self._table_flat = self.table.reshape(-1)  # a view: halving is in place
         self._flat = memoryview(self.table).cast("B").cast("I")  # halving is in place: stays valid
         door_size = width * DOORKEEPER_BITS_PER_COUNTER if doorkeeper else 0
         self.door = np.zeros(door_size, dtype=np.uint8) if doorkeeper else None
+        if self.door is not None:
+            self.door.fill(0)
         self._door_flat = memoryview(self.door).cast("B") if doorkeeper else None
         self._door_mask = door_size - 1
 
@@ -184,8 +189,11 @@ class CountMinSketch:
         return np.frombuffer(b"".join(hashes), dtype="<u8").reshape(-1, 2)
 
     def _index(self, halves: np.ndarray) -> np.ndarray:
+        """Flat positions (row * width + column) of every hash's counters: one row
+        per sketch row, one column per hash."""
         with np.errstate(over="ignore"):
-            return ((halves[:, 0][None, :] + self._rows * halves[:, 1][None, :]) & self._mask).astype(np.intp)
+            cols = (halves[:, 0][None, :] + self._rows * halves[:, 1][None, :]) & self._mask
+        return (cols + self._row_base).astype(np.intp)
 
     def _door_probes(self, halves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         m = np.uint64(self._door_mask)
@@ -196,18 +204,17 @@ class CountMinSketch:
         idx = self._index(halves)
         if self.door is not None:
             p1, p2 = self._door_probes(halves)
-            seen = (self.door[p1] & self.door[p2]).astype(bool)
-            self.door[p1] = 1
-            self.door[p2] = 1
+            door = self.door
+            seen = (door[p1] & door[p2]).astype(bool)
+            door[p1] = 1
+            door[p2] = 1
             idx = idx[:, seen]
-        rows = np.arange(self.depth)[:, None]
-        self.table[rows, idx] += 1
+        self._table_flat[idx] += 1  # one increment per distinct counter
 
     def _estimate_many(self, hashes: list[BlockHash]) -> np.ndarray:
         halves = self._halves(hashes)
         idx = self._index(halves)
-        rows = np.arange(self.depth)[:, None]
-        est = self.table[rows, idx].min(axis=0).astype(np.int64)
+        est = self._table_flat[idx].min(axis=0).astype(np.int64)
         if self.door is not None:
             p1, p2 = self._door_probes(halves)
             est += self.door[p1] & self.door[p2]

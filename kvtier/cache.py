@@ -56,6 +56,7 @@ from kvtier.eviction import (
     MAIN,
     WINDOW,
     DecayedFrequencyPolicy,
+    GhostTuner,
     HillClimber,
     LruReferenceTuner,
     PolicyConfig,
@@ -82,8 +83,10 @@ DEFAULT_DRAIN_BUDGET_S = 0.0005
 """Each `store` call applies queued stores for at most ~0.5 ms (at least one)."""
 
 PINNED_FRACTION = 0.10
-"""At most a tenth of the capacity may be hot (pinned tier): hot prefixes must not
-starve the DRAM tier that absorbs everything else."""
+"""At most a tenth of the main region may be hot (pinned tier): hot prefixes must not
+starve the DRAM tier that absorbs everything else, and as the window grows toward
+plain LRU the pinned tier shrinks with main (a prefix hot once must not hold slots
+against recency when the traffic asks for LRU)."""
 
 PIN_MAX_FRACTION = 0.02
 """One prefix may be pinned only if it is small: at most 2% of the capacity."""
@@ -241,7 +244,7 @@ class LocalCache:
         self.clock = clock or time.monotonic
         self.drain_budget_s = drain_budget_s
         self.hot_sightings = hot_sightings
-        self.pinned_budget_blocks = int(self.num_slots * pinned_fraction)
+        self.pinned_fraction = pinned_fraction
         self.pin_max_bytes = (int(self.capacity_bytes * PIN_MAX_FRACTION)
                               if pin_max_bytes is None else int(pin_max_bytes))
         self._arena = self._make_arena(arena)
@@ -254,6 +257,10 @@ class LocalCache:
             if self.policy.adapt == "climb" else None
         self._reference = LruReferenceTuner(self.num_slots, self.policy.window_fraction) \
             if self.policy.adapt == "shadow" else None
+        self._ghost = GhostTuner(self.num_slots, self.policy.window_fraction) \
+            if self.policy.adapt == "ghost" else None
+        if self._ghost is not None:
+            self._index.on_evict = self._ghost.evicted
         self._duel = self._duel_tails if self.policy.duel else None
         self._set_targets(self.num_slots * self.policy.window_fraction)
         self._queue: StoreQueue[_PendingStore] = StoreQueue(queue_capacity)
@@ -289,7 +296,7 @@ class LocalCache:
             counters.lookups += 1
             counters.prompt_tokens += len(tokens)
             matched = min(m.cached_blocks, limit)
-            self._adapt(hashes, limit, matched)
+            self._adapt(hashes, limit, matched, m.cached_blocks)
             if matched == 0:
                 return Miss()
             node = self._index.pin(self._index.truncate(m, matched))
@@ -582,9 +589,13 @@ class LocalCache:
         self._admission.sight(hashes)
         return hashes
 
-    def _adapt(self, hashes: list[BlockHash], limit: int, matched: int) -> None:
-        """Move the window's share from what this lookup says (see `kvtier.eviction`)."""
-        if self._reference is not None:
+    def _adapt(self, hashes: list[BlockHash], limit: int, matched: int, cached: int) -> None:
+        """Move the window's share from what this lookup says (see `kvtier.eviction`):
+        `hashes` are all its full blocks', the first `cached` of them cached."""
+        if self._ghost is not None:
+            if cached < len(hashes) and self._ghost.missed(hashes[cached:]):
+                self._set_targets(self._ghost.window_target)
+        elif self._reference is not None:
             ref = self._reference
             sampled = ref.adjustments
             if ref.record(hashes, limit, matched):
@@ -615,7 +626,17 @@ class LocalCache:
         return ref is not None and ref.last_ours < self.thrash_ratio * ref.last_lru
 
     def _set_targets(self, window_blocks: float) -> None:
+        """The window's share, and the pinned tier's: a part of the main region, so it
+        shrinks as the window grows (a full-size window leaves no main region, and
+        the cache is then exactly LRU)."""
         self._index.window_target = window_blocks
+        main_share = max(0.0, self.num_slots - window_blocks)
+        self._index.hot_budget = int(main_share * self.pinned_fraction)
+
+    @property
+    def pinned_budget_blocks(self) -> int:
+        """Blocks the pinned tier may hold now."""
+        return self._index.hot_budget
 
     def _maybe_promote(self, node: Node, matched_blocks: int) -> None:
         """Small and hot -> pinned tier, inferred from the node's decayed hit count."""

@@ -14,8 +14,8 @@ Caffeine's W-TinyLFU, adapted to a tree whose leaves alone may be evicted:
 * The window's share is tuned online against a shadow LRU of the same size
   (`LruReferenceTuner`): when LRU would have matched more blocks over a sample, the
   window grows toward plain LRU (recency-heavy traffic: conversations, whose blocks'
-  first reuse is the next turn); otherwise it shrinks toward strict frequency-based
-  admission (hot prompts under a scan). Caffeine's hill climbing on the hit rate
+  first reuse is the next turn); when it matched fewer, the window shrinks toward
+  strict frequency-based admission (hot prompts under a scan); level, it stays. Caffeine's hill climbing on the hit rate
   (`HillClimber`) is kept as an ablation: measured on the shipped conversation trace,
   its per-sample hit rates were too noisy to steer by (docs/TRACE_REPLAY.md).
 
@@ -76,9 +76,9 @@ CLIMB_SAMPLE_FACTOR = 1.0
 traffic to have cycled the cache once, so a window change has shown its effect."""
 
 
-ADAPTATIONS = ("shadow", "climb", "off")
+ADAPTATIONS = ("shadow", "climb", "off", "ghost")
 """How the window's share moves: against a shadow LRU (the default), by Caffeine's
-hill climbing on the hit rate, or not at all."""
+hill climbing on the hit rate, not at all, or by ARC's ghost lists."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,10 +229,12 @@ class LruReferenceTuner:
 
     Every sample (lookups covering `capacity` blocks) compares the blocks this cache
     matched with what a same-size `ShadowLru` matched. Behind LRU: the window grows
-    by a step (toward LRU, which a full-size window is). At or ahead of LRU: it
-    shrinks by a step (toward stricter frequency admission, which is where the
-    cache gains over LRU). The sign of a whole sample's difference is a steadier
-    signal than the change of the hit rate between two samples.
+    by a step (toward LRU, which a full-size window is). Ahead of LRU: it shrinks by
+    a step (toward stricter frequency admission, which is where the cache gains over
+    LRU). Level: it stays, since a tie says nothing (measured: shrinking on ties cost
+    1-1.6% on synthetic conversations, where LRU's regime is the right one). The sign
+    of a whole sample's difference is a steadier signal than the change of the hit
+    rate between two samples.
     """
 
     __slots__ = ("capacity", "window_target", "step", "shadow", "_looked", "_ours", "_lru", "adjustments",
@@ -255,11 +257,73 @@ class LruReferenceTuner:
         self._looked += len(hashes)
         if self._looked < self.capacity * CLIMB_SAMPLE_FACTOR:
             return False
-        behind = self._ours < self._lru
+        behind, ahead = self._ours < self._lru, self._ours > self._lru
         self.last_ours, self.last_lru = self._ours, self._lru
         self._looked = self._ours = self._lru = 0
         before = self.window_target
-        target = before + self.step if behind else before - self.step
+        target = before + self.step if behind else before - self.step if ahead else before
         self.window_target = min(float(self.capacity), max(0.0, target))
         self.adjustments += 1
         return self.window_target != before
+
+
+class GhostTuner:
+    """ARC's adaptation (Megiddo & Modha, FAST'03), applied to the window's share.
+
+    Two ghost lists hold the hashes of blocks recently evicted from the window and
+    from main (hashes only, no KV). A ghost block counts only if its region could
+    have grown enough to keep it: the window's ghost holds at most what the window
+    could gain (capacity - window), main's at most what main could gain (the
+    window's share). A prompt whose uncached blocks are found in a ghost list would
+    have hit had that region been larger: each block found in the window's ghost
+    grows the window by max(1, |main ghost| / |window ghost|) blocks, each found in
+    main's ghost shrinks it by max(1, |window ghost| / |main ghost|). Every such
+    event moves the share, so there is no sample to be noisy over. An ablation
+    (`adapt="ghost"`), measured against the shipped shadow-LRU steering in
+    docs/TRACE_REPLAY.md.
+    """
+
+    __slots__ = ("capacity", "window_target", "ghosts", "adjustments")
+
+    def __init__(self, capacity_blocks: int, window_fraction: float = WINDOW_INITIAL_FRACTION) -> None:
+        self.capacity = capacity_blocks
+        self.window_target = capacity_blocks * window_fraction
+        self.ghosts: tuple[OrderedDict, OrderedDict] = (OrderedDict(), OrderedDict())  # [WINDOW], [MAIN]
+        self.adjustments = 0
+
+    def evicted(self, region: int, hashes: list) -> None:
+        """Eviction took these blocks from `region` (the index's `on_evict` hook)."""
+        ghost = self.ghosts[region]
+        for h in hashes:
+            ghost[h] = None
+        self._trim()
+
+    def missed(self, hashes: list) -> bool:
+        """A lookup missed these blocks (the prompt's blocks after its cached prefix,
+        in order). Returns True when the window's share moved."""
+        gw, gm = self.ghosts
+        grow = shrink = 0
+        for h in hashes:
+            if h in gw:
+                del gw[h]
+                grow += 1
+            elif h in gm:
+                del gm[h]
+                shrink += 1
+            else:
+                break
+        if not grow and not shrink:
+            return False
+        delta = grow * max(1.0, len(gm) / max(1, len(gw))) - shrink * max(1.0, len(gw) / max(1, len(gm)))
+        before = self.window_target
+        self.window_target = min(float(self.capacity), max(0.0, before + delta))
+        self.adjustments += 1
+        self._trim()
+        return self.window_target != before
+
+    def _trim(self) -> None:
+        gw, gm = self.ghosts
+        for _ in range(len(gw) - int(self.capacity - self.window_target)):
+            gw.popitem(last=False)
+        for _ in range(len(gm) - int(self.window_target)):
+            gm.popitem(last=False)

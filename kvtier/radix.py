@@ -114,6 +114,9 @@ class PrefixIndex:
         # Blocks the window may hold before its least recent leaf must leave it
         # (the owner sets it; W-TinyLFU's adaptive share).
         self.window_target = float("inf")
+        # Blocks the hot (pinned) tier may hold; beyond it, the lowest-scored hot
+        # leaves cool back to ordinary (the owner sets it).
+        self.hot_budget = float("inf")
         # Told (region, hashes) of every block eviction takes: the ghost lists.
         self.on_evict: Callable[[int, list[BlockHash]], None] | None = None
         self.num_blocks = 0
@@ -328,6 +331,8 @@ class PrefixIndex:
                 freed.extend(self._trim_tail(victim, need))
                 continue
             if victim is not None and victim.hot:
+                if self._cooled(victim):
+                    continue
                 other = cand or self._window_candidate()
                 if other is not None:  # hot leaves outlast every ordinary block
                     freed.extend(self._trim_tail(other, need))
@@ -472,6 +477,23 @@ class PrefixIndex:
                 added += len(n.slots)
                 self.hot_blocks += len(n.slots)
         return added
+
+    def _cooled(self, n: Node) -> bool:
+        """While the hot tier holds more than `hot_budget` blocks (its share shrank
+        with the main region's), its lowest-scored leaf goes back to the ordinary
+        order: to the window, as its least recent entry, so its next step out is
+        judged like any other window leaf's. Returns whether it cooled."""
+        if self.hot_blocks <= self.hot_budget:
+            return False
+        n.hot = False
+        n.version += 1
+        self.hot_blocks -= len(n.slots)
+        self.region_blocks[MAIN] -= len(n.slots)
+        self.region_blocks[WINDOW] += len(n.slots)
+        n.region = WINDOW
+        self._window[n] = None
+        self._window.move_to_end(n, last=False)
+        return True
 
     # ------------------------------------------------------------------ inspection
 

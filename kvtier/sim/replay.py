@@ -35,11 +35,19 @@ KVTIER_VARIANTS: dict[str, PolicyConfig] = {
     "kvtier": PolicyConfig(),
     "kvtier-hill-climb": PolicyConfig(adapt="climb"),
     "kvtier-fixed-window": PolicyConfig(adapt="off"),
+    "kvtier-window-50": PolicyConfig(window_fraction=0.5, adapt="off"),
+    "kvtier-window-75": PolicyConfig(window_fraction=0.75, adapt="off"),
+    "kvtier-lru-window": PolicyConfig(window_fraction=1.0, adapt="off"),
+    "kvtier-arc-window": PolicyConfig(window_fraction=1.0, adapt="ghost"),
     "kvtier-no-window": PolicyConfig(window_fraction=0.0, adapt="off"),
     "kvtier-no-doorkeeper": PolicyConfig(doorkeeper=False),
     "kvtier-no-duel": PolicyConfig(duel=False),
 }
-"""The shipped policy and, for the ablation, each part of it switched off."""
+"""The shipped policy and, for the ablation, each part of it switched off; the
+window-50/75 variants hold the window at half / three quarters of the cache with no
+tuner (what a tuner could find), lru-window at the whole cache (it must equal
+plain LRU); arc-window starts at the whole cache and moves it by ARC's ghost lists
+instead of the shadow LRU."""
 
 BASELINES = ("lru", "belady", "infinite")
 SINGLE_POLICIES = tuple(KVTIER_VARIANTS) + BASELINES

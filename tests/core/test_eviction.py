@@ -9,7 +9,10 @@ import pytest
 from kvtier.eviction import (
     DecayedFrequencyPolicy,
     FrequencyState,
+    GhostTuner,
     HillClimber,
+    MAIN,
+    WINDOW,
     LruReferenceTuner,
     PolicyConfig,
     ShadowLru,
@@ -69,17 +72,17 @@ def test_shadow_lru_matches_prefixes_caps_at_the_limit_and_evicts_tails_first():
     assert lru.access(["a", "b", "c"], limit=3) == 2
 
 
-def test_reference_tuner_grows_the_window_while_behind_lru_and_shrinks_it_when_ahead():
+def test_reference_tuner_grows_the_window_while_behind_lru_shrinks_it_while_ahead_and_holds_when_level():
     t = LruReferenceTuner(100, window_fraction=0.01)
     start = t.window_target
-    moved = [t.record([f"h{i}"], limit=1, matched=0) for i in range(100)]   # LRU misses too: a tie
-    assert moved[-1] and t.window_target < start or t.window_target == 0.0
-    for _ in range(3):                                                      # now LRU hits, we miss
+    moved = [t.record([f"h{i}"], limit=1, matched=0) for i in range(100)]   # LRU misses too: level
+    assert not any(moved) and t.window_target == start
+    for _ in range(3):                                                      # LRU hits, we miss: behind
         for i in range(100):
             t.record(["same"], limit=1, matched=0)
-    assert t.window_target == 3 * t.step
-    for i in range(100 * 20):                                               # we hit, LRU hits: ahead-or-equal
-        t.record(["same"], limit=1, matched=1)
+    assert t.window_target == start + 3 * t.step
+    for i in range(100 * 20):                                               # we hit what LRU misses: ahead
+        t.record([f"new{i}"], limit=1, matched=1)
     assert t.window_target == 0.0
 
 
@@ -106,3 +109,22 @@ def test_hill_climber_keeps_direction_on_improvement_and_turns_on_loss():
 def test_policy_config_rejects_bad_values(kw):
     with pytest.raises(ValueError):
         PolicyConfig(**kw)
+
+
+def test_arc_ghost_tuner_grows_the_window_on_its_ghost_hits_and_shrinks_it_on_mains():
+    t = GhostTuner(100, window_fraction=0.5)
+    t.evicted(WINDOW, ["w1", "w2"])
+    t.evicted(MAIN, ["m1"])
+    assert t.missed(["w1", "w2", "x"])            # two blocks a larger window would have kept
+    grown = t.window_target
+    assert grown > 50 and "w1" not in t.ghosts[WINDOW]
+    assert t.missed(["m1"]) and t.window_target < grown
+    assert not t.missed(["never-seen", "w1"])     # only the run right after the cached prefix counts
+
+
+def test_arc_ghost_lists_hold_only_what_their_region_could_have_gained():
+    t = GhostTuner(10, window_fraction=0.8)       # the window could gain 2 blocks, main 8
+    t.evicted(WINDOW, [f"w{i}" for i in range(5)])
+    t.evicted(MAIN, [f"m{i}" for i in range(12)])
+    assert list(t.ghosts[WINDOW]) == ["w3", "w4"]
+    assert len(t.ghosts[MAIN]) == 8 and "m11" in t.ghosts[MAIN]

@@ -183,6 +183,31 @@ def test_a_window_candidate_that_wins_moves_to_main_and_the_victim_pays():
     assert ix.match(ROOT, toks((500, 532)), 2).cached_blocks == 2
 
 
+def test_a_window_that_is_the_whole_cache_evicts_in_lru_order_without_duels():
+    clock = Clock()
+    ix, sl = PrefixIndex(B, clock=clock), Slots()
+    a, _, _ = insert(ix, sl, toks((0, 32)))
+    clock.t += 1
+    b, _, _ = insert(ix, sl, toks((500, 532)))
+    clock.t += 1
+    ix.unpin(ix.pin(ix.match(ROOT, toks((0, 32)), 2)))  # a is now the most recent
+    ix.window_target = 4
+    duels = []
+    assert ix.evict(2, duel=lambda c, v: duels.append(1) or True) == [b[1], b[0]]
+    assert duels == [] and ix.match(ROOT, toks((0, 32)), 2).cached_blocks == 2
+
+
+def test_hot_leaves_beyond_the_hot_budget_cool_back_into_the_window():
+    ix, sl = PrefixIndex(B), Slots()
+    hot, _, hot_node = insert(ix, sl, toks((0, 32)))
+    ix.mark_hot(hot_node)
+    cold, _, _ = insert(ix, sl, toks((500, 532)))
+    ix.window_target = 4
+    ix.hot_budget = 0  # the main region (and the pinned tier in it) has no share left
+    assert ix.evict(2) == [hot[1], hot[0]]  # cooled to the window's least recent end
+    assert ix.hot_blocks == 0 and ix.match(ROOT, toks((500, 532)), 2).cached_blocks == 2
+
+
 def test_new_blocks_that_overflow_the_window_duel_for_their_slots():
     ix, sl = PrefixIndex(B), Slots()
     insert(ix, sl, toks((0, 32)), main=True)

@@ -27,9 +27,9 @@ def shipped():
     return trace, replay.prepare(trace)
 
 
-def _ratio(trace, requests, capacity: str) -> float:
+def _ratio(trace, requests, capacity: str, policy: str = "kvtier") -> float:
     blocks = replay.capacity_blocks(capacity, trace)
-    k = replay.replay_single(trace, requests, "kvtier", blocks).hit_rate
+    k = replay.replay_single(trace, requests, policy, blocks).hit_rate
     lru = replay.replay_single(trace, requests, "lru", blocks).hit_rate
     return k / lru
 
@@ -52,6 +52,21 @@ def test_on_the_shipped_trace_kvtier_stays_within_4_percent_of_lru_from_1_to_50_
     assert _ratio(*shipped, capacity) >= 0.96
 
 
+@pytest.mark.parametrize("capacity", ("0.01", "3M", "0.05"))
+def test_a_window_that_is_the_whole_cache_is_plain_lru_on_the_shipped_trace(shipped, capacity):
+    # The pinned tier lives in the main region and shrinks with it; with no main
+    # region left, nothing is held against recency (it held ~10% of the slots for
+    # finished conversations, 0.95x LRU at 3M tokens, before).
+    assert 0.999 <= _ratio(*shipped, capacity, policy="kvtier-lru-window") <= 1.002
+
+
+@pytest.mark.parametrize("capacity", SWEEP)
+def test_steered_by_arc_ghost_lists_the_window_never_loses_to_lru_on_the_shipped_trace(shipped, capacity):
+    # The ablation that meets the >= LRU target everywhere (it gives up most of the
+    # gain at 3M tokens: 1.04x); the shipped steering keeps the gain and not this.
+    assert _ratio(*shipped, capacity, policy="kvtier-arc-window") >= 1.0
+
+
 @pytest.mark.parametrize("shape", ["documents", "scan"])
 @pytest.mark.parametrize("share", ["0.01", "0.05", "0.1", "0.25"])
 def test_where_admission_matters_kvtier_is_at_least_lru_on_synthetic_traces(shape, share):
@@ -60,7 +75,8 @@ def test_where_admission_matters_kvtier_is_at_least_lru_on_synthetic_traces(shap
 
 
 @pytest.mark.parametrize("share", ["0.01", "0.05", "0.1", "0.25"])
-def test_on_synthetic_conversations_kvtier_stays_within_a_tenth_of_lru(share):
-    # Measured shortfall: up to ~6% below LRU between 5% and 25%; see BENCHMARKS.md.
+def test_on_synthetic_conversations_kvtier_stays_within_3_percent_of_lru(share):
+    # Measured: 0.981-0.988x LRU from 5% to 25% (holding the window on a level
+    # sample; it was 0.970-0.982x when a level sample shrank it); see docs/TRACE_REPLAY.md.
     trace = tracegen.conversation(4_000)
-    assert _ratio(trace, replay.prepare(trace), share) >= 0.9
+    assert _ratio(trace, replay.prepare(trace), share) >= 0.97
