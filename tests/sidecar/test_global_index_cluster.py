@@ -248,3 +248,89 @@ def test_a_miss_on_one_sidecar_is_served_by_the_peer_found_through_the_cluster_i
         poll(lambda: not rc.hexists(f"kvt:{{{root.digest().hex()}}}:{last}", a.peer))
     finally:
         rc.close()
+
+
+def _admin(node) -> redis_sync.Redis:
+    """A plain (non-cluster) connection to one shard, for the reshard's own commands."""
+    return redis_sync.Redis(host=node.host, port=node.port)
+
+
+def _move_slot(cluster, slot: int, src: int, dst: int, between=None) -> None:
+    """Move `slot` from shard `src` to shard `dst` the way `redis-cli --cluster reshard`
+    does: IMPORTING/MIGRATING, MIGRATE its keys, then SETSLOT NODE on every shard.
+    `between()` runs while the slot is half moved (clients get ASK redirections)."""
+    source, target = _admin(cluster.nodes[src]), _admin(cluster.nodes[dst])
+    try:
+        src_id = source.execute_command("CLUSTER", "MYID").decode()
+        dst_id = target.execute_command("CLUSTER", "MYID").decode()
+        target.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        source.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+
+        def migrate(limit: int) -> None:
+            keys = source.execute_command("CLUSTER", "GETKEYSINSLOT", slot, limit)
+            if keys:
+                source.execute_command("MIGRATE", cluster.host, cluster.nodes[dst].port, "", 0, 5000, "KEYS", *keys)
+        total = source.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)
+        migrate(max(1, total // 2))
+        if between is not None:
+            between()
+        migrate(1 << 20)
+        for node in cluster.nodes:
+            with _admin(node) as admin:
+                admin.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    finally:
+        source.close()
+        target.close()
+
+
+def test_a_slot_moved_between_shards_keeps_lookups_and_registrations_working(redis_cluster):
+    """A reshard under live traffic: while the root's slot is half moved a lookup is the
+    right answer or a miss, never a wrong one nor an exception; once moved, lookups and
+    new registrations work against the new owner without a restart."""
+    async def go():
+        a = GlobalIndex(redis_cluster.url, HOST_A, timeout_s=FUNCTIONAL_DEADLINE_S, cluster=True)
+        me = GlobalIndex(redis_cluster.url, ME, timeout_s=FUNCTIONAL_DEADLINE_S, cluster=True)
+        tag = TAGS[0]
+        a.register(tag, hashes(16))
+        assert await a.flush()
+        assert (await me.longest_prefix(tag, hashes(16))).matched_blocks == 16
+        src = shard_of(redis_cluster, tag)
+        dst = (src + 1) % len(redis_cluster.nodes)
+        with _admin(redis_cluster.nodes[src]) as admin:
+            slot = admin.execute_command("CLUSTER", "KEYSLOT", f"kvt:{{{tag}}}:x")
+        during: list = []
+        loop = asyncio.get_running_loop()
+
+        def half_moved() -> None:
+            # this runs in the event loop's thread: ask from a helper thread and wait
+            import concurrent.futures
+            with concurrent.futures.ThreadPoolExecutor(1) as ex:
+                during.append(ex.submit(asyncio.run, _ask(redis_cluster.url, tag)).result(30))
+
+        try:
+            await loop.run_in_executor(None, _move_slot, redis_cluster, slot, src, dst, half_moved)
+            assert during and during[0] in (None, 16), during  # right, or a miss: never another length
+            assert shard_of(redis_cluster, tag) == dst
+            answer = await me.longest_prefix(tag, hashes(16))
+            assert answer is not None and answer.matched_blocks == 16 and answer.hosts == [HOST_A]
+            a.register(tag, hashes(24))  # a write to the slot's new owner
+            assert await a.flush()
+            assert (await me.longest_prefix(tag, hashes(24))).matched_blocks == 24
+            assert redis_cluster.dbsize(dst) > 0
+        finally:
+            if shard_of(redis_cluster, tag) != src:  # the session's cluster goes back as it was
+                await loop.run_in_executor(None, _move_slot, redis_cluster, slot, dst, src, None)
+        assert (await me.longest_prefix(tag, hashes(24))).matched_blocks == 24
+        for idx in (a, me):
+            await idx.close()
+    run(go())
+
+
+async def _ask(url: str, tag: str) -> int | None:
+    """One lookup from a fresh index client (its own slot map), as another sidecar."""
+    other = GlobalIndex(url, "10.0.0.8:1", timeout_s=FUNCTIONAL_DEADLINE_S, cluster=True)
+    try:
+        answer = await other.longest_prefix(tag, hashes(16))
+        return None if answer is None else answer.matched_blocks
+    finally:
+        await other.close()
