@@ -47,3 +47,20 @@ def operator_process(namespace, operator_kubeconfig, control_plane, tmp_path):
     yield op
     op.stop()
     admin.delete("mutatingwebhookconfiguration", hook)
+
+
+@pytest.fixture
+def operator(namespace, operator_kubeconfig, control_plane, tmp_path, monkeypatch, request):
+    """The operator in this process (kopf's runner), its webhook registered for the
+    test's namespace; `request.param` (indirect parametrize) overrides its options."""
+    from kvtier_testenv.ports import free_port
+    from operator_harness import RunningOperator, operator_options, register_webhook
+
+    port = free_port()
+    options = operator_options(tmp_path, port, **getattr(request, "param", {}))
+    hook = register_webhook(Kubectl(control_plane.kubeconfig), namespace, open(options.webhook_cert, "rb").read(), port)
+    op = RunningOperator(namespace, operator_kubeconfig, options, monkeypatch).start()
+    yield op
+    if op.runner is not None:
+        op.stop()
+    Kubectl(control_plane.kubeconfig).delete("mutatingwebhookconfiguration", hook)

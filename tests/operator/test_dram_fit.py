@@ -8,7 +8,7 @@ from kvtier import policy
 from kvtier_operator import arena_memory
 from operator_harness import events, wait_for
 from sidecar_fleet import serving_pod, tiny_policy
-from test_operator_e2e import operator, short_workdir, status_of  # noqa: F401  (operator: fixture)
+from test_operator_e2e import short_workdir, status_of
 
 NODE_ALLOCATABLE = 512 * 2**30
 

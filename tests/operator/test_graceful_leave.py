@@ -9,7 +9,7 @@ from kvtier import routing
 from kvtier_operator import injection, names
 from operator_harness import wait_for
 from sidecar_fleet import tiny_policy
-from test_operator_e2e import (EpochWatcher, operator,  # noqa: F401 (the operator fixture)
+from test_operator_e2e import (EpochWatcher,
                                Fleet, PROMPTS, affinity_table, new_warm_jobs, short_workdir,
                                wait_table)
 

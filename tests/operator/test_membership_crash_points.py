@@ -17,8 +17,7 @@ import pytest
 
 from kvtier_operator import crashpoints, names
 from operator_harness import wait_for
-from test_operator_e2e import operator  # noqa: F401  (fixture)
-from test_operator_e2e import (Fleet, affinity_table, epochs_in_events, new_warm_jobs, pending_journal, redis_table,
+from test_operator_e2e import (Fleet, affinity_table, epochs_in_events, new_warm_jobs, pending_journal, redis_table, 
                                short_workdir, status_of, wait_table)
 from sidecar_fleet import tiny_policy
 

@@ -9,7 +9,6 @@ import pytest
 from kvtier_operator import names, netpol
 from operator_harness import wait_for
 from sidecar_fleet import tiny_policy
-from test_operator_e2e import operator  # noqa: F401  (fixture)
 
 PEER = 8082
 

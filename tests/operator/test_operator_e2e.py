@@ -20,8 +20,7 @@ from kvtier.affinity import AffinityTable
 from kvtier_operator import names, sidecar_render
 from kvtier_testenv.kubectl import Kubectl
 from operator_cases import EXAMPLES_DIR
-from kvtier_testenv.ports import free_port
-from operator_harness import RunningOperator, events, operator_options, register_webhook, wait_for
+from operator_harness import events, wait_for
 from sidecar_fleet import BLOCK_BYTES, PodSidecar, serving_pod, tiny_policy
 
 
@@ -35,18 +34,6 @@ def affinity_table(kubectl: Kubectl, name: str) -> AffinityTable | None:
     if cm.returncode != 0:
         return None
     return AffinityTable.from_json(json.loads(cm.stdout)["data"][names.AFFINITY_KEY])
-
-
-@pytest.fixture
-def operator(namespace, operator_kubeconfig, control_plane, tmp_path, monkeypatch, request):
-    port = free_port()
-    options = operator_options(tmp_path, port, **getattr(request, "param", {}))
-    hook = register_webhook(Kubectl(control_plane.kubeconfig), namespace, open(options.webhook_cert, "rb").read(), port)
-    op = RunningOperator(namespace, operator_kubeconfig, options, monkeypatch).start()
-    yield op
-    if op.runner is not None:
-        op.stop()
-    Kubectl(control_plane.kubeconfig).delete("mutatingwebhookconfiguration", hook)
 
 
 def short_workdir() -> Path:

@@ -18,25 +18,12 @@ from pydantic import ValidationError
 from kvtier import policy
 from kvtier_operator import names, sidecar_render
 from kvtier_testenv.kubectl import Kubectl
-from kvtier_testenv.ports import free_port
-from operator_harness import RunningOperator, events, operator_options, register_webhook, wait_for
+from operator_harness import events, wait_for
 from sidecar_fleet import tiny_policy
 
 # A ConfigMap's data may hold 1 MiB; the stated margin is 4x at the CRD's bound.
 CONFIGMAP_LIMIT_BYTES = 1 << 20
 MAX_TOKEN_ID = 4294967295
-
-
-@pytest.fixture
-def operator(namespace, operator_kubeconfig, control_plane, tmp_path, monkeypatch):
-    port = free_port()
-    options = operator_options(tmp_path, port)
-    hook = register_webhook(Kubectl(control_plane.kubeconfig), namespace, open(options.webhook_cert, "rb").read(), port)
-    op = RunningOperator(namespace, operator_kubeconfig, options, monkeypatch).start()
-    yield op
-    if op.runner is not None:
-        op.stop()
-    Kubectl(control_plane.kubeconfig).delete("mutatingwebhookconfiguration", hook)
 
 
 def at_the_bound(name: str) -> dict:

@@ -7,28 +7,13 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-import pytest
-
 from kvtier_operator import names
 from kvtier_testenv.kubectl import Kubectl
-from kvtier_testenv.ports import free_port
-from operator_harness import RunningOperator, events, operator_options, register_webhook, wait_for
+from operator_harness import events, wait_for
 from sidecar_fleet import tiny_policy
 from test_operator_e2e import short_workdir, status_of
 
 APP = "shared"
-
-
-@pytest.fixture
-def operator(namespace, operator_kubeconfig, control_plane, tmp_path, monkeypatch):
-    port = free_port()
-    options = operator_options(tmp_path, port)
-    hook = register_webhook(Kubectl(control_plane.kubeconfig), namespace, open(options.webhook_cert, "rb").read(), port)
-    op = RunningOperator(namespace, operator_kubeconfig, options, monkeypatch).start()
-    yield op
-    if op.runner is not None:
-        op.stop()
-    Kubectl(control_plane.kubeconfig).delete("mutatingwebhookconfiguration", hook)
 
 
 def stateful_set(replicas: int) -> dict:

@@ -19,7 +19,7 @@ from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.redis_fixtures import RedisServer
 from operator_harness import OPERATOR_NAMESPACE, wait_for
 from sidecar_fleet import serving_pod, tiny_policy
-from test_operator_e2e import operator, short_workdir  # noqa: F401  (fixture)
+from test_operator_e2e import short_workdir
 
 CHART = os.path.join(os.path.dirname(__file__), "..", "..", "charts", "kvtier")
 SECRET = "redis-auth"

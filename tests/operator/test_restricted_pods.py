@@ -10,7 +10,7 @@ import json
 from kvtier_operator import names
 from kvtier_testenv.kubectl import Kubectl
 from sidecar_fleet import tiny_policy
-from test_operator_e2e import operator, short_workdir, status_of  # noqa: F401  (fixture)
+from test_operator_e2e import short_workdir, status_of
 from operator_harness import wait_for
 
 RESTRICTED_CONTAINER = {

@@ -1,7 +1,6 @@
 """The peer handshake against an attacker on the same network: relay, reflection,
 slow trickle, and secret rotation under load."""
 import os
-import random
 import socket
 import threading
 import time
@@ -10,48 +9,19 @@ import numpy as np
 import pytest
 
 from kvtier_sidecar import wire
-from kvtier_sidecar.arena import Arena
-from kvtier_sidecar.dram import DramTier
 from kvtier_sidecar.peer_keys import PeerKeyring, SecretFileWatch
 from kvtier_sidecar.peer_tcp import PeerAuthError, PeerServer, TcpTransport, recv_exact
-from kvtier_testenv.workload import SyntheticOracle
 
-ORACLE = SyntheticOracle()
-BB = ORACLE.block_bytes
+from .test_peer_transport import BB, ORACLE, Sink, fill, tier  # noqa: F401  (tier: fixture)
+
 SECRET = b"fleet-secret"
-# The issue's slow-trickle attack: one more connection than the server has slots,
+# The slow-trickle attack (docs/SECURITY.md): one more connection than the server has slots,
 # each sending one byte every 0.6 s.
 TRICKLERS = 9
 TRICKLE_EVERY_S = 0.6
 # Deadlines for the legitimate side where the test is not about time: a loaded shared
 # machine must not turn a slow answer into a failed fetch.
 SLACK_S = 5.0
-
-
-@pytest.fixture()
-def tier():
-    arena = Arena.create(f"kvt-sec-{os.getpid()}-{random.randrange(1 << 30)}", 64, BB)
-    t = DramTier(arena, 16, min_sightings=1, kv_heads=2)
-    yield t
-    arena.close()
-
-
-def fill(tier: DramTier, tenant: str, tokens: np.ndarray) -> np.ndarray:
-    root = ORACLE.root(tenant)
-    kv = ORACLE.kv(root, tokens)
-    res = tier.reserve(root, tokens, None, None, admit=False)
-    for i, slot in enumerate(res.slots):
-        tier.slot_array(slot)[:] = kv[(res.first_block + i) * BB:(res.first_block + i + 1) * BB]
-    assert tier.commit(res, len(res.slots)) == len(res.slots)
-    return kv
-
-
-class Sink:
-    def __init__(self, n_max: int = 64) -> None:
-        self.buf = np.zeros(n_max * BB, np.uint8)
-
-    def reserve(self, n: int):
-        return [memoryview(self.buf)[i * BB:(i + 1) * BB] for i in range(n)]
 
 
 def tokens_of(n, seed=0):
