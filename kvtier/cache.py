@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -75,6 +76,11 @@ from kvtier.radix import Match, Node, PrefixIndex
 TIER_DRAM = "dram"
 TIER_PINNED = "pinned"
 TIERS = (TIER_PINNED, TIER_DRAM)
+
+MAX_TENANT_COUNTERS = 10_000
+"""Per-tenant lookup counters are kept for this many most recently active tenants;
+the others count only in the whole-cache totals, so a million one-off tenants cost
+no memory here (the sidecar's own top-N table is what reports tenants)."""
 
 DEFAULT_QUEUE_CAPACITY = 256
 """Pending stores; each holds a reference to its KV until applied, so keep it modest."""
@@ -176,7 +182,10 @@ class CacheStats:
     """A snapshot of the cache; per-tenant when asked for a tenant.
 
     Lookup, hit, token, stored and byte figures are the tenant's own when `tenant` is
-    set; admission, thrash and queue state are cache-wide either way.
+    set; admission, thrash and queue state are cache-wide either way. A tenant's own
+    lookup figures are kept while it is among the `MAX_TENANT_COUNTERS` most recently
+    active, its evictions while it holds blocks; the whole-cache figures count
+    everything.
     """
 
     tenant: str | None
@@ -267,9 +276,9 @@ class LocalCache:
         self._queue: StoreQueue[_PendingStore] = StoreQueue(queue_capacity)
         self._lock = threading.RLock()
         self._reservations: dict[int, Reservation] = {}
-        self._tenants: dict[str, _TenantCounters] = {}
+        self._tenants: OrderedDict[str, _TenantCounters] = OrderedDict()  # least recently active first
+        self._total = _TenantCounters()  # every tenant's, including those no longer in `_tenants`
         self._evictions = 0
-        self._tenant_evictions: dict[str, int] = {}
         self._stores_enqueued = 0
         self._stores_applied = 0
         self._invalidated_blocks = 0
@@ -293,9 +302,11 @@ class LocalCache:
         with self._lock:
             m = self._index.match(root, tb, n_full)
             hashes = self._sight(root, tb, m, n_full)
-            counters = self._tenant(root.tenant)
+            counters, total = self._tenant(root.tenant), self._total
             counters.lookups += 1
             counters.prompt_tokens += len(tokens)
+            total.lookups += 1
+            total.prompt_tokens += len(tokens)
             matched = min(m.cached_blocks, limit)
             self._adapt(hashes, limit, matched, m.cached_blocks)
             if matched == 0:
@@ -307,6 +318,9 @@ class LocalCache:
             counters.hits += 1
             counters.matched_tokens += matched * self.block_size
             counters.tier_hits[tier] += 1
+            total.hits += 1
+            total.matched_tokens += matched * self.block_size
+            total.tier_hits[tier] += 1
             return Hit(matched * self.block_size, self._index.slots_to(node), tier, root, node, self)
 
     def peek(self, root: KeyRoot, token_ids: Any, *, allow_full: bool = False) -> int:
@@ -422,6 +436,7 @@ class LocalCache:
             self._pool.give_back(unused)
             added = n - len(unused)
             self._tenant(res.root.tenant).stored_blocks += added
+            self._total.stored_blocks += added
             return added
 
     def abort(self, res: Reservation) -> None:
@@ -525,16 +540,8 @@ class LocalCache:
 
     def stats(self, tenant: str | None = None) -> CacheStats:
         with self._lock:
-            if tenant is None:
-                c = _TenantCounters()
-                for t in self._tenants.values():
-                    c.lookups += t.lookups
-                    c.hits += t.hits
-                    c.prompt_tokens += t.prompt_tokens
-                    c.matched_tokens += t.matched_tokens
-                    c.stored_blocks += t.stored_blocks
-                    for k, v in t.tier_hits.items():
-                        c.tier_hits[k] += v
+            if tenant is None:  # kept as running totals: no walk over the tenants
+                c = self._total
                 blocks, evictions = self._index.num_blocks, self._evictions
             else:
                 c = self._tenants.get(tenant, _TenantCounters())
@@ -575,9 +582,14 @@ class LocalCache:
         return view[:size]
 
     def _tenant(self, tenant: str) -> _TenantCounters:
-        c = self._tenants.get(tenant)
+        tenants = self._tenants
+        c = tenants.get(tenant)
         if c is None:
-            c = self._tenants[tenant] = _TenantCounters()
+            c = tenants[tenant] = _TenantCounters()
+            if len(tenants) > MAX_TENANT_COUNTERS:
+                tenants.popitem(last=False)  # its counts live on in the totals
+        else:
+            tenants.move_to_end(tenant)
         return c
 
     def _sight(self, root: KeyRoot, tb: bytes, m: Match, n_full: int) -> list[BlockHash]:

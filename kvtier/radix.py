@@ -123,6 +123,8 @@ class PrefixIndex:
         self.dead_blocks = 0
         self.hot_blocks = 0
         self.num_nodes = 0
+        # Per tenant holding blocks (an entry goes when its tenant's last block does, so
+        # both stay bounded by the slots, however many tenants come and go).
         self.tenant_blocks: dict[str, int] = {}
         self.tenant_evictions: dict[str, int] = {}
 
@@ -409,9 +411,9 @@ class PrefixIndex:
         node.slots = node.slots[:keep]
         node.hashes = node.hashes[:keep]
         node.tokens = node.tokens[:keep * self.block_token_bytes]
-        self._count_blocks(node, -k)
         t = node.root.tenant
         self.tenant_evictions[t] = self.tenant_evictions.get(t, 0) + k
+        self._count_blocks(node, -k)
         if keep:
             node.version += 1  # its queued entry (if any) is stale now
             self._push(node)
@@ -583,7 +585,12 @@ class PrefixIndex:
         if n.hot:
             self.hot_blocks += delta
         t = n.root.tenant
-        self.tenant_blocks[t] = self.tenant_blocks.get(t, 0) + delta
+        left = self.tenant_blocks.get(t, 0) + delta
+        if left:
+            self.tenant_blocks[t] = left
+        else:
+            self.tenant_blocks.pop(t, None)
+            self.tenant_evictions.pop(t, None)
 
 
 def _equal_prefix_blocks(edge: bytes, prompt: bytes, offset: int, n: int, block_size: int) -> int:

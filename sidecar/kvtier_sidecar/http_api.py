@@ -23,6 +23,8 @@ and nothing changes. /healthz and /readyz are always open (the kubelet probes th
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
 
@@ -65,14 +67,24 @@ async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel | web
 
 PROTECTED_PREFIX = "/cache/"
 
+REPORT_THREADS = 1
+"""`/cache/stats` and `/metrics` are assembled on one thread of their own, never on
+the event loop that also serves the engine socket: a scrape storm queues behind
+itself and does not hold up an engine's lookup."""
+
 
 def make_app(service, auth=None, protect_metrics: bool = False) -> web.Application:
     """`auth`: a control_auth.TokenReviewer, or None for an open control API."""
+    reports = concurrent.futures.ThreadPoolExecutor(REPORT_THREADS, thread_name_prefix="report")
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(reports, fn, *args)
+
     async def stats(request: web.Request) -> web.Response:
         tenant = request.query.get("tenant")
         if tenant is not None and not (0 < len(tenant) <= api.MAX_NAME_CHARS):
             return _bad(f"tenant must be 1-{api.MAX_NAME_CHARS} characters")
-        return web.json_response(api.dump(service.stats(tenant)))
+        return web.json_response(api.dump(await off_loop(service.stats, tenant)))
 
     async def invalidate(request: web.Request) -> web.Response:
         body = await _body(request, api.InvalidateRequest)
@@ -114,7 +126,7 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
         return web.json_response(api.dump(api.Jobs(service.jobs())))
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=service.metrics_text(), content_type="text/plain", charset="utf-8",
+        return web.Response(body=await off_loop(service.metrics_text), content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 
     async def healthz(request: web.Request) -> web.Response:
@@ -146,6 +158,10 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
         return web.json_response({"error": decision.reason}, status=decision.status, headers=headers)
 
     app = web.Application(middlewares=[never_crash, authenticated], client_max_size=MAX_BODY_BYTES)
+
+    async def stop_reports(app: web.Application) -> None:
+        reports.shutdown(wait=False, cancel_futures=True)
+    app.on_cleanup.append(stop_reports)
     app.router.add_get("/cache/stats", stats)
     app.router.add_post("/cache/invalidate", invalidate)
     app.router.add_post("/cache/warm", warm)

@@ -58,9 +58,11 @@ class TenantCounters:
     def add(self, other: "TenantCounters") -> None:
         self.lookups += other.lookups
         self.lookup_tokens += other.lookup_tokens
-        self.hits.update(other.hits)
-        self.hit_tokens.update(other.hit_tokens)
-        self.served_bytes.update(other.served_bytes)
+        # dict(...) copies in one step: reports add these up off the event loop while
+        # the loop may add a tier's first key.
+        self.hits.update(dict(other.hits))
+        self.hit_tokens.update(dict(other.hit_tokens))
+        self.served_bytes.update(dict(other.served_bytes))
         self.peer_bytes += other.peer_bytes
         self.stores += other.stores
         self.stores_declined += other.stores_declined
@@ -142,13 +144,13 @@ class TenantMetrics:
     def total(self) -> TenantCounters:
         out = TenantCounters()
         out.add(self.other)
-        for c in self.tenants.values():
+        for c in list(self.tenants.values()):  # a copy: reports read this off the event loop
             out.add(c)
         return out
 
     def bucketed(self, top_n: int) -> dict[str, TenantCounters]:
         """The top_n tenants by lookups, plus OTHER holding the rest."""
-        ranked = sorted(self.tenants.items(), key=lambda kv: kv[1].lookups, reverse=True)
+        ranked = sorted(list(self.tenants.items()), key=lambda kv: kv[1].lookups, reverse=True)
         out = {name: c for name, c in ranked[:top_n]}
         rest = TenantCounters()
         rest.add(self.other)

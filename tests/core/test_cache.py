@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvtier.cache as cache_mod
-from kvtier.cache import Hit, LocalCache, Miss
+from kvtier.cache import MAX_TENANT_COUNTERS, Hit, LocalCache, Miss
 from kvtier.eviction import CAFFEINE_WINDOW_FRACTION, PolicyConfig
 from kvtier.keys import KeyRoot
 
@@ -557,3 +557,22 @@ def test_peek_neither_pins_nor_counts():
     fresh = np.arange(900, 964, dtype=np.uint32)
     c.peek(ROOT, fresh)
     assert before_additions(c) == sighted   # peek was not a sighting
+
+
+def test_per_tenant_state_stays_bounded_under_many_one_off_tenants_and_totals_are_conserved():
+    c = make(blocks=8, policy=SMALL_WINDOW)
+    n = MAX_TENANT_COUNTERS + 2_000
+    doc = np.arange(16, dtype=np.uint32)
+    for i in range(n):                               # every tenant: one lookup, one stored block
+        root = KeyRoot(f"t{i}", "m", "v1", "fp16", "rope", "attn")
+        c.release(c.lookup(root, np.append(doc, 0)))
+        c.store(root, doc, kv(doc))
+        c.flush()
+    s = c.stats()
+    assert s.lookups == n and s.stored_blocks == n and s.evictions == n - 8
+    assert len(c._tenants) == MAX_TENANT_COUNTERS                     # the oldest tenants' counters went
+    assert len(c._index.tenant_blocks) <= 8 and len(c._index.tenant_evictions) <= 8
+    first = c.stats("t0")                                              # forgotten: nothing held, not recent
+    assert first.lookups == 0 and first.blocks_used == 0 and first.evictions == 0
+    last = c.stats(f"t{n - 1}")                                        # recent and holding its block: exact
+    assert last.lookups == 1 and last.stored_blocks == 1 and last.blocks_used == 1

@@ -57,3 +57,44 @@ def test_a_one_off_newcomer_inherits_the_evicted_count_and_cannot_push_out_a_hea
     m.lookup("b", 10, None, 0)  # evicts "a" (1 event), inherits its count
     m.lookup("c", 10, None, 0)  # evicts "b" (weight 2), not "heavy" (5)
     assert set(m.tenants) == {"heavy", "c"} and m.other.lookups == 2 and m.total().lookups == 8
+
+
+def test_stats_and_metrics_assembled_off_the_event_loop_stay_exact_while_new_tenants_arrive(spawn, oracle):
+    # Reports are assembled on their own thread while the event loop keeps adding
+    # tenants (and their first tier keys): every report answers 200, none raises, and
+    # once the traffic stops the totals count every lookup.
+    import json
+    import threading
+
+    from kvtier_sidecar.client import SidecarClient
+    from .test_sidecar_process import prompt, seed_cache
+
+    side = spawn(stats_max_tenants=50)
+    client = SidecarClient(side.socket)
+    tokens = prompt(64)
+    seed_cache(client, oracle, "shared", tokens)
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.is_set():
+            for path in ("/cache/stats", "/metrics"):
+                statuses.append(side.get(path)[0])
+
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    try:
+        n = 1_500
+        for i in range(n):
+            hit = client.lookup(oracle.root(f"t{i}"), tokens)   # a miss for a new tenant
+            client.release(hit)
+            client.release(client.lookup(oracle.root("shared"), tokens))
+    finally:
+        stop.set()
+        scraper.join(30)
+    assert statuses and set(statuses) == {200}, sorted(set(statuses))
+    stats = side.stats()
+    assert stats["lookups"] == n * 2 + 2          # seed_cache looked up twice
+    assert stats["tenants_total"] >= 50 and len(stats["tenants"]) <= 50
+    status, body = side.get("/cache/stats?tenant=shared")
+    assert status == 200 and json.loads(body)["hits"] == n + 1
