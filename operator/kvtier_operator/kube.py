@@ -133,6 +133,15 @@ class Kube:
                 return None
             raise
 
+    async def list_policies(self, namespace: str, timeout_s: float) -> list[dict[str, Any]]:
+        """The namespace's policies straight from the apiserver (the webhook's answer
+        while the operator's own index is still loading)."""
+        listed = await asyncio.to_thread(
+            self.custom.list_namespaced_custom_object, policy.GROUP, policy.VERSION, namespace, policy.PLURAL,
+            _request_timeout=timeout_s,
+        )
+        return list(listed.get("items") or [])
+
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         await asyncio.to_thread(
             self.custom.patch_namespaced_custom_object_status,
