@@ -196,6 +196,20 @@ class Kube:
         except ValueError:
             return None
 
+    async def nodes_allocatable_memory(self, label_selector: str) -> dict[str, int]:
+        """Allocatable memory in bytes of the nodes `label_selector` matches (a pod's
+        nodeSelector; empty: every node), by node name; nodes without the figure are left out."""
+        listed = await asyncio.to_thread(self.core.list_node, label_selector=label_selector)
+        out = {}
+        for node in listed.items:
+            memory = ((node.status.allocatable if node.status else None) or {}).get("memory")
+            try:
+                if memory:
+                    out[node.metadata.name] = policy.parse_quantity_bytes(memory)
+            except ValueError:
+                continue
+        return out
+
     async def read_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
         assert self.apps is not None
         try:
