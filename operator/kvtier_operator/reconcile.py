@@ -265,8 +265,12 @@ async def _candidate_nodes(kube: Kube, unscheduled: dict[str, tuple[tuple[str, s
     (one node LIST per distinct nodeSelector: a workload's pods share theirs)."""
     by_selector: dict[tuple[tuple[str, str], ...], dict[str, int]] = {}
     for node_selector in set(unscheduled.values()):
-        by_selector[node_selector] = await kube.nodes_allocatable_memory(
-            ",".join(f"{k}={v}" for k, v in node_selector))
+        label_selector = ",".join(f"{k}={v}" for k, v in node_selector)
+        try:
+            by_selector[node_selector] = await kube.nodes_allocatable_memory(label_selector)
+        except ApiException as exc:  # advisory: never let it stop the membership pass
+            log.warning("cannot list nodes %r for DramFits: %s %s", label_selector, exc.status, exc.reason)
+            by_selector[node_selector] = {}
     return {pod: by_selector[node_selector] for pod, node_selector in unscheduled.items()}
 
 
