@@ -30,10 +30,11 @@ def test_dram_tier_larger_than_the_nodes_allocatable_memory_is_a_condition_with_
     kubectl.apply(serving_pod("big-0", "big"))
     kubectl.apply(serving_pod("small-0", "small"))
     need = arena_memory.sidecar_memory_bytes(policy.parse_policy(big).spec)
-    cond = wait_for("big: DramFits False", lambda: (c := dram_fits(kubectl, "big")) and c["status"] == "False" and c,
-                    timeout_s=60)
-    assert cond["reason"] == "NodeTooSmall"
-    assert f"node {agent.node_name}: allocatable memory {NODE_ALLOCATABLE} bytes < {need} bytes" in cond["message"]
+    # Until the node agent binds big-0 it is a pending pod (named as such); then its node is.
+    bound = f"node {agent.node_name}: allocatable memory {NODE_ALLOCATABLE} bytes < {need} bytes"
+    cond = wait_for("big: DramFits False on its node", lambda: (c := dram_fits(kubectl, "big"))
+                    and c["status"] == "False" and bound in c["message"] and c, timeout_s=60)
+    assert cond["reason"] == "NodeTooSmall" and "cannot be scheduled" not in cond["message"]
     assert wait_for("event", lambda: events(kubectl, "big", "DramDoesNotFit"))
     ok = wait_for("small: DramFits True on its node", lambda: (c := dram_fits(kubectl, "small"))
                   and c["message"].startswith("1 node(s)") and c, timeout_s=60)
