@@ -199,7 +199,9 @@ class Kube:
     async def nodes_allocatable_memory(self, label_selector: str) -> dict[str, int]:
         """Allocatable memory in bytes of the nodes `label_selector` matches (a pod's
         nodeSelector; empty: every node), by node name; nodes without the figure are left out."""
-        listed = await asyncio.to_thread(self.core.list_node, label_selector=label_selector)
+        # resourceVersion "0": served from the apiserver's cache, never etcd; this
+        # advisory check repeats on every membership pass while a pod is unscheduled.
+        listed = await asyncio.to_thread(self.core.list_node, label_selector=label_selector, resource_version="0")
         out = {}
         for node in listed.items:
             memory = ((node.status.allocatable if node.status else None) or {}).get("memory")
