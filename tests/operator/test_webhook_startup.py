@@ -2,13 +2,17 @@
 webhook server is up, possibly before the policy index has loaded the policies that
 already exist. Until the index is known loaded the webhook decides from a LIST on the
 apiserver, so a pod created in an operator's first moments still gets its sidecar.
-Real apiserver, the operator's own ServiceAccount, the real webhook."""
+Real apiserver, the operator's own ServiceAccount, the real webhook. The handler is
+also called directly with an empty index (the gap, made certain); the end-to-end test
+creates a pod the moment the webhook listens, which may or may not fall in the gap."""
 from __future__ import annotations
 
 import asyncio
 import socket
 
-from kvtier_operator import admission_policies, names
+import kopf
+
+from kvtier_operator import admission_policies, handlers, names
 from kvtier_operator.kube import Kube
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.ports import free_port
@@ -39,6 +43,26 @@ def test_until_the_index_is_loaded_the_webhook_reads_policies_from_the_apiserver
         assert asyncio.run(source.entries(kube, namespace, stale_index)) == stale_index
     finally:
         kube.close()
+
+
+def test_the_webhook_handler_injects_from_the_apiserver_while_its_index_is_still_empty(
+        namespace, kubectl, operator_kubeconfig, monkeypatch, tmp_path):
+    kubectl.apply(tiny_policy("early", "llm"))
+    memo = kopf.Memo()
+    memo.kube = operator_kube(operator_kubeconfig, monkeypatch)
+    memo.admission = admission_policies.AdmissionPolicies()  # a fresh operator: nothing loaded
+    memo.options = operator_options(tmp_path)
+    pod = serving_pod("llm-0", "llm")
+    pod["metadata"]["namespace"] = namespace
+    body = kopf.Body(pod)
+    patch = kopf.Patch(body=body)
+    try:
+        asyncio.run(handlers.inject_sidecar(body=body, patch=patch, memo=memo, policies_by_namespace={}))
+    finally:
+        memo.kube.close()
+    assert patch["metadata"]["annotations"][names.INJECTED_ANNOTATION] == "early"
+    assert names.SIDECAR_CONTAINER in [c["name"] for c in patch["spec"]["containers"]
+                                       + patch["spec"].get("initContainers", [])]
 
 
 def test_a_failed_list_falls_back_to_the_index(namespace, kubectl, control_plane, monkeypatch):
@@ -73,8 +97,8 @@ def test_a_pod_created_the_moment_the_operator_starts_gets_its_sidecar(
         kubectl.apply(serving_pod("llm-0", "llm"))  # at once: the index may not have loaded yet
         created = kubectl.get_json("pod", "llm-0")
         assert created["metadata"]["annotations"][names.INJECTED_ANNOTATION] == "present"
-        assert "kvtier-sidecar" in [c["name"] for c in created["spec"]["containers"]
-                                    + created["spec"].get("initContainers", [])]
+        assert names.SIDECAR_CONTAINER in [c["name"] for c in created["spec"]["containers"]
+                                           + created["spec"].get("initContainers", [])]
     finally:
         if op.runner is not None:
             output = op.stop()
