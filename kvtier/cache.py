@@ -255,8 +255,9 @@ class LocalCache:
             self.num_slots, doorkeeper=self.policy.doorkeeper))
         self._climber = HillClimber(self.num_slots, self.policy.window_fraction) \
             if self.policy.adapt == "climb" else None
-        self._reference = LruReferenceTuner(self.num_slots, self.policy.window_fraction) \
-            if self.policy.adapt == "shadow" else None
+        self._reference = LruReferenceTuner(self.num_slots, self.policy.window_fraction,
+                                            symmetric=self.policy.adapt == "symmetric") \
+            if self.policy.adapt in ("shadow", "symmetric") else None
         self._ghost = GhostTuner(self.num_slots, self.policy.window_fraction) \
             if self.policy.adapt == "ghost" else None
         if self._ghost is not None:
@@ -635,7 +636,9 @@ class LocalCache:
 
     @property
     def pinned_budget_blocks(self) -> int:
-        """Blocks the pinned tier may hold now."""
+        """Blocks the pinned tier may hold now: a share of the main region, so none
+        while the window is the whole cache (the shipped policy starts there, as
+        LRU, and opens the main region as it takes frequency admission)."""
         return self._index.hot_budget
 
     def _maybe_promote(self, node: Node, matched_blocks: int) -> None:
@@ -695,11 +698,12 @@ class LocalCache:
             if sightings is not None and self.policy.duel:
                 incoming = lambda victim: self._admission.duel_sightings(  # noqa: E731
                     sightings, self._index.policy.frequency(victim.freq, self.clock()))
-            freed = self._index.evict(n - len(slots), self._duel, incoming)
+            need = n - len(slots)
+            freed = self._index.evict(need, self._duel, incoming)
             if freed:
                 self._evictions += len(freed)
-                self._pool.give_back(freed)
-                slots.extend(self._pool.take(n - len(slots)))
+                slots.extend(freed[:need])  # straight to the new blocks, not through the free pool
+                self._pool.give_back(freed[need:])
         slots.sort()
         return slots
 

@@ -12,12 +12,15 @@ Caffeine's W-TinyLFU, adapted to a tree whose leaves alone may be evicted:
   (`admits`); otherwise the candidate is evicted. So a stream of one-shot prompts
   churns through the window and never displaces what is reused.
 * The window's share is tuned online against a shadow LRU of the same size
-  (`LruReferenceTuner`): when LRU would have matched more blocks over a sample, the
-  window grows toward plain LRU (recency-heavy traffic: conversations, whose blocks'
-  first reuse is the next turn); when it matched fewer, the window shrinks toward
-  strict frequency-based admission (hot prompts under a scan); level, it stays. Caffeine's hill climbing on the hit rate
-  (`HillClimber`) is kept as an ablation: measured on the shipped conversation trace,
-  its per-sample hit rates were too noisy to steer by (docs/TRACE_REPLAY.md).
+  (`LruReferenceTuner`). The cache starts as plain LRU (a whole-cache window: what
+  the engine already has) and takes frequency admission only as far as it keeps up
+  with that shadow: each sample ahead of LRU shrinks the window one step (and the
+  first level one, to start exploring; stricter admission: hot prompts under a scan, shared prefixes in a small
+  cache); each sample behind grows it two steps (recency-heavy traffic:
+  conversations, whose blocks' first reuse is the next turn). Caffeine's hill
+  climbing on the hit rate (`HillClimber`) and ARC's ghost lists (`GhostTuner`) are
+  kept as ablations: measured on the shipped conversation trace, per-sample hit
+  rates were too noisy to climb by (docs/TRACE_REPLAY.md).
 
 Main's order is not Caffeine's segmented LRU: each node keeps a decayed hit count
 
@@ -50,8 +53,12 @@ DEFAULT_HALF_LIFE_S = 300.0
 """A prefix's frequency halves every five minutes unseen: long enough to keep a system
 prompt across a quiet spell, short enough that a finished conversation ages out."""
 
-WINDOW_INITIAL_FRACTION = 0.01
-"""Caffeine's starting window: 1% of the capacity, then the tuner moves it."""
+WINDOW_INITIAL_FRACTION = 1.0
+"""The shipped policy starts as plain LRU (a whole-cache window); the tuner moves it."""
+
+CAFFEINE_WINDOW_FRACTION = 0.01
+"""Caffeine's starting window, 1% of the capacity: where the hill-climbing ablation
+starts, and the fixed window of the fixed-window ablation."""
 
 WINDOW_MAX_FRACTION = 1.0
 """The tuner may grow the window to the whole cache (plain LRU)."""
@@ -60,9 +67,15 @@ CLIMB_STEP_FRACTION = 0.0625
 """First hill-climbing step: 6.25% of the capacity (Caffeine's)."""
 
 REFERENCE_STEP_FRACTION = 0.125
-"""Each sample behind (ahead of) the shadow LRU moves the window by 12.5% of the
-capacity: eight samples span the whole range, so the window reaches LRU's regime
-within a few capacities' worth of traffic."""
+"""Each sample ahead of the shadow LRU shrinks the window by 12.5% of the capacity:
+eight samples span the whole range."""
+
+REFERENCE_RETREAT_STEPS = 2
+"""Each sample behind the shadow LRU grows the window by two steps: a sample behind
+LRU costs the user hit rate, a sample level gains nothing, so the tuner retreats
+toward LRU faster than it advances away from it (measured in docs/TRACE_REPLAY.md:
+with equal steps it oscillated across the point where it equals LRU and lost to
+LRU at mid-size caches)."""
 
 CLIMB_STEP_DECAY = 0.98
 """Each step is 2% smaller than the last, so the window settles."""
@@ -76,9 +89,10 @@ CLIMB_SAMPLE_FACTOR = 1.0
 traffic to have cycled the cache once, so a window change has shown its effect."""
 
 
-ADAPTATIONS = ("shadow", "climb", "off", "ghost")
-"""How the window's share moves: against a shadow LRU (the default), by Caffeine's
-hill climbing on the hit rate, not at all, or by ARC's ghost lists."""
+ADAPTATIONS = ("shadow", "symmetric", "climb", "off", "ghost")
+"""How the window's share moves: against a shadow LRU (the default; "symmetric" is
+its earlier form, one step either way and holding when level), by Caffeine's hill
+climbing on the hit rate, not at all, or by ARC's ghost lists."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,11 +212,12 @@ class ShadowLru:
     Costs one dict operation per prompt block and ~100 bytes per slot.
     """
 
-    __slots__ = ("capacity", "_blocks")
+    __slots__ = ("capacity", "_blocks", "evictions")
 
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity = capacity_blocks
         self._blocks: OrderedDict[Hashable, None] = OrderedDict()
+        self.evictions = 0
 
     def access(self, hashes: list, limit: int) -> int:
         """Serve one prompt's full blocks (in order); returns the blocks LRU would have
@@ -219,8 +234,11 @@ class ShadowLru:
                 blocks.move_to_end(h)
             else:
                 blocks[h] = None
-        for _ in range(len(blocks) - self.capacity):
-            blocks.popitem(last=False)
+        over = len(blocks) - self.capacity
+        if over > 0:
+            self.evictions += over
+            for _ in range(over):
+                blocks.popitem(last=False)
         return min(hit, limit)
 
 
@@ -229,23 +247,30 @@ class LruReferenceTuner:
 
     Every sample (lookups covering `capacity` blocks) compares the blocks this cache
     matched with what a same-size `ShadowLru` matched. Behind LRU: the window grows
-    by a step (toward LRU, which a full-size window is). Ahead of LRU: it shrinks by
-    a step (toward stricter frequency admission, which is where the cache gains over
-    LRU). Level: it stays, since a tie says nothing (measured: shrinking on ties cost
-    1-1.6% on synthetic conversations, where LRU's regime is the right one). The sign
-    of a whole sample's difference is a steadier signal than the change of the hit
-    rate between two samples.
+    by `REFERENCE_RETREAT_STEPS` steps (toward LRU, which a full-size window is).
+    Ahead of LRU: it shrinks by a step (toward stricter frequency admission, which is
+    where the cache gains over LRU). Level: it holds (a tie says nothing), except at
+    a whole-cache window, where the cache is LRU and can only ever be level, so a
+    step down is the only way to start exploring. A sample in which
+    the shadow LRU evicted nothing holds the window: while the cache has room, the
+    window's share decides nothing, and exploring then only costs hit rate later. The sign of a whole
+    sample's difference is a steadier signal than the change of the hit rate between
+    two samples (Caffeine's climb), because LRU's hit rate over the same lookups
+    cancels the workload's own swings.
     """
 
     __slots__ = ("capacity", "window_target", "step", "shadow", "_looked", "_ours", "_lru", "adjustments",
-                 "last_ours", "last_lru")
+                 "last_ours", "last_lru", "symmetric", "_evictions")
 
-    def __init__(self, capacity_blocks: int, window_fraction: float = WINDOW_INITIAL_FRACTION) -> None:
+    def __init__(self, capacity_blocks: int, window_fraction: float = WINDOW_INITIAL_FRACTION,
+                 symmetric: bool = False) -> None:
+        self.symmetric = symmetric  # the ablation: one step either way, holding when level
         self.capacity = capacity_blocks
         self.window_target = capacity_blocks * window_fraction
         self.step = capacity_blocks * REFERENCE_STEP_FRACTION
         self.shadow = ShadowLru(capacity_blocks)
         self._looked = self._ours = self._lru = 0
+        self._evictions = 0  # the shadow's, when the sample began
         self.adjustments = 0
         self.last_ours = self.last_lru = 0  # blocks matched over the last whole sample
 
@@ -257,11 +282,19 @@ class LruReferenceTuner:
         self._looked += len(hashes)
         if self._looked < self.capacity * CLIMB_SAMPLE_FACTOR:
             return False
-        behind, ahead = self._ours < self._lru, self._ours > self._lru
+        behind, level = self._ours < self._lru, self._ours == self._lru
+        full = self.shadow.evictions > self._evictions
         self.last_ours, self.last_lru = self._ours, self._lru
         self._looked = self._ours = self._lru = 0
+        self._evictions = self.shadow.evictions
         before = self.window_target
-        target = before + self.step if behind else before - self.step if ahead else before
+        if not full:
+            target = before  # not even LRU evicted: no sample says anything about the window
+        elif self.symmetric:
+            target = before + (self.step if behind else 0.0 if level else -self.step)
+        else:
+            target = before + (REFERENCE_RETREAT_STEPS * self.step if behind
+                               else 0.0 if level and before < self.capacity else -self.step)
         self.window_target = min(float(self.capacity), max(0.0, target))
         self.adjustments += 1
         return self.window_target != before

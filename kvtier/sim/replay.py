@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.eviction import PolicyConfig
+from kvtier.eviction import CAFFEINE_WINDOW_FRACTION, PolicyConfig
 from kvtier.keys import KeyRoot
 from kvtier.sim.caches import KvtierCache, LruCache, OracleCache, _hit_blocks
 from kvtier.sim.trace import DEFAULT_BLOCK_ELEMS, Trace, TraceError, TracePrompts
@@ -33,8 +33,9 @@ ROOT = KeyRoot("trace", "model", "weights", "fp16", "rope", "attn")
 
 KVTIER_VARIANTS: dict[str, PolicyConfig] = {
     "kvtier": PolicyConfig(),
-    "kvtier-hill-climb": PolicyConfig(adapt="climb"),
-    "kvtier-fixed-window": PolicyConfig(adapt="off"),
+    "kvtier-hill-climb": PolicyConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="climb"),
+    "kvtier-fixed-window": PolicyConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="off"),
+    "kvtier-symmetric-shadow": PolicyConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="symmetric"),
     "kvtier-window-50": PolicyConfig(window_fraction=0.5, adapt="off"),
     "kvtier-window-75": PolicyConfig(window_fraction=0.75, adapt="off"),
     "kvtier-lru-window": PolicyConfig(window_fraction=1.0, adapt="off"),
@@ -43,7 +44,9 @@ KVTIER_VARIANTS: dict[str, PolicyConfig] = {
     "kvtier-no-doorkeeper": PolicyConfig(doorkeeper=False),
     "kvtier-no-duel": PolicyConfig(duel=False),
 }
-"""The shipped policy and, for the ablation, each part of it switched off; the
+"""The shipped policy and, for the ablation, each part of it switched off; hill-climb
+and fixed-window start at Caffeine's 1% window; symmetric-shadow is the earlier
+shadow-LRU steering (from 1%, one step either way, holding when level); the
 window-50/75 variants hold the window at half / three quarters of the cache with no
 tuner (what a tuner could find), lru-window at the whole cache (it must equal
 plain LRU); arc-window starts at the whole cache and moves it by ARC's ghost lists

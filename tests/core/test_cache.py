@@ -8,13 +8,18 @@ import pytest
 
 import kvtier.cache as cache_mod
 from kvtier.cache import Hit, LocalCache, Miss
-from kvtier.eviction import PolicyConfig
+from kvtier.eviction import CAFFEINE_WINDOW_FRACTION, PolicyConfig
 from kvtier.keys import KeyRoot
 
 B = 16
 BB = 64  # bytes per block: small, so payloads are cheap to check
 ROOT = KeyRoot("acme", "m", "w1", "fp16", "rope", "flash")
 OTHER_TENANT = KeyRoot("globex", "m", "w1", "fp16", "rope", "flash")
+
+
+SMALL_WINDOW = PolicyConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="off")
+"""W-TinyLFU with Caffeine's 1% window and no tuner: the duel decides every eviction
+(the shipped policy starts as LRU and moves there only while it keeps up)."""
 
 
 class Clock:
@@ -98,7 +103,7 @@ def test_free_space_takes_every_store_from_the_first_sighting():
 
 def test_a_one_shot_stream_through_a_full_cache_never_displaces_a_reused_prefix():
     clock = Clock()
-    c = make(blocks=16, clock=clock, policy=PolicyConfig(adapt="off"))
+    c = make(blocks=16, clock=clock, policy=SMALL_WINDOW)
     system = np.arange(64, dtype=np.uint32)
     for _ in range(6):                               # reused: hit on every request
         c.release(c.lookup(ROOT, np.append(system, 0)))
@@ -131,7 +136,7 @@ def test_a_one_shot_stream_that_evicts_a_lot_is_not_thrash_when_lru_would_do_no_
 def test_min_sightings_is_the_least_a_newcomer_needs_to_displace_anything():
     for min_sightings, wins in ((3, False), (2, True)):
         clock = Clock()
-        c = make(blocks=4, clock=clock, min_sightings=min_sightings, policy=PolicyConfig(adapt="off"))
+        c = make(blocks=4, clock=clock, min_sightings=min_sightings, policy=SMALL_WINDOW)
         old = np.arange(64, dtype=np.uint32)
         c.store(ROOT, old, kv(old))
         c.flush()
@@ -342,7 +347,7 @@ def test_store_queue_drops_its_least_valuable_entry():
 
 
 def test_small_hot_prefix_is_promoted_to_the_pinned_tier():
-    c = make(blocks=200)
+    c = make(blocks=200, policy=SMALL_WINDOW)
     system = np.arange(32, dtype=np.uint32)   # 2 blocks = 1% of capacity: small
     warm(c, ROOT, system)
     tiers = []
@@ -353,6 +358,18 @@ def test_small_hot_prefix_is_promoted_to_the_pinned_tier():
     assert tiers[0] == "dram" and tiers[-1] == "pinned"
     s = c.stats()
     assert s.pinned_bytes == 2 * BB and s.tier_hits["pinned"] >= 1
+
+
+def test_the_shipped_policy_starts_as_lru_with_no_pinned_tier_until_the_tuner_opens_a_main_region():
+    c = make(blocks=200)
+    assert c.pinned_budget_blocks == 0
+    system = np.arange(32, dtype=np.uint32)
+    warm(c, ROOT, system)
+    for _ in range(5):
+        hit = c.lookup(ROOT, np.append(system, 5))
+        assert hit.tier == "dram"
+        c.release(hit)
+    assert c.stats().pinned_bytes == 0
 
 
 def test_large_hot_prefix_stays_in_dram():
@@ -367,7 +384,7 @@ def test_large_hot_prefix_stays_in_dram():
 
 def test_pinned_tier_is_evicted_after_dram():
     system = np.arange(16, dtype=np.uint32)
-    c2 = make(blocks=8, pin_max_bytes=BB, pinned_fraction=0.5)
+    c2 = make(blocks=8, pin_max_bytes=BB, pinned_fraction=0.5, policy=SMALL_WINDOW)
     warm(c2, ROOT, system)
     for _ in range(5):
         c2.release(c2.lookup(ROOT, np.append(system, 1)))
@@ -404,7 +421,7 @@ def test_two_phase_store_commit_and_abort():
 
 def test_reserve_takes_free_space_and_only_a_forced_one_overrides_the_duel():
     clock = Clock()
-    c = make(blocks=4, clock=clock, policy=PolicyConfig(adapt="off"))
+    c = make(blocks=4, clock=clock, policy=SMALL_WINDOW)
     t = np.arange(64, dtype=np.uint32)
     res = c.reserve(ROOT, t)                          # free space: never refused
     assert res is not None and res.num_blocks == 4

@@ -72,24 +72,32 @@ def test_shadow_lru_matches_prefixes_caps_at_the_limit_and_evicts_tails_first():
     assert lru.access(["a", "b", "c"], limit=3) == 2
 
 
-def test_reference_tuner_grows_the_window_while_behind_lru_shrinks_it_while_ahead_and_holds_when_level():
-    t = LruReferenceTuner(100, window_fraction=0.01)
-    start = t.window_target
-    moved = [t.record([f"h{i}"], limit=1, matched=0) for i in range(100)]   # LRU misses too: level
-    assert not any(moved) and t.window_target == start
-    for _ in range(3):                                                      # LRU hits, we miss: behind
-        for i in range(100):
-            t.record(["same"], limit=1, matched=0)
-    assert t.window_target == start + 3 * t.step
-    for i in range(100 * 20):                                               # we hit what LRU misses: ahead
+def test_reference_tuner_starts_as_lru_shrinks_while_ahead_and_retreats_twice_as_fast_while_behind():
+    t = LruReferenceTuner(100, window_fraction=1.0)
+    assert t.window_target == 100.0
+    moved = [t.record([f"h{i}"], limit=1, matched=0) for i in range(100)]   # filling: LRU evicts nothing
+    assert not any(moved) and t.window_target == 100.0                      # a sample with room says nothing
+    moved = [t.record([f"g{i}"], limit=1, matched=0) for i in range(100)]   # LRU misses and evicts: level
+    assert moved[-1] and not any(moved[:-1])                                # one move per sample
+    assert t.window_target == 100.0 - t.step                                # level at LRU explores: a step down
+    for i in range(100):                                                    # level below a whole-cache window
+        t.record([f"k{i}"], limit=1, matched=0)
+    assert t.window_target == 100.0 - t.step                                # holds: a tie says nothing
+    for i in range(100 * 2):                                                # we hit what LRU misses: ahead
         t.record([f"new{i}"], limit=1, matched=1)
+    assert t.window_target == 100.0 - 3 * t.step
+    for i in range(50):                                                     # LRU hits, we miss: behind
+        t.record(["same", f"x{i}"], limit=2, matched=0)
+    assert t.window_target == 100.0 - t.step                                # two steps back up
+    for i in range(100 * 20):
+        t.record([f"more{i}"], limit=1, matched=1)
     assert t.window_target == 0.0
 
 
 def test_window_target_stays_within_the_capacity():
     t = LruReferenceTuner(10, window_fraction=1.0)
-    for _ in range(200):
-        t.record(["k"], limit=1, matched=0)      # always behind
+    for i in range(200):
+        t.record(["k", f"new{i}"], limit=2, matched=0)      # always behind, LRU evicting
     assert t.window_target == 10.0
 
 
@@ -128,3 +136,16 @@ def test_arc_ghost_lists_hold_only_what_their_region_could_have_gained():
     t.evicted(MAIN, [f"m{i}" for i in range(12)])
     assert list(t.ghosts[WINDOW]) == ["w3", "w4"]
     assert len(t.ghosts[MAIN]) == 8 and "m11" in t.ghosts[MAIN]
+
+
+def test_symmetric_reference_tuner_holds_when_level_and_steps_once_either_way():
+    t = LruReferenceTuner(100, window_fraction=0.5, symmetric=True)
+    for i in range(200):
+        t.record([f"h{i}"], limit=1, matched=0)                 # filling, then level
+    assert t.window_target == 50.0
+    for i in range(50):
+        t.record(["same", f"x{i}"], limit=2, matched=0)         # behind: one step up
+    assert t.window_target == 50.0 + t.step
+    for i in range(100):
+        t.record([f"new{i}"], limit=1, matched=1)               # ahead: one step down
+    assert t.window_target == 50.0
