@@ -520,7 +520,7 @@ class RolloutRecord(_Wire):
 
     version: str = Field(max_length=80)
     step: int
-    outcome: Literal["recovered", "rolledBack", "paused", "completed", "promoted", "aborted", "resumed"]
+    outcome: Literal["recovered", "rolledBack", "paused", "completed", "promoted", "aborted", "resumed", "caughtUp"]
     hit_rate: float | None = None
     time: datetime
     message: str = ""

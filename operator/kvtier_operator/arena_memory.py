@@ -13,9 +13,15 @@ larger than it was told:
 
 The request equals the limit (Guaranteed memory): the arena is preallocated, so the
 sidecar's footprint does not grow past it under load.
+
+DramFits checks the nodes the selected pods are bound to, and, for a pod not scheduled
+yet, the nodes its nodeSelector matches (affinity, taints and other pods' requests are
+the scheduler's business): a pod some of whose candidate nodes exist but none of which
+can hold one sidecar will never be scheduled, and is named.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,11 +75,40 @@ def node_fits(spec: policy.KVCachePolicySpec, allocatable: dict[str, int]) -> li
     return [NodeFit(node, alloc, need) for node, alloc in sorted(allocatable.items())]
 
 
-def fit_message(fits: list[NodeFit]) -> str | None:
-    """A condition message naming every node that cannot hold the sidecar, or None."""
+# Unscheduled pods named in the condition; the count covers the rest.
+MAX_PENDING_NAMED = 10
+
+
+@dataclass(frozen=True, slots=True)
+class PendingFit:
+    """A pod not scheduled yet, against the nodes its nodeSelector matches."""
+
+    pod: str
+    candidates: tuple[NodeFit, ...]
+
+    @property
+    def stranded(self) -> bool:
+        """Some node matches, yet none can hold the sidecar: the scheduler never will."""
+        return bool(self.candidates) and not any(c.fits for c in self.candidates)
+
+
+def pending_fits(spec: policy.KVCachePolicySpec, candidates: dict[str, dict[str, int]]) -> list[PendingFit]:
+    """Per unscheduled pod (pod -> its candidate nodes' allocatable memory bytes)."""
+    return [PendingFit(pod, tuple(node_fits(spec, nodes))) for pod, nodes in sorted(candidates.items())]
+
+
+def fit_message(fits: list[NodeFit], pending: Sequence[PendingFit] = ()) -> str | None:
+    """A condition message naming every node that cannot hold the sidecar and every
+    unscheduled pod no candidate node of which can, or None."""
     short = [f for f in fits if not f.fits]
-    if not short:
+    stranded = [p for p in pending if p.stranded]
+    if not short and not stranded:
         return None
-    return "; ".join(f"node {f.node}: allocatable memory {f.allocatable_bytes} bytes < {f.needed_bytes} bytes "
-                     "(DRAM tier plus sidecar headroom)" for f in short) + \
-        "; lower tiers.dram.capacity or select larger nodes"
+    parts = [f"node {f.node}: allocatable memory {f.allocatable_bytes} bytes < {f.needed_bytes} bytes "
+             "(DRAM tier plus sidecar headroom)" for f in short]
+    if stranded:
+        named = [f"{p.pod} (none of {', '.join(f'{c.node} ({c.allocatable_bytes} bytes)' for c in p.candidates)} "
+                 f"holds {p.candidates[0].needed_bytes} bytes)" for p in stranded[:MAX_PENDING_NAMED]]
+        more = f" and {len(stranded) - MAX_PENDING_NAMED} more" if len(stranded) > MAX_PENDING_NAMED else ""
+        parts.append(f"{len(stranded)} pod(s) cannot be scheduled: {', '.join(named)}{more}")
+    return "; ".join(parts) + "; lower tiers.dram.capacity or select larger nodes"

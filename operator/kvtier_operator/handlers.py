@@ -3,7 +3,9 @@
     startup              settings (finalizer, annotation storage, watch timeouts,
                          webhook server), clients into memo
     policies_by_namespace, pods_by_namespace
-                         indexes: what the webhook and the membership loop read
+                         indexes: what the webhook and the membership loop read (the
+                         webhook reads the apiserver until they are loaded:
+                         admission_policies.py)
     spec_changed         create / update(spec) / resume: sidecar ConfigMap, verdicts
     membership_loop      daemon per policy: members -> epoch (woken by pod events)
     pod_changed          pod events wake the loops of their namespace's policies
@@ -25,7 +27,8 @@ from kubernetes.client.rest import ApiException
 
 from kvtier import policy
 
-from kvtier_operator import conflicts, hit_rate, injection, metrics, names, publish, reconcile, rollout_teardown
+from kvtier_operator import (admission_policies, conflicts, hit_rate, injection, metrics, names, publish, reconcile,
+                             rollout_teardown, webhook_gate)
 from kvtier_operator.kube import Kube
 from kvtier_operator.membership import PodView, pod_view
 from kvtier_operator.options import (
@@ -65,6 +68,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.kube = Kube.from_environment()
     memo.sidecars = SidecarClient.create(options.warms_per_target, options.sidecar_token_file)
     memo.policies = PolicyRegistry()
+    memo.admission = admission_policies.AdmissionPolicies()
     memo.http = aiohttp.ClientSession()  # rollout analysis: Prometheus and Alertmanager
     memo.rollout_metrics = metrics.RolloutMetrics()
     memo.metrics_runner = None
@@ -90,7 +94,7 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 @kopf.index(*POLICY)
 def policies_by_namespace(namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
                           **_: Any) -> dict[str, tuple[str, dict, str]]:
-    return {namespace: (name, dict(spec), meta.get("creationTimestamp") or "")}
+    return {namespace: admission_policies.entry(name, spec, meta)}
 
 
 def _policy_refs(entries: Any) -> list[conflicts.PolicyRef]:
@@ -119,6 +123,7 @@ def _poster(body: dict[str, Any]):
 @kopf.on.create(*POLICY)
 @kopf.on.update(*POLICY, field="spec")
 async def spec_changed(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    memo.admission.mark_loaded()  # kopf calls no such handler before its indexes are loaded
     key = PolicyKey(namespace, name)
     registry: PolicyRegistry = memo.policies
     async with registry.lock(key):
@@ -180,19 +185,21 @@ async def hit_rate_tick(name: str, namespace: str, memo: kopf.Memo, pods_by_name
 
 @kopf.on.event("", "v1", "pods")
 def pod_changed(namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    memo.admission.mark_loaded()  # kopf calls no such handler before its indexes are loaded
     memo.policies.wake_namespace(namespace)
 
 
 @kopf.on.mutate("", "v1", "pods", operations=["CREATE"], id="inject-sidecar", ignore_failures=True)
-def inject_sidecar(
+async def inject_sidecar(
     body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, policies_by_namespace: kopf.Index, **_: Any
 ) -> None:
     namespace = body.metadata.namespace
-    refs = _policy_refs(policies_by_namespace.get(namespace, []))
+    entries = await memo.admission.entries(memo.kube, namespace, policies_by_namespace.get(namespace, []))
+    refs = _policy_refs(entries)
     chosen = injection.selecting_policy(dict(body), refs)
     if chosen is None:
         return
-    spec = next((raw for name, raw, _created in policies_by_namespace.get(namespace, []) if name == chosen), None)
+    spec = next((raw for name, raw, _created in entries if name == chosen), None)
     try:
         chosen_spec = policy.KVCachePolicySpec.model_validate(spec)
     except ValueError:
@@ -209,9 +216,11 @@ def inject_sidecar(
 @kopf.on.delete(*POLICY)
 async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body, memo: kopf.Memo,
                          **_: Any) -> None:
-    # First the workload: a rollout in flight goes back to the stable version (retried
-    # by kopf until the pods converge), then the policy's own objects.
-    await rollout_teardown.settle_workload(memo.kube, dict(body), _poster(dict(body)))
+    # First the workload: a rollout in flight goes back to the stable version once this
+    # operator's webhook serves (retried by kopf until the pods converge), then the
+    # policy's own objects.
+    await rollout_teardown.settle_workload(memo.kube, dict(body), _poster(dict(body)),
+                                           lambda: webhook_gate.serving(memo))
     redis_spec = spec.get("redis") or {}
     parsed = policy.KVCachePolicySpec.model_validate(dict(spec)) if redis_spec else None
     url = await reconcile.redis_url(memo.kube, namespace, parsed) if parsed else None

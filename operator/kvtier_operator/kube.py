@@ -133,6 +133,15 @@ class Kube:
                 return None
             raise
 
+    async def list_policies(self, namespace: str, timeout_s: float) -> list[dict[str, Any]]:
+        """The namespace's policies straight from the apiserver (the webhook's answer
+        while the operator's own index is still loading)."""
+        listed = await asyncio.to_thread(
+            self.custom.list_namespaced_custom_object, policy.GROUP, policy.VERSION, namespace, policy.PLURAL,
+            _request_timeout=timeout_s,
+        )
+        return list(listed.get("items") or [])
+
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         await asyncio.to_thread(
             self.custom.patch_namespaced_custom_object_status,
@@ -186,6 +195,22 @@ class Kube:
             return policy.parse_quantity_bytes(memory) if memory else None
         except ValueError:
             return None
+
+    async def nodes_allocatable_memory(self, label_selector: str) -> dict[str, int]:
+        """Allocatable memory in bytes of the nodes `label_selector` matches (a pod's
+        nodeSelector; empty: every node), by node name; nodes without the figure are left out."""
+        # resourceVersion "0": served from the apiserver's cache, never etcd; this
+        # advisory check repeats on every membership pass while a pod is unscheduled.
+        listed = await asyncio.to_thread(self.core.list_node, label_selector=label_selector, resource_version="0")
+        out = {}
+        for node in listed.items:
+            memory = ((node.status.allocatable if node.status else None) or {}).get("memory")
+            try:
+                if memory:
+                    out[node.metadata.name] = policy.parse_quantity_bytes(memory)
+            except ValueError:
+                continue
+        return out
 
     async def read_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
         assert self.apps is not None

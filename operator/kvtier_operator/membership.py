@@ -38,6 +38,7 @@ class PodView:
     weight: float
     injected_by: str | None = None  # the policy whose sidecar the webhook injected
     node: str | None = None  # spec.nodeName once bound
+    node_selector: tuple[tuple[str, str], ...] = ()  # spec.nodeSelector: where it may be scheduled
 
     def selected_by(self, selector: policy.LabelSelector) -> bool:
         return selector.matches(dict(self.labels))
@@ -81,6 +82,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         weight=weight,
         injected_by=(meta.get("annotations") or {}).get(INJECTED_ANNOTATION),
         node=(body.get("spec") or {}).get("nodeName") or None,
+        node_selector=tuple(sorted(((body.get("spec") or {}).get("nodeSelector") or {}).items())),
     )
 
 
@@ -122,3 +124,9 @@ def uninjected(views: Iterable[PodView], selector: policy.LabelSelector) -> list
 def nodes(views: Iterable[PodView], selector: policy.LabelSelector) -> list[str]:
     """The nodes the selected pods are bound to."""
     return sorted({v.node for v in views if v.node and v.selected_by(selector) and not v.deleting})
+
+
+def unscheduled(views: Iterable[PodView], selector: policy.LabelSelector) -> dict[str, tuple[tuple[str, str], ...]]:
+    """Selected pods not bound to a node yet (not leaving), with their nodeSelector."""
+    return {v.name: v.node_selector for v in sorted(views, key=lambda v: v.name)
+            if v.node is None and v.selected_by(selector) and not v.deleting}

@@ -213,7 +213,7 @@ async def reconcile_membership(
     observed = [conditions.Observation("AffinityPublished", "True", "Published",
                                        f"epoch {table.epoch}, {len(members)} members, {len(tenants)} known tenants"),
                 overlap, _injection_observation(missing, old_status, event),
-                await _dram_fit_observation(kube, spec, membership.nodes(views, spec.selector), old_status, event)]
+                await _dram_fit_observation(kube, spec, views, old_status, event)]
     fields.update(uninjectedPods=len(missing), uninjectedPodNames=missing[:MAX_UNINJECTED_NAMED])
     before = conditions.find(old_status.conditions, overlap.type)
     if overlap.status == "True" and (before is None or before.message != overlap.message):
@@ -239,12 +239,17 @@ async def reconcile_membership(
              namespace, name, table.epoch, len(members), new_epoch)
 
 
-async def _dram_fit_observation(kube: Kube, spec: policy.KVCachePolicySpec, node_names: list[str],
+async def _dram_fit_observation(kube: Kube, spec: policy.KVCachePolicySpec, views: list[membership.PodView],
                                 old: policy.KVCachePolicyStatus, event: EventFn) -> conditions.Observation:
     """DramFits: can each node the selected pods run on hold one sidecar (arena plus
-    headroom) in its allocatable memory? False names each node too small, with numbers."""
+    headroom) in its allocatable memory, and can each pod not scheduled yet land on
+    some node its nodeSelector matches? False names each node too small and each such
+    pod, with numbers."""
+    node_names = membership.nodes(views, spec.selector)
     allocatable = {n: a for n in node_names if (a := await kube.node_allocatable_memory(n)) is not None}
-    message = arena_memory.fit_message(arena_memory.node_fits(spec, allocatable))
+    pending = await _candidate_nodes(kube, membership.unscheduled(views, spec.selector))
+    message = arena_memory.fit_message(arena_memory.node_fits(spec, allocatable),
+                                       arena_memory.pending_fits(spec, pending))
     if message is None:
         need = arena_memory.sidecar_memory_bytes(spec)
         return conditions.Observation("DramFits", "True", "Fits",
@@ -253,6 +258,20 @@ async def _dram_fit_observation(kube: Kube, spec: policy.KVCachePolicySpec, node
     if before is None or before.message != message:
         event("Warning", "DramDoesNotFit", message)
     return conditions.Observation("DramFits", "False", "NodeTooSmall", message)
+
+
+async def _candidate_nodes(kube: Kube, unscheduled: dict[str, tuple[tuple[str, str], ...]]) -> dict[str, dict[str, int]]:
+    """Per unscheduled pod, the allocatable memory of the nodes its nodeSelector matches
+    (one node LIST per distinct nodeSelector: a workload's pods share theirs)."""
+    by_selector: dict[tuple[tuple[str, str], ...], dict[str, int]] = {}
+    for node_selector in set(unscheduled.values()):
+        label_selector = ",".join(f"{k}={v}" for k, v in node_selector)
+        try:
+            by_selector[node_selector] = await kube.nodes_allocatable_memory(label_selector)
+        except ApiException as exc:  # advisory: never let it stop the membership pass
+            log.warning("cannot list nodes %r for DramFits: %s %s", label_selector, exc.status, exc.reason)
+            by_selector[node_selector] = {}
+    return {pod: by_selector[node_selector] for pod, node_selector in unscheduled.items()}
 
 
 # Pods named in status and in the condition; the count covers the rest.

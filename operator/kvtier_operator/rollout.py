@@ -48,7 +48,8 @@ HISTORY_KEPT = MAX_HISTORY
 # Hit rates in status and messages: four decimals are plenty and keep writes quiet.
 RATE_DIGITS = 4
 
-ActionKind = Literal["idle", "start", "wait", "advance", "complete", "rollback", "pause", "hold", "refuse", "resume"]
+ActionKind = Literal["idle", "start", "wait", "advance", "complete", "rollback", "pause", "hold", "refuse", "resume",
+                     "catchUp"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +211,8 @@ def plan(
             return _hold(ctx, _step_patch(ctx, status.step))
         if observed.workload.replicas == 0:
             return _scaled_to_zero(ctx)
+        if _fleet_ahead_of_step(ctx):
+            return _catch_up(ctx)
         if spec.recovery.source != "sidecar":
             return _evaluate_analysis(ctx)
         return _evaluate(ctx)
@@ -376,6 +379,43 @@ def _scaled_to_zero(ctx: _Ctx) -> Plan:
                 conditions=(Observation(PROGRESSING, "True", "ScaledToZero",
                                         f"step {status.step} on hold: the workload has 0 replicas; the step's "
                                         f"recovery window starts again when pods return"),))
+
+
+def _fleet_ahead_of_step(ctx: _Ctx) -> bool:
+    """Every pod of the fleet runs the target, more than the current step put there.
+    The StatefulSet controller does this after a scale to zero: with no pods, its
+    rolling update is "complete", so it promotes the update revision to current, and
+    the returning pods below the partition come back on the target too."""
+    status, w = ctx.status, ctx.observed.workload
+    assert status is not None
+    step = min(max(status.step, 1), len(ctx.schedule))
+    on_target = [p for p in ctx.observed.pods if p.version == ctx.target]
+    return step < len(ctx.schedule) and len(on_target) >= w.replicas > ctx.schedule[step - 1]
+
+
+def _catch_up(ctx: _Ctx) -> Plan:
+    """The rule for a fleet that came back whole on the target (`_fleet_ahead_of_step`):
+    the rollout moves to its last step, which is where the fleet is, with a fresh
+    window, and judges it as any last step (recovered: complete; not within the window:
+    roll every pod back, or pause). Re-partitioning cannot put the low ordinals back on
+    the old version (the controller's current revision is the target now); only a
+    rollback could, and it would restart pods whose caches are already refilling."""
+    status, w = ctx.status, ctx.observed.workload
+    assert status is not None
+    step, last = min(max(status.step, 1), len(ctx.schedule)), len(ctx.schedule)
+    message = (f"all {w.replicas} pods came back on {ctx.target} at step {step} (a scale to zero lets the "
+               f"StatefulSet controller promote its update revision): the rollout moves to its last step, "
+               f"judged on the hit rate as before")
+    record = _record(ctx, step, "caughtUp", status.current_hit_rate, message)
+    rollout = status.model_copy(update={
+        "step": last, "canary_percent": 100, "step_started_at": ctx.observed.now, "analysis": None,
+        "history": _appended(status.history, record),
+        "expected_cold_prefill_tokens_per_s": cold_prefill_tokens_per_s(
+            w.replicas, status.baseline_hit_rate, ctx.observed.replica_prefill_tokens_per_s),
+    })
+    return Plan("catchUp", rollout=rollout, workload=_step_patch(ctx, last),
+                conditions=(Observation(PROGRESSING, "True", "FleetCaughtUp", message),),
+                event=("Warning", "RolloutCaughtUp", message))
 
 
 def _evaluate_analysis(ctx: _Ctx) -> Plan:

@@ -2,7 +2,6 @@
 that runs `rollout_reconcile.reconcile_rollout` under the policy's status lock."""
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -10,8 +9,7 @@ import kopf
 
 from kvtier import policy
 
-from kvtier_operator import rollout
-from kvtier_operator.options import OperatorOptions
+from kvtier_operator import rollout, webhook_gate
 from kvtier_operator.registry import PolicyKey, PolicyRegistry
 from kvtier_operator.rollout_reconcile import reconcile_rollout
 
@@ -19,8 +17,6 @@ POLICY = (policy.GROUP, policy.VERSION, policy.PLURAL)
 # The design's "every few seconds": a step's window is minutes, so a few seconds of
 # lag on a decision is noise, and stats requests stay rare for the sidecars.
 ROLLOUT_INTERVAL_S = 3.0
-# A local TCP connect: anything slower means the webhook is not serving yet.
-WEBHOOK_PROBE_TIMEOUT_S = 1.0
 log = logging.getLogger("kvtier.operator.rollout")
 
 
@@ -30,7 +26,7 @@ def _has_workload(spec: kopf.Spec, **_: Any) -> bool:
 
 @kopf.timer(*POLICY, id="rollout", interval=ROLLOUT_INTERVAL_S, when=_has_workload)
 async def rollout_tick(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    if not await _webhook_serving(memo):
+    if not await webhook_gate.serving(memo):  # a step recreates pods: they need the webhook
         log.info("rollout of %s/%s waits: this operator's injection webhook does not serve yet", namespace, name)
         return
     registry: PolicyRegistry = memo.policies
@@ -40,25 +36,6 @@ async def rollout_tick(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
             return
         plan = await reconcile_rollout(memo.kube, memo.sidecars, body, memo.http)
         _observe_metrics(memo, namespace, name, plan)
-
-
-async def _webhook_serving(memo: kopf.Memo) -> bool:
-    """This operator's injection webhook accepts connections (or it serves none). A
-    rollout step recreates pods, and one created before the webhook serves (a restart's
-    first seconds) starts without the sidecar: the webhook fails open. Once seen
-    serving, it is not probed again."""
-    options: OperatorOptions = memo.options
-    if not options.webhook_host or memo.get("webhook_serving"):
-        return True
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(options.webhook_host, options.webhook_port),
-                                           WEBHOOK_PROBE_TIMEOUT_S)
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    await writer.wait_closed()
-    memo.webhook_serving = True
-    return True
 
 
 def _observe_metrics(memo: kopf.Memo, namespace: str, name: str, plan: rollout.Plan | None) -> None:

@@ -7,11 +7,16 @@ with no controller left to finish or undo it.
 
     settle(workload, stable)   pure: the patch that rolls the workload back, or None
     settle_pair(pair, ...)     pure: a Deployment pair's writes back to the stable one
-    settle_workload(...)       the delete handler's step: patch, Event, wait for pods
+    settle_workload(...)       the delete handler's step: wait for the injection webhook,
+                               patch, Event, wait for pods
 
 A Deployment rolls as a stable/canary pair (`deployment_pair`): the stable Deployment
 grows back to the fleet size first, and the canary `<name>-kvtier-canary` is deleted
 only once the stable one has that many ready pods, so no moment serves fewer replicas.
+
+The rollback recreates pods, so, like a rollout step, it waits until this operator's
+injection webhook serves (`webhook_gate`): an operator restarted to finish a deletion
+would otherwise recreate them in its first seconds without their sidecar.
 
 Rolling back rather than forward: the target version never passed its recovery check,
 and the stable version is what every pod ran (and every cache was warm for) before.
@@ -21,13 +26,13 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import kopf
 
 from kvtier import policy
 
-from kvtier_operator import deployment_pair, events, names, rollout
+from kvtier_operator import deployment_pair, events, names, rollout, webhook_gate
 from kvtier_operator.rollout_reconcile import workload_patch
 
 log = logging.getLogger("kvtier.operator.teardown")
@@ -38,6 +43,7 @@ SETTLE_TIMEOUT_S = 600.0
 # Between checks while the StatefulSet controller restarts pods.
 SETTLE_POLL_S = 2.0
 EventFn = Callable[[str, str, str], None]
+WebhookServing = Callable[[], Awaitable[bool]]  # webhook_gate.serving, bound to the operator's memo
 
 
 def settle(workload: rollout.Workload, stable: str | None) -> rollout.WorkloadPatch | None:
@@ -66,9 +72,11 @@ def pods_off(versions: dict[str, str | None], stable: str) -> list[str]:
     return sorted(name for name, v in versions.items() if v != stable)
 
 
-async def settle_workload(kube, body: dict[str, Any], event: EventFn, now: Callable[[], float] = time.time) -> None:
+async def settle_workload(kube, body: dict[str, Any], event: EventFn, webhook_serving: WebhookServing,
+                          now: Callable[[], float] = time.time) -> None:
     """Roll the policy's StatefulSet back to the stable version and wait until its pods
-    run it; raises kopf.TemporaryError to be called again while they converge."""
+    run it; raises kopf.TemporaryError to be called again while the injection webhook
+    is not serving yet and while the pods converge."""
     meta = body["metadata"]
     try:
         pol = policy.parse_policy(body)
@@ -79,7 +87,7 @@ async def settle_workload(kube, body: dict[str, Any], event: EventFn, now: Calla
         return
     namespace = meta["namespace"]
     if ref.kind == "Deployment":
-        await _settle_deployment_pair(kube, body, ref.name, stable)
+        await _settle_deployment_pair(kube, body, ref.name, stable, webhook_serving, event)
         return
     if ref.kind != "StatefulSet":
         return
@@ -93,6 +101,7 @@ async def settle_workload(kube, body: dict[str, Any], event: EventFn, now: Calla
                                 int(partition))
     patch = settle(workload, stable)
     if patch is not None:
+        await _wait_for_webhook(webhook_serving, meta, f"StatefulSet {ref.name}", event, now)
         await kube.patch_stateful_set(namespace, ref.name, workload_patch(patch))
         event("Normal", "RolloutAbandoned",
               f"policy deleted mid-rollout: StatefulSet {ref.name} rolled back to the stable version {stable} "
@@ -114,7 +123,22 @@ async def settle_workload(kube, body: dict[str, Any], event: EventFn, now: Calla
                               f"{len(off)} pods off it, {ready}/{workload.replicas} present", delay=SETTLE_POLL_S)
 
 
-async def _settle_deployment_pair(kube, body: dict[str, Any], name: str, stable_version: str) -> None:
+async def _wait_for_webhook(webhook_serving: WebhookServing, meta: dict[str, Any], what: str,
+                            event: EventFn, now: Callable[[], float]) -> None:
+    """Raise kopf.TemporaryError (retried soon) while the injection webhook does not
+    serve; past SETTLE_TIMEOUT_S the rollback goes ahead anyway, with a Warning."""
+    if await webhook_serving():
+        return
+    if now() - _deleted_at(meta) > SETTLE_TIMEOUT_S:
+        event("Warning", "WebhookNotServing", f"the injection webhook did not serve within {SETTLE_TIMEOUT_S:.0f}s; "
+                                              f"rolling {what} back anyway: its recreated pods may lack the sidecar")
+        return
+    raise kopf.TemporaryError(f"rolling {what} back waits for this operator's injection webhook to serve",
+                              delay=webhook_gate.RETRY_DELAY_S)
+
+
+async def _settle_deployment_pair(kube, body: dict[str, Any], name: str, stable_version: str,
+                                  webhook_serving: WebhookServing, event: EventFn) -> None:
     """Scale the stable Deployment back to the fleet, then delete the canary; raises
     kopf.TemporaryError to be called again until the canary is gone (bounded)."""
     meta = body["metadata"]
@@ -127,6 +151,7 @@ async def _settle_deployment_pair(kube, body: dict[str, Any], name: str, stable_
     writes = settle_pair(pair, stable_version, stable)
     if writes is None:
         return
+    await _wait_for_webhook(webhook_serving, meta, f"Deployment {name}", event, time.time)
     # Exactly once however many ticks the hand-back takes (named by the policy's uid).
     await kube.create_event_once(events.once(
         body, "rollout-abandoned", "Normal", "RolloutAbandoned",

@@ -56,3 +56,25 @@ def test_node_fit_names_each_node_too_small_with_the_numbers(spec):
     message = arena_memory.fit_message(fits)
     assert f"node small: allocatable memory {256 * GI} bytes < {need} bytes" in message and "big" not in message
     assert arena_memory.fit_message(fits[:1]) is None
+
+
+def test_a_pending_pod_is_named_only_when_nodes_match_and_none_of_them_fits(spec):
+    need = arena_memory.sidecar_memory_bytes(spec)
+    pending = arena_memory.pending_fits(spec, {
+        "stranded": {"s1": 256 * GI, "s2": 128 * GI},  # matches nodes, none large enough
+        "placeable": {"s1": 256 * GI, "b1": 2048 * GI},  # one candidate fits: the scheduler can place it
+        "unmatched": {},  # no node matches its nodeSelector: not a DRAM matter
+    })
+    assert [(p.pod, p.stranded) for p in pending] == [("placeable", False), ("stranded", True), ("unmatched", False)]
+    message = arena_memory.fit_message([], pending)
+    assert f"1 pod(s) cannot be scheduled: stranded (none of s1 ({256 * GI} bytes), s2 ({128 * GI} bytes) " \
+           f"holds {need} bytes)" in message
+    assert "placeable" not in message and "unmatched" not in message
+    assert arena_memory.fit_message([], [p for p in pending if not p.stranded]) is None
+
+
+def test_many_stranded_pods_are_counted_beyond_the_named_ones(spec):
+    many = {f"p{i:02d}": {"s1": GI} for i in range(arena_memory.MAX_PENDING_NAMED + 3)}
+    message = arena_memory.fit_message([], arena_memory.pending_fits(spec, many))
+    assert f"{arena_memory.MAX_PENDING_NAMED + 3} pod(s) cannot be scheduled" in message
+    assert message.count("none of") == arena_memory.MAX_PENDING_NAMED and "and 3 more" in message

@@ -38,6 +38,26 @@ def test_deleting_a_policy_mid_rollout_rolls_the_workload_back_to_the_stable_ver
     assert abandoned and f"rolled back to the stable version {OLD}" in abandoned[0]["message"]
 
 
+def test_a_policy_deleted_while_the_operator_is_down_is_rolled_back_with_every_recreated_pod_injected(
+        operator, kubectl, node_agent_factory):
+    """The restarted operator's delete handler rolls the canary back only once its own
+    webhook serves, so the pod the StatefulSet controller recreates gets its sidecar."""
+    w, _ = start_fleet(kubectl, node_agent_factory(workdir=short_workdir()), RECOVER_WINDOW)
+    kubectl.run("patch", "kvcp", "llm", "--type=merge", "-p",
+                f'{{"spec": {{"model": {{"weightsVersion": "{NEW}"}}}}}}')
+    w.on({f"{APP}-3"})
+    canary_uid = w.pods()[f"{APP}-3"]["metadata"]["uid"]
+    operator.stop()
+    kubectl.delete("kvcp", "llm")  # the finalizer waits for the operator
+    operator.start()
+    wait_for("policy released", lambda: kubectl.run("get", "kvcp", "llm", check=False).returncode != 0,
+             timeout_s=ROLLOUT_TIMEOUT_S)
+    pods = w.pods()
+    assert w.versions() == {f"{APP}-{i}": OLD for i in range(REPLICAS)}
+    assert pods[f"{APP}-3"]["metadata"]["uid"] != canary_uid  # recreated by the rollback
+    assert {n: p["metadata"].get("annotations", {}).get(names.INJECTED_ANNOTATION) for n, p in pods.items()} == \
+        {f"{APP}-{i}": "llm" for i in range(REPLICAS)}
+
 def test_deleting_a_policy_mid_rollout_of_a_deployment_restores_the_stable_one_and_removes_the_canary(
         operator, kubectl, node_agent_factory):
     kubectl.apply(tiny_policy("llm", DEPLOYMENT, workloadRef={"kind": "Deployment", "name": DEPLOYMENT}, rollout={

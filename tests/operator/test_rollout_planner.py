@@ -163,6 +163,40 @@ def test_unversioned_template_is_refused_with_a_condition():
     assert p.kind == "refuse" and p.conditions[0].reason == "WorkloadUnversioned" and p.workload is None
 
 
+def test_a_fleet_back_from_zero_all_on_the_target_moves_the_rollout_to_its_last_step_with_a_fresh_window():
+    later = T0 + timedelta(seconds=15)
+    back = observed(NEW, 3, [NEW] * 4, now=later, lookups=10, hits=0)  # the controller promoted its revision
+    p = rollout.plan(spec(), NEW, OLD, rolling(step=1), "RollingOut", back)
+    assert p.kind == "catchUp" and p.workload == WorkloadPatch(NEW, 0)  # the partition the last step has
+    assert p.rollout.step == 3 and p.rollout.step_started_at == later and p.rollout.canary_percent == 100
+    assert p.rollout.history[-1].outcome == "caughtUp" and p.rollout.history[-1].step == 1
+    assert p.phase is None and p.version is None  # still rolling out: nothing is promoted without recovery
+    assert [(c.type, c.reason) for c in p.conditions] == [("RolloutProgressing", "FleetCaughtUp")]
+    assert p.event[:2] == ("Warning", "RolloutCaughtUp")
+
+
+def test_after_catching_up_the_hit_rate_alarm_still_rolls_every_pod_back():
+    caught = rollout.plan(spec(), NEW, OLD, rolling(step=1), "RollingOut",
+                          observed(NEW, 3, [NEW] * 4, lookups=10, hits=0)).rollout
+    cold = observed(NEW, 0, [NEW] * 4, now=T0 + timedelta(seconds=300), lookups=500, hits=0)  # past the window
+    p = rollout.plan(spec(), NEW, OLD, caught, "RollingOut", cold)
+    assert p.kind == "rollback" and p.workload == WorkloadPatch(OLD, 0) and p.phase == "RolledBack"
+
+
+def test_after_catching_up_recovery_completes_the_rollout():
+    caught = rollout.plan(spec(), NEW, OLD, rolling(step=1), "RollingOut",
+                          observed(NEW, 3, [NEW] * 4, lookups=10, hits=0)).rollout
+    warm = observed(NEW, 0, [NEW] * 4, now=T0 + timedelta(seconds=10), lookups=500, hits=450)
+    p = rollout.plan(spec(), NEW, OLD, caught, "RollingOut", warm)
+    assert p.kind == "complete" and p.version == NEW
+
+
+def test_pods_on_the_target_only_as_far_as_the_step_put_them_are_no_catch_up():
+    p = rollout.plan(spec(), NEW, OLD, rolling(step=1), "RollingOut",
+                     observed(NEW, 3, [OLD] * 3 + [NEW], lookups=10, hits=0))
+    assert p.kind == "wait"
+
+
 # --- invariants -------------------------------------------------------------------------
 
 

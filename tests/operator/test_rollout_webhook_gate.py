@@ -9,7 +9,7 @@ import socket
 import kopf
 
 from kvtier_operator.options import OperatorOptions
-from kvtier_operator.rollout_handlers import _webhook_serving
+from kvtier_operator.webhook_gate import serving as _webhook_serving
 
 
 def memo_for(port: int | None) -> kopf.Memo:
