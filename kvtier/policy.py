@@ -23,7 +23,7 @@ from kvtier.wire_model import CelRule
 from kvtier.wire_model import WireModel as _Wire
 from kvtier.admission import DEFAULT_MIN_SIGHTINGS
 from kvtier.admission import THRASH_RATIO as DEFAULT_THRASH_RATIO
-from kvtier.affinity import DEFAULT_BALANCE_FACTOR, DEFAULT_HOMES, DEFAULT_SPILL_OCCUPANCY
+from kvtier.affinity import DEFAULT_BALANCE_FACTOR, DEFAULT_HOMES, DEFAULT_HYSTERESIS, DEFAULT_SPILL_OCCUPANCY
 from kvtier.breakeven import KV_DTYPE_BYTES
 from kvtier.keys import DEFAULT_BLOCK_SIZE
 
@@ -291,7 +291,10 @@ class Affinity(_Wire):
     from its old ones, all within `warmTimeout` (then the epoch is published anyway)."""
 
     homes: int = Field(DEFAULT_HOMES, ge=1, le=16, description="rendezvous homes per tenant (k)")
-    spill_occupancy: float = Field(DEFAULT_SPILL_OCCUPANCY, gt=0, lt=1)
+    spill_occupancy: float = Field(
+        DEFAULT_SPILL_OCCUPANCY, gt=DEFAULT_HYSTERESIS, lt=1,
+        description=f"DRAM occupancy past which a tenant spills to its next home; above the routing "
+                    f"hysteresis ({DEFAULT_HYSTERESIS}), or a spilled tenant could never return")
     balance_factor: float = Field(DEFAULT_BALANCE_FACTOR, ge=1, le=10)
     warm_max_bytes: str = Field(DEFAULT_WARM_MAX_BYTES, max_length=32, pattern=QUANTITY_PATTERN)
     warm_timeout: str = Field(DEFAULT_WARM_TIMEOUT, min_length=2, max_length=16, pattern=DURATION_PATTERN)
