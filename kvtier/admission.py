@@ -195,19 +195,18 @@ class CountMinSketch:
             cols = (halves[:, 0][None, :] + self._rows * halves[:, 1][None, :]) & self._mask
         return (cols + self._row_base).astype(np.intp)
 
-    def _door_probes(self, halves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        m = np.uint64(self._door_mask)
-        return (halves[:, 0] & m).astype(np.intp), (halves[:, 1] & m).astype(np.intp)
+    def _door_probes(self, halves: np.ndarray) -> np.ndarray:
+        """Both doorkeeper probes of every hash: one row per hash (its two halves, masked)."""
+        return (halves & np.uint64(self._door_mask)).astype(np.intp)
 
     def _add_many(self, hashes: list[BlockHash]) -> None:
         halves = self._halves(hashes)
         idx = self._index(halves)
-        if self.door is not None:
-            p1, p2 = self._door_probes(halves)
-            door = self.door
-            seen = (door[p1] & door[p2]).astype(bool)
-            door[p1] = 1
-            door[p2] = 1
+        door = self.door
+        if door is not None:
+            probes = self._door_probes(halves)
+            seen = door[probes].all(axis=1)  # read every probe before setting any
+            door[probes] = 1
             idx = idx[:, seen]
         self._table_flat[idx] += 1  # one increment per distinct counter
 
@@ -216,8 +215,7 @@ class CountMinSketch:
         idx = self._index(halves)
         est = self._table_flat[idx].min(axis=0).astype(np.int64)
         if self.door is not None:
-            p1, p2 = self._door_probes(halves)
-            est += self.door[p1] & self.door[p2]
+            est += self.door[self._door_probes(halves)].all(axis=1)
         return est
 
     def _cells(self, h: bytes) -> list[int]:
