@@ -4,6 +4,7 @@ webhook on 127.0.0.1 with a self-signed certificate, registered with the apiserv
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from kvtier_operator.options import OperatorOptions
 from kvtier_testenv import processes
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv import polling
+from kvtier_testenv.ports import free_port
 from operator_cases import ROOT
 
 DEPLOY = ROOT / "operator" / "deploy"
@@ -42,6 +44,25 @@ def register_webhook(admin: Kubectl, namespace: str, ca_pem: bytes, port: int) -
     hook["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
     admin.apply(cfg)
     return cfg["metadata"]["name"]
+
+
+@contextlib.contextmanager
+def operator_behind_its_webhook(namespace: str, operator_kubeconfig, control_plane, tmp_path: Path, monkeypatch):
+    """An operator, not started yet, whose injection webhook is registered for this
+    namespace on a free port. Yields (operator, port); on exit a started operator is
+    stopped (its output must hold no traceback) and the webhook is deregistered."""
+    admin = Kubectl(control_plane.kubeconfig)
+    port = free_port()
+    options = operator_options(tmp_path, port)
+    hook = register_webhook(admin, namespace, open(options.webhook_cert, "rb").read(), port)
+    op = RunningOperator(namespace, operator_kubeconfig, options, monkeypatch)
+    try:
+        yield op, port
+    finally:
+        if op.runner is not None:
+            output = op.stop()
+            assert "Traceback" not in output
+        admin.delete("mutatingwebhookconfiguration", hook)
 
 
 class RunningOperator:

@@ -5,21 +5,14 @@ silence, and a recreated pod is injected and clears the report."""
 from __future__ import annotations
 
 from kvtier_operator import names
-from kvtier_testenv.kubectl import Kubectl
-from kvtier_testenv.ports import free_port
-from operator_harness import RunningOperator, events, operator_options, register_webhook, wait_for
+from operator_harness import events, operator_behind_its_webhook, wait_for
 from sidecar_fleet import serving_pod, tiny_policy
 from test_operator_e2e import status_of
 
 
 def test_pods_created_while_the_operator_is_down_are_reported_when_it_returns(
         namespace, operator_kubeconfig, control_plane, kubectl, tmp_path, monkeypatch):
-    admin = Kubectl(control_plane.kubeconfig)
-    port = free_port()
-    options = operator_options(tmp_path, port)
-    hook = register_webhook(admin, namespace, open(options.webhook_cert, "rb").read(), port)
-    op = RunningOperator(namespace, operator_kubeconfig, options, monkeypatch)
-    try:
+    with operator_behind_its_webhook(namespace, operator_kubeconfig, control_plane, tmp_path, monkeypatch) as (op, _):
         kubectl.apply(tiny_policy("outage", "llm"))
         # Operator down: nothing listens on the webhook's port; failurePolicy Ignore admits the pods.
         for pod in ("llm-0", "llm-1"):
@@ -47,8 +40,3 @@ def test_pods_created_while_the_operator_is_down_are_reported_when_it_returns(
                           .get("uninjectedPods") == 0 and s, timeout_s=60)
         assert status.get("uninjectedPodNames", []) == []
         assert next(c for c in status["conditions"] if c["type"] == "SidecarsInjected")["status"] == "True"
-    finally:
-        if op.runner is not None:
-            output = op.stop()
-            assert "Traceback" not in output
-        admin.delete("mutatingwebhookconfiguration", hook)

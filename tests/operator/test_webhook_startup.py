@@ -14,9 +14,7 @@ import kopf
 
 from kvtier_operator import admission_policies, handlers, names
 from kvtier_operator.kube import Kube
-from kvtier_testenv.kubectl import Kubectl
-from kvtier_testenv.ports import free_port
-from operator_harness import RunningOperator, operator_options, register_webhook, wait_for
+from operator_harness import operator_behind_its_webhook, operator_options, wait_for
 from sidecar_fleet import serving_pod, tiny_policy
 
 
@@ -85,13 +83,8 @@ def webhook_listens(port: int) -> bool:
 
 def test_a_pod_created_the_moment_the_operator_starts_gets_its_sidecar(
         namespace, operator_kubeconfig, control_plane, kubectl, tmp_path, monkeypatch):
-    admin = Kubectl(control_plane.kubeconfig)
-    port = free_port()
-    options = operator_options(tmp_path, port)
-    hook = register_webhook(admin, namespace, open(options.webhook_cert, "rb").read(), port)
     kubectl.apply(tiny_policy("present", "llm"))  # exists before the operator starts
-    op = RunningOperator(namespace, operator_kubeconfig, options, monkeypatch)
-    try:
+    with operator_behind_its_webhook(namespace, operator_kubeconfig, control_plane, tmp_path, monkeypatch) as (op, port):
         op.start()
         wait_for("the webhook listening", lambda: webhook_listens(port), timeout_s=60, interval_s=0.01)
         kubectl.apply(serving_pod("llm-0", "llm"))  # at once: the index may not have loaded yet
@@ -99,8 +92,3 @@ def test_a_pod_created_the_moment_the_operator_starts_gets_its_sidecar(
         assert created["metadata"]["annotations"][names.INJECTED_ANNOTATION] == "present"
         assert names.SIDECAR_CONTAINER in [c["name"] for c in created["spec"]["containers"]
                                            + created["spec"].get("initContainers", [])]
-    finally:
-        if op.runner is not None:
-            output = op.stop()
-            assert "Traceback" not in output
-        admin.delete("mutatingwebhookconfiguration", hook)
