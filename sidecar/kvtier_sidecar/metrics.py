@@ -87,6 +87,13 @@ class TenantCounters:
 
 
 class TenantMetrics:
+    """Per-tenant counters, bounded (space-saving top-N plus "other").
+
+    Written on the event loop, read by reports on their own thread: readers take
+    `dict.copy()` first, which copies in one step of C code with no Python run in
+    between (unlike `list(d.items())`, whose tuple allocations can run the garbage
+    collector and so let the loop's thread add a tenant mid-iteration)."""
+
     def __init__(self, capacity: int = MAX_TRACKED_TENANTS) -> None:
         self.capacity = capacity
         self.tenants: dict[str, TenantCounters] = {}
@@ -144,13 +151,13 @@ class TenantMetrics:
     def total(self) -> TenantCounters:
         out = TenantCounters()
         out.add(self.other)
-        for c in list(self.tenants.values()):  # a copy: reports read this off the event loop
+        for c in self.tenants.copy().values():  # a copy first: see the class docstring
             out.add(c)
         return out
 
     def bucketed(self, top_n: int) -> dict[str, TenantCounters]:
         """The top_n tenants by lookups, plus OTHER holding the rest."""
-        ranked = sorted(list(self.tenants.items()), key=lambda kv: kv[1].lookups, reverse=True)
+        ranked = sorted(self.tenants.copy().items(), key=lambda kv: kv[1].lookups, reverse=True)
         out = {name: c for name, c in ranked[:top_n]}
         rest = TenantCounters()
         rest.add(self.other)

@@ -218,7 +218,7 @@ class Sidecar:
         many tenants there are in all. A tenant is known once it looked up, stored or
         was warmed here."""
         rows = []
-        for name, c in list(self.metrics.tenants.items()):
+        for name, c in self.metrics.tenants.copy().items():  # dict.copy: one step, safe off the loop
             cached = self.tier.stats(name)
             rows.append((name, cached["bytes_used"], c))
         rows.sort(key=lambda r: (-r[1], -r[2].lookups, r[0]))
