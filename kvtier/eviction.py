@@ -14,10 +14,11 @@ Caffeine's W-TinyLFU, adapted to a tree whose leaves alone may be evicted:
 * The window's share is tuned online against a shadow LRU of the same size
   (`LruReferenceTuner`). The cache starts as plain LRU (a whole-cache window: what
   the engine already has) and takes frequency admission only as far as it keeps up
-  with that shadow: each sample ahead of LRU shrinks the window one step (and the
-  first level one, to start exploring; stricter admission: hot prompts under a scan, shared prefixes in a small
-  cache); each sample behind grows it two steps (recency-heavy traffic:
-  conversations, whose blocks' first reuse is the next turn). Caffeine's hill
+  with that shadow: each sample ahead of LRU shrinks the window one step, and so
+  does the first level one, to start exploring (stricter admission: hot prompts
+  under a scan, shared prefixes in a small cache); each sample behind grows it two
+  steps (recency-heavy traffic: conversations, whose blocks' first reuse is the
+  next turn). Caffeine's hill
   climbing on the hit rate (`HillClimber`) and ARC's ghost lists (`GhostTuner`) are
   kept as ablations: measured on the shipped conversation trace, per-sample hit
   rates were too noisy to climb by (docs/TRACE_REPLAY.md).
@@ -251,12 +252,12 @@ class LruReferenceTuner:
     Ahead of LRU: it shrinks by a step (toward stricter frequency admission, which is
     where the cache gains over LRU). Level: it holds (a tie says nothing), except at
     a whole-cache window, where the cache is LRU and can only ever be level, so a
-    step down is the only way to start exploring. A sample in which
-    the shadow LRU evicted nothing holds the window: while the cache has room, the
-    window's share decides nothing, and exploring then only costs hit rate later. The sign of a whole
-    sample's difference is a steadier signal than the change of the hit rate between
-    two samples (Caffeine's climb), because LRU's hit rate over the same lookups
-    cancels the workload's own swings.
+    step down is the only way to start exploring. A sample in which the shadow LRU
+    evicted nothing holds the window: while the cache has room, the window's share
+    decides nothing, and exploring then only costs hit rate later. The sign of a
+    whole sample's difference is a steadier signal than the change of the hit rate
+    between two samples (Caffeine's climb), because LRU's hit rate over the same
+    lookups cancels the workload's own swings.
     """
 
     __slots__ = ("capacity", "window_target", "step", "shadow", "_looked", "_ours", "_lru", "adjustments",
