@@ -152,6 +152,7 @@ class Reservation:
     done: bool = False
     cancelled: bool = False
     forced: bool = False
+    _token_bytes: bytes = field(default=b"", repr=False)
 
     @property
     def num_blocks(self) -> int:
@@ -284,6 +285,7 @@ class LocalCache:
         self._invalidated_blocks = 0
         self._reserved_blocks = 0
         self._chain_memo: tuple[KeyRoot, bytes, int, list[BlockHash]] | None = None
+        self._match_memo: tuple[KeyRoot, bytes, Node] | None = None
 
     # ------------------------------------------------------------------ engine API
 
@@ -312,6 +314,7 @@ class LocalCache:
             if matched == 0:
                 return Miss()
             node = self._index.pin(self._index.truncate(m, matched))
+            self._match_memo = (root, tb, node)
             if not node.hot:
                 self._maybe_promote(node, matched)
             tier = TIER_PINNED if node.hot else TIER_DRAM
@@ -370,7 +373,7 @@ class LocalCache:
             return False
         tb = tokens.tobytes()
         with self._lock:
-            m = self._index.match(root, tb, n_full)
+            m = self._match(root, tb, n_full)
             first = m.cached_blocks
             if first == n_full:
                 return False
@@ -406,12 +409,12 @@ class LocalCache:
         n_full = len(tokens) // self.block_size
         tb = tokens.tobytes()
         with self._lock:
-            m = self._index.match(root, tb, n_full)
+            m = self._match(root, tb, n_full)
             first = m.cached_blocks
             if first == n_full:
                 return None
             sightings = self._admission.bar if force else None
-            return self._reserve_from(m, root, tokens, n_full, sightings, forced=force)
+            return self._reserve_from(m, root, tokens, tb, n_full, sightings, forced=force)
 
     def commit(self, res: Reservation, num_blocks: int | None = None) -> int:
         """Publish a reservation's blocks to the index. Returns blocks added (blocks
@@ -430,9 +433,9 @@ class LocalCache:
                 self._pool.give_back(res.slots)
                 return 0
             self._pool.give_back(res.slots[n:])
-            unused, _ = self._index.insert(res.root, res.token_ids.tobytes(), res.first_block,
+            unused, _ = self._index.insert(res.root, res._token_bytes, res.first_block,
                                            res.slots[:n], res._hashes[:n], hot=res.tier == TIER_PINNED,
-                                           main=res.forced)
+                                           main=res.forced, after=res._parent)
             self._pool.give_back(unused)
             added = n - len(unused)
             self._tenant(res.root.tenant).stored_blocks += added
@@ -618,6 +621,16 @@ class LocalCache:
         elif self._climber is not None and self._climber.record(len(hashes), matched):
             self._set_targets(self._climber.window_target)
 
+    def _match(self, root: KeyRoot, tb: bytes, n_full: int) -> Match:
+        """`match` of the prompt, resumed where the last lookup's pin left it when
+        this is the same prompt (a lookup, then its store or reservation)."""
+        memo = self._match_memo
+        if memo is not None and memo[1] == tb and memo[0] == root:
+            m = self._index.match_after(memo[2], tb, n_full)
+            if m is not None:
+                return m
+        return self._index.match(root, tb, n_full)
+
     def _chain_from(self, m: Match, root: KeyRoot, tb: bytes) -> list[BlockHash]:
         """Hashes of the prompt's full blocks after the match. The last prompt's are
         kept: a lookup, its store and the store's reservation chain the same blocks."""
@@ -667,17 +680,16 @@ class LocalCache:
     def _prepare(self, p: _PendingStore) -> Reservation | None:
         """Turn a queued store into a reservation against the index as it is now."""
         tb = p.token_ids.tobytes()
-        m = self._index.match(p.root, tb, p.end_block)
+        m = self._match(p.root, tb, p.end_block)
         if m.cached_blocks >= p.end_block:
             return None
-        return self._reserve_from(m, p.root, p.token_ids, p.end_block, p.sightings)
+        return self._reserve_from(m, p.root, p.token_ids, tb, p.end_block, p.sightings)
 
-    def _reserve_from(self, m: Match, root: KeyRoot, tokens: np.ndarray, end: int,
+    def _reserve_from(self, m: Match, root: KeyRoot, tokens: np.ndarray, tb: bytes, end: int,
                       sightings: int | None, forced: bool = False) -> Reservation | None:
         """Pin the cached prefix, take slots for blocks [cached, end). `sightings`
         (for placement) defaults to the sketch's count of the first new block."""
         first = m.cached_blocks
-        tb = tokens.tobytes()
         hashes = self._chain_from(m, root, tb)[:end - first]
         if sightings is None:
             sightings = self._admission.frequency(hashes[0])
@@ -693,7 +705,7 @@ class LocalCache:
         fits_hot = self._index.hot_blocks + end <= self.pinned_budget_blocks
         tier = TIER_PINNED if where is Placement.PINNED and fits_hot else TIER_DRAM
         res = Reservation(root, tokens, first, slots, [s * self.block_bytes for s in slots], tier,
-                          hashes, parent, self, forced=forced)
+                          hashes, parent, self, forced=forced, _token_bytes=tb)
         self._reservations[id(res)] = res
         self._reserved_blocks += len(slots)
         return res

@@ -138,21 +138,39 @@ class PrefixIndex:
         node = self._roots.get(root)
         if node is None:
             return Match(None, 0, 0)
+        return self._walk(node, 0, 0, token_bytes, limit_blocks)
+
+    def match_after(self, node: Node, token_bytes: bytes, limit_blocks: int) -> Match | None:
+        """`match` resumed at the end of `node`, a node an earlier walk of this same
+        prompt (same root) reached: what `match` would return, without comparing
+        the path to `node` again. None when `node` has left the index or ends past
+        the limit (the caller then matches from the root).
+
+        Sound because a live node's path keeps spelling the prompt: splits keep
+        the path's tokens, and only a leaf's own tail is ever trimmed."""
+        end = node.start_block + len(node.slots)
+        if not node.alive or node.parent is None or end > limit_blocks:
+            return None
+        return self._walk(node, len(node.slots), end, token_bytes, limit_blocks)
+
+    def _walk(self, node: Node, within: int, pos: int, token_bytes: bytes, limit_blocks: int) -> Match:
+        """Descend from `node` (its first `within` blocks matched, `pos` prompt
+        blocks matched in all), comparing tokens, up to `limit_blocks`."""
         step = self.block_token_bytes
         limit_blocks = min(limit_blocks, len(token_bytes) // step)
-        pos = 0
-        within = 0
         while pos < limit_blocks:
-            child = node.children.get(token_bytes[pos * step:(pos + 1) * step])
+            off = pos * step
+            child = node.children.get(token_bytes[off:off + step])
             if child is None:
                 break
-            n = min(len(child.slots), limit_blocks - pos)
-            if token_bytes[pos * step:(pos + n) * step] == child.tokens[:n * step]:
+            size = len(child.slots)
+            n = min(size, limit_blocks - pos)
+            if token_bytes[off:off + n * step] == child.tokens[:n * step]:
                 k = n
             else:
-                k = _equal_prefix_blocks(child.tokens, token_bytes, pos * step, n, self.block_size)
+                k = _equal_prefix_blocks(child.tokens, token_bytes, off, n, self.block_size)
             node, within, pos = child, k, pos + k
-            if k < len(child.slots):
+            if k < size:
                 break
         return Match(node, within, pos)
 
@@ -253,9 +271,12 @@ class PrefixIndex:
     # ------------------------------------------------------------------ insertion
 
     def insert(self, root: KeyRoot, token_bytes: bytes, first_block: int, slots: list[int],
-               hashes: list[BlockHash], hot: bool = False, main: bool = False) -> tuple[list[int], Node | None]:
+               hashes: list[BlockHash], hot: bool = False, main: bool = False,
+               after: Node | None = None) -> tuple[list[int], Node | None]:
         """Attach blocks [first_block, first_block + len(slots)) of the prompt, in the
-        window (or, when hot or `main`, straight in the main region).
+        window (or, when hot or `main`, straight in the main region). `after`, when
+        given, is a node an earlier walk of this prompt reached (a reservation's
+        pinned parent): the walk resumes there (`match_after`).
 
         Blocks already present (inserted meanwhile by someone else) keep their old
         slots; the corresponding new slots are returned as unused. If the prefix before
@@ -269,7 +290,9 @@ class PrefixIndex:
             if first_block != 0:
                 return list(slots), None
             self._roots[root] = Node(root, None, b"", [], [], 0)
-        m = self.match(root, token_bytes, end)
+        m = self.match_after(after, token_bytes, end) if after is not None else None
+        if m is None:
+            m = self.match(root, token_bytes, end)
         pos = m.cached_blocks
         if pos < first_block:
             return list(slots), None

@@ -23,6 +23,8 @@ from kvtier.keys import KeyRoot
 B = 4
 BLOCK_BYTES = 32
 SLOTS = 24
+MAX_WALKS = 8
+"""Earlier lookups' pinned nodes whose resumed walks are checked after every step."""
 ROOTS = [KeyRoot("a", "m", "w1", "fp16", "r", "x"), KeyRoot("b", "m", "w1", "fp16", "r", "x"),
          KeyRoot("a", "m", "w2", "fp16", "r", "x")]
 
@@ -64,6 +66,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = LocalCache(SLOTS * BLOCK_BYTES, BLOCK_BYTES, block_size=B, min_sightings=1,
                                 drain_budget_s=0, queue_capacity=4)
         self.live: dict[int, tuple[Hit, np.ndarray, list[bytes]]] = {}
+        self.walks: list[tuple[KeyRoot, bytes, object]] = []  # (root, prompt bytes, a node its lookup pinned)
+
+    def _remember_walk(self, root: KeyRoot, tokens: np.ndarray, hit) -> None:
+        if hit:
+            self.walks = self.walks[-(MAX_WALKS - 1):] + [(root, tokens.tobytes(), hit._node)]
 
     def _check_hit(self, hit: Hit, root: KeyRoot, tokens: np.ndarray, allow_full: bool) -> None:
         assert hit.matched_tokens % B == 0 and hit.matched_tokens > 0
@@ -78,6 +85,7 @@ class CacheMachine(RuleBasedStateMachine):
     def lookup(self, r, p, allow_full):
         root, tokens = ROOTS[r], np.array(p, dtype=np.uint32)
         hit = self.cache.lookup(root, tokens, allow_full=allow_full)
+        self._remember_walk(root, tokens, hit)
         if not hit:
             return None
         self._check_hit(hit, root, tokens, allow_full)
@@ -105,7 +113,9 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(r=roots, p=prompts, flush=st.booleans())
     def store_queued(self, r, p, flush):
         root, tokens = ROOTS[r], np.array(p, dtype=np.uint32)
-        self.cache.release(self.cache.lookup(root, tokens))  # a sighting, as an engine makes
+        hit = self.cache.lookup(root, tokens)  # a sighting, as an engine makes
+        self._remember_walk(root, tokens, hit)
+        self.cache.release(hit)
         self.cache.store(root, tokens, kv_for(root, tokens))
         if flush:
             self.cache.flush()
@@ -131,6 +141,21 @@ class CacheMachine(RuleBasedStateMachine):
             for slot, want in zip(hit.blocks, expected):
                 off = self.cache.block_offset(slot)
                 assert arena[off:off + BLOCK_BYTES].tobytes() == want, "a pinned block was evicted or reused"
+
+    @invariant()
+    def resumed_walks_match_walks_from_the_root(self):
+        """A walk resumed at a node an earlier lookup of the same prompt reached
+        (`match_after`, used by reserve and commit) finds what a walk from the root
+        finds, whatever splits, evictions and invalidations happened since."""
+        ix = self.cache._index
+        for root, tb, node in self.walks:
+            for limit in (len(tb) // (4 * B), len(tb) // (4 * B) - 1):
+                resumed = ix.match_after(node, tb, limit)
+                if resumed is None:
+                    continue
+                fresh = ix.match(root, tb, limit)
+                assert (resumed.node, resumed.within, resumed.cached_blocks) == \
+                    (fresh.node, fresh.within, fresh.cached_blocks)
 
     @invariant()
     def byte_accounting_is_exact(self):
