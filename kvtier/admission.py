@@ -209,14 +209,16 @@ class CountMinSketch:
         return np.minimum(d[:, 0], d[:, 1]).view(bool)
 
     def _add_many(self, hashes: list[BlockHash]) -> None:
-        halves = self._halves(hashes)
+        # The helpers' steps written out: this runs once per lookup of a long prompt.
+        halves = np.frombuffer(b"".join(hashes), dtype="<u8").reshape(-1, 2)
         door = self.door
         if door is not None:
-            probes = self._door_probes(halves)
-            seen = self._door_known(probes)  # read every probe before setting any
+            probes = (halves & self._door_mask64).astype(np.intp)
+            d = door[probes]  # read every probe before setting any
             door[probes] = 1
-            halves = halves[seen]
-        self._table_flat[self._index(halves)] += 1  # one increment per distinct counter
+            halves = halves[np.minimum(d[:, 0], d[:, 1]).view(bool)]
+        idx = (((halves @ self._coef) & self._mask) + self._row_base).astype(np.intp)
+        self._table_flat[idx] += 1  # one increment per distinct counter
 
     def _estimate_many(self, hashes: list[BlockHash]) -> np.ndarray:
         halves = self._halves(hashes)
@@ -309,7 +311,7 @@ class Admission:
     def duel(self, candidate: BlockHash, victim_frequency: float) -> bool:
         """Does the window's candidate (its tail block's sightings) displace main's
         victim (its decayed hit frequency)?"""
-        return self.duel_sightings(self.frequency(candidate), victim_frequency)
+        return self.duel_sightings(self.sketch.estimate_one(candidate), victim_frequency)
 
     def duel_sightings(self, sightings: int, victim_frequency: float) -> bool:
         """The duel for a candidate whose sightings are already known."""

@@ -131,6 +131,10 @@ class Miss:
         return False
 
 
+_MISS = Miss()
+"""Every miss is the same immutable answer: one instance, not one a lookup."""
+
+
 @dataclass(slots=True, eq=False)
 class Reservation:
     """Slots allocated for prompt blocks [first_block, first_block + len(slots)).
@@ -312,7 +316,7 @@ class LocalCache:
             matched = min(m.cached_blocks, limit)
             self._adapt(hashes, limit, matched, m.cached_blocks)
             if matched == 0:
-                return Miss()
+                return _MISS
             node = self._index.pin(self._index.truncate(m, matched))
             self._match_memo = (root, tb, node)
             if not node.hot:
@@ -625,7 +629,7 @@ class LocalCache:
         """`match` of the prompt, resumed where the last lookup's pin left it when
         this is the same prompt (a lookup, then its store or reservation)."""
         memo = self._match_memo
-        if memo is not None and memo[1] == tb and memo[0] == root:
+        if memo is not None and memo[1] == tb and (memo[0] is root or memo[0] == root):
             m = self._index.match_after(memo[2], tb, n_full)
             if m is not None:
                 return m
@@ -636,7 +640,7 @@ class LocalCache:
         kept: a lookup, its store and the store's reservation chain the same blocks."""
         first = m.cached_blocks
         memo = self._chain_memo
-        if memo is not None and memo[2] <= first and memo[0] == root and memo[1] == tb:
+        if memo is not None and memo[2] <= first and (memo[0] is root or memo[0] == root) and memo[1] == tb:
             return memo[3][first - memo[2]:]
         hashes = chain_hashes(m.last_hash() or root.digest(), tb, self.block_size, first)
         self._chain_memo = (root, tb, first, hashes)
@@ -704,7 +708,8 @@ class LocalCache:
                           self.pin_max_bytes, self.hot_sightings)
         fits_hot = self._index.hot_blocks + end <= self.pinned_budget_blocks
         tier = TIER_PINNED if where is Placement.PINNED and fits_hot else TIER_DRAM
-        res = Reservation(root, tokens, first, slots, [s * self.block_bytes for s in slots], tier,
+        bb = self.block_bytes
+        res = Reservation(root, tokens, first, slots, [s * bb for s in slots], tier,
                           hashes, parent, self, forced=forced, _token_bytes=tb)
         self._reservations[id(res)] = res
         self._reserved_blocks += len(slots)

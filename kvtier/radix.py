@@ -164,8 +164,12 @@ class PrefixIndex:
             if child is None:
                 break
             size = len(child.slots)
-            n = min(size, limit_blocks - pos)
-            if token_bytes[off:off + n * step] == child.tokens[:n * step]:
+            if size <= limit_blocks - pos:  # the whole edge is within the limit
+                n, same = size, token_bytes.startswith(child.tokens, off)
+            else:
+                n = limit_blocks - pos
+                same = child.tokens.startswith(token_bytes[off:off + n * step])
+            if same:
                 k = n
             else:
                 k = _equal_prefix_blocks(child.tokens, token_bytes, off, n, self.block_size)
@@ -344,54 +348,59 @@ class PrefixIndex:
         (pinned-tier) leaves go only when nothing else is left.
         """
         freed: list[int] = []
+        regions, window_candidate, peek_victim, trim = (self.region_blocks, self._window_candidate,
+                                                        self._peek_victim, self._trim_tail)
         while len(freed) < num_blocks:
             need = num_blocks - len(freed)
-            over = self.region_blocks[WINDOW] + num_blocks > self.window_target
-            cand = self._window_candidate() if over else None
-            victim = self._peek_victim()
+            over = regions[WINDOW] + num_blocks > self.window_target
+            cand = window_candidate() if over else None
+            victim = peek_victim()
             if over and cand is None and num_blocks > self.window_target and victim is not None \
                     and incoming is not None and not victim.hot:
                 if not incoming(victim):
                     break
-                freed.extend(self._trim_tail(victim, need))
+                trim(victim, need, freed)
                 continue
             if victim is not None and victim.hot:
                 if self._cooled(victim):
                     continue
-                other = cand or self._window_candidate()
+                other = cand or window_candidate()
                 if other is not None:  # hot leaves outlast every ordinary block
-                    freed.extend(self._trim_tail(other, need))
+                    trim(other, need, freed)
                     continue
             if cand is not None:
                 if victim is None:
                     self._to_main(cand)  # main is empty: nothing to duel with
                 elif duel is None or duel(cand, victim):
                     self._to_main(cand)
-                    freed.extend(self._trim_tail(victim, need))
+                    trim(victim, need, freed)
                 else:
-                    freed.extend(self._trim_tail(cand, need))
+                    trim(cand, need, freed)
                 continue
-            node = victim or self._window_candidate()
+            node = victim or window_candidate()
             if node is None:
                 break
-            freed.extend(self._trim_tail(node, need))
+            trim(node, need, freed)
         return freed
 
     def _window_candidate(self) -> Node | None:
         """The window's least recent evictable leaf. Window nodes met on the way that
         still have children move to main: their children need them."""
-        inner: list[Node] = []
+        inner: list[Node] | None = None
         found = None
         for n in self._window:
             if n.pins or not n.slots:
                 continue
             if n.children:
+                if inner is None:
+                    inner = []
                 inner.append(n)
                 continue
             found = n
             break
-        for n in inner:
-            self._to_main(n)
+        if inner is not None:
+            for n in inner:
+                self._to_main(n)
         return found
 
     def _to_main(self, n: Node) -> None:
@@ -424,26 +433,27 @@ class PrefixIndex:
             return node
         return None
 
-    def _trim_tail(self, node: Node, max_blocks: int) -> list[int]:
-        k = min(max_blocks, len(node.slots))
-        keep = len(node.slots) - k
-        child_key = node.tokens[:self.block_token_bytes]
-        freed = node.slots[keep:][::-1]  # tail first
+    def _trim_tail(self, node: Node, max_blocks: int, freed: list[int]) -> None:
+        """Evict up to `max_blocks` blocks from the leaf's tail, appending their
+        slots to `freed`, tail first."""
+        slots, hashes, tokens, step = node.slots, node.hashes, node.tokens, self.block_token_bytes
+        size = len(slots)
+        k = max_blocks if max_blocks < size else size
+        keep = size - k
+        freed.extend(reversed(slots[keep:]))
         if self.on_evict is not None:
-            self.on_evict(node.region, node.hashes[keep:])
-        node.slots = node.slots[:keep]
-        node.hashes = node.hashes[:keep]
-        node.tokens = node.tokens[:keep * self.block_token_bytes]
-        t = node.root.tenant
-        self.tenant_evictions[t] = self.tenant_evictions.get(t, 0) + k
+            self.on_evict(node.region, hashes[keep:])
+        node.slots, node.hashes, node.tokens = slots[:keep], hashes[:keep], tokens[:keep * step]
+        evictions, t = self.tenant_evictions, node.root.tenant
+        evictions[t] = evictions.get(t, 0) + k
         self._count_blocks(node, -k)
         if keep:
             node.version += 1  # its queued entry (if any) is stale now
             self._push(node)
-            return freed
+            return
         parent = node.parent
         assert parent is not None
-        del parent.children[child_key]
+        del parent.children[tokens[:step]]
         if node.region == WINDOW:
             del self._window[node]
         node.alive = False
@@ -453,7 +463,6 @@ class PrefixIndex:
                 self._drop_empty_root(parent)
             else:
                 self._push(parent)
-        return freed
 
     # ------------------------------------------------------------------ invalidation
 
@@ -571,6 +580,7 @@ class PrefixIndex:
         return n.alive and n.pins == 0 and not n.children and n.parent is not None and bool(n.slots)
 
     def _key(self, n: Node) -> tuple[int, float, float]:
+        """Main's eviction order (`_push` writes the same tuple out: its hot path)."""
         return (1 if n.hot else 0, self.policy.score(n.freq), n.last_access_s)
 
     def _push(self, n: Node) -> None:
@@ -578,9 +588,9 @@ class PrefixIndex:
         in the window's LRU order instead)."""
         if n.region != MAIN or n.queued == n.version:
             return  # window leaves are not queued; this version already is
-        hot, score, last = self._key(n)
         n.queued = n.version
-        heapq.heappush(self._heap, (hot, score, last, next(self._seq), n.version, n))
+        heapq.heappush(self._heap, (1 if n.hot else 0, self.policy.score(n.freq), n.last_access_s,
+                                    next(self._seq), n.version, n))
         if len(self._heap) > 4 * self.num_nodes + 1024:
             self._rebuild_heap()
 
