@@ -101,6 +101,9 @@ def as_token_array(token_ids: Iterable[int] | np.ndarray, *, allow_empty: bool =
     empty sequence unless `allow_empty`. An input that is already a contiguous uint32
     array is returned as is (no copy).
     """
+    if type(token_ids) is np.ndarray and token_ids.dtype is TOKEN_DTYPE and token_ids.ndim == 1 \
+            and token_ids.size and token_ids.flags.c_contiguous:
+        return token_ids  # already canonical: the per-request path of the simulator and the sidecar
     if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
         raise ValueError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
     if isinstance(token_ids, np.ndarray):

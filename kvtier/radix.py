@@ -199,16 +199,21 @@ class PrefixIndex:
             raise RuntimeError("cannot pin an empty match")
         if 0 < m.within < len(node.slots):
             node = self._split(node, m.within)
-        now = self.clock()
         n: Node | None = node
+        if not touch:
+            while n is not None:
+                n.pins += 1
+                n = n.parent
+            return node
+        now, touch_freq, to_end = self.clock(), self.policy.touch, self._window.move_to_end
         while n is not None:
             n.pins += 1
-            if touch and n.parent is not None:
-                self.policy.touch(n.freq, now)
+            if n.parent is not None:
+                touch_freq(n.freq, now)
                 n.last_access_s = now
                 n.version += 1
                 if n.region == WINDOW:
-                    self._window.move_to_end(n)
+                    to_end(n)
             n = n.parent
         return node
 
@@ -617,12 +622,12 @@ class PrefixIndex:
         self.region_blocks[n.region] += delta
         if n.hot:
             self.hot_blocks += delta
-        t = n.root.tenant
-        left = self.tenant_blocks.get(t, 0) + delta
+        t, tenants = n.root.tenant, self.tenant_blocks
+        left = tenants.get(t, 0) + delta
         if left:
-            self.tenant_blocks[t] = left
+            tenants[t] = left
         else:
-            self.tenant_blocks.pop(t, None)
+            tenants.pop(t, None)
             self.tenant_evictions.pop(t, None)
 
 
