@@ -397,7 +397,9 @@ class LocalCache:
         with self._lock:
             self._check_hit(hit)
             hit.released = True
-            self._pool.give_back(self._index.unpin(hit._node))
+            freed = self._index.unpin(hit._node)
+            if freed:  # blocks of an invalidated prefix whose last reader this was
+                self._pool.give_back(freed)
 
     # ------------------------------------------------------------------ zero-copy path
 
@@ -429,18 +431,21 @@ class LocalCache:
         """
         with self._lock:
             self._check_reservation(res)
-            n = len(res.slots) if num_blocks is None else num_blocks
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(res.slots):
-                raise ValueError(f"num_blocks must be in [0, {len(res.slots)}], got {num_blocks!r}")
+            size = len(res.slots)
+            n = size if num_blocks is None else num_blocks
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= size:
+                raise ValueError(f"num_blocks must be in [0, {size}], got {num_blocks!r}")
             self._end_reservation(res)
             if res.cancelled or n == 0:
                 self._pool.give_back(res.slots)
                 return 0
-            self._pool.give_back(res.slots[n:])
+            if n < size:
+                self._pool.give_back(res.slots[n:])
             unused, _ = self._index.insert(res.root, res._token_bytes, res.first_block,
                                            res.slots[:n], res._hashes[:n], hot=res.tier == TIER_PINNED,
                                            main=res.forced, after=res._parent)
-            self._pool.give_back(unused)
+            if unused:
+                self._pool.give_back(unused)
             added = n - len(unused)
             self._tenant(res.root.tenant).stored_blocks += added
             self._total.stored_blocks += added
@@ -721,7 +726,7 @@ class LocalCache:
         hittable until their memory is needed). `sightings` are the new blocks'
         for their own duel when they overflow the window; None (a forced warm-up)
         takes what the policy gives."""
-        slots = self._pool.take(n)
+        slots = self._pool.take(n) if self._pool.free_count else []
         if len(slots) < n:
             incoming = None
             if sightings is not None and self.policy.duel:
@@ -748,7 +753,9 @@ class LocalCache:
         self._reservations.pop(id(res), None)
         self._reserved_blocks -= len(res.slots)
         if res._parent is not None:
-            self._pool.give_back(self._index.unpin(res._parent))
+            freed = self._index.unpin(res._parent)
+            if freed:
+                self._pool.give_back(freed)
 
     def _check_hit(self, hit: Any) -> None:
         if not isinstance(hit, Hit) or hit._owner is not self:
