@@ -245,7 +245,7 @@ def _request(ctx: _Ctx, action: str, in_flight: bool) -> Plan:
     if not in_flight:
         return _rejected(ctx, action, "no rollout in flight")
     assert status is not None
-    step = min(max(status.step, 1), len(ctx.schedule))
+    step = _clamped_step(ctx, status.step)
     rate = status.current_hit_rate
     if action == "abort":
         return _rollback(ctx, f"step {step}: aborted by request", observed_rate=rate, cause="Aborted",
@@ -340,7 +340,7 @@ def _start(ctx: _Ctx, superseding: str | None = None, retry: bool = False) -> Pl
 def _evaluate(ctx: _Ctx) -> Plan:
     status = ctx.status
     assert status is not None and status.step_started_at is not None
-    step = min(max(status.step, 1), len(ctx.schedule))
+    step = _clamped_step(ctx, status.step)
     n = ctx.schedule[step - 1]
     new_pods = [p for p in ctx.observed.pods if p.version == ctx.target]
     ready = sum(p.ready for p in new_pods)
@@ -388,7 +388,7 @@ def _fleet_ahead_of_step(ctx: _Ctx) -> bool:
     the returning pods below the partition come back on the target too."""
     status, w = ctx.status, ctx.observed.workload
     assert status is not None
-    step = min(max(status.step, 1), len(ctx.schedule))
+    step = _clamped_step(ctx, status.step)
     on_target = [p for p in ctx.observed.pods if p.version == ctx.target]
     return step < len(ctx.schedule) and len(on_target) >= w.replicas > ctx.schedule[step - 1]
 
@@ -402,7 +402,7 @@ def _catch_up(ctx: _Ctx) -> Plan:
     rollback could, and it would restart pods whose caches are already refilling."""
     status, w = ctx.status, ctx.observed.workload
     assert status is not None
-    step, last = min(max(status.step, 1), len(ctx.schedule)), len(ctx.schedule)
+    step, last = _clamped_step(ctx, status.step), len(ctx.schedule)
     message = (f"all {w.replicas} pods came back on {ctx.target} at step {step} (a scale to zero lets the "
                f"StatefulSet controller promote its update revision): the rollout moves to its last step, "
                f"judged on the hit rate as before")
@@ -423,7 +423,7 @@ def _evaluate_analysis(ctx: _Ctx) -> Plan:
     on the verdict; the sidecars' counters only feed the numbers shown."""
     status = ctx.status
     assert status is not None and status.step_started_at is not None
-    step = min(max(status.step, 1), len(ctx.schedule))
+    step = _clamped_step(ctx, status.step)
     n = ctx.schedule[step - 1]
     new_pods = [p for p in ctx.observed.pods if p.version == ctx.target]
     ready = sum(p.ready for p in new_pods)
@@ -458,7 +458,7 @@ def _evaluate_inconclusive_pause(ctx: _Ctx) -> Plan:
     measurement resumes the step with a fresh window and fresh counts."""
     status = ctx.status
     assert status is not None
-    step = min(max(status.step, 1), len(ctx.schedule))
+    step = _clamped_step(ctx, status.step)
     m = _measurement(ctx, step)
     if m is None or not analysis.conclusive(m):
         a = analysis.tally(status.analysis, m, ctx.observed.now) if m is not None else status.analysis
@@ -620,8 +620,14 @@ def _refuse(ctx: _Ctx, reason: str, message: str) -> Plan:
 # --- helpers ---------------------------------------------------------------------------
 
 
+def _clamped_step(ctx: _Ctx, step: int) -> int:
+    """A recorded step as a 1-based index into the schedule, clamped to it: step 0
+    reads as the first step, and a schedule edited shorter mid-rollout as its last."""
+    return min(max(step, 1), len(ctx.schedule))
+
+
 def _step_patch(ctx: _Ctx, step: int) -> WorkloadPatch:
-    n = ctx.schedule[min(max(step, 1), len(ctx.schedule)) - 1]
+    n = ctx.schedule[_clamped_step(ctx, step) - 1]
     return WorkloadPatch(ctx.target, ctx.observed.workload.replicas - n)
 
 
