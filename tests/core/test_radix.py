@@ -101,6 +101,31 @@ def test_edge_split_keeps_pins_and_byte_accounting_exact():
     assert head.pins == 0 and leaf.pins == 0
 
 
+def test_a_walk_resumed_at_an_earlier_node_finds_what_a_walk_from_the_root_finds():
+    ix, sl = PrefixIndex(B), Slots()
+    prompt = toks((0, 64), (100, 164))                      # 8 blocks
+    insert(ix, sl, toks((0, 64)))                           # blocks 0-3 cached
+    reached = ix.pin(ix.match(ROOT, prompt, 8))
+    assert reached.end_block == 4
+
+    def same(limit):
+        resumed, fresh = ix.match_after(reached, prompt, limit), ix.match(ROOT, prompt, limit)
+        assert resumed is not None
+        assert (resumed.node, resumed.within, resumed.cached_blocks) == \
+            (fresh.node, fresh.within, fresh.cached_blocks)
+        return fresh.cached_blocks
+
+    assert same(8) == 4
+    insert(ix, sl, prompt, first=4)                          # the rest of the prompt, cached meanwhile
+    assert same(8) == 8 and same(6) == 6
+    insert(ix, sl, toks((0, 32), (900, 932)), first=2)       # splits the edge `reached` ends
+    assert reached.start_block == 2 and same(8) == 8
+    assert ix.match_after(reached, prompt, 3) is None        # ends past the limit: walk from the root
+    ix.unpin(reached)
+    ix.evict(100)
+    assert not reached.alive and ix.match_after(reached, prompt, 8) is None
+
+
 def test_pinned_blocks_are_never_evicted():
     ix, sl = PrefixIndex(B), Slots()
     insert(ix, sl, toks((0, 64)))
