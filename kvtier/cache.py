@@ -677,6 +677,8 @@ class LocalCache:
 
     def _maybe_promote(self, node: Node, matched_blocks: int) -> None:
         """Small and hot -> pinned tier, inferred from the node's decayed hit count."""
+        if self._index.hot_blocks + len(node.slots) > self.pinned_budget_blocks:
+            return  # not even the node's own blocks (not hot yet) fit in the pinned tier
         sightings = int(self._index.policy.frequency(node.freq, self.clock()))
         prefix_bytes = matched_blocks * self.block_bytes
         if placement(sightings, prefix_bytes, self._admission.bar, self.pin_max_bytes,
