@@ -91,6 +91,10 @@ SKETCH_SHORT_INPUT = 5
 _HALVES = struct.Struct("<QQ").unpack
 """A 16-byte hash as its two little-endian 64-bit halves, in one C call."""
 
+_HALF = np.dtype("<u8")
+_BOTH_PROBES_SET = 0x0101
+"""A hash's two doorkeeper bytes read as one uint16: both set (each byte is 0 or 1)."""
+
 
 class CountMinSketch:
     """Count-min sketch over 16-byte block hashes, with halving decay and an
@@ -107,7 +111,7 @@ class CountMinSketch:
     """
 
     __slots__ = ("width", "depth", "table", "additions", "sample_size", "resets", "_mask", "_coef",
-                 "_row_base", "_table_flat", "_flat", "door", "_door_flat", "_door_mask", "_door_mask64")
+                 "_row_base", "_table_flat", "_flat", "door", "_door_flat", "_door_mask", "_door_mask_i64")
 
     def __init__(self, width: int = SKETCH_WIDTH, depth: int = SKETCH_DEPTH,
                  sample_size: int | None = None, doorkeeper: bool = False) -> None:
@@ -124,7 +128,7 @@ class CountMinSketch:
         self._mask = np.uint64(width - 1)
         rows = np.arange(depth, dtype=np.uint64)
         self._coef = np.stack([np.ones(depth, dtype=np.uint64), rows])  # (h1, h2) @ coef = h1 + i*h2 per row i
-        self._row_base = (rows * np.uint64(width))[None, :]
+        self._row_base = (rows * np.uint64(width)).astype(np.int64)[None, :]  # int64: flat positions are intp
         self._table_flat = self.table.reshape(-1)  # a view: halving is in place
         self._flat = memoryview(self.table).cast("B").cast("I")  # halving is in place: stays valid
         door_size = width * DOORKEEPER_BITS_PER_COUNTER if doorkeeper else 0
@@ -133,7 +137,7 @@ class CountMinSketch:
             self.door.fill(0)
         self._door_flat = memoryview(self.door).cast("B") if doorkeeper else None
         self._door_mask = door_size - 1
-        self._door_mask64 = np.uint64(max(door_size - 1, 0))
+        self._door_mask_i64 = np.int64(max(door_size - 1, 0))  # < 2**63: masking the int64 view is exact
 
     @classmethod
     def for_slots(cls, slots: int, doorkeeper: bool = True) -> CountMinSketch:
@@ -191,33 +195,32 @@ class CountMinSketch:
         return est
 
     def _halves(self, hashes: list[BlockHash]) -> np.ndarray:
-        return np.frombuffer(b"".join(hashes), dtype="<u8").reshape(-1, 2)
+        return np.frombuffer(b"".join(hashes), dtype=_HALF).reshape(-1, 2)
 
     def _index(self, halves: np.ndarray) -> np.ndarray:
         """Flat positions (row * width + column) of every hash's counters: one row
         per hash, one column per sketch row (uint64 arithmetic wraps, as the
-        pure-Python path's masking does)."""
-        return (((halves @ self._coef) & self._mask) + self._row_base).astype(np.intp)
+        pure-Python path's masking does; the masked columns fit int64, numpy's intp)."""
+        return ((halves @ self._coef) & self._mask).view(np.int64) + self._row_base
 
     def _door_probes(self, halves: np.ndarray) -> np.ndarray:
         """Both doorkeeper probes of every hash: one row per hash (its two halves, masked)."""
-        return (halves & self._door_mask64).astype(np.intp)
+        return halves.view(np.int64) & self._door_mask_i64
 
     def _door_known(self, probes: np.ndarray) -> np.ndarray:
         """Per hash, whether the doorkeeper has seen it (both probes set)."""
-        d = self.door[probes]  # type: ignore[index]
-        return np.minimum(d[:, 0], d[:, 1]).view(bool)
+        return self.door[probes].view(np.uint16)[:, 0] == _BOTH_PROBES_SET  # type: ignore[index]
 
     def _add_many(self, hashes: list[BlockHash]) -> None:
         # The helpers' steps written out: this runs once per lookup of a long prompt.
-        halves = np.frombuffer(b"".join(hashes), dtype="<u8").reshape(-1, 2)
+        halves = np.frombuffer(b"".join(hashes), dtype=_HALF).reshape(-1, 2)
         door = self.door
         if door is not None:
-            probes = (halves & self._door_mask64).astype(np.intp)
+            probes = halves.view(np.int64) & self._door_mask_i64
             d = door[probes]  # read every probe before setting any
             door[probes] = 1
-            halves = halves[np.minimum(d[:, 0], d[:, 1]).view(bool)]
-        idx = (((halves @ self._coef) & self._mask) + self._row_base).astype(np.intp)
+            halves = halves.compress(d.view(np.uint16)[:, 0] == _BOTH_PROBES_SET, axis=0)
+        idx = ((halves @ self._coef) & self._mask).view(np.int64) + self._row_base
         self._table_flat[idx] += 1  # one increment per distinct counter
 
     def _estimate_many(self, hashes: list[BlockHash]) -> np.ndarray:
