@@ -585,7 +585,6 @@ class PrefixIndex:
         return n.alive and n.pins == 0 and not n.children and n.parent is not None and bool(n.slots)
 
     def _key(self, n: Node) -> tuple[int, float, float]:
-        """Main's eviction order (`_push` writes the same tuple out: its hot path)."""
         return (1 if n.hot else 0, self.policy.score(n.freq), n.last_access_s)
 
     def _push(self, n: Node) -> None:
@@ -593,9 +592,9 @@ class PrefixIndex:
         in the window's LRU order instead)."""
         if n.region != MAIN or n.queued == n.version:
             return  # window leaves are not queued; this version already is
+        hot, score, last = self._key(n)
         n.queued = n.version
-        heapq.heappush(self._heap, (1 if n.hot else 0, self.policy.score(n.freq), n.last_access_s,
-                                    next(self._seq), n.version, n))
+        heapq.heappush(self._heap, (hot, score, last, next(self._seq), n.version, n))
         if len(self._heap) > 4 * self.num_nodes + 1024:
             self._rebuild_heap()
 
