@@ -4,6 +4,7 @@
     kvtier simulate trace t.jsonl.gz --capacities 0.01,3M,0.1 --json out.json --plots out/
     kvtier simulate trace t.jsonl --ablation                  # what each part of the policy buys
     kvtier simulate trace t.jsonl --fleet 8 --capacities 0.02 # routing policies across 8 replicas
+    kvtier simulate trace t.jsonl --jobs 1                    # one replay at a time (default: one per CPU)
 
 Capacities are shares of the trace's distinct full blocks (0.05 or 5%) or token counts
 (3M, 250000). Exit status: 0 on success, 2 on a bad flag or a bad trace (the message
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -52,8 +54,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, help="replay only the first N requests")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' for stdout)")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--jobs", type=int, default=_cpus(),
+                   help=f"replays run side by side in this many processes (default: the CPUs this process "
+                        f"may use, here {_cpus()}); the results do not depend on it")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (fleet mode)")
     return p
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _fail(flag: str, message: str) -> int:
@@ -67,7 +76,8 @@ def main(argv: list[str]) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     for flag, value in (("--trace-block-tokens", args.trace_block_tokens), ("--block-elems", args.block_elems),
-                        ("--requests", args.requests), ("--fleet", args.fleet)):
+                        ("--requests", args.requests), ("--fleet", args.fleet),
+                        ("--jobs", args.jobs)):
         if value is not None and value < 1:
             return _fail(flag, f"must be >= 1, got {value}")
     known = POLICIES if args.fleet else SINGLE_POLICIES
@@ -94,7 +104,7 @@ def main(argv: list[str]) -> int:
     try:
         if args.fleet:
             return _fleet(args, trace, caps, policies)
-        report = sweep(trace, caps, policies, args.block_elems, name=Path(args.file).name)
+        report = sweep(trace, caps, policies, args.block_elems, name=Path(args.file).name, jobs=args.jobs)
     except TraceError as exc:
         return _fail(args.file, str(exc))
     _emit(args, render(report), report.as_dict(), lambda out: plot(report, out))

@@ -17,8 +17,10 @@ of the fleet simulator, with kvtier's `LocalCache` on every replica.
 from __future__ import annotations
 
 import heapq
+import multiprocessing
 import re
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -252,17 +254,44 @@ def replay_single(trace: Trace, requests: list[_Request], policy: str, blocks: i
 
 
 def sweep(trace: Trace, capacities: list[int], policies=DEFAULT_SINGLE_POLICIES,
-          block_elems: int = DEFAULT_BLOCK_ELEMS, name: str = "trace") -> TraceReport:
-    """Every policy at every capacity (infinite once: it has no capacity)."""
+          block_elems: int = DEFAULT_BLOCK_ELEMS, name: str = "trace", jobs: int = 1) -> TraceReport:
+    """Every policy at every capacity (infinite once: it has no capacity), each replay
+    in one of `jobs` worker processes. Each replay is deterministic and independent
+    of the others, so the report is the same whatever `jobs` is (only times move)."""
     requests = prepare(trace, block_elems)
     rep = TraceReport(name, _params(trace, block_elems, capacities))
-    for blocks in capacities:
-        for p in policies:
-            if p == "infinite" and blocks != capacities[0]:
-                continue
-            rep.points.append(replay_single(trace, requests, p, blocks, block_elems))
+    tasks = [(p, blocks) for blocks in capacities for p in policies
+             if p != "infinite" or blocks == capacities[0]]
+    rep.points.extend(_replay_all(trace, requests, tasks, block_elems, jobs))
     _figures(rep, capacities)
     return rep
+
+
+_SHARED: tuple[Trace, list[_Request], int] | None = None
+"""The sweep's trace for its forked workers: inherited at fork, never pickled."""
+
+
+def _replay_all(trace: Trace, requests: list[_Request], tasks: list[tuple[str, int]], block_elems: int,
+                jobs: int) -> list[ReplayPoint]:
+    """`replay_single` for every (policy, blocks), in order: in this process, or with
+    jobs > 1 in that many forked workers (where the platform forks)."""
+    global _SHARED
+    workers = min(jobs, len(tasks))
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [replay_single(trace, requests, p, blocks, block_elems) for p, blocks in tasks]
+    _SHARED = (trace, requests, block_elems)
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_replay_task, tasks))
+    finally:
+        _SHARED = None
+
+
+def _replay_task(task: tuple[str, int]) -> ReplayPoint:
+    assert _SHARED is not None, "a sweep worker runs only in a process forked by _replay_all"
+    trace, requests, block_elems = _SHARED
+    policy, blocks = task
+    return replay_single(trace, requests, policy, blocks, block_elems)
 
 
 def _params(trace: Trace, block_elems: int, capacities: list[int]) -> dict:

@@ -72,6 +72,20 @@ def test_infinite_bounds_every_policy_and_belady_is_at_least_lru():
     assert by["belady"] >= by["lru"] and by["lru"] > 0
 
 
+def test_a_sweep_in_worker_processes_reports_exactly_what_one_process_does():
+    t = tracegen.conversation(800, seed=3)
+    caps = [replay.capacity_blocks(c, t) for c in ("0.02", "0.1")]
+    policies = ("kvtier", "kvtier-no-duel", "lru", "belady", "infinite")
+
+    def outcome(jobs):
+        rep = replay.sweep(t, caps, policies, jobs=jobs)
+        return [(p.policy, p.capacity_blocks, p.matched_tokens, p.evictions, p.prompt_tokens) for p in rep.points]
+
+    alone = outcome(1)
+    assert len(alone) == 9 and sum(o[2] for o in alone) > 0
+    assert outcome(2) == alone  # the same replays, in the same order
+
+
 def test_capacities_are_shares_of_the_distinct_blocks_or_token_counts():
     t = parse_trace(LINES)
     assert replay.capacity_blocks("0.5", t) == 1 and replay.capacity_blocks("100%", t) == 2
@@ -120,6 +134,8 @@ def test_bad_flags_and_bad_traces_exit_2_naming_what_to_fix(tmp_path, capsys):
     assert "--policies" in capsys.readouterr().err
     assert cli.main(["simulate", "trace", str(good), "--trace-block-tokens", "0"]) == 2
     assert "--trace-block-tokens" in capsys.readouterr().err
+    assert cli.main(["simulate", "trace", str(good), "--jobs", "0"]) == 2
+    assert "--jobs" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text(LINES[0] + "\n{oops\n")
     assert cli.main(["simulate", "trace", str(bad)]) == 2
