@@ -11,6 +11,7 @@ bench/notes/sim-policies.md (included in BENCHMARKS.md), with where each does be
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from bench.common import Result
@@ -33,6 +34,8 @@ TRACE_SWEEP_MULTIPLE = 0.999  # target: >= LRU from 1% to 50%, to within the 0.1
 TRACE_SMALL = ("0.01", "0.02", "3M")
 TRACE_SWEEP = ("0.05", "0.075", "0.1", "0.15", "0.25", "0.5")
 TRACE_REPLAY_RPS = 20_000.0   # target: replay >= 20,000 requests/s at 16 tokens per hash id
+SWEEP_JOBS = 2                # the sweep's worker processes: one per core of the 2-core machine
+SWEEP_JOBS_SPEEDUP = 1.5      # target: a sweep in 2 processes replays >= 1.5x the requests a second of 1
 SPEED_REPEATS = 3             # the machine is shared: best of three
 
 
@@ -99,12 +102,7 @@ def _trace(quick: bool) -> list[Result]:
     caps = [replay.capacity_blocks(c, trace) for c in TRACE_SMALL + TRACE_SWEEP]
     policies = tuple(replay.KVTIER_VARIANTS) + ("lru", "belady", "infinite") if not quick else \
         ("kvtier", "lru", "belady", "infinite")
-    rep = replay.TraceReport("mooncake_conversation_trace", replay._params(trace, 16, caps))
-    for blocks in caps:
-        for p in policies:
-            if p == "infinite" and blocks != caps[0]:
-                continue
-            rep.points.append(replay.replay_single(trace, requests, p, blocks))
+    rep = replay.sweep(trace, caps, policies, name="mooncake_conversation_trace", jobs=SWEEP_JOBS)
     out = []
     for spec, blocks in zip(TRACE_SMALL + TRACE_SWEEP, caps):
         k, lru = rep.point("kvtier", blocks), rep.point("lru", blocks)
@@ -123,8 +121,27 @@ def _trace(quick: bool) -> list[Result]:
                            f"{', '.join(f'{r.requests_per_s:,.0f}' for r in runs)}; CPU-time rate "
                            f"{best.n_requests / best.cpu_s:,.0f}/s; load average {_load():.1f} from other jobs "
                            f"on the 2 cores; plain LRU replays at {lru_speed:,.0f}/s"))
+    out.append(_sweep_speed(trace, caps))
     _write_trace_notes(rep, render_trace(rep), quick)
     return out
+
+
+def _sweep_speed(trace, caps: list[int]) -> Result:
+    """A user's sweep (`kvtier simulate trace`, kvtier at every capacity) in SWEEP_JOBS
+    worker processes vs one, each timed whole (the trace's preparation included)."""
+    from kvtier.sim import replay
+
+    wall = {}
+    for jobs in (1, SWEEP_JOBS):
+        t0 = time.perf_counter()
+        replay.sweep(trace, caps, ("kvtier",), jobs=jobs)
+        wall[jobs] = time.perf_counter() - t0
+    n = len(trace) * len(caps)
+    return Result(f"trace: capacity sweep ({len(caps)} capacities, kvtier), --jobs {SWEEP_JOBS} vs --jobs 1",
+                  n / wall[SWEEP_JOBS], "requests/s", SWEEP_JOBS_SPEEDUP, baseline=n / wall[1],
+                  baseline_name="--jobs 1",
+                  note=f"{n:,} requests replayed in {wall[SWEEP_JOBS]:.1f} s vs {wall[1]:.1f} s; load average "
+                       f"{_load():.1f} from other jobs on the 2 cores")
 
 
 def _write_trace_notes(rep, table: str, quick: bool) -> None:
