@@ -212,16 +212,14 @@ class CountMinSketch:
         return self.door[probes].view(np.uint16)[:, 0] == _BOTH_PROBES_SET  # type: ignore[index]
 
     def _add_many(self, hashes: list[BlockHash]) -> None:
-        # The helpers' steps written out: this runs once per lookup of a long prompt.
-        halves = np.frombuffer(b"".join(hashes), dtype=_HALF).reshape(-1, 2)
+        halves = self._halves(hashes)
         door = self.door
         if door is not None:
-            probes = halves.view(np.int64) & self._door_mask_i64
-            d = door[probes]  # read every probe before setting any
+            probes = self._door_probes(halves)
+            known = self._door_known(probes)  # read every probe before setting any
             door[probes] = 1
-            halves = halves.compress(d.view(np.uint16)[:, 0] == _BOTH_PROBES_SET, axis=0)
-        idx = ((halves @ self._coef) & self._mask).view(np.int64) + self._row_base
-        self._table_flat[idx] += 1  # one increment per distinct counter
+            halves = halves.compress(known, axis=0)
+        self._table_flat[self._index(halves)] += 1  # one increment per distinct counter
 
     def _estimate_many(self, hashes: list[BlockHash]) -> np.ndarray:
         halves = self._halves(hashes)

@@ -317,7 +317,7 @@ class LocalCache:
             self._adapt(hashes, limit, matched, m.cached_blocks)
             if matched == 0:
                 return _MISS
-            node = self._index.pin(m if matched == m.cached_blocks else self._index.truncate(m, matched))
+            node = self._index.pin(self._index.truncate(m, matched))  # truncate gives m back when nothing is cut
             self._match_memo = (root, tb, node)
             if not node.hot:
                 self._maybe_promote(node, matched)
