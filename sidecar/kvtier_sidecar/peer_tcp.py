@@ -164,7 +164,9 @@ class PeerServer:
         self.keys = as_keyring(keys)
         self.timeout_s = timeout_s
         self.handshake_timeout_s = handshake_timeout_s
-        self._slots = threading.BoundedSemaphore(max_concurrency)
+        self.max_concurrency = max_concurrency
+        self._slots_lock = threading.Lock()
+        self._slots_held = 0
         self._sock = socket.create_server((host, port), reuse_port=False, backlog=128)
         self._sock.setblocking(False)
         self.address = "%s:%d" % self._sock.getsockname()[:2]
@@ -313,12 +315,29 @@ class PeerServer:
                               self.endpoint, hs.client_id) is None:
             self.counters["unauthorized"] += 1
             self._refuse(hs.conn, wire.Status.UNAUTHORIZED, "bad peer credentials")
-        elif not self._slots.acquire(blocking=False):
+        elif not self._take_slot():
             self.counters["busy"] += 1
             self._refuse(hs.conn, wire.Status.BUSY, "peer at its concurrency limit")
         else:
             self._jobs.put((self._serve, hs.conn))
         return True
+
+    def _take_slot(self) -> bool:
+        with self._slots_lock:
+            if self._slots_held >= self.max_concurrency:
+                return False
+            self._slots_held += 1
+            return True
+
+    def _give_slot(self) -> None:
+        with self._slots_lock:
+            self._slots_held -= 1
+
+    @property
+    def slots_in_use(self) -> int:
+        """Authenticated connections being served now (a slot is given back when the
+        worker sees the client hang up, a moment after the client's last read)."""
+        return self._slots_held
 
     def _refuse(self, conn: socket.socket, status: wire.Status, why: str) -> None:
         """Answer on the spare worker; past MAX_QUEUED_REFUSALS just hang up (a flood of
@@ -367,7 +386,7 @@ class PeerServer:
             log.exception("peer connection failed")
         finally:
             conn.close()
-            self._slots.release()
+            self._give_slot()
 
     def _fetch(self, conn: socket.socket, body: bytes) -> None:
         request, tokens = wire.decode_fetch(body)

@@ -33,6 +33,13 @@ def _dial(address: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=3)
 
 
+def _until(probe, what: str, timeout_s: float = 10 * SLACK_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not probe():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
 def _hot_request(tenant: str) -> bytes:
     return wire.encode_request(wire.Op.HOT, wire.HotRequest(tenant=tenant, max_bytes=1 << 30).model_dump_json().encode())
 
@@ -141,7 +148,11 @@ def test_slow_trickle_holds_no_slot_and_real_peers_keep_being_served(tier):
     transport = TcpTransport(SECRET, connect_timeout_s=SLACK_S, timeout_s=SLACK_S)
     outcomes = []
     # Fetch throughout the attack, past the point where the tricklers' handshakes expire.
+    # Each fetch waits for the previous one's slot to come back (the server's worker sees
+    # the hang-up a moment after the client's last read; on a loaded machine eight of
+    # them can lag at once). A trickler holding a slot would keep it from ever coming back.
     while server.counters["handshake_timeouts"] < TRICKLERS or len(outcomes) < 20:
+        _until(lambda: server.slots_in_use == 0, "the slots held by tricklers, or never given back")
         sink = Sink()
         out = transport.fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=4)
         outcomes.append((out.error, out.verified_blocks, np.array_equal(sink.buf[: 4 * BB], kv[: 4 * BB])))
