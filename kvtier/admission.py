@@ -19,8 +19,8 @@ turns are stored and evicted unused by design when they lose the duel) and then
 refused stores into free space. "Thrashing" is now only reported, and measured
 against a shadow LRU (`THRASH_RATIO`). The W-TinyLFU duel covers the case
 it was for: under a one-shot stream the window's candidates lose their duels, so the
-stream never displaces the reused set, and the window's share is steered against a
-shadow LRU of the same size (`kvtier.eviction`), never by eviction counts.
+stream never displaces the reused set, and the window's share is chosen by miniature
+simulations of the cache (`kvtier.eviction`), never by eviction counts.
 
 Everything here is pure bookkeeping over values.
 """
@@ -309,14 +309,13 @@ class Admission:
     def frequency(self, h: BlockHash) -> int:
         return self.sketch.estimate_one(h)
 
-    def duel(self, candidate: BlockHash, victim_frequency: float) -> bool:
-        """Does the window's candidate (its tail block's sightings) displace main's
-        victim (its decayed hit frequency)?"""
-        return self.duel_sightings(self.sketch.estimate_one(candidate), victim_frequency)
+    def duel(self, candidate: BlockHash) -> bool:
+        """Does the window's candidate (its tail block's sightings) move into main?"""
+        return self.duel_sightings(self.sketch.estimate_one(candidate))
 
-    def duel_sightings(self, sightings: int, victim_frequency: float) -> bool:
+    def duel_sightings(self, sightings: int) -> bool:
         """The duel for a candidate whose sightings are already known."""
-        won = admits(sightings, victim_frequency, self.min_sightings)
+        won = admits(sightings, self.min_sightings)
         if won:
             self.admits += 1
         else:

@@ -21,10 +21,10 @@ and what the sidecar and the simulator build on:
 
 The policy is W-TinyLFU over the prefix tree (`kvtier.eviction`): every store lands
 in a small LRU window (free space is never refused); when the cache is full, a block
-leaving the window enters the main region only if the frequency sketch (every
-lookup sights every block of its prompt) has seen it at least as often as main's
-victim (ordered by decayed hit frequency) is still being hit; the window's share is steered against a shadow LRU of the same size; eviction
-takes unpinned leaves, tails first, so no block outlives its parent.
+leaving the window enters the main region (also LRU) only if the frequency sketch
+(every lookup sights every block of its prompt) has seen it `min_sightings` times;
+the window's share is chosen by miniature simulations of the cache at a few shares;
+eviction takes unpinned leaves, tails first, so no block outlives its parent.
 
 Queued stores are applied in small time-bounded slices by whoever calls `store` or
 `drain` (never by a background thread that would hold the GIL against lookups);
@@ -60,6 +60,7 @@ from kvtier.eviction import (
     GhostTuner,
     HillClimber,
     LruReferenceTuner,
+    MiniatureTuner,
     PolicyConfig,
 )
 from kvtier.keys import (
@@ -155,7 +156,6 @@ class Reservation:
     _owner: Any = field(repr=False)
     done: bool = False
     cancelled: bool = False
-    forced: bool = False
     _token_bytes: bytes = field(default=b"", repr=False)
 
     @property
@@ -269,9 +269,13 @@ class LocalCache:
             self.num_slots, doorkeeper=self.policy.doorkeeper))
         self._climber = HillClimber(self.num_slots, self.policy.window_fraction) \
             if self.policy.adapt == "climb" else None
-        self._reference = LruReferenceTuner(self.num_slots, self.policy.window_fraction,
-                                            symmetric=self.policy.adapt == "symmetric") \
-            if self.policy.adapt in ("shadow", "symmetric") else None
+        self._reference: LruReferenceTuner | MiniatureTuner | None = None
+        if self.policy.adapt == "mini":
+            self._reference = MiniatureTuner(self.num_slots, min_sightings,
+                                             window_fraction=self.policy.window_fraction)
+        elif self.policy.adapt in ("shadow", "symmetric"):
+            self._reference = LruReferenceTuner(self.num_slots, self.policy.window_fraction,
+                                                symmetric=self.policy.adapt == "symmetric")
         self._ghost = GhostTuner(self.num_slots, self.policy.window_fraction) \
             if self.policy.adapt == "ghost" else None
         if self._ghost is not None:
@@ -407,9 +411,12 @@ class LocalCache:
         """Allocate slots for the prompt's not-yet-cached full blocks.
 
         Returns None when everything is already cached or no slot can be freed.
-        The blocks go to the window, or with `force=True` (warm-up of prefixes known
-        to be hot) straight to the main region. The caller writes the blocks into
-        the arena and then `commit`s.
+        The blocks go to the window as its most recent, like every stored block;
+        `force=True` (warm-up of prefixes hot elsewhere, a peer's copy) only lets them
+        take slots whatever their sightings. (Straight into main, they broke the
+        whole-cache window's equality with LRU, and warm-up after a membership change
+        cost hits instead of saving them: docs/TRACE_REPLAY.md.) The caller writes
+        the blocks into the arena and then `commit`s.
         """
         tokens = as_token_array(token_ids)
         n_full = len(tokens) // self.block_size
@@ -443,7 +450,7 @@ class LocalCache:
                 self._pool.give_back(res.slots[n:])
             unused, _ = self._index.insert(res.root, res._token_bytes, res.first_block,
                                            res.slots[:n], res._hashes[:n], hot=res.tier == TIER_PINNED,
-                                           main=res.forced, after=res._parent)
+                                           after=res._parent)
             if unused:
                 self._pool.give_back(unused)
             added = n - len(unused)
@@ -652,8 +659,7 @@ class LocalCache:
         return hashes
 
     def _duel_tails(self, candidate: Node, victim: Node) -> bool:
-        return self._admission.duel(candidate.hashes[-1],
-                                    self._index.policy.frequency(victim.freq, self.clock()))
+        return self._admission.duel(candidate.hashes[-1])
 
     def _thrashing(self) -> bool:
         """Over the last sample, fewer matches than `thrash_ratio` x a same-size LRU's."""
@@ -717,7 +723,7 @@ class LocalCache:
         tier = TIER_PINNED if where is Placement.PINNED and fits_hot else TIER_DRAM
         bb = self.block_bytes
         res = Reservation(root, tokens, first, slots, [s * bb for s in slots], tier,
-                          hashes, parent, self, forced=forced, _token_bytes=tb)
+                          hashes, parent, self, _token_bytes=tb)
         self._reservations[id(res)] = res
         self._reserved_blocks += len(slots)
         return res
@@ -732,8 +738,7 @@ class LocalCache:
         if len(slots) < n:
             incoming = None
             if sightings is not None and self.policy.duel:
-                incoming = lambda victim: self._admission.duel_sightings(  # noqa: E731
-                    sightings, self._index.policy.frequency(victim.freq, self.clock()))
+                incoming = lambda victim: self._admission.duel_sightings(sightings)  # noqa: E731
             need = n - len(slots)
             freed = self._index.evict(need, self._duel, incoming)
             if freed:

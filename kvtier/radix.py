@@ -17,7 +17,7 @@ Invariants, kept where state changes:
   block is never kept while its parent is evicted. Which leaf goes is W-TinyLFU's
   choice (`kvtier.eviction`): every node is in the window (an LRU list; touching a
   node moves it and its ancestors to the recent end) or in the main region (a heap
-  of evictable leaves by decayed hit frequency, hot nodes last).
+  of evictable leaves, least recently used first, hot nodes last).
 * Byte accounting: `num_blocks` = blocks reachable from live roots; `dead_blocks` =
   blocks of invalidated nodes still pinned by a reader. Every block ever inserted is
   in exactly one of: the index, a dead pinned node, or returned to the caller.
@@ -108,13 +108,13 @@ class PrefixIndex:
         self.clock = clock or time.monotonic
         self._roots: dict[KeyRoot, Node] = {}
         self._window: OrderedDict[Node, None] = OrderedDict()  # least recent first
-        self._heap: list[tuple[int, float, float, int, int, Node]] = []  # main's evictable leaves
+        self._heap: list[tuple[int, float, int, int, Node]] = []  # main's evictable leaves
         self._seq = itertools.count()
         self.region_blocks = [0, 0]
         # Blocks the window may hold before its least recent leaf must leave it
         # (the owner sets it; W-TinyLFU's adaptive share).
         self.window_target = float("inf")
-        # Blocks the hot (pinned) tier may hold; beyond it, the lowest-scored hot
+        # Blocks the hot (pinned) tier may hold; beyond it, the least recent hot
         # leaves cool back to ordinary (the owner sets it).
         self.hot_budget = float("inf")
         # Told (region, hashes) of every block eviction takes: the ghost lists.
@@ -342,7 +342,7 @@ class PrefixIndex:
         Returns the freed slots (fewer if everything else is pinned).
 
         While the window holds more than `window_target` blocks, its least recent
-        leaf (the candidate) meets main's lowest-scored leaf (the victim):
+        leaf (the candidate) meets main's least recent leaf (the victim):
         `duel(candidate, victim)` true moves the candidate into main and the victim
         pays; false evicts the candidate. Without a duel the candidate always moves.
         When the blocks being made room for are more than the whole window may
@@ -374,6 +374,12 @@ class PrefixIndex:
                     trim(other, need, freed)
                     continue
             if cand is not None:
+                if self.window_target >= self.num_blocks:
+                    # The window may hold everything cached (a whole-cache window):
+                    # plain LRU, the least recent leaf goes whichever region holds it.
+                    lru = victim is None or victim.hot or cand.last_access_s <= victim.last_access_s
+                    trim(cand if lru else victim, need, freed)
+                    continue
                 if victim is None:
                     self._to_main(cand)  # main is empty: nothing to duel with
                 elif duel is None or duel(cand, victim):
@@ -417,12 +423,12 @@ class PrefixIndex:
             self._push(n)
 
     def _peek_victim(self) -> Node | None:
-        """Main's lowest-scored evictable leaf, left in the heap (a duel it wins
+        """Main's least recent evictable leaf, left in the heap (a duel it wins
         keeps it there)."""
         heap = self._heap
         while heap:
             entry = heap[0]
-            node, version = entry[5], entry[4]
+            node, version = entry[4], entry[3]
             if node.region != MAIN or not self._evictable(node):
                 heapq.heappop(heap)
                 if node.queued == version:
@@ -433,7 +439,7 @@ class PrefixIndex:
                 if node.queued == version:
                     node.queued = -1
                 if node.queued != node.version:
-                    self._push(node)  # stale key: requeue with its current score
+                    self._push(node)  # stale key: requeue with its current one
                 continue
             return node
         return None
@@ -519,7 +525,7 @@ class PrefixIndex:
 
     def _cooled(self, n: Node) -> bool:
         """While the hot tier holds more than `hot_budget` blocks (its share shrank
-        with the main region's), its lowest-scored leaf goes back to the ordinary
+        with the main region's), its least recent leaf goes back to the ordinary
         order: to the window, as its least recent entry, so its next step out is
         judged like any other window leaf's. Returns whether it cooled."""
         if self.hot_blocks <= self.hot_budget:
@@ -584,17 +590,20 @@ class PrefixIndex:
     def _evictable(self, n: Node) -> bool:
         return n.alive and n.pins == 0 and not n.children and n.parent is not None and bool(n.slots)
 
-    def _key(self, n: Node) -> tuple[int, float, float]:
-        return (1 if n.hot else 0, self.policy.score(n.freq), n.last_access_s)
+    @staticmethod
+    def _key(n: Node) -> tuple[int, float]:
+        """Main's order: least recently used first, hot (pinned-tier) leaves after every
+        ordinary one."""
+        return (1 if n.hot else 0, n.last_access_s)
 
     def _push(self, n: Node) -> None:
         """Queue a main-region leaf as an eviction victim (window leaves are listed
         in the window's LRU order instead)."""
         if n.region != MAIN or n.queued == n.version:
             return  # window leaves are not queued; this version already is
-        hot, score, last = self._key(n)
+        hot, last = self._key(n)
         n.queued = n.version
-        heapq.heappush(self._heap, (hot, score, last, next(self._seq), n.version, n))
+        heapq.heappush(self._heap, (hot, last, next(self._seq), n.version, n))
         if len(self._heap) > 4 * self.num_nodes + 1024:
             self._rebuild_heap()
 

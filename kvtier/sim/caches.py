@@ -136,7 +136,7 @@ class KvtierCache:
 
     Stores take the zero-copy path (`reserve` + `commit`) before the replica's next
     request, so the sim does not model store-queue overflow; the W-TinyLFU policy
-    (window, frequency duel, window steered against a shadow LRU), the pinned tier
+    (window, frequency duel, window share chosen by miniature simulations), the pinned tier
     and leaf-first eviction run exactly as in the sidecar. `policy` replaces the default policy (ablations).
     """
 

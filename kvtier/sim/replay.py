@@ -35,24 +35,27 @@ ROOT = KeyRoot("trace", "model", "weights", "fp16", "rope", "attn")
 
 KVTIER_VARIANTS: dict[str, PolicyConfig] = {
     "kvtier": PolicyConfig(),
+    "kvtier-lru-steering": PolicyConfig(adapt="shadow"),
     "kvtier-hill-climb": PolicyConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="climb"),
     "kvtier-fixed-window": PolicyConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="off"),
     "kvtier-symmetric-shadow": PolicyConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="symmetric"),
     "kvtier-window-50": PolicyConfig(window_fraction=0.5, adapt="off"),
     "kvtier-window-75": PolicyConfig(window_fraction=0.75, adapt="off"),
     "kvtier-lru-window": PolicyConfig(window_fraction=1.0, adapt="off"),
-    "kvtier-arc-window": PolicyConfig(window_fraction=1.0, adapt="ghost"),
+    "kvtier-arc-window": PolicyConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="ghost"),
     "kvtier-no-window": PolicyConfig(window_fraction=0.0, adapt="off"),
     "kvtier-no-doorkeeper": PolicyConfig(doorkeeper=False),
     "kvtier-no-duel": PolicyConfig(duel=False),
 }
-"""The shipped policy and, for the ablation, each part of it switched off; hill-climb
-and fixed-window start at Caffeine's 1% window; symmetric-shadow is the earlier
-shadow-LRU steering (from 1%, one step either way, holding when level); the
+"""The shipped policy and, for the ablation, each part of it switched off or replaced;
+lru-steering is the window steered against a same-size shadow LRU (from the whole
+cache, one step down while ahead, two up while behind); hill-climb and fixed-window
+start at Caffeine's 1% window; symmetric-shadow is the shadow-LRU steering's earlier
+form (from 1%, one step either way, holding when level); the
 window-50/75 variants hold the window at half / three quarters of the cache with no
 tuner (what a tuner could find), lru-window at the whole cache (it must equal
-plain LRU); arc-window starts at the whole cache and moves it by ARC's ghost lists
-instead of the shadow LRU."""
+plain LRU); arc-window starts at 1% and moves the window by ARC's ghost lists
+instead of the miniature simulations."""
 
 BASELINES = ("lru", "belady", "infinite")
 SINGLE_POLICIES = tuple(KVTIER_VARIANTS) + BASELINES

@@ -77,15 +77,15 @@ def test_sketch_for_a_cache_grows_with_its_slots_within_bounds():
     assert small.sample_size < large.sample_size
 
 
-def test_a_candidate_displaces_a_victim_only_when_seen_as_often_and_at_least_min_sightings():
+def test_a_candidate_moves_into_main_only_once_seen_min_sightings_times():
     adm = Admission(min_sightings=2, sketch=CountMinSketch(width=4096, doorkeeper=True))
-    seen_once, seen_thrice = hashes(0, 1), hashes(900, 1)
+    seen_once, seen_twice, unseen = hashes(0, 1), hashes(900, 1), hashes(1800, 1)
     adm.sight(seen_once)
-    for _ in range(3):
-        adm.sight(seen_thrice)
-    assert not adm.duel(seen_once[0], victim_frequency=0.5)   # one sighting is below the bar
-    assert adm.duel(seen_thrice[0], victim_frequency=3.0)      # ties go to the newcomer
-    assert not adm.duel(seen_thrice[0], victim_frequency=3.5)
+    for _ in range(2):
+        adm.sight(seen_twice)
+    assert not adm.duel(seen_once[0])   # one sighting is below the bar
+    assert not adm.duel(unseen[0])
+    assert adm.duel(seen_twice[0])
     assert (adm.admits, adm.rejects) == (1, 2)
 
 

@@ -165,19 +165,29 @@ def test_released_blocks_stay_hittable_until_their_slots_are_reused():
     assert c.stats().evictions == 4
 
 
-def test_a_newcomer_seen_twice_does_not_evict_a_frequently_hit_prefix():
-    clock = Clock()
-    c = make(blocks=4, clock=clock)
+def _reused_prefix_filling(blocks: int) -> tuple[LocalCache, np.ndarray]:
+    c = make(blocks=blocks, policy=SMALL_WINDOW)
     a = np.arange(80, dtype=np.uint32)
     warm(c, ROOT, a[:64])
     for _ in range(5):
         c.release(c.lookup(ROOT, a))
+    return c, a
+
+
+def test_under_a_small_window_a_newcomer_needs_a_second_sighting_to_evict_a_reused_prefix():
+    c, a = _reused_prefix_filling(4)
     b = np.arange(5000, 5064, dtype=np.uint32)
-    warm(c, ROOT, b)                          # TinyLFU duel: A (5 recent hits) wins
-    assert c.peek(ROOT, a) == 64
-    assert c.stats().evictions == 0
-    # A warm-up (forced) store is not a guess about a newcomer: it evicts by policy.
-    res = c.reserve(ROOT, b, force=True)
+    assert c.lookup(ROOT, b).matched_tokens == 0   # one sighting: below the duel's bar
+    assert c.reserve(ROOT, b) is None
+    assert c.peek(ROOT, a) == 64 and c.stats().evictions == 0
+    c.release(c.lookup(ROOT, b))                   # the second sighting: main takes it, LRU's way
+    res = c.reserve(ROOT, b)
+    assert res is not None and res.num_blocks == 4 and c.peek(ROOT, a) == 0
+
+
+def test_a_forced_warm_up_store_evicts_by_policy_whatever_its_sightings():
+    c, a = _reused_prefix_filling(4)
+    res = c.reserve(ROOT, np.arange(5000, 5064, dtype=np.uint32), force=True)
     assert res.num_blocks == 4 and c.peek(ROOT, a) == 0
     c.abort(res)
 

@@ -1,5 +1,5 @@
-"""The eviction policy's pure parts: decayed frequency, the duel rule, the shadow LRU and the
-window tuners."""
+"""The eviction policy's pure parts: decayed frequency, the duel rule, the shadow LRU, the
+miniature simulations and the window tuners."""
 from __future__ import annotations
 
 import math
@@ -14,6 +14,9 @@ from kvtier.eviction import (
     MAIN,
     WINDOW,
     LruReferenceTuner,
+    MINI_SAMPLE_BITS,
+    MiniatureCache,
+    MiniatureTuner,
     PolicyConfig,
     ShadowLru,
     admits,
@@ -30,38 +33,17 @@ def test_frequency_halves_every_half_life():
     assert math.isclose(p.frequency(s, 130.0), 1.0)
 
 
-def test_score_order_is_the_same_at_every_instant():
-    p = DecayedFrequencyPolicy(half_life_s=10.0)
-    often_long_ago, once_recently = FrequencyState(), FrequencyState()
-    for _ in range(8):
-        p.touch(often_long_ago, 0.0)
-    p.touch(once_recently, 25.0)
-    # 8 hits 2.5 half-lives ago ~ 1.41 now, above one hit now.
-    for now in (25.0, 40.0, 1000.0):
-        assert (p.frequency(often_long_ago, now) > p.frequency(once_recently, now)) == \
-               (p.score(often_long_ago) > p.score(once_recently))
-    p.touch(once_recently, 26.0)  # two recent hits overtake
-    assert p.score(once_recently) > p.score(often_long_ago)
-
-
-def test_untouched_state_sorts_first():
-    p = DecayedFrequencyPolicy()
-    touched = FrequencyState()
-    p.touch(touched, 0.0)
-    assert p.score(FrequencyState()) < p.score(touched)
-
-
 @pytest.mark.parametrize("bad", [0, -1.0])
 def test_half_life_must_be_positive(bad):
     with pytest.raises(ValueError, match="half_life_s"):
         DecayedFrequencyPolicy(bad)
 
 
-def test_the_duel_needs_min_sightings_and_at_least_the_victims_frequency():
-    assert admits(2, 1.5, min_sightings=2)
-    assert admits(3, 3.0, min_sightings=2)          # a tie goes to the newcomer (recency)
-    assert not admits(3, 3.2, min_sightings=2)
-    assert not admits(1, 0.0, min_sightings=2)      # one sighting never displaces anything
+def test_the_duel_needs_min_sightings():
+    assert admits(2, min_sightings=2)
+    assert admits(9, min_sightings=2)
+    assert not admits(1, min_sightings=2)      # one sighting never displaces anything
+    assert not admits(2, min_sightings=3)
 
 
 def test_shadow_lru_matches_prefixes_caps_at_the_limit_and_evicts_tails_first():
@@ -149,3 +131,71 @@ def test_symmetric_reference_tuner_holds_when_level_and_steps_once_either_way():
     for i in range(100):
         t.record([f"new{i}"], limit=1, matched=1)               # ahead: one step down
     assert t.window_target == 50.0
+
+
+def _sampled(*ids: int) -> list[bytes]:
+    """Block hashes the miniatures sample (low bits of the first byte zero)."""
+    return [bytes([(i << MINI_SAMPLE_BITS) & 0xFF]) + i.to_bytes(8, "little") for i in ids]
+
+
+def _unsampled(*ids: int) -> list[bytes]:
+    return [b"\x01" + i.to_bytes(8, "little") for i in ids]
+
+
+def test_a_miniature_keeps_its_shares_and_takes_a_block_into_main_on_its_second_sighting():
+    m, counts = MiniatureCache(10, 0.2), {}        # window 2, main 8
+
+    def serve(*ids: int) -> None:
+        blocks = _sampled(*ids)
+        for h in blocks:
+            counts[h] = counts.get(h, 0) + 1
+        m.serve(blocks, counts, 2)
+
+    for i in range(10):
+        serve(i)                                   # free space in main is never refused
+    assert len(m.window) == 2 and list(m.main) == _sampled(*range(8))
+    for i in (100, 101, 102):
+        serve(i)                                   # one-shot newcomers never displace main
+    assert list(m.main) == _sampled(*range(8)) and len(m.window) == 2
+    serve(200)
+    serve(200)                                     # seen twice, then pushed out of the window
+    serve(201)
+    serve(202)
+    assert _sampled(200)[0] in m.main and _sampled(0)[0] not in m.main   # main's LRU block paid
+    assert len(m.main) == 8
+
+
+def test_a_miniature_counts_hits_only_along_the_prompts_cached_prefix():
+    m, counts = MiniatureCache(10, 1.0), {}
+    for ids in ((1, 2), (1, 2), (9, 1, 2)):
+        m.serve(_sampled(*ids), counts, 2)
+    assert m.hits == 2                             # the second prompt: 2; the third breaks at 9
+
+
+def _run(t: MiniatureTuner, requests) -> None:
+    for blocks in requests:
+        t.record(blocks, limit=len(blocks), matched=0)
+
+
+def test_the_miniature_tuner_starts_as_lru_and_stays_there_while_its_miniatures_tie():
+    t = MiniatureTuner(400, min_sightings=2)
+    assert t.window_target == 400.0
+    _run(t, [_unsampled(i, i + 1) for i in range(2_000)])          # nothing sampled
+    _run(t, [_sampled(10_000 + i) for i in range(2_000)])          # every miniature misses alike
+    assert t.window_target == 400.0 and t.adjustments > 0
+
+
+def test_the_miniature_tuner_takes_a_small_window_under_a_scan_and_returns_to_lru_after_it():
+    t = MiniatureTuner(400, min_sightings=2)                       # miniatures of 100 slots
+    hot = 60                                                       # fits main, not LRU under the scan
+    scan = [_sampled(i % hot) + _sampled(1_000 + i) for i in range(20_000)]
+    _run(t, scan)
+    assert t.window_target <= 0.25 * 400                           # frequency admission pays
+    reuse = [_sampled(100_000 + i // 2) for i in range(40_000)]    # each block asked twice in a row
+    _run(t, reuse)
+    assert t.window_target == 400.0                                # every window hits alike: LRU
+
+
+def test_the_miniature_tuner_needs_the_whole_cache_window_among_its_choices():
+    with pytest.raises(ValueError, match="whole-cache"):
+        MiniatureTuner(100, min_sightings=2, windows=(0.01, 0.5))
