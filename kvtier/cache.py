@@ -280,6 +280,8 @@ class LocalCache:
             if self.policy.adapt == "ghost" else None
         if self._ghost is not None:
             self._index.on_evict = self._ghost.evicted
+        # The miniatures' bookkeeping, done off the lookup path (see `MiniatureTuner`).
+        self._catch_up = self._reference.catch_up if isinstance(self._reference, MiniatureTuner) else None
         self._duel = self._duel_tails if self.policy.duel else None
         self._set_targets(self.num_slots * self.policy.window_fraction)
         self._queue: StoreQueue[_PendingStore] = StoreQueue(queue_capacity)
@@ -397,10 +399,15 @@ class LocalCache:
         """Unpin a hit when its request finishes. Releasing a Miss does nothing;
         releasing a hit twice is a ValueError."""
         if isinstance(hit, Miss):
+            if self._catch_up is not None:
+                with self._lock:
+                    self._catch_up()
             return
         with self._lock:
             self._check_hit(hit)
             hit.released = True
+            if self._catch_up is not None:
+                self._catch_up()
             freed = self._index.unpin(hit._node)
             if freed:  # blocks of an invalidated prefix whose last reader this was
                 self._pool.give_back(freed)
@@ -483,6 +490,9 @@ class LocalCache:
         (at least one; None = until empty). Returns how many were applied."""
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         applied = 0
+        if self._catch_up is not None:
+            with self._lock:
+                self._catch_up()
         while True:
             with self._lock:
                 pending = self._queue.pop()

@@ -117,6 +117,10 @@ noise is a tie, and ties go to LRU. Measured on the shipped trace: with no margi
 noisy lead cost 4 blocks at 50% of the distinct blocks (0.99996x LRU); with half a
 standard error the gain at 10% fell from 1.017x to 1.012x, with one to 0.9997x."""
 
+MINI_PENDING_BLOCKS = 4096
+"""Prompt blocks lookups may leave for later (`catch_up`, off the lookup path) before
+a lookup replays them itself: bounds the backlog if nobody releases."""
+
 MINI_MIN_SLOTS = 8
 """Smallest miniature cache: below it a 1% window would hold no block at all."""
 
@@ -388,11 +392,17 @@ class MiniatureTuner:
     to the larger window). A same-size `ShadowLru` runs alongside for the thrash
     detector (`last_ours` vs `last_lru`); it does not steer. Costs a dict operation
     per sampled block per miniature, and ~100 bytes per slot for the shadow.
+
+    A lookup only queues its blocks; the miniatures sample and replay them in order in
+    `catch_up` (the cache calls it when a hit is released and when stores drain, off
+    the engine's critical path: Caffeine's read buffer), and at the end of a sample
+    before choosing. The order is the lookups' order, so the choices are what
+    replaying at each lookup would give.
     """
 
     __slots__ = ("capacity", "window_target", "adjustments", "shadow", "windows", "minis", "min_sightings",
                  "scores", "counts", "_mask", "_sightings", "_reset_at", "_looked", "_ours", "_lru",
-                 "last_ours", "last_lru")
+                 "last_ours", "last_lru", "_pending", "_pending_blocks")
 
     def __init__(self, capacity_blocks: int, min_sightings: int, windows: tuple[float, ...] = MINI_WINDOWS,
                  window_fraction: float = WINDOW_INITIAL_FRACTION) -> None:
@@ -413,26 +423,22 @@ class MiniatureTuner:
         self._reset_at = MINI_RESET_FACTOR * mini_slots
         self._looked = self._ours = self._lru = 0
         self.last_ours = self.last_lru = 0
+        self._pending: list[list] = []
+        self._pending_blocks = 0
 
     def record(self, hashes: list, limit: int, matched: int) -> bool:
         """Account one lookup (all its full blocks' hashes, the last-token limit and
         the blocks this cache matched). Returns True when the window target moved."""
-        mask = self._mask
-        sampled = [h for h in hashes if not h[0] & mask]
-        if sampled:
-            counts = self.counts
-            for h in sampled:
-                counts[h] = counts.get(h, 0) + 1
-            for mini in self.minis:
-                mini.serve(sampled, counts, self.min_sightings)
-            self._sightings += len(sampled)
-            if self._sightings >= self._reset_at:
-                self._halve()
+        self._pending.append(hashes)  # sampled later, in `catch_up`
+        self._pending_blocks += len(hashes)
         self._lru += self.shadow.access(hashes, limit)
         self._ours += matched
         self._looked += len(hashes)
         if self._looked < self.capacity * CLIMB_SAMPLE_FACTOR:
+            if self._pending_blocks > MINI_PENDING_BLOCKS:
+                self.catch_up()
             return False
+        self.catch_up()
         self.last_ours, self.last_lru = self._ours, self._lru
         self._looked = self._ours = self._lru = 0
         scores = self.scores
@@ -446,6 +452,26 @@ class MiniatureTuner:
         self.window_target = self.capacity * self.windows[best]
         self.adjustments += 1
         return self.window_target != before
+
+    def catch_up(self) -> None:
+        """Replay the queued lookups' sampled blocks through the miniatures, in order."""
+        if not self._pending:
+            return
+        counts, minis, min_sightings, mask = self.counts, self.minis, self.min_sightings, self._mask
+        for hashes in self._pending:
+            sampled = [h for h in hashes if not h[0] & mask]
+            if not sampled:
+                continue
+            for h in sampled:
+                counts[h] = counts.get(h, 0) + 1
+            for mini in minis:
+                mini.serve(sampled, counts, min_sightings)
+            self._sightings += len(sampled)
+            if self._sightings >= self._reset_at:
+                self._halve()
+                counts = self.counts
+        self._pending = []
+        self._pending_blocks = 0
 
     def _halve(self) -> None:
         self._sightings = 0

@@ -199,3 +199,19 @@ def test_the_miniature_tuner_takes_a_small_window_under_a_scan_and_returns_to_lr
 def test_the_miniature_tuner_needs_the_whole_cache_window_among_its_choices():
     with pytest.raises(ValueError, match="whole-cache"):
         MiniatureTuner(100, min_sightings=2, windows=(0.01, 0.5))
+
+
+def test_the_miniatures_choose_the_same_whether_they_catch_up_at_each_lookup_or_at_the_sample_end():
+    eager, lazy = MiniatureTuner(400, min_sightings=2), MiniatureTuner(400, min_sightings=2)
+    requests = [_sampled(i % 60) + _sampled(1_000 + i) + _unsampled(i) for i in range(6_000)]
+    targets = []
+    for blocks in requests:
+        eager.record(blocks, limit=len(blocks), matched=0)
+        eager.catch_up()                                   # as a release after every lookup does
+        lazy.record(blocks, limit=len(blocks), matched=0)  # replayed only when a sample ends
+        assert round(eager.window_target) == round(lazy.window_target)   # the same share chosen
+        targets.append(round(lazy.window_target))
+    assert min(targets) < 400                              # the choice did move
+    assert any(m.hits for m in eager.minis) and not any(m.hits for m in lazy.minis)  # lazy: still queued
+    lazy.catch_up()
+    assert [m.hits for m in eager.minis] == [m.hits for m in lazy.minis]
