@@ -396,8 +396,9 @@ class LocalCache:
         return dropped is not pending
 
     def release(self, hit: Hit | Miss) -> None:
-        """Unpin a hit when its request finishes. Releasing a Miss does nothing;
-        releasing a hit twice is a ValueError."""
+        """Unpin a hit when its request finishes. Releasing a Miss unpins nothing;
+        releasing a hit twice is a ValueError. Either lets the window's miniature
+        simulations catch up on the lookups queued so far, off the lookup path."""
         if isinstance(hit, Miss):
             if self._catch_up is not None:
                 with self._lock:

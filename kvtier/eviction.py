@@ -101,8 +101,9 @@ the whole cache (plain LRU, so the cache can always fall back to what engines sh
 
 MINI_SAMPLE_BITS = 2
 """A block is in the miniatures' sample when the low 2 bits of its hash's first byte
-are zero: one block in four, and each miniature has a quarter of the slots. Measured: one in eight chose worse windows on synthetic
-conversations (up to 0.4% below LRU at 10% of the distinct blocks)."""
+are zero: one block in four, and each miniature has a quarter of the slots.
+Measured: one in eight chose worse windows at 10% of the distinct blocks (0.9996x LRU
+on the shipped trace, 0.994x on a synthetic conversation trace)."""
 
 MINI_SMOOTHING = 0.1
 """Weight of the latest sample's hits in a miniature's score (an exponential moving
@@ -184,7 +185,6 @@ class DecayedFrequencyPolicy:
         if state.freq == 0.0:
             return 0.0
         return state.freq * math.exp2(-(now_s - state.t_s) / self.half_life_s)
-
 
 
 class HillClimber:

@@ -349,6 +349,8 @@ class PrefixIndex:
         hold and it has no leaf left to offer, they are the candidate themselves:
         `incoming(victim)` false stops here (fewer slots; free space was already
         used up).
+        A whole-cache window (`window_target` >= every cached block) is plain LRU: the
+        least recent leaf goes, whichever region holds it, with no duel.
         Otherwise main's victim goes, then the window's least recent leaf; hot
         (pinned-tier) leaves go only when nothing else is left.
         """
@@ -357,7 +359,8 @@ class PrefixIndex:
                                                         self._peek_victim, self._trim_tail)
         while len(freed) < num_blocks:
             need = num_blocks - len(freed)
-            over = regions[WINDOW] + num_blocks > self.window_target
+            whole = self.window_target >= self.num_blocks  # a whole-cache window: plain LRU
+            over = whole or regions[WINDOW] + num_blocks > self.window_target
             cand = window_candidate() if over else None
             victim = peek_victim()
             if over and cand is None and num_blocks > self.window_target and victim is not None \
@@ -374,9 +377,7 @@ class PrefixIndex:
                     trim(other, need, freed)
                     continue
             if cand is not None:
-                if self.window_target >= self.num_blocks:
-                    # The window may hold everything cached (a whole-cache window):
-                    # plain LRU, the least recent leaf goes whichever region holds it.
+                if whole:  # the least recent leaf goes, whichever region holds it
                     lru = victim is None or victim.hot or cand.last_access_s <= victim.last_access_s
                     trim(cand if lru else victim, need, freed)
                     continue

@@ -169,6 +169,21 @@ def test_in_main_the_least_recently_used_leaf_goes_first_whatever_its_hits():
     assert ix.evict(2) == [once[1], once[0]]
 
 
+def test_with_a_whole_cache_window_the_least_recent_leaf_goes_whichever_region_holds_it():
+    clock = Clock()
+    ix, sl = PrefixIndex(B, clock=clock), Slots()
+    old, _, _ = insert(ix, sl, toks((0, 32)))                 # window, least recent
+    clock.t += 1
+    newer, _, _ = insert(ix, sl, toks((500, 532)), main=True)  # main, more recent
+    clock.t += 1
+    insert(ix, sl, toks((900, 932)))
+    ix.window_target = ix.num_blocks                           # the window may hold everything
+    duels = []
+    assert ix.evict(2, duel=lambda c, v: duels.append(1) or True) == [old[1], old[0]]
+    assert not duels                                           # plain LRU: no duel, no move to main
+    assert ix.evict(2) == [newer[1], newer[0]]
+
+
 def test_the_window_evicts_its_least_recent_leaf_whatever_its_hits():
     clock = Clock()
     ix, sl = PrefixIndex(B, clock=clock), Slots()
