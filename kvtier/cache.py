@@ -399,16 +399,12 @@ class LocalCache:
         """Unpin a hit when its request finishes. Releasing a Miss unpins nothing;
         releasing a hit twice is a ValueError. Either lets the window's miniature
         simulations catch up on the lookups queued so far, off the lookup path."""
+        self._catch_up_miniatures()
         if isinstance(hit, Miss):
-            if self._catch_up is not None:
-                with self._lock:
-                    self._catch_up()
             return
         with self._lock:
             self._check_hit(hit)
             hit.released = True
-            if self._catch_up is not None:
-                self._catch_up()
             freed = self._index.unpin(hit._node)
             if freed:  # blocks of an invalidated prefix whose last reader this was
                 self._pool.give_back(freed)
@@ -491,9 +487,7 @@ class LocalCache:
         (at least one; None = until empty). Returns how many were applied."""
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         applied = 0
-        if self._catch_up is not None:
-            with self._lock:
-                self._catch_up()
+        self._catch_up_miniatures()
         while True:
             with self._lock:
                 pending = self._queue.pop()
@@ -668,6 +662,13 @@ class LocalCache:
         hashes = chain_hashes(m.last_hash() or root.digest(), tb, self.block_size, first)
         self._chain_memo = (root, tb, first, hashes)
         return hashes
+
+    def _catch_up_miniatures(self) -> None:
+        """Let the window's miniature simulations replay the lookups queued so far
+        (`MiniatureTuner.catch_up`), off the lookup path."""
+        if self._catch_up is not None:
+            with self._lock:
+                self._catch_up()
 
     def _duel_tails(self, candidate: Node, victim: Node) -> bool:
         return self._admission.duel(candidate.hashes[-1])

@@ -277,7 +277,33 @@ class ShadowLru:
         return min(hit, limit)
 
 
-class LruReferenceTuner:
+class _ShadowSampled:
+    """What both window tuners that run a same-size `ShadowLru` share: one sample's
+    matched blocks, this cache's and the shadow's, over lookups covering `capacity`
+    blocks. `last_ours` and `last_lru` are the last whole sample's (the thrash gauge
+    reads them)."""
+
+    __slots__ = ("capacity", "shadow", "_looked", "_ours", "_lru", "last_ours", "last_lru")
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = capacity_blocks
+        self.shadow = ShadowLru(capacity_blocks)
+        self._looked = self._ours = self._lru = 0
+        self.last_ours = self.last_lru = 0
+
+    def _sample_ended(self, hashes: list, limit: int, matched: int) -> bool:
+        """Account one lookup; True when it ended a sample (then `last_*` are its)."""
+        self._lru += self.shadow.access(hashes, limit)
+        self._ours += matched
+        self._looked += len(hashes)
+        if self._looked < self.capacity * CLIMB_SAMPLE_FACTOR:
+            return False
+        self.last_ours, self.last_lru = self._ours, self._lru
+        self._looked = self._ours = self._lru = 0
+        return True
+
+
+class LruReferenceTuner(_ShadowSampled):
     """Moves the window's share so the cache never does worse than LRU would (the
     `kvtier-lru-steering` ablation; the shipped policy uses `MiniatureTuner`).
 
@@ -295,33 +321,24 @@ class LruReferenceTuner:
     lookups cancels the workload's own swings.
     """
 
-    __slots__ = ("capacity", "window_target", "step", "shadow", "_looked", "_ours", "_lru", "adjustments",
-                 "last_ours", "last_lru", "symmetric", "_evictions")
+    __slots__ = ("window_target", "step", "adjustments", "symmetric", "_evictions")
 
     def __init__(self, capacity_blocks: int, window_fraction: float = WINDOW_INITIAL_FRACTION,
                  symmetric: bool = False) -> None:
+        super().__init__(capacity_blocks)
         self.symmetric = symmetric  # the ablation: one step either way, holding when level
-        self.capacity = capacity_blocks
         self.window_target = capacity_blocks * window_fraction
         self.step = capacity_blocks * REFERENCE_STEP_FRACTION
-        self.shadow = ShadowLru(capacity_blocks)
-        self._looked = self._ours = self._lru = 0
         self._evictions = 0  # the shadow's, when the sample began
         self.adjustments = 0
-        self.last_ours = self.last_lru = 0  # blocks matched over the last whole sample
 
     def record(self, hashes: list, limit: int, matched: int) -> bool:
         """Account one lookup (all its full blocks' hashes, the last-token limit and
         the blocks this cache matched). Returns True when the window target moved."""
-        self._lru += self.shadow.access(hashes, limit)
-        self._ours += matched
-        self._looked += len(hashes)
-        if self._looked < self.capacity * CLIMB_SAMPLE_FACTOR:
+        if not self._sample_ended(hashes, limit, matched):
             return False
-        behind, level = self._ours < self._lru, self._ours == self._lru
+        behind, level = self.last_ours < self.last_lru, self.last_ours == self.last_lru
         full = self.shadow.evictions > self._evictions
-        self.last_ours, self.last_lru = self._ours, self._lru
-        self._looked = self._ours = self._lru = 0
         self._evictions = self.shadow.evictions
         before = self.window_target
         if not full:
@@ -384,7 +401,7 @@ class MiniatureCache:
         self.hits += hits
 
 
-class MiniatureTuner:
+class MiniatureTuner(_ShadowSampled):
     """Chooses the window's share by miniature simulations (see the module docstring).
 
     Every sample (lookups covering `capacity` blocks) each miniature's hits feed an
@@ -400,16 +417,14 @@ class MiniatureTuner:
     replaying at each lookup would give.
     """
 
-    __slots__ = ("capacity", "window_target", "adjustments", "shadow", "windows", "minis", "min_sightings",
-                 "scores", "counts", "_mask", "_sightings", "_reset_at", "_looked", "_ours", "_lru",
-                 "last_ours", "last_lru", "_pending", "_pending_blocks")
+    __slots__ = ("window_target", "adjustments", "windows", "minis", "min_sightings",
+                 "scores", "counts", "_mask", "_sightings", "_reset_at", "_pending", "_pending_blocks")
 
     def __init__(self, capacity_blocks: int, min_sightings: int, windows: tuple[float, ...] = MINI_WINDOWS,
                  window_fraction: float = WINDOW_INITIAL_FRACTION) -> None:
-        self.capacity = capacity_blocks
+        super().__init__(capacity_blocks)
         self.window_target = capacity_blocks * window_fraction
         self.adjustments = 0
-        self.shadow = ShadowLru(capacity_blocks)
         mini_slots = max(MINI_MIN_SLOTS, capacity_blocks >> MINI_SAMPLE_BITS)
         self.windows = sorted(windows)  # ascending: a tie goes to the later, larger window
         if self.windows[-1] != 1.0:
@@ -421,8 +436,6 @@ class MiniatureTuner:
         self.counts: dict = {}
         self._sightings = 0
         self._reset_at = MINI_RESET_FACTOR * mini_slots
-        self._looked = self._ours = self._lru = 0
-        self.last_ours = self.last_lru = 0
         self._pending: list[list] = []
         self._pending_blocks = 0
 
@@ -431,16 +444,11 @@ class MiniatureTuner:
         the blocks this cache matched). Returns True when the window target moved."""
         self._pending.append(hashes)  # sampled later, in `catch_up`
         self._pending_blocks += len(hashes)
-        self._lru += self.shadow.access(hashes, limit)
-        self._ours += matched
-        self._looked += len(hashes)
-        if self._looked < self.capacity * CLIMB_SAMPLE_FACTOR:
+        if not self._sample_ended(hashes, limit, matched):
             if self._pending_blocks > MINI_PENDING_BLOCKS:
                 self.catch_up()
             return False
         self.catch_up()
-        self.last_ours, self.last_lru = self._ours, self._lru
-        self._looked = self._ours = self._lru = 0
         scores = self.scores
         for i, mini in enumerate(self.minis):
             scores[i] = MINI_SMOOTHING * mini.hits + (1.0 - MINI_SMOOTHING) * scores[i]
