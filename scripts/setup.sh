@@ -34,7 +34,7 @@ fi
 # --- Python venv -------------------------------------------------------------------
 py=${PYTHON:-python3}
 stamp=.venv/.kvtier-installed
-want=$(cat pyproject.toml testenv/pyproject.toml | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml setup.py testenv/pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
   "$py" -m venv .venv
@@ -44,6 +44,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e '.[dev]' -e ./testenv
   echo "$want" > "$stamp"
+fi
+# The core's hot modules, compiled by Cython beside their sources (setup.py): rebuilt
+# whenever a source changed since, or the install above was a pure-Python one.
+if [ -n "$(.venv/bin/python -W ignore -c 'import kvtier._compiled as c; print(*c.unbuilt_modules())')" ]; then
+  log "compiling kvtier's hot modules (Cython)"
+  .venv/bin/python setup.py -q build_ext --inplace --parallel 2 >/dev/null
 fi
 
 # --- checkov (chart lint), in its own venv -------------------------------------------

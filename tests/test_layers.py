@@ -8,6 +8,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from kvtier import _compiled
+
 ROOT = Path(__file__).resolve().parents[1]
 # A process layer's libraries (extras in pyproject): an engine that installs only the
 # core's dependencies has none of them, so the engine client must not need one.
@@ -60,10 +62,15 @@ def test_the_wheel_ships_the_product_layers_and_no_test_environment(tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     [wheel] = out_dir.glob("kvtier-*.whl")
     with zipfile.ZipFile(wheel) as z:
-        top = {name.split("/")[0] for name in z.namelist() if not name.split("/")[0].endswith(".dist-info")}
+        names = z.namelist()
+        top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         requires = [line for line in z.read(meta).decode().splitlines() if line.startswith("Requires-Dist:")]
     assert top == {"kvtier", "kvtier_sidecar", "kvtier_operator", "kvtier_app"}  # the connector goes in engines
+    for module in _compiled.COMPILED_MODULES:  # compiled, with the source it was built from beside it
+        stem = module.replace(".", "/")
+        assert f"{stem}.py" in names and any(n.startswith(f"{stem}.cpython-") and n.endswith(".so") for n in names)
+    assert f"kvtier/{_compiled.MANIFEST}" in names
     base = [r for r in requires if "extra ==" not in r]
     assert not [r for r in base if r.split()[1].startswith(("torch", "vllm"))], base  # only in [vllm]
     assert not [r for r in base if any(lib.replace("_", "-") in r for lib in PROCESS_LAYER_LIBRARIES)], base

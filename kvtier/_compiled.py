@@ -1,0 +1,119 @@
+"""Which core modules are compiled, and making sure a compiled one is never stale.
+
+The hot modules (the index, the policy, the sketch, the cache and the simulator's
+replay loop) are plain Python, compiled by Cython when the package is built
+(`setup.py`): the same source, about 1.4x as fast, and the same decisions (a test
+replays a trace both ways and compares every match). Where no compiler was at hand
+they run as the Python they are.
+
+Python imports an extension module before a same-named `.py`, and an editable
+install builds the extensions beside their sources. So an edited source would go on
+being shadowed by the extension built from the version before it. The build records
+each source's SHA-256 (`_compiled.json`, beside the extensions); at import, a module
+whose source no longer matches runs from its source instead, with a warning that
+says how to rebuild. `KVTIER_PURE_PYTHON=1` runs every one of them from source.
+
+Nothing here may import more than the standard library: `setup.py` reads
+`COMPILED_MODULES` from this file before anything is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+COMPILED_MODULES = (
+    "kvtier.admission",
+    "kvtier.blockpool",
+    "kvtier.cache",
+    "kvtier.eviction",
+    "kvtier.keys",
+    "kvtier.radix",
+    "kvtier.sim.caches",
+    "kvtier.sim.replay",
+)
+MANIFEST = "_compiled.json"
+"""Written by the build beside the package's extensions: module name -> SHA-256 of the
+source each was compiled from."""
+PURE_PYTHON_ENV = "KVTIER_PURE_PYTHON"
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def source_path(module: str, package_dir: Path = _PACKAGE_DIR) -> Path:
+    """The `.py` a compiled module is built from (`kvtier.sim.caches` -> kvtier/sim/caches.py)."""
+    return package_dir.joinpath(*module.split(".")[1:]).with_suffix(".py")
+
+
+def source_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder):
+    """Imports the named modules from their `.py`, ahead of any extension module."""
+
+    def __init__(self, modules: dict[str, Path]) -> None:
+        self.modules = modules
+
+    def find_spec(self, fullname, path=None, target=None):
+        src = self.modules.get(fullname)
+        return None if src is None else importlib.util.spec_from_file_location(fullname, src)
+
+
+def stale_modules(package_dir: Path = _PACKAGE_DIR) -> list[str]:
+    """Compiled modules whose source changed since they were built (none when nothing
+    was compiled)."""
+    try:
+        built = json.loads((package_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return []
+    stale = []
+    for module, digest in built.items():
+        src = source_path(module, package_dir)
+        if module in COMPILED_MODULES and src.is_file() and source_digest(src) != digest:
+            stale.append(module)
+    return stale
+
+
+def unbuilt_modules(package_dir: Path = _PACKAGE_DIR) -> list[str]:
+    """Compiled modules with no extension built from their current source (all of them
+    after a pure-Python build): what `scripts/setup.sh` rebuilds."""
+    try:
+        built = json.loads((package_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        built = {}
+    suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    out = []
+    for module in COMPILED_MODULES:
+        src = source_path(module, package_dir)
+        has_ext = any(src.with_suffix(sfx).is_file() for sfx in suffixes)
+        if not has_ext or built.get(module) != source_digest(src):
+            out.append(module)
+    return out
+
+
+def compiled_modules() -> list[str]:
+    """The compiled modules that are loaded as extensions right now."""
+    return sorted(m for m in COMPILED_MODULES
+                  if m in sys.modules and not str(getattr(sys.modules[m], "__file__", "")).endswith(".py"))
+
+
+def use_fresh_sources() -> None:
+    """Run stale compiled modules (or, with KVTIER_PURE_PYTHON=1, all of them) from
+    source. Called once, from the package's `__init__`, before any of them is imported."""
+    if os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0"):
+        chosen = list(COMPILED_MODULES)
+    else:
+        chosen = stale_modules()
+        if chosen:
+            warnings.warn(f"kvtier: {', '.join(chosen)} changed since they were compiled; running them from "
+                          "source (scripts/setup.sh rebuilds the extensions)", RuntimeWarning, stacklevel=2)
+    if chosen and not any(isinstance(f, _SourceFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SourceFinder({m: source_path(m) for m in chosen}))

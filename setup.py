@@ -1,0 +1,49 @@
+"""Builds kvtier; everything but the compiled modules is declared in pyproject.toml.
+
+The core's hot modules (`kvtier._compiled.COMPILED_MODULES`) are plain Python that
+Cython compiles here into extension modules: the same source, with type annotations
+ignored so they keep Python's semantics. KVTIER_NO_EXTENSIONS=1 builds a pure-Python
+package. The build writes each source's SHA-256 beside the extensions, so a source
+edited after an in-place build runs from source rather than from a stale extension.
+"""
+
+import json
+import os
+import runpy
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+_compiled = runpy.run_path(str(ROOT / "kvtier" / "_compiled.py"))  # stdlib only: nothing is installed yet
+MODULES = _compiled["COMPILED_MODULES"]
+
+
+class BuildExt(build_ext):
+    """build_ext that also writes the manifest of the sources it compiled."""
+
+    def run(self):
+        super().run()
+        if not self.extensions:
+            return
+        package_dir = Path(self.get_ext_fullpath("kvtier._")).parent
+        manifest = {m: _compiled["source_digest"](_compiled["source_path"](m, ROOT / "kvtier")) for m in MODULES}
+        package_dir.mkdir(parents=True, exist_ok=True)
+        (package_dir / _compiled["MANIFEST"]).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+    def get_outputs(self):
+        return [*super().get_outputs(), str(Path(self.get_ext_fullpath("kvtier._")).parent / _compiled["MANIFEST"])]
+
+
+def extensions():
+    if os.environ.get("KVTIER_NO_EXTENSIONS", "") not in ("", "0"):
+        return []
+    from Cython.Build import cythonize
+
+    sources = [str(_compiled["source_path"](m, Path("kvtier"))) for m in MODULES]
+    return cythonize(sources, build_dir="build/cython", quiet=True,
+                     compiler_directives={"language_level": 3, "annotation_typing": False})
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})
