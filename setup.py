@@ -42,7 +42,7 @@ def extensions():
     from Cython.Build import cythonize
 
     sources = [str(_compiled["source_path"](m, Path("kvtier"))) for m in MODULES]
-    return cythonize(sources, build_dir="build/cython", quiet=True,
+    return cythonize(sources, build_dir="build/cython", quiet=True, force=True,  # directives may have changed
                      compiler_directives={"language_level": 3, "annotation_typing": False})
 
 

@@ -30,6 +30,7 @@ import bisect
 import enum
 import itertools
 import struct
+import sys
 from typing import Callable, Generic, TypeVar
 
 import numpy as np
@@ -95,6 +96,48 @@ _HALF = np.dtype("<u8")
 _BOTH_PROBES_SET = 0x0101
 """A hash's two doorkeeper bytes read as one uint16: both set (each byte is 0 or 1)."""
 
+_COMPILED = not __file__.endswith(".py") and sys.byteorder == "little"
+"""Whether this module runs compiled (kvtier._compiled), where `_count_sightings` and
+`_estimate_cells` run as typed C loops (admission.pxd) and beat numpy at any size.
+As plain Python they are the slowest way to do it, so they run only compiled."""
+
+
+def _count_sightings(flat, door, stamp, halves, n, width, depth, door_mask, epoch):
+    """One sighting of each of the `n` hashes whose (lo, hi) halves are `halves`
+    [2j], [2j + 1]: with a doorkeeper (`door`), a hash whose two probes were not
+    both set before this call only sets them; every other hash adds one to each
+    of its cells, once per distinct cell (`stamp[c] == epoch` marks a cell this call
+    has counted). The same counts as `_add_few` and `_add_many`."""
+    m = width - 1
+    for j in range(n):
+        lo = halves[2 * j]
+        hi = halves[2 * j + 1]
+        if door is not None and not (door[lo & door_mask] and door[hi & door_mask]):
+            continue
+        for i in range(depth):
+            c = i * width + ((lo + i * hi) & m)
+            if stamp[c] != epoch:
+                stamp[c] = epoch
+                flat[c] = (flat[c] + 1) & 0xFFFFFFFF
+    if door is not None:  # set only now: every probe was read before any was set
+        for j in range(n):
+            door[halves[2 * j] & door_mask] = 1
+            door[halves[2 * j + 1] & door_mask] = 1
+
+
+def _estimate_cells(flat, door, lo, hi, width, depth, door_mask):
+    """The sketch's estimate for the hash with halves (lo, hi): its cells' minimum,
+    plus one when the doorkeeper (`door`) has seen it."""
+    m = width - 1
+    est = flat[lo & m]
+    for i in range(1, depth):
+        v = flat[i * width + ((lo + i * hi) & m)]
+        if v < est:
+            est = v
+    if door is not None and door[lo & door_mask] and door[hi & door_mask]:
+        est += 1
+    return est
+
 
 class CountMinSketch:
     """Count-min sketch over 16-byte block hashes, with halving decay and an
@@ -111,7 +154,8 @@ class CountMinSketch:
     """
 
     __slots__ = ("width", "depth", "table", "additions", "sample_size", "resets", "_mask", "_coef",
-                 "_row_base", "_table_flat", "_flat", "door", "_door_flat", "_door_mask", "_door_mask_i64")
+                 "_row_base", "_table_flat", "_flat", "door", "_door_flat", "_door_mask", "_door_mask_i64",
+                 "_stamp", "_epoch")
 
     def __init__(self, width: int = SKETCH_WIDTH, depth: int = SKETCH_DEPTH,
                  sample_size: int | None = None, doorkeeper: bool = False) -> None:
@@ -138,6 +182,8 @@ class CountMinSketch:
         self._door_flat = memoryview(self.door).cast("B") if doorkeeper else None
         self._door_mask = door_size - 1
         self._door_mask_i64 = np.int64(max(door_size - 1, 0))  # < 2**63: masking the int64 view is exact
+        self._stamp: np.ndarray | None = None  # `_add_typed`'s, made on its first call
+        self._epoch = 0
 
     @classmethod
     def for_slots(cls, slots: int, doorkeeper: bool = True) -> CountMinSketch:
@@ -154,7 +200,9 @@ class CountMinSketch:
         """Count one sighting of each hash (duplicates in one call count once)."""
         if not hashes:
             return
-        if len(hashes) <= SKETCH_SHORT_INPUT:
+        if _COMPILED:
+            self._add_typed(hashes)
+        elif len(hashes) <= SKETCH_SHORT_INPUT:
             self._add_few(hashes)
         else:
             self._add_many(hashes)
@@ -180,8 +228,11 @@ class CountMinSketch:
 
     def estimate_one(self, h: BlockHash) -> int:
         """Estimated sightings of one hash (the eviction duel's hot path)."""
-        flat = self._flat
         lo, hi = _HALVES(h)
+        if _COMPILED:
+            return _estimate_cells(self._table_flat, self.door, lo, hi, self.width, self.depth,
+                                   max(self._door_mask, 0))
+        flat = self._flat
         if self.depth == 4:  # unrolled, as in `_cells`
             m, w = self.width - 1, self.width
             est = min(flat[lo & m], flat[w + ((lo + hi) & m)], flat[2 * w + ((lo + 2 * hi) & m)],
@@ -240,6 +291,16 @@ class CountMinSketch:
         door, m = self._door_flat, self._door_mask
         lo, hi = _HALVES(h)
         return door[lo & m] & door[hi & m]
+
+    def _add_typed(self, hashes: list[BlockHash]) -> None:
+        """`_count_sightings` over the hashes (compiled only: see `_COMPILED`)."""
+        self._epoch += 1
+        if self._stamp is None or self._epoch > 0xFFFFFFFF:  # first call, or the epoch wraps: start over
+            self._stamp = np.zeros(self.width * self.depth, dtype=np.uint32)
+            self._epoch = 1
+        halves = memoryview(b"".join(hashes)).cast("Q")
+        _count_sightings(self._table_flat, self.door, self._stamp, halves, len(hashes), self.width, self.depth,
+                         max(self._door_mask, 0), self._epoch)
 
     def _add_few(self, hashes: list[BlockHash]) -> None:
         flat = self._flat

@@ -42,6 +42,7 @@ tails before heads, so a block is never kept while its parent is evicted.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable
@@ -128,6 +129,13 @@ MINI_MIN_SLOTS = 8
 MINI_RESET_FACTOR = 10
 """The miniatures' sighting counts halve every this many times their capacity in
 sightings (TinyLFU's reset), so old popularity fades."""
+
+SHADOW_SAMPLED_SLOTS = 4096
+"""From this many slots on, the thrash gauge's shadow LRU runs on the miniatures'
+sample (one block in four, a quarter of the slots: at least 1,024) and the gauge
+compares sampled blocks on both sides: the same spatial sampling, at a quarter of
+the cost of a full shadow, which took about a seventh of a trace replay's time.
+Smaller caches keep an exact shadow, where a sample would hold few blocks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,46 +272,24 @@ class ShadowLru:
             if h not in blocks:
                 break
             hit += 1
-        for h in reversed(hashes):
-            if h in blocks:
-                blocks.move_to_end(h)
-            else:
-                blocks[h] = None
+        # A block is always more recent than its descendants (each prompt touches its
+        # blocks tail first), so it outlives them: the blocks held on a prompt's path
+        # are a prefix of it, and everything past the first miss is missing too.
+        for i in range(len(hashes) - 1, hit - 1, -1):
+            blocks[hashes[i]] = None
+        to_end = blocks.move_to_end  # bound once: a method lookup per block was a tenth of this
+        for i in range(hit - 1, -1, -1):
+            to_end(hashes[i])
         over = len(blocks) - self.capacity
         if over > 0:
             self.evictions += over
+            pop = blocks.popitem
             for _ in range(over):
-                blocks.popitem(last=False)
+                pop(False)  # the oldest
         return min(hit, limit)
 
 
-class _ShadowSampled:
-    """What both window tuners that run a same-size `ShadowLru` share: one sample's
-    matched blocks, this cache's and the shadow's, over lookups covering `capacity`
-    blocks. `last_ours` and `last_lru` are the last whole sample's (the thrash gauge
-    reads them)."""
-
-    __slots__ = ("capacity", "shadow", "_looked", "_ours", "_lru", "last_ours", "last_lru")
-
-    def __init__(self, capacity_blocks: int) -> None:
-        self.capacity = capacity_blocks
-        self.shadow = ShadowLru(capacity_blocks)
-        self._looked = self._ours = self._lru = 0
-        self.last_ours = self.last_lru = 0
-
-    def _sample_ended(self, hashes: list, limit: int, matched: int) -> bool:
-        """Account one lookup; True when it ended a sample (then `last_*` are its)."""
-        self._lru += self.shadow.access(hashes, limit)
-        self._ours += matched
-        self._looked += len(hashes)
-        if self._looked < self.capacity * CLIMB_SAMPLE_FACTOR:
-            return False
-        self.last_ours, self.last_lru = self._ours, self._lru
-        self._looked = self._ours = self._lru = 0
-        return True
-
-
-class LruReferenceTuner(_ShadowSampled):
+class LruReferenceTuner:
     """Moves the window's share so the cache never does worse than LRU would (the
     `kvtier-lru-steering` ablation; the shipped policy uses `MiniatureTuner`).
 
@@ -321,11 +307,15 @@ class LruReferenceTuner(_ShadowSampled):
     lookups cancels the workload's own swings.
     """
 
-    __slots__ = ("window_target", "step", "adjustments", "symmetric", "_evictions")
+    __slots__ = ("capacity", "shadow", "window_target", "step", "adjustments", "symmetric", "last_ours",
+                 "last_lru", "_evictions", "_looked", "_ours", "_lru")
 
     def __init__(self, capacity_blocks: int, window_fraction: float = WINDOW_INITIAL_FRACTION,
                  symmetric: bool = False) -> None:
-        super().__init__(capacity_blocks)
+        self.capacity = capacity_blocks
+        self.shadow = ShadowLru(capacity_blocks)
+        self._looked = self._ours = self._lru = 0
+        self.last_ours = self.last_lru = 0  # the last whole sample's matched blocks (the thrash gauge's)
         self.symmetric = symmetric  # the ablation: one step either way, holding when level
         self.window_target = capacity_blocks * window_fraction
         self.step = capacity_blocks * REFERENCE_STEP_FRACTION
@@ -352,6 +342,17 @@ class LruReferenceTuner(_ShadowSampled):
         self.adjustments += 1
         return self.window_target != before
 
+    def _sample_ended(self, hashes: list, limit: int, matched: int) -> bool:
+        """Account one lookup; True when it ended a sample (then `last_*` are its)."""
+        self._lru += self.shadow.access(hashes, limit)
+        self._ours += matched
+        self._looked += len(hashes)
+        if self._looked < self.capacity * CLIMB_SAMPLE_FACTOR:
+            return False
+        self.last_ours, self.last_lru = self._ours, self._lru
+        self._looked = self._ours = self._lru = 0
+        return True
+
 
 class MiniatureCache:
     """The cache's structure at one window share, on sampled blocks only: a window and
@@ -375,17 +376,18 @@ class MiniatureCache:
         eviction than the window candidate's."""
         window, main = self.window, self.main
         window_cap, main_cap = self.window_cap, self.main_cap
+        window_to_end, main_to_end = window.move_to_end, main.move_to_end  # bound once per prompt
         chained, hits = True, 0
         for h in blocks:
             if h in window:
-                window.move_to_end(h)
+                window_to_end(h)
             elif h in main:
-                main.move_to_end(h)
+                main_to_end(h)
             else:
                 chained = False
                 window[h] = None
                 if len(window) > window_cap:
-                    candidate = window.popitem(last=False)[0]
+                    candidate = window.popitem(False)[0]  # the window's oldest
                     if len(main) < main_cap:
                         main[candidate] = None  # free space in main: never refused
                     elif main:
@@ -393,7 +395,7 @@ class MiniatureCache:
                         # form predicts the cache's own (seen-twice) duel better than it.
                         seen = counts.get(candidate, 0)
                         if seen >= min_sightings and seen >= counts.get(next(iter(main)), 0):
-                            main.popitem(last=False)
+                            main.popitem(False)
                             main[candidate] = None
                 continue
             if chained:
@@ -401,28 +403,32 @@ class MiniatureCache:
         self.hits += hits
 
 
-class MiniatureTuner(_ShadowSampled):
+class MiniatureTuner:
     """Chooses the window's share by miniature simulations (see the module docstring).
 
     Every sample (lookups covering `capacity` blocks) each miniature's hits feed an
     exponential moving average, and the window takes the share of the best one (ties
-    to the larger window). A same-size `ShadowLru` runs alongside for the thrash
-    detector (`last_ours` vs `last_lru`); it does not steer. Costs a dict operation
-    per sampled block per miniature, and ~100 bytes per slot for the shadow.
+    to the larger window). A `ShadowLru` runs alongside for the thrash detector
+    (`last_ours` vs `last_lru`, the last whole sample's matched blocks); it does not
+    steer. From `SHADOW_SAMPLED_SLOTS` slots on it sees only the miniatures' sample,
+    in a quarter of the slots, and both sides of the gauge count sampled blocks
+    only; below that it sees every block. Costs a dict operation per sampled block
+    per miniature, and ~100 bytes per shadow slot.
 
-    A lookup only queues its blocks; the miniatures sample and replay them in order in
-    `catch_up` (the cache calls it when a hit is released and when stores drain, off
-    the engine's critical path: Caffeine's read buffer), and at the end of a sample
-    before choosing. The order is the lookups' order, so the choices are what
-    replaying at each lookup would give.
+    A lookup only queues its blocks; the miniatures and the shadow sample and replay
+    them in order in `catch_up` (the cache calls it when a hit is released and when
+    stores drain, off the engine's critical path: Caffeine's read buffer), and at the
+    end of a sample before choosing. The order is the lookups' order, so the choices
+    are what replaying at each lookup would give.
     """
 
-    __slots__ = ("window_target", "adjustments", "windows", "minis", "min_sightings",
-                 "scores", "counts", "_mask", "_sightings", "_reset_at", "_pending", "_pending_blocks")
+    __slots__ = ("capacity", "window_target", "adjustments", "windows", "minis", "min_sightings", "scores",
+                 "counts", "shadow", "last_ours", "last_lru", "_mask", "_shadow_sampled", "_sightings",
+                 "_reset_at", "_pending", "_pending_blocks", "_looked", "_ours", "_lru")
 
     def __init__(self, capacity_blocks: int, min_sightings: int, windows: tuple[float, ...] = MINI_WINDOWS,
                  window_fraction: float = WINDOW_INITIAL_FRACTION) -> None:
-        super().__init__(capacity_blocks)
+        self.capacity = capacity_blocks
         self.window_target = capacity_blocks * window_fraction
         self.adjustments = 0
         mini_slots = max(MINI_MIN_SLOTS, capacity_blocks >> MINI_SAMPLE_BITS)
@@ -434,21 +440,28 @@ class MiniatureTuner(_ShadowSampled):
         self.min_sightings = min_sightings
         self.scores = [0.0] * len(windows)
         self.counts: dict = {}
+        self._shadow_sampled = capacity_blocks >= SHADOW_SAMPLED_SLOTS
+        self.shadow = ShadowLru(capacity_blocks >> MINI_SAMPLE_BITS if self._shadow_sampled else capacity_blocks)
+        self.last_ours = self.last_lru = 0
         self._sightings = 0
         self._reset_at = MINI_RESET_FACTOR * mini_slots
-        self._pending: list[list] = []
+        self._pending: list[tuple[list, int, int]] = []
         self._pending_blocks = 0
+        self._looked = self._ours = self._lru = 0
 
     def record(self, hashes: list, limit: int, matched: int) -> bool:
         """Account one lookup (all its full blocks' hashes, the last-token limit and
         the blocks this cache matched). Returns True when the window target moved."""
-        self._pending.append(hashes)  # sampled later, in `catch_up`
+        self._pending.append((hashes, limit, matched))  # sampled later, in `catch_up`
         self._pending_blocks += len(hashes)
-        if not self._sample_ended(hashes, limit, matched):
+        self._looked += len(hashes)
+        if self._looked < self.capacity * CLIMB_SAMPLE_FACTOR:
             if self._pending_blocks > MINI_PENDING_BLOCKS:
                 self.catch_up()
             return False
         self.catch_up()
+        self.last_ours, self.last_lru = self._ours, self._lru
+        self._looked = self._ours = self._lru = 0
         scores = self.scores
         for i, mini in enumerate(self.minis):
             scores[i] = MINI_SMOOTHING * mini.hits + (1.0 - MINI_SMOOTHING) * scores[i]
@@ -462,12 +475,21 @@ class MiniatureTuner(_ShadowSampled):
         return self.window_target != before
 
     def catch_up(self) -> None:
-        """Replay the queued lookups' sampled blocks through the miniatures, in order."""
+        """Replay the queued lookups' sampled blocks through the miniatures (and the
+        shadow), in order."""
         if not self._pending:
             return
         counts, minis, min_sightings, mask = self.counts, self.minis, self.min_sightings, self._mask
-        for hashes in self._pending:
-            sampled = [h for h in hashes if not h[0] & mask]
+        shadow, shadow_sampled = self.shadow, self._shadow_sampled
+        for hashes, limit, matched in self._pending:
+            picked = [i for i, h in enumerate(hashes) if not h[0] & mask]
+            sampled = [hashes[i] for i in picked]
+            if shadow_sampled:  # both sides count the sampled blocks within their matches
+                self._lru += shadow.access(sampled, bisect_left(picked, limit))
+                self._ours += bisect_left(picked, matched)
+            else:
+                self._lru += shadow.access(hashes, limit)
+                self._ours += matched
             if not sampled:
                 continue
             for h in sampled:

@@ -124,16 +124,19 @@ def test_min_sightings_must_be_a_positive_int(bad):
 @pytest.mark.parametrize("doorkeeper", [False, True])
 @settings(max_examples=60, deadline=None)
 @given(batches=st.lists(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=12), min_size=1, max_size=40))
-def test_short_input_path_counts_exactly_like_the_vectorised_path(batches, doorkeeper):
+def test_short_input_and_typed_paths_count_exactly_like_the_vectorised_path(batches, doorkeeper):
     few = CountMinSketch(width=64, sample_size=50, doorkeeper=doorkeeper)
     many = CountMinSketch(width=64, sample_size=50, doorkeeper=doorkeeper)
+    typed = CountMinSketch(width=64, sample_size=50, doorkeeper=doorkeeper)  # the compiled build's path
     for hashes in batches:
         few._add_few(hashes)
         many._add_many(hashes)
+        typed._add_typed(hashes)
         assert np.array_equal(few._estimate_few(hashes), many._estimate_many(hashes))
-        assert np.array_equal(few.table, many.table)
+        assert [typed.estimate_one(h) for h in hashes] == many._estimate_many(hashes).tolist()
+        assert np.array_equal(few.table, many.table) and np.array_equal(typed.table, many.table)
         if doorkeeper:
-            assert np.array_equal(few.door, many.door)
+            assert np.array_equal(few.door, many.door) and np.array_equal(typed.door, many.door)
     sketch = CountMinSketch(width=64, sample_size=50)  # the public API mixes both paths
     for hashes in batches:
         sketch.add(hashes)
