@@ -18,6 +18,7 @@ from kvtier.eviction import (
     MiniatureCache,
     MiniatureTuner,
     PolicyConfig,
+    SHADOW_SAMPLED_SLOTS,
     ShadowLru,
     admits,
 )
@@ -215,3 +216,68 @@ def test_the_miniatures_choose_the_same_whether_they_catch_up_at_each_lookup_or_
     assert any(m.hits for m in eager.minis) and not any(m.hits for m in lazy.minis)  # lazy: still queued
     lazy.catch_up()
     assert [m.hits for m in eager.minis] == [m.hits for m in lazy.minis]
+
+
+def _conversations(seed: int, n: int, hash_of) -> list[list[bytes]]:
+    """Prompts that share prefixes as traffic does: each one a random earlier prompt's
+    first blocks (or nothing) plus new blocks; block ids chain, so equal ids mean an
+    equal prefix. `hash_of` turns a block id into its hash."""
+    import random
+    rng = random.Random(seed)
+    prompts: list[list[int]] = []
+    next_id = 0
+    for _ in range(n):
+        base = rng.choice(prompts[-300:])[:rng.randint(0, 30)] if prompts and rng.random() < 0.8 else []
+        new = list(range(next_id, next_id + rng.randint(1, 12)))
+        next_id += len(new)
+        prompts.append(base + new)
+    return [[hash_of(i) for i in p] for p in prompts]
+
+
+class _NaiveLru:
+    """ShadowLru as first written: check every block, tail first."""
+
+    def __init__(self, capacity: int) -> None:
+        from collections import OrderedDict
+        self.capacity, self.blocks = capacity, OrderedDict()
+
+    def access(self, hashes: list, limit: int) -> int:
+        hit = 0
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            hit += 1
+        for h in reversed(hashes):
+            if h in self.blocks:
+                self.blocks.move_to_end(h)
+            else:
+                self.blocks[h] = None
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+        return min(hit, limit)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_shadow_lru_serves_exactly_like_checking_every_block(seed):
+    fast, naive = ShadowLru(60), _NaiveLru(60)
+    for hashes in _conversations(seed, 3_000, lambda i: i.to_bytes(16, "little")):
+        limit = max(0, len(hashes) - 1)
+        assert fast.access(hashes, limit) == naive.access(hashes, limit)
+    assert list(fast._blocks) == list(naive.blocks) and fast.evictions > 0
+
+
+def test_a_large_caches_thrash_gauge_samples_and_agrees_with_an_exact_lru():
+    import hashlib
+    slots = SHADOW_SAMPLED_SLOTS                           # the gauge samples from here on
+    t, exact = MiniatureTuner(slots, min_sightings=2), ShadowLru(slots)
+    assert t.shadow.capacity == slots >> MINI_SAMPLE_BITS
+    prompts = _conversations(0, 40_000, lambda i: hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest())
+    for hashes in prompts:
+        t.record(hashes, len(hashes) - 1, exact.access(hashes, len(hashes) - 1))  # a cache that is LRU
+    assert t.adjustments > 0 and t.last_lru > 100 and exact.evictions > 0
+    assert 0.9 * t.last_lru <= t.last_ours <= 1.1 * t.last_lru  # the sampled estimate of the same LRU
+    samples, recent = t.adjustments, prompts[-300:]
+    for i in range(10_000):                                # a whole sample of a cache matching nothing ...
+        t.record(recent[i % 300], len(recent[i % 300]) - 1, 0)
+    assert t.adjustments >= samples + 2
+    assert t.last_ours == 0 < t.last_lru                   # ... reads as far behind LRU
