@@ -86,8 +86,8 @@ class Placement(enum.Enum):
 
 
 SKETCH_SHORT_INPUT = 5
-"""At or below this many hashes per call, plain Python (~1 us a hash) beats numpy's
-~6 us per call (a lookup of a short prompt, the simulator's hot path)."""
+"""Uncompiled, at or below this many hashes per call plain Python (~1 us a hash) beats
+numpy's ~6 us per call (a lookup of a short prompt)."""
 
 _HALVES = struct.Struct("<QQ").unpack
 """A 16-byte hash as its two little-endian 64-bit halves, in one C call."""
@@ -148,9 +148,11 @@ class CountMinSketch:
     With the doorkeeper, a hash's first sighting only sets its two doorkeeper
     probes (h1 and h2, one byte each); later ones count in the table, and an
     estimate is the table's minimum plus one when the doorkeeper knows the hash.
-    Halving clears the doorkeeper. Calls on a few hashes take a pure-Python path
-    over flat views of the same arrays; both paths touch the same counters (pinned
-    by a hypothesis test).
+    Halving clears the doorkeeper. Compiled (kvtier._compiled), every call runs the
+    typed loops `_count_sightings` and `_estimate_cells`; as plain Python, calls on a
+    few hashes take a pure-Python path over flat views of the same arrays and the
+    rest go through numpy. All three touch the same counters (pinned by a hypothesis
+    test).
     """
 
     __slots__ = ("width", "depth", "table", "additions", "sample_size", "resets", "_mask", "_coef",
