@@ -25,6 +25,11 @@ class BuildExt(build_ext):
 
     def run(self):
         super().run()
+        if self.inplace:  # an extension of a module no longer compiled would shadow its source
+            for ext in (ROOT / "kvtier").rglob("*.so"):
+                module = ".".join(ext.relative_to(ROOT).with_name(ext.name.split(".")[0]).parts)
+                if module not in MODULES:
+                    ext.unlink()
         if not self.extensions:
             return
         package_dir = Path(self.get_ext_fullpath("kvtier._")).parent
