@@ -67,15 +67,19 @@ class _SourceFinder(importlib.abc.MetaPathFinder):
         return None if src is None else importlib.util.spec_from_file_location(fullname, src)
 
 
+def _manifest(package_dir: Path) -> dict[str, str]:
+    """The last build's module -> source SHA-256 (empty when nothing was compiled)."""
+    try:
+        return json.loads((package_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def stale_modules(package_dir: Path = _PACKAGE_DIR) -> list[str]:
     """Compiled modules whose source changed since they were built (none when nothing
     was compiled)."""
-    try:
-        built = json.loads((package_dir / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return []
     stale = []
-    for module, digest in built.items():
+    for module, digest in _manifest(package_dir).items():
         src = source_path(module, package_dir)
         if module in COMPILED_MODULES and src.is_file() and source_digest(src) != digest:
             stale.append(module)
@@ -85,10 +89,7 @@ def stale_modules(package_dir: Path = _PACKAGE_DIR) -> list[str]:
 def unbuilt_modules(package_dir: Path = _PACKAGE_DIR) -> list[str]:
     """Compiled modules with no extension built from their current source (all of them
     after a pure-Python build): what `scripts/setup.sh` rebuilds."""
-    try:
-        built = json.loads((package_dir / MANIFEST).read_text())
-    except (OSError, ValueError):
-        built = {}
+    built = _manifest(package_dir)
     suffixes = importlib.machinery.EXTENSION_SUFFIXES
     out = []
     for module in COMPILED_MODULES:
@@ -113,7 +114,8 @@ def use_fresh_sources() -> None:
     else:
         chosen = stale_modules()
         if chosen:
-            warnings.warn(f"kvtier: {', '.join(chosen)} changed since they were compiled; running them from "
-                          "source (scripts/setup.sh rebuilds the extensions)", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"kvtier: source changed since the extension was built, running from source: "
+                          f"{', '.join(chosen)} (scripts/setup.sh rebuilds the extensions)", RuntimeWarning,
+                          stacklevel=2)
     if chosen and not any(isinstance(f, _SourceFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _SourceFinder({m: source_path(m) for m in chosen}))

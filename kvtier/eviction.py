@@ -247,12 +247,14 @@ class HillClimber:
 
 
 class ShadowLru:
-    """A ghost LRU of the same capacity: block hashes only, no KV.
+    """A ghost LRU: block hashes only, no KV.
 
     It answers one question per lookup: how many blocks would plain LRU (what every
-    engine ships) have matched here? The thrash gauge compares the cache with it, and
-    the `LruReferenceTuner` ablation steers the window by it.
-    Costs one dict operation per prompt block and ~100 bytes per slot.
+    engine ships) have matched here? The thrash gauge compares the cache with it (a
+    same-size one, or a quarter-size one on a 1-in-4 sample of the blocks: see
+    `MiniatureTuner`), and the `LruReferenceTuner` ablation steers the window by a
+    same-size one. Costs one dict operation per block it is given and ~100 bytes per
+    slot.
     """
 
     __slots__ = ("capacity", "_blocks", "evictions")
@@ -277,7 +279,7 @@ class ShadowLru:
         # are a prefix of it, and everything past the first miss is missing too.
         for i in range(len(hashes) - 1, hit - 1, -1):
             blocks[hashes[i]] = None
-        to_end = blocks.move_to_end  # bound once: a method lookup per block was a tenth of this
+        to_end = blocks.move_to_end  # bound once, outside the loop
         for i in range(hit - 1, -1, -1):
             to_end(hashes[i])
         over = len(blocks) - self.capacity
