@@ -37,9 +37,6 @@ class BuildExt(build_ext):
         package_dir.mkdir(parents=True, exist_ok=True)
         (package_dir / _compiled["MANIFEST"]).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
-    def get_outputs(self):
-        return [*super().get_outputs(), str(Path(self.get_ext_fullpath("kvtier._")).parent / _compiled["MANIFEST"])]
-
 
 def extensions():
     if os.environ.get("KVTIER_NO_EXTENSIONS", "") not in ("", "0"):

@@ -98,8 +98,9 @@ _BOTH_PROBES_SET = 0x0101
 
 _COMPILED = not __file__.endswith(".py") and sys.byteorder == "little"
 """Whether this module runs compiled (kvtier._compiled), where `_count_sightings` and
-`_estimate_cells` run as typed C loops (admission.pxd) and beat numpy at any size.
-As plain Python they are the slowest way to do it, so they run only compiled."""
+`_estimate_cells` run as typed C loops (admission.pxd). Compiled, `_count_sightings`
+beats numpy at any size; as plain Python it is the slowest way to count, so it runs
+only compiled. `_estimate_cells` serves both builds."""
 
 
 def _count_sightings(flat, door, stamp, halves, n, width, depth, door_mask, epoch):
@@ -148,11 +149,11 @@ class CountMinSketch:
     With the doorkeeper, a hash's first sighting only sets its two doorkeeper
     probes (h1 and h2, one byte each); later ones count in the table, and an
     estimate is the table's minimum plus one when the doorkeeper knows the hash.
-    Halving clears the doorkeeper. Compiled (kvtier._compiled), every call runs the
-    typed loops `_count_sightings` and `_estimate_cells`; as plain Python, calls on a
-    few hashes take a pure-Python path over flat views of the same arrays and the
-    rest go through numpy. All three touch the same counters (pinned by a hypothesis
-    test).
+    Halving clears the doorkeeper. Estimates of a few hashes go through
+    `_estimate_cells`, over flat views of the arrays. Compiled (kvtier._compiled),
+    every addition runs the typed loop `_count_sightings`; as plain Python, calls on
+    a few hashes take a pure-Python path and the rest go through numpy. All of them
+    touch the same counters (pinned by a hypothesis test).
     """
 
     __slots__ = ("width", "depth", "table", "additions", "sample_size", "resets", "_mask", "_coef",
@@ -182,8 +183,8 @@ class CountMinSketch:
         if self.door is not None:
             self.door.fill(0)
         self._door_flat = memoryview(self.door).cast("B") if doorkeeper else None
-        self._door_mask = door_size - 1
-        self._door_mask_i64 = np.int64(max(door_size - 1, 0))  # < 2**63: masking the int64 view is exact
+        self._door_mask = max(door_size - 1, 0)  # unsigned for the typed loops; unused without a doorkeeper
+        self._door_mask_i64 = np.int64(self._door_mask)  # < 2**63: masking the int64 view is exact
         self._stamp: np.ndarray | None = None  # `_add_typed`'s, made on its first call
         self._epoch = 0
 
@@ -231,21 +232,7 @@ class CountMinSketch:
     def estimate_one(self, h: BlockHash) -> int:
         """Estimated sightings of one hash (the eviction duel's hot path)."""
         lo, hi = _HALVES(h)
-        if _COMPILED:
-            return _estimate_cells(self._table_flat, self.door, lo, hi, self.width, self.depth,
-                                   max(self._door_mask, 0))
-        flat = self._flat
-        if self.depth == 4:  # unrolled, as in `_cells`
-            m, w = self.width - 1, self.width
-            est = min(flat[lo & m], flat[w + ((lo + hi) & m)], flat[2 * w + ((lo + 2 * hi) & m)],
-                      flat[3 * w + ((lo + 3 * hi) & m)])
-        else:
-            est = min(flat[c] for c in self._cells(h))
-        door = self._door_flat
-        if door is not None:
-            dm = self._door_mask
-            est += door[lo & dm] & door[hi & dm]
-        return est
+        return _estimate_cells(self._flat, self._door_flat, lo, hi, self.width, self.depth, self._door_mask)
 
     def _halves(self, hashes: list[BlockHash]) -> np.ndarray:
         return np.frombuffer(b"".join(hashes), dtype=_HALF).reshape(-1, 2)
@@ -281,19 +268,6 @@ class CountMinSketch:
             est += self._door_known(self._door_probes(halves))
         return est
 
-    def _cells(self, h: bytes) -> list[int]:
-        """Flat positions (row * width + column) of the hash's counters, one per row."""
-        lo, hi = _HALVES(h)
-        m, w = self.width - 1, self.width
-        if self.depth == 4:  # the default depth, unrolled: the simulator's hot path
-            return [lo & m, w + ((lo + hi) & m), 2 * w + ((lo + 2 * hi) & m), 3 * w + ((lo + 3 * hi) & m)]
-        return [i * w + ((lo + i * hi) & m) for i in range(self.depth)]
-
-    def _door_seen(self, h: bytes) -> int:
-        door, m = self._door_flat, self._door_mask
-        lo, hi = _HALVES(h)
-        return door[lo & m] & door[hi & m]
-
     def _add_typed(self, hashes: list[BlockHash]) -> None:
         """`_count_sightings` over the hashes (compiled only: see `_COMPILED`)."""
         self._epoch += 1
@@ -302,7 +276,7 @@ class CountMinSketch:
             self._epoch = 1
         halves = memoryview(b"".join(hashes)).cast("Q")
         _count_sightings(self._table_flat, self.door, self._stamp, halves, len(hashes), self.width, self.depth,
-                         max(self._door_mask, 0), self._epoch)
+                         self._door_mask, self._epoch)
 
     def _add_few(self, hashes: list[BlockHash]) -> None:
         flat = self._flat
@@ -329,11 +303,7 @@ class CountMinSketch:
             flat[c] = (flat[c] + 1) & 0xFFFFFFFF
 
     def _estimate_few(self, hashes: list[BlockHash]) -> np.ndarray:
-        flat = self._flat
-        est = [min(flat[c] for c in self._cells(h)) for h in hashes]
-        if self._door_flat is not None:
-            est = [e + self._door_seen(h) for e, h in zip(est, hashes)]
-        return np.array(est, dtype=np.int64)
+        return np.array([self.estimate_one(h) for h in hashes], dtype=np.int64)
 
 
 def placement(sightings: int, prefix_bytes: int, bar: int, pin_max_bytes: int,
