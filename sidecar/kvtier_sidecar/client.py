@@ -9,7 +9,14 @@
 Faults (sidecar gone, restarted, slow, arena unmapped) are misses: every public call
 catches them, drops the connection and reconnects on a later call (at most once per
 RECONNECT_BACKOFF_S), mapping the new sidecar's arena. Bad input from the engine
-(wrong token ids, a destination too small) raises ValueError: that is a caller bug.
+(wrong token ids, a destination too small, KV bytes that are not exactly the prompt's
+full blocks) raises ValueError: that is a caller bug.
+
+Hits and store reservations belong to the connection that made them: the sidecar
+releases a connection's pins and aborts its stores when it goes away. So a hit or a
+reservation from before a reconnect is stale: `materialize` refuses it (`StaleHit`,
+the blocks may have been reused since), `commit_store` answers False without asking
+(re-reserve), and `release`/`abort_store` have nothing left to do.
 
 Several engine processes (one per TP rank) may share one sidecar: `materialize(...,
 tp, rank)` takes the rank's kv heads (kvtier.layout.shard_for_rank) of each canonical
@@ -53,6 +60,7 @@ class Hit:
     instance: str = ""
     # xxh3-64 of each block as the sidecar stored it (lookup(..., digests=True)).
     digests: list[int] | None = None
+    connection: int = 0  # the client's connection that holds the pins
 
     def __bool__(self) -> bool:
         return True
@@ -77,6 +85,11 @@ class SidecarUnavailable(ConnectionError):
     pass
 
 
+class StaleHit(SidecarUnavailable):
+    """The hit's pins went with a connection that is gone: its blocks may hold other
+    bytes now. A fault, like a miss: the engine recomputes."""
+
+
 class _BackingOff(SidecarUnavailable):
     """No attempt was made: the last fault was under RECONNECT_BACKOFF_S ago."""
 
@@ -95,6 +108,7 @@ class SidecarClient:
         self.info: dict = {}
         self.generation = 0
         self.faults = 0
+        self.connection = 0  # bumped on every (re)connect: pins and tickets are per connection
 
     # -- connection ---------------------------------------------------------------------
 
@@ -110,6 +124,7 @@ class SidecarClient:
             self._retry_at = time.monotonic() + RECONNECT_BACKOFF_S
             raise
         self._sock = sock
+        self.connection += 1
         info, _ = self._call_locked(EngineOp.HELLO, {})
         if self.arena is None or info.get("instance") != self.info.get("instance"):
             # A new sidecar: map its arena. The old mapping stays alive for hits that
@@ -122,6 +137,7 @@ class SidecarClient:
 
     def _drop(self) -> None:
         self.faults += 1
+        self.connection += 1  # before the close: a copy checked against it held its pins
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -177,6 +193,7 @@ class SidecarClient:
     def close(self) -> None:
         with self._lock:
             if self._sock is not None:
+                self.connection += 1
                 self._sock.close()
                 self._sock = None
 
@@ -198,7 +215,7 @@ class SidecarClient:
         sums = answer.get("digests")
         return Hit(int(answer["matched_tokens"]), [int(s) for s in slots], answer["tier"],
                    int(answer["hit"]), self.arena, self.generation, str(self.info.get("instance", "")),
-                   [int(d) for d in sums] if sums is not None else None)
+                   [int(d) for d in sums] if sums is not None else None, self.connection)
 
     def report(self, loaded_bytes: int = 0, load_errors: int = 0) -> bool:
         """Tell the sidecar what only the engine knows since the last report (see
@@ -208,10 +225,14 @@ class SidecarClient:
         return self._call(EngineOp.REPORT, {"loaded_bytes": int(loaded_bytes), "load_errors": int(load_errors)}) \
             is not None
 
+    def _instance(self) -> dict:
+        """Names the sidecar process a hit or ticket came from: another one refuses it."""
+        return {"instance": str(self.info.get("instance", ""))}
+
     def release(self, hit: Hit | Miss) -> None:
-        if not isinstance(hit, Hit) or hit.generation != self.generation:
-            return  # a miss, or a hit from a sidecar that is gone (its pins went with it)
-        self._call(EngineOp.RELEASE, {"hit": hit.hit_id})
+        if not isinstance(hit, Hit) or hit.connection != self.connection:
+            return  # a miss, or a hit whose connection is gone (its pins went with it)
+        self._call(EngineOp.RELEASE, {"hit": hit.hit_id, **self._instance()})
 
     def materialize(self, hit: Hit, dst: np.ndarray, tp: int = 1, rank: int = 0) -> int:
         """Copy the hit's blocks into `dst` (uint8-viewable, C-contiguous, at least
@@ -221,7 +242,16 @@ class SidecarClient:
         kv heads of each canonical block."""
         if not isinstance(hit, Hit):
             raise ValueError("materialize needs a Hit")
-        out = _as_bytes(dst)
+        self._check_pinned(hit)
+        copied = self._copy_out(hit, _as_bytes(dst), tp, rank)
+        self._check_pinned(hit)  # still pinned after the copy: it copied pinned bytes
+        return copied
+
+    def _check_pinned(self, hit: Hit) -> None:
+        if hit.connection != self.connection:
+            raise StaleHit("the hit's connection to the sidecar is gone (its pins with it); recompute")
+
+    def _copy_out(self, hit: Hit, out: np.ndarray, tp: int, rank: int) -> int:
         arena = hit.arena
         bb = arena.block_bytes
         if tp == 1:
@@ -251,11 +281,14 @@ class SidecarClient:
 
         `kv_blocks` holds block i's canonical bytes at [i] (tp == 1), or this rank's
         heads of each block (tp > 1). Declined by admission, a full arena or a fault:
-        False, nothing written. Never raises for a fault."""
-        reservation = self.begin_store(root, token_ids, tp, rank)
+        False, nothing written. Never raises for a fault; KV bytes that are not exactly
+        the prompt's full blocks (of this rank's shard) raise ValueError."""
+        src = _as_bytes(kv_blocks)
+        tokens = as_token_array(token_ids)
+        self._check_kv_size(len(tokens), src.size, tp)
+        reservation = self.begin_store(root, tokens, tp, rank)
         if reservation is None:
             return False
-        src = _as_bytes(kv_blocks)
         try:
             self._write_slots(reservation.arena, reservation.slots, reservation.first_block, src, tp, rank)
         except (ValueError, ArenaError):
@@ -278,14 +311,33 @@ class SidecarClient:
         if not ticket:
             return None
         return StoreReservation(ticket, int(answer.get("first_block", 0)), [int(s) for s in slots],
-                                self.arena, rank)
+                                self.arena, rank, self.connection)
 
     def commit_store(self, reservation: "StoreReservation") -> bool:
-        got = self._call(EngineOp.STORE_COMMIT, {"ticket": reservation.ticket, "rank": reservation.rank})
+        """Publish what this rank wrote; False when declined, on a fault, or when the
+        reservation is stale (made on a connection that is gone: re-reserve)."""
+        if reservation.connection != self.connection:
+            return False  # the sidecar aborted it when that connection went away
+        got = self._call(EngineOp.STORE_COMMIT, {"ticket": reservation.ticket, "rank": reservation.rank,
+                                                 **self._instance()})
         return bool(got and got[0].get("committed"))
 
     def abort_store(self, reservation: "StoreReservation") -> None:
-        self._call(EngineOp.STORE_ABORT, {"ticket": reservation.ticket})
+        if reservation.connection != self.connection:
+            return
+        self._call(EngineOp.STORE_ABORT, {"ticket": reservation.ticket, **self._instance()})
+
+    def _check_kv_size(self, n_tokens: int, n_bytes: int, tp: int) -> None:
+        """KV for a prompt is exactly its full blocks, of this rank's shard."""
+        if not self.info and not self.connect():
+            return  # no sidecar to ask the shape of: begin_store declines anyway
+        block_size, bb = int(self.info["block_size"]), int(self.info["block_bytes"])
+        if tp < 1 or bb % tp:
+            raise ValueError(f"tp={tp} does not divide a block of {bb} bytes")
+        want = n_tokens // block_size * (bb // tp)
+        if n_bytes != want:
+            raise ValueError(f"kv_blocks hold {n_bytes} bytes; {n_tokens} tokens are {n_tokens // block_size} "
+                             f"full blocks of {bb // tp} bytes = {want}")
 
     def _write_slots(self, arena: Arena, slots: list[int], first_block: int, src: np.ndarray, tp: int, rank: int) -> None:
         """Block first_block + i of the prompt goes into slots[i] (the sidecar only
@@ -320,6 +372,7 @@ class StoreReservation:
     slots: list[int]
     arena: Arena = field(repr=False)
     rank: int = 0
+    connection: int = 0  # the client's connection that holds the ticket
 
 
 def _as_bytes(a) -> np.ndarray:

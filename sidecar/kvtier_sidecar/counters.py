@@ -17,6 +17,7 @@ class Count(StrEnum):
     INVALIDATED_BLOCKS = "invalidated_blocks"
     WARMED_BLOCKS = "warmed_blocks"
     STORED_BYTES = "stored_bytes"
+    STORE_UNWRITTEN_BLOCKS = "store_unwritten_blocks"  # committed but never written: not published
     ENGINE_LOADED_BYTES = "engine_loaded_bytes"  # reported by the engine (engine socket REPORT)
     ENGINE_LOAD_ERRORS = "engine_load_errors"  # blocks the engine reported as not loaded
     WARM_REFUSED = "warm_refused"  # warm-ups answered 429: the queue was full

@@ -9,16 +9,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 import numpy as np
 import xxhash
 
 from kvtier.admission import THRASH_RATIO
+from kvtier.blockpool import slot_runs
 from kvtier.cache import Hit, LocalCache, Reservation
 from kvtier.keys import KeyRoot
 
 from .arena import Arena
 
 __all__ = ["DramTier", "TierHit", "Reservation"]
+
+# Bytes of the unwritten-slot stamp at each stamped place (or the whole token row, when
+# a row is shorter).
+STAMP_BYTES = 8
 
 
 @dataclass(slots=True)
@@ -40,14 +47,36 @@ class DramTier:
     the slot it was computed for: every reservation bumps the generation, so a digest
     of old contents is never attached to new ones (at worst a receiver sees a
     mismatch and treats it as a miss).
+
+    Slots an engine is to write are stamped first (`stamp`): a random 8-byte value,
+    one per sidecar process, over the first and the last token of each (layer, K|V)
+    row of the first kv head of every TP rank, in the canonical block. A commit
+    publishes only the leading blocks whose every stamp was overwritten
+    (`written_blocks`), so a store committed without being written — a stale ticket,
+    a copy into the wrong slots or the wrong arena, a rank, a layer or K or V that
+    never wrote — publishes nothing it did not write, never the slot's previous
+    contents. Real KV matching the stamp at a place costs a miss, never wrong KV
+    (2**-64 a place). One head a rank, not every head: each stamped place is a cache
+    line and often a page of its own, and the proof must stay small beside the copy.
     """
 
     def __init__(self, arena: Arena, block_size: int, min_sightings: int, kv_heads: int,
-                 thrash_ratio: float = THRASH_RATIO) -> None:
+                 thrash_ratio: float = THRASH_RATIO, token_row_bytes: int | None = None) -> None:
         self.arena = arena
         self.block_bytes = arena.block_bytes
         self.block_size = block_size
         self.kv_heads = kv_heads
+        # One token's bytes of one (layer, plane, head) row: head_dim x dtype bytes.
+        row = token_row_bytes or self.block_bytes // (block_size * kv_heads)
+        if self.block_bytes % (row * block_size):
+            raise ValueError(f"block of {self.block_bytes} bytes is not rows of {block_size} tokens x {row} bytes")
+        if (self.block_bytes // (row * block_size)) % kv_heads:
+            raise ValueError(f"block of {self.block_bytes} bytes is not (layer, plane) groups of {kv_heads} heads")
+        self._row_bytes = row
+        unit = np.uint64 if row % STAMP_BYTES == 0 else np.uint8
+        self._stamp_unit = unit
+        self._stamp_width = 1 if unit is np.uint64 else min(row, STAMP_BYTES)
+        self._stamp = np.frombuffer(os.urandom(STAMP_BYTES), dtype=unit)[: self._stamp_width].copy()
         self.cache = LocalCache(arena.slots * arena.block_bytes, arena.block_bytes, block_size,
                                 min_sightings=min_sightings, arena=arena.array, thrash_ratio=thrash_ratio)
         self._digest = np.zeros(arena.slots, dtype=np.uint64)
@@ -84,6 +113,39 @@ class DramTier:
             self.cache.abort(res)
             return None
         return res
+
+    def _stamp_places(self, first: int, count: int, tp: int) -> list[np.ndarray]:
+        """Strided views of the stamped places of slots first..first+count-1: one view
+        per stamped (head, token), each with one stamp per (slot, layer, plane) along
+        its leading axis. The heads are 0..tp-1, the first head of each TP rank (a
+        rank owns the heads h with h % tp == rank); the tokens are each row's first and
+        last."""
+        units = self.arena.slot_array(first, count).view(self._stamp_unit)
+        per_token = self._row_bytes // self._stamp_unit().itemsize
+        heads, tokens = range(min(tp, self.kv_heads)), sorted({0, self.block_size - 1})
+        if self._stamp_width == 1:  # 8-byte units: 1-D strided views (numpy's fast path)
+            per_group = self.kv_heads * self.block_size * per_token  # one (layer, plane)
+            return [units[(h * self.block_size + t) * per_token :: per_group] for h in heads for t in tokens]
+        groups = units.reshape(-1, self.kv_heads, self.block_size, per_token)
+        return [groups[:, h, t, : self._stamp_width] for h in heads for t in tokens]
+
+    def stamp(self, slots: list[int], tp: int = 1) -> None:
+        """Mark `slots` unwritten (see the class docstring) before an engine writes them."""
+        value = self._stamp[0] if self._stamp_width == 1 else self._stamp
+        for _, slot, count in slot_runs(slots):
+            for places in self._stamp_places(slot, count, tp):
+                places[...] = value
+
+    def written_blocks(self, slots: list[int], tp: int = 1) -> int:
+        """How many leading `slots` have every stamp overwritten."""
+        for first, slot, count in slot_runs(slots):
+            unwritten = np.zeros(count, dtype=bool)
+            for places in self._stamp_places(slot, count, tp):
+                same = places == self._stamp[0] if self._stamp_width == 1 else (places == self._stamp).all(axis=-1)
+                unwritten |= same.reshape(count, -1).any(axis=1)
+            if unwritten.any():
+                return first + int(np.argmax(unwritten))
+        return len(slots)
 
     def commit(self, res: Reservation, verified_blocks: int, digests: list[int] | None = None) -> int:
         """Publish the first `verified_blocks` blocks of the reservation; never more.

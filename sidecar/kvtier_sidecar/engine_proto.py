@@ -10,16 +10,20 @@ out of (or into) the shared-memory arena named in the HELLO answer.
 
     HELLO        {}                                   -> {arena..., instance}
     LOOKUP       {root, digests?}  + tokens           -> {hit, matched_tokens, tier, digests?} + slots
-    RELEASE      {hit}                                -> {}
-    STORE_BEGIN  {root, tp, rank}  + tokens           -> {ticket, n_blocks} + slots (ticket 0: declined)
-    STORE_COMMIT {ticket, rank}                       -> {committed}
-    STORE_ABORT  {ticket}                             -> {}
+    RELEASE      {hit, instance?}                     -> {}
+    STORE_BEGIN  {root, tp, rank}  + tokens           -> {ticket, first_block} + slots (ticket 0: declined)
+    STORE_COMMIT {ticket, rank, instance?}            -> {committed}
+    STORE_ABORT  {ticket, instance?}                  -> {}
     REPORT       {loaded_bytes, load_errors}          -> {}
 
 REPORT carries what only the engine knows (`EngineReport`): the KV bytes it really
 copied in from the arena, and the blocks it told its scheduler it could not load (a
 failed copy or checksum: the engine recomputes them). The sidecar counts both for
 its /metrics.
+
+`instance` (optional) is the HELLO answer's: a sidecar refuses a hit or ticket
+named for another process (ids restart with the process; a stale one must never
+name a live one).
 
 `digests` (optional) asks for each hit block's xxh3-64, as computed after its store,
 so an engine can verify what it copies out of the arena.
@@ -34,11 +38,16 @@ import struct
 from enum import IntEnum
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field
 
 FRAME = struct.Struct("<IBII")  # body_len (json_len field + json + tail), op, request_id, json_len
 # A 1M-token prompt's ids plus its JSON; anything larger is a broken or hostile client.
 MAX_BODY_BYTES = 8 << 20
+# One report's deltas, at most: a petabyte of loads, four billion blocks — far above
+# what an engine copies between two reports, far below what overflows a float counter's
+# precision.
+MAX_REPORT_BYTES = 1 << 50
+MAX_REPORT_BLOCKS = 1 << 32
 
 
 class EngineOp(IntEnum):
@@ -56,8 +65,8 @@ class EngineReport(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    loaded_bytes: NonNegativeInt = 0  # KV bytes copied from the arena into the engine
-    load_errors: NonNegativeInt = 0  # blocks reported to the engine's scheduler as not loaded
+    loaded_bytes: int = Field(0, ge=0, le=MAX_REPORT_BYTES, strict=True)  # KV bytes copied from the arena
+    load_errors: int = Field(0, ge=0, le=MAX_REPORT_BLOCKS, strict=True)  # blocks handed back as not loaded
 
 
 class FrameError(ValueError):

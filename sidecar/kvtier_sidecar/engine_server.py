@@ -5,7 +5,11 @@ remembered per connection and released when it goes away, so a crashed engine ne
 leaks pins (which would make blocks unevictable) or reserved slots. They also belong
 to it: a RELEASE, STORE_COMMIT or STORE_ABORT naming another connection's hit or
 ticket (or a rank another connection began) is answered with an error and changes
-nothing. The socket itself is mode 0660 in the pod's private runtime directory.
+nothing, and so is one naming another sidecar process (`instance`: a predecessor's
+hit or ticket, sent by an engine that has not noticed the restart). A frame whose
+header arrived must arrive whole within FRAME_BODY_TIMEOUT_S, or the connection is
+closed (an idle connection between frames is fine). The socket itself is mode 0660
+in the pod's private runtime directory.
 """
 from __future__ import annotations
 
@@ -30,6 +34,9 @@ ROOT_CACHE_SIZE = 4096
 MAX_ID = (1 << 63) - 1
 # Tensor-parallel degrees beyond this are not a real deployment (and would divide no kv-head count).
 MAX_TP = 1024
+# A frame's body, once its header arrived, comes within this or the connection goes:
+# an engine writes a frame in one go, a 1M-token prompt's ids in milliseconds.
+FRAME_BODY_TIMEOUT_S = 5.0
 
 
 class EngineServer:
@@ -90,7 +97,14 @@ class EngineServer:
                 except (FrameError, struct.error):
                     self.bad_frames += 1
                     return  # framing is lost: the only safe answer is to hang up
-                rest = await reader.readexactly(body_len - 4)
+                try:
+                    async with asyncio.timeout(FRAME_BODY_TIMEOUT_S):
+                        rest = await reader.readexactly(body_len - 4)
+                except TimeoutError:
+                    self.bad_frames += 1
+                    log.warning("engine connection closed: a %d-byte frame did not arrive within %.0fs",
+                                body_len, FRAME_BODY_TIMEOUT_S)
+                    return
                 try:
                     payload, tail = split_body(rest, json_len)
                     answer, out_tail = await self._handle(op, payload, tail, hits, tickets, owner)
@@ -111,6 +125,9 @@ class EngineServer:
     async def _handle(self, op: int, payload: dict, tail: np.ndarray, hits: set[int], tickets: set[int],
                       owner: object):
         svc = self.service
+        if op in _NAMES_AN_INSTANCE and payload.get("instance", svc.instance) != svc.instance:
+            raise ValueError(f"stale {EngineOp(op).name}: the hit or ticket was issued by another sidecar "
+                             "process (this one restarted); look up or reserve again")
         if op == EngineOp.LOOKUP:
             root = self._root(payload["root"])
             tokens = _tokens(tail)
@@ -156,6 +173,10 @@ class EngineServer:
         if op == EngineOp.HELLO:
             return {**self.hello, "instance": svc.instance}, None
         raise ValueError(f"unknown op {op}")
+
+
+# Requests that name a hit or a ticket, so the sidecar process that issued it.
+_NAMES_AN_INSTANCE = frozenset({EngineOp.RELEASE, EngineOp.STORE_COMMIT, EngineOp.STORE_ABORT})
 
 
 def _int(payload: dict, name: str, lo: int, hi: int, default: int | None = None) -> int:

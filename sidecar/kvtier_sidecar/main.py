@@ -100,7 +100,8 @@ class SidecarProcess:
         c = self.config
         self.arena = Arena.create(c.shm_name, c.slots, c.block_bytes)
         stack.callback(self.arena.close)
-        tier = DramTier(self.arena, c.block_size, c.min_sightings, c.model.kv_heads, c.thrash_ratio)
+        tier = DramTier(self.arena, c.block_size, c.min_sightings, c.model.kv_heads, c.thrash_ratio,
+                        token_row_bytes=c.model.head_dim * c.model.dtype_bytes)
         # Peer tier off: no listener, no fetches, no warm-ups, and so no global index
         # (it only ever names peers to fetch from).
         self.peer_server = self.index = self.transport = None

@@ -19,7 +19,6 @@ for a fault.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from .global_index import GlobalIndex
 from .jobs import JobRegistry, QueueFull, RefConflict  # noqa: F401  (answered 429 / 409 by http_api)
 from .peer_fetch import PeerFetcher
 from .platform_prefix import PlatformPrefixes
-from .store_tickets import OwnershipError, TicketBook, TicketId
+from .store_tickets import OwnershipError, TicketBook, TicketId, fresh_ids
 from .transport import PeerTransport
 
 
@@ -83,7 +82,7 @@ class Sidecar:
         self._warm_slots = asyncio.Semaphore(WARM_CONCURRENCY)
         self._hits: dict[int, TierHit] = {}
         self._hit_owners: dict[int, object] = {}  # hit -> the engine connection that holds it
-        self._ids = itertools.count(1)
+        self._ids = fresh_ids()  # hit ids: a predecessor's names nothing here
         self.nvme = None  # an nvme_probe.NvmeProbe when the config measures a local disk
         self.started_s = time.time()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -155,6 +154,8 @@ class Sidecar:
 
     def store_commit(self, ticket_id: int, rank: int, owner: object = None) -> bool:
         step = self.tickets.commit_rank(TicketId(ticket_id), rank, owner)
+        if step.unwritten_blocks:
+            self.counters.add(Count.STORE_UNWRITTEN_BLOCKS, step.unwritten_blocks)
         if step.committed_blocks and step.ticket is not None:
             t = step.ticket
             self.counters.add(Count.STORED_BLOCKS, step.committed_blocks)

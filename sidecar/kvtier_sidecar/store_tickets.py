@@ -4,10 +4,18 @@ degree); the blocks become visible only when every rank 0..tp-1 committed its sh
 (rule: all-ranks-commit). Each rank belongs to the engine connection (`owner`) that
 began it: a commit for a rank nobody began, or from another connection, and an abort
 from a connection that joined no rank, raise `OwnershipError` and change nothing.
-A ticket left open past `STORE_TICKET_TIMEOUT_S` is aborted."""
+A ticket left open past `STORE_TICKET_TIMEOUT_S` is aborted.
+
+A ticket is good only at the sidecar process that issued it: ids start at a random
+offset in each process, so a ticket (or a hit) of a predecessor names nothing here
+(the client also refuses to send one across a reconnect). Its slots are stamped
+unwritten when reserved, and the last rank's commit publishes only the leading blocks
+whose stamps were all overwritten (`DramTier.written_blocks`): committing without
+writing publishes nothing."""
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import NewType
@@ -24,6 +32,14 @@ TicketId = NewType("TicketId", int)
 DECLINED = TicketId(0)
 # A multi-rank store whose ranks have not all committed by then is abandoned.
 STORE_TICKET_TIMEOUT_S = 10.0
+# Ticket and hit ids start at a random offset below this in each process; at 2**62 the
+# chance that a predecessor's id is live here is nil.
+ID_OFFSET_RANGE = 1 << 62
+
+
+def fresh_ids():
+    """Increasing ids starting at a random offset (one sequence per sidecar process)."""
+    return itertools.count(secrets.randbelow(ID_OFFSET_RANGE) + 1)
 
 
 @dataclass(slots=True)
@@ -49,6 +65,7 @@ class CommitStep:
     ok: bool
     ticket: StoreTicket | None = None
     committed_blocks: int = 0
+    unwritten_blocks: int = 0  # blocks refused because the engine never wrote them
 
 
 class TicketBook:
@@ -57,7 +74,7 @@ class TicketBook:
         self.metrics = metrics
         self._tickets: dict[TicketId, StoreTicket] = {}
         self._by_key: dict[tuple, TicketId] = {}
-        self._ids = itertools.count(1)
+        self._ids = fresh_ids()
 
     def begin(self, root: KeyRoot, tokens: np.ndarray, tp: int, rank: int,
               owner: object = None) -> tuple[TicketId, int, list[int]]:
@@ -75,6 +92,7 @@ class TicketBook:
         self.metrics.store(root.tenant, reservation is not None)
         if reservation is None:
             return DECLINED, 0, []
+        self.tier.stamp(reservation.slots, tp)
         ticket_id = TicketId(next(self._ids))
         self._tickets[ticket_id] = StoreTicket(root, tokens.copy(), reservation, tp, time.monotonic(), {rank: owner})
         self._by_key[key] = ticket_id
@@ -90,8 +108,10 @@ class TicketBook:
         if t.committed_ranks != set(range(t.tp)):
             return CommitStep(True)
         self._forget(ticket_id)
-        committed = self.tier.commit(t.reservation, len(t.reservation.slots))
-        return CommitStep(committed > 0, t, committed)
+        slots = t.reservation.slots
+        written = self.tier.written_blocks(slots, t.tp)
+        committed = self.tier.commit(t.reservation, written)
+        return CommitStep(committed > 0, t, committed, len(slots) - written)
 
     def abort(self, ticket_id: TicketId, owner: object = None, expired: bool = False) -> None:
         """Give up a store: a connection that joined it, or the expiry sweep."""
