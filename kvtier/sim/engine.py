@@ -61,6 +61,11 @@ class SimConfig:
     `block_tokens` is the cache block in real tokens; it must be a whole number of
     the workload's `token_unit`s. `warm_moved_tenants` makes a membership change
     warm each moved tenant's new homes from its old ones (what the operator does).
+    `warm_before_ready_tokens` > 0 makes every pod a "version" event restarts
+    prefill up to that many tokens of its tenants' hottest prefixes, taken from the
+    tenants' other homes, under the new version before it takes traffic (the
+    operator's readiness gate); the prefill runs on the pod itself. 0: it comes up
+    cold.
     """
 
     workload: WorkloadSpec
@@ -71,6 +76,7 @@ class SimConfig:
     min_sightings: int = DEFAULT_MIN_SIGHTINGS
     bucket_s: float = 30.0
     warm_moved_tenants: bool = True
+    warm_before_ready_tokens: int = 0
     progress: bool = False
 
     def __post_init__(self) -> None:
@@ -82,6 +88,8 @@ class SimConfig:
                              f"token_unit ({unit})")
         if self.bucket_s <= 0:
             raise ValueError(f"bucket_s must be > 0, got {self.bucket_s}")
+        if self.warm_before_ready_tokens < 0:
+            raise ValueError(f"warm_before_ready_tokens must be >= 0, got {self.warm_before_ready_tokens}")
 
     @property
     def block_elems(self) -> int:
@@ -244,11 +252,17 @@ class Simulation:
         elif ev.kind == "version":
             # The pod restarts onto the new weights, and its sidecar with it: an
             # empty DRAM tier (old-version blocks could never hit again anyway).
+            warm = self.cfg.warm_before_ready_tokens and self.cfg.cache == "kvtier" and hasattr(self.policy, "table")
+            # What the operator reads from each pod's sidecar before it restarts it.
+            own = {r: self._hot_prefixes(r) for r in ev.replicas} if warm else {}
             for r in ev.replicas:
                 fleet.version[r] = ev.version
                 self.caches[r].drop_all()
             entry["replicas"] = list(ev.replicas)
             entry["version"] = ev.version
+            if warm:
+                entry["warmed_tokens"] = sum(self._warm_before_ready(r, ev.version, ev.time_s, own[r])
+                                             for r in ev.replicas)
         else:
             raise ValueError(f"unknown scenario event {ev.kind!r}")
         self.event_log.append(entry)
@@ -278,6 +292,48 @@ class Simulation:
                     if src != index[target]:
                         warmed += self.caches[index[target]].warm_from(self.caches[src], move.tenant, budget)
         entry["warmed_blocks"] = warmed
+
+    def _hot_prefixes(self, r: int) -> dict[str, list]:
+        """Pod r's hottest prefixes (key root, element ids) of each tenant it is home to."""
+        name, table, cache = self.fleet.names[r], self.policy.table, self.caches[r].cache
+        return {t: cache.hottest_prefixes(t, self.cfg.fleet.dram_bytes)
+                for t in self.roots.tenant_names if name in table.homes_for(t)}
+
+    def _warm_before_ready(self, r: int, version: int, now_s: float, own: dict[str, list]) -> int:
+        """Prefill pod r's tenants' hottest prefixes under `version` before it takes
+        traffic, up to the budget; returns the tokens prefilled.
+
+        The prefixes come first from what the pod itself held before it restarted
+        (`own`: the traffic it will get again), then from the tenants' other live
+        homes. Each source goes in rounds — every tenant's hottest prefix, then every
+        tenant's second — so no tenant takes the whole budget. The budget never
+        exceeds what the pod's DRAM tier holds (a later prefix would evict an earlier,
+        hotter one), and the prefill queues on the pod like a request's."""
+        cfg, fleet, unit = self.cfg, self.fleet, self.cfg.workload.token_unit
+        index = {n: i for i, n in enumerate(fleet.names)}
+        others: dict[str, list] = {}
+        for tenant in own:
+            for home in self.policy.table.homes_for(tenant):
+                src = index.get(home)
+                if src is not None and src != r and fleet.alive[src]:
+                    others.setdefault(tenant, []).extend(
+                        self.caches[src].cache.hottest_prefixes(tenant, cfg.fleet.dram_bytes))
+        capacity_elems = cfg.fleet.dram_bytes // (cfg.block_tokens * cfg.fleet.kv_bytes_per_token) * cfg.block_elems
+        budget = min(cfg.warm_before_ready_tokens // unit, capacity_elems)
+        tenant_index = {t: i for i, t in enumerate(self.roots.tenant_names)}
+        cache, spent = self.caches[r].cache, 0
+        for source in (own, others):
+            for rank in range(max((len(p) for p in source.values()), default=0)):
+                for tenant, prefixes in source.items():
+                    if rank >= len(prefixes) or spent >= budget:
+                        continue
+                    tokens = prefixes[rank][1][: budget - spent]
+                    res = cache.reserve(self.roots.root(tenant_index[tenant], version), tokens, force=True)
+                    if res is not None:  # prefill runs from the pod's own cached prefix on
+                        spent += len(tokens) - res.first_block * cfg.block_elems
+                        cache.commit(res)
+        fleet.prefill_only(r, now_s, spent * unit)
+        return spent * unit
 
     # ------------------------------------------------------------------ summary
 

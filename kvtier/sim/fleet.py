@@ -131,6 +131,13 @@ class Fleet:
         self.load_s[r] += prefill_s + output_tokens / spec.decode_tokens_per_s
         return first_token_at - now_s
 
+    def prefill_only(self, r: int, now_s: float, tokens: int) -> None:
+        """Replica r prefills `tokens` that produce no output and hold no KV after
+        (warm-up prompts of one token): its prefill queue grows by their time."""
+        prefill_s = tokens / self.spec.prefill_tokens_per_s
+        self.prefill_free_at[r] = max(now_s, self.prefill_free_at[r]) + prefill_s
+        self.load_s[r] += prefill_s
+
     def join(self) -> int:
         """Bring up a fresh replica (a new slot); returns its index."""
         r = len(self.names)

@@ -8,8 +8,8 @@
 - `capacity`      hit rate vs DRAM capacity per policy.
 - `membership`    a replica joins, later one leaves: hit rate over time, with and
                   without warming moved tenants.
-- `rollout`       a weights change all at once vs in steps (canary, 10%, 50%, 100%):
-                  peak prefill load.
+- `rollout`       a weights change all at once vs in steps (canary, 10%, 50%, 100%),
+                  cold or warmed before ready: peak prefill load, the hit-rate dip.
 - `thrash`        working set far above capacity: kvtier's admission vs plain LRU.
 
 Each function returns a `ScenarioReport`: the runs' results plus named figures
@@ -36,6 +36,14 @@ COMPETITORS = ("random", "round-robin", "chash-tenant", "chash-session", "approx
                "precise-prefix", "sglang", "kvtier", "oracle")
 # The operator's default rollout: one canary pod, then 10%, 50%, 100% of the pods.
 ROLLOUT_STEPS = (10, 50, 100)
+# Tokens a pod restarted onto new weights prefills of its tenants' hottest prefixes
+# before it takes traffic: ~9 s of one design replica's prefill, enough for the
+# templates of the ~40 tenants a pod is home to in the default rollout.
+WARM_BEFORE_READY_TOKENS = 256_000
+# A bucket counts towards a dip's duration while its hit rate is below this share of
+# the same bucket's in the run without a rollout.
+DIP_FLOOR = 0.9
+NO_ROLLOUT = "no rollout (control)"
 
 
 @dataclass(slots=True)
@@ -271,22 +279,31 @@ def rollout_events(n_replicas: int, start_s: float, gate_s: float, pod_s: float,
 
 
 def rollout(spec: WorkloadSpec, fleet: FleetSpec, start_s: float, gate_s: float, pod_s: float,
-            block_tokens: int = COARSE_BLOCK, bucket_s: float = 10.0, progress: bool = False) -> ScenarioReport:
+            block_tokens: int = COARSE_BLOCK, bucket_s: float = 10.0, progress: bool = False,
+            warm_tokens: int = WARM_BEFORE_READY_TOKENS) -> ScenarioReport:
     rep = ScenarioReport("rollout", "a weights change: all replicas at once vs the default steps "
-                         "(1 canary pod, 10%, 50%, 100%)",
+                         "(1 canary pod, 10%, 50%, 100%), cold or warmed before ready",
                          params={"start_s": start_s, "gate_s": gate_s, "pod_s": pod_s, "bucket_s": bucket_s,
+                                 "warm_before_ready_tokens": warm_tokens,
                                  "granularity": granularity_note(spec.token_unit, block_tokens)})
     n = fleet.n_replicas
+    rolling = f"gradual, pods {pod_s:g} s apart"
+    warmed = f"{rolling}, warmed before ready"
     plans = {
         "all at once": [Event(start_s, "version", tuple(range(n)), version=1, label="all")],
         "gradual, pods of a step together": rollout_events(n, start_s, gate_s, 0.0),
-        f"gradual, pods {pod_s:g} s apart": rollout_events(n, start_s, gate_s, pod_s),
+        rolling: rollout_events(n, start_s, gate_s, pod_s),
+        warmed: rollout_events(n, start_s, gate_s, pod_s),
+        NO_ROLLOUT: [],
     }
     workload = generate(spec)
     for label, events in plans.items():
-        cfg = SimConfig(spec, fleet, policy="kvtier", block_tokens=block_tokens, bucket_s=bucket_s, progress=progress)
+        cfg = SimConfig(spec, fleet, policy="kvtier", block_tokens=block_tokens, bucket_s=bucket_s, progress=progress,
+                        warm_before_ready_tokens=warm_tokens if label == warmed else 0)
         rep.results.append(simulate(cfg, events, workload=workload, label=label))
-    peaks = {r.label: _peak_after(r, start_s) for r in rep.results}
+    _dip_figures(rep, start_s, max(e.time_s for e in plans[rolling]) + gate_s, fleet, rolling, warmed)
+    plans.pop(warmed), plans.pop(NO_ROLLOUT)  # the peak-prefill figures compare the cold plans
+    peaks = {r.label: _peak_after(r, start_s) for r in rep.results if r.label in plans}
     steady = _mean_before(rep.results[0], start_s)
     rep.params["steady_prefill_load"] = steady
     # The capacity event is the load ABOVE the steady state: what the cache was
@@ -304,6 +321,36 @@ def rollout(spec: WorkloadSpec, fleet: FleetSpec, start_s: float, gate_s: float,
                                   peaks[label] / peaks["all at once"] if peaks["all at once"] else 0.0,
                                   unit="x", note="includes the steady-state prefill both share"))
     return rep
+
+
+def _dip(r: SimResult, control: SimResult, start_s: float, end_s: float) -> tuple[float, float]:
+    """(depth, duration_s) of the hit-rate dip from start_s to end_s against the same
+    workload without a rollout (so the buckets' own noise cancels): the largest drop
+    of a bucket's hit rate below the control's, and the time under DIP_FLOOR of it."""
+    pairs = [(h, c) for t, h, c in zip(r.series_t_s, r.series_hit_rate, control.series_hit_rate)
+             if start_s <= t < end_s]
+    if not pairs:
+        return 0.0, 0.0
+    return max(0.0, max(c - h for h, c in pairs)), sum(r.bucket_s for h, c in pairs if h < DIP_FLOOR * c)
+
+
+def _dip_figures(rep: ScenarioReport, start_s: float, end_s: float, fleet: FleetSpec, cold: str, warm: str) -> None:
+    control = rep.result(NO_ROLLOUT)
+    dips = {label: _dip(rep.result(label), control, start_s, end_s) for label in ("all at once", cold, warm)}
+    for label, (depth, duration) in dips.items():
+        rep.figures.append(Figure(f"hit-rate dip depth, {label}", depth, unit="hit rate", direction="lower",
+                                  note=f"largest drop of a {control.bucket_s:g}-s bucket below the run without a "
+                                       f"rollout; {duration:.0f} s under {DIP_FLOOR:.0%} of it"))
+    warmed_tokens = sum(e.get("warmed_tokens", 0) for e in rep.result(warm).events)
+    extra = {label: rep.result(label).prefill_replica_s for label in (cold, warm)}
+    warm_prefill_s = warmed_tokens / fleet.prefill_tokens_per_s
+    rep.figures.append(Figure(
+        "hit-rate dip depth ratio, warmed before ready / cold rolling", dips[warm][0] / dips[cold][0]
+        if dips[cold][0] else 0.0, target=0.2, direction="lower", baseline=dips[cold][0],
+        baseline_name="cold rolling dip depth", unit="x",
+        note=f"warm-up prefilled {warmed_tokens:,} tokens ({warm_prefill_s:.0f} replica-s); request prefill "
+             f"{extra[warm]:.0f} replica-s warmed vs {extra[cold]:.0f} cold, so the rollout's whole prefill is "
+             f"{extra[warm] + warm_prefill_s:.0f} vs {extra[cold]:.0f} replica-s"))
 
 
 def _peak_after(r: SimResult, t_s: float) -> float:
