@@ -58,6 +58,8 @@ def test_measurements_classify_values_missing_data_and_errors():
     assert analysis.measure_alarm(Probe(), "A", NEW, 9, 10).result == "inconclusive"
     assert analysis.measure_alarm(Probe(pending=("since t",)), "A", NEW, 100, 10).result == "inconclusive"
     assert analysis.measure_alarm(Probe(), "A", NEW, 10, 10).result == "successful"
+    # Blind is not silent: an alerts API that could not be read is an error, never a pass.
+    assert analysis.measure_alarm(Probe(error="refused"), "A", NEW, 100, 10).result == "error"
 
 
 def test_alerts_match_by_name_state_and_labels_in_both_apis():
