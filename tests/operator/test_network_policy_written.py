@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from kvtier import policy
 from kvtier_operator import names, netpol
 from operator_harness import wait_for
 from sidecar_fleet import tiny_policy
@@ -28,3 +29,31 @@ def test_operator_writes_the_policys_network_policy_owned_by_the_policy(operator
     assert np["metadata"]["labels"][names.POLICY_LABEL] == "tiny"
     peer_rule = next(r for r in np["spec"]["ingress"] if r["ports"][0]["port"] == PEER)
     assert peer_rule["from"] == [{"podSelector": {"matchLabels": {"app": "llm"}}}]
+
+
+# A selector by expressions only: serving pods of `llm` that are not batch workers.
+EXPRESSIONS = [{"key": "app", "operator": "In", "values": ["llm"]},
+               {"key": "tier", "operator": "NotIn", "values": ["batch"]},
+               {"key": "kvtier.example/serving", "operator": "Exists"}]
+
+
+def test_a_selector_by_expressions_is_rendered_whole_in_the_pod_selector_and_the_peer_rule():
+    selector = policy.LabelSelector.model_validate({"matchLabels": {"team": "a"}, "matchExpressions": EXPRESSIONS})
+    body = netpol.sidecar_network_policy("tiny", "ns", selector, 8081, PEER, netpol.SidecarAccess("kvtier-system"))
+    wanted = {"matchLabels": {"team": "a"}, "matchExpressions": EXPRESSIONS}
+    assert body["spec"]["podSelector"] == wanted
+    [peer_rule] = [r for r in body["spec"]["ingress"] if r["ports"] == [{"protocol": "TCP", "port": PEER}]]
+    assert peer_rule["from"] == [{"podSelector": wanted}]
+
+
+@pytest.mark.parametrize("operator", [dict(network_policies=True, operator_namespace="kvtier-system",
+                                           operator_pod_labels="app.kubernetes.io/name=kvtier-operator")],
+                         indirect=True)
+def test_operator_writes_a_policys_expressions_into_its_network_policy(operator, kubectl):
+    kubectl.apply(tiny_policy("exprs", "llm", selector={"matchExpressions": EXPRESSIONS}))
+    name = netpol.policy_name("exprs")
+    np = wait_for("the sidecar NetworkPolicy", lambda: (out := kubectl.run(
+        "get", "networkpolicy", name, "-o", "json", check=False)).returncode == 0 and json.loads(out.stdout))
+    assert np["spec"]["podSelector"] == {"matchExpressions": EXPRESSIONS}
+    peer_rule = next(r for r in np["spec"]["ingress"] if r["ports"][0]["port"] == PEER)
+    assert peer_rule["from"] == [{"podSelector": {"matchExpressions": EXPRESSIONS}}]
