@@ -22,11 +22,13 @@ async def query_value(session: aiohttp.ClientSession, url: str, expr: str) -> Pr
         async with session.get(f"{url.rstrip('/')}/api/v1/query", params={"query": expr},
                                timeout=aiohttp.ClientTimeout(total=QUERY_TIMEOUT_S)) as resp:
             body = await resp.json(content_type=None)
-            if resp.status != 200 or body.get("status") != "success":
-                return Probe(error=f"HTTP {resp.status}: {body.get('error', body)!s:.200}")
+            if resp.status != 200 or not isinstance(body, dict) or body.get("status") != "success":
+                why = body.get("error", body) if isinstance(body, dict) else body
+                return Probe(error=f"HTTP {resp.status}: {why!s:.200}")
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         return Probe(error=f"{url} unreachable ({exc.__class__.__name__}: {exc!s:.200})")
-    return _sample(body.get("data") or {})
+    data = body.get("data")
+    return _sample(data) if isinstance(data, dict) else Probe(error=f"unexpected answer ({data!r:.200})")
 
 
 def _sample(data: dict) -> Probe:
@@ -60,8 +62,14 @@ async def firing(session: aiohttp.ClientSession, url: str, api: str, alert: str,
                 return Probe(error=f"HTTP {resp.status}: {body!s:.200}")
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         return Probe(error=f"{url} unreachable ({exc.__class__.__name__}: {exc!s:.200})")
-    alerts = body if api == "alertmanager" else (body.get("data") or {}).get("alerts")
-    if not isinstance(alerts, list):
+    alerts = body if api == "alertmanager" else _prometheus_alerts(body)
+    if not isinstance(alerts, list) or not all(isinstance(a, dict) for a in alerts):
         return Probe(error=f"unexpected answer from {endpoint}")
     return Probe(firing=matching_alerts(alerts, alert, labels),
                  pending=matching_alerts(alerts, alert, labels, states=("pending",)))
+
+
+def _prometheus_alerts(body: object) -> object:
+    """The alert list of Prometheus' /api/v1/alerts answer (None when it has none)."""
+    data = body.get("data") if isinstance(body, dict) else None
+    return data.get("alerts") if isinstance(data, dict) else None

@@ -35,7 +35,7 @@ import struct
 from enum import Enum, IntEnum
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 HELLO_MAGIC = b"KVP2"
 NONCE_BYTES = 16
@@ -117,7 +117,8 @@ class HotRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tenant: str = Field(min_length=1, max_length=256)
-    max_bytes: int = Field(ge=0)
+    # A budget of nothing is a caller's bug, as on the control API's warm-up.
+    max_bytes: StrictInt = Field(gt=0)
 
 
 class HotPrefix(BaseModel):

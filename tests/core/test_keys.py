@@ -12,6 +12,8 @@ import pytest
 import xxhash
 
 from kvtier.keys import (
+    BLOCK_HASH_BYTES,
+    HASH_SCHEME_VERSION,
     HASH_SEED,
     KeyRoot,
     as_token_array,
@@ -28,7 +30,10 @@ GOLDEN_HASHES_0_40 = ["62175fdb6317dc846cd7bd37719e818f", "6e39051c44fa41311b833
 
 
 def test_golden_vector_is_stable_across_releases():
-    assert ROOT.digest().hex() == GOLDEN_ROOT_DIGEST
+    # The vector belongs to scheme version 1 and 16-byte hashes: a change of either
+    # constant must come with new golden values, never alone.
+    assert HASH_SCHEME_VERSION == 1 and BLOCK_HASH_BYTES == 16
+    assert ROOT.digest().hex() == GOLDEN_ROOT_DIGEST and len(ROOT.digest()) == BLOCK_HASH_BYTES
     assert [h.hex() for h in block_hashes(ROOT, list(range(40)))] == GOLDEN_HASHES_0_40
 
 
@@ -128,3 +133,32 @@ def test_bad_block_size_raises_value_error(bs):
 def test_key_root_fields_must_be_non_empty_strings(bad):
     with pytest.raises(ValueError, match="tenant"):
         KeyRoot(bad, "m", "w", "fp16", "r", "a")
+
+
+def test_a_chain_continued_for_a_few_blocks_stops_after_them():
+    tokens = np.arange(200, dtype=np.uint32)
+    full = block_hashes(ROOT, tokens)
+    assert chain_hashes(full[1], tokens.tobytes(), 16, first_block=2, num_blocks=3) == full[2:5]
+
+
+def test_a_block_of_one_token_is_a_block():
+    assert len(block_hashes(ROOT, [7, 8, 9], block_size=1)) == 3
+
+
+def test_any_iterable_of_ints_is_accepted_and_anything_else_is_refused_with_the_reason():
+    assert as_token_array(t for t in [3, 1, 2]).tolist() == [3, 1, 2]
+    assert as_token_array(range(3)).tolist() == [0, 1, 2]
+    for bad in (5, [[1, 2], [3]]):  # not iterable; ragged
+        with pytest.raises(ValueError, match="token_ids must be ints"):
+            as_token_array(bad)
+
+
+def test_a_strided_view_comes_back_contiguous():
+    view = np.arange(10, dtype=np.uint32)[::2]
+    out = as_token_array(view)
+    assert out.flags.c_contiguous and out.tolist() == [0, 2, 4, 6, 8]
+
+
+def test_a_key_root_cannot_be_changed_after_its_digest_was_taken():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ROOT.tenant = "other"  # type: ignore[misc]

@@ -136,3 +136,34 @@ def test_other_port_ranges_cover_every_port_but_the_sidecars():
     assert ranges == [(1, HTTP - 1), (PEER + 1, netpol.MAX_PORT)]
     covered = {p for a, b in ranges for p in range(a, b + 1)}
     assert covered == set(range(1, netpol.MAX_PORT + 1)) - {HTTP, PEER}
+
+
+def test_a_policy_selecting_by_expressions_opens_the_peer_port_to_exactly_the_pods_it_selects(
+        control_plane, namespace):
+    """Pods that carry the policy's matchLabels but fail one of its expressions are
+    neither isolated by the policy nor admitted to its peer port."""
+    admin = Kubectl(control_plane.kubeconfig)
+    selector = policy.LabelSelector.model_validate({"matchLabels": {"app": "llm"}, "matchExpressions": [
+        {"key": "tier", "operator": "NotIn", "values": ["batch"]}, {"key": "serving", "operator": "Exists"}]})
+    access = netpol.SidecarAccess(operator_namespace="kvtier-system")
+    admin.run("apply", "-f", "-", input=json.dumps(netpol.sidecar_network_policy("exprs", namespace, selector,
+                                                                                 HTTP, PEER, access)))
+    pods = {"llm-0": {"app": "llm", "serving": "yes"}, "llm-1": {"app": "llm", "serving": "yes", "tier": "online"},
+            "batch-0": {"app": "llm", "serving": "yes", "tier": "batch"}, "bare-0": {"app": "llm"},
+            "web-0": {"app": "web", "serving": "yes"}}
+    for name, labels in pods.items():
+        admin.run("-n", namespace, "apply", "-f", "-", input=json.dumps(pod(name, labels)))
+    live = {name: admin.get_json("pod", name, "-n", namespace) for name in pods}
+    stored = admin.get_json("networkpolicy", netpol.policy_name("exprs"), "-n", namespace)
+    ns_labels = {namespace: admin.get_json("namespace", namespace)["metadata"]["labels"]}
+
+    selected = {n for n, obj in live.items() if selector_matches(stored["spec"]["podSelector"], obj["metadata"]["labels"])}
+    assert selected == {"llm-0", "llm-1"}
+
+    def who_reaches(dst: str, port: int) -> set[str]:
+        return {s for s in live if s != dst and allowed([stored], ns_labels, live[s], live[dst], port)}
+
+    assert who_reaches("llm-0", PEER) == {"llm-1"}
+    assert who_reaches("llm-1", PEER) == {"llm-0"}
+    assert who_reaches("batch-0", PEER) == set(live) - {"batch-0"}  # not selected: not isolated
+    assert who_reaches("llm-0", ENGINE) == set(live) - {"llm-0"}

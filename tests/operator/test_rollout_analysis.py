@@ -58,6 +58,8 @@ def test_measurements_classify_values_missing_data_and_errors():
     assert analysis.measure_alarm(Probe(), "A", NEW, 9, 10).result == "inconclusive"
     assert analysis.measure_alarm(Probe(pending=("since t",)), "A", NEW, 100, 10).result == "inconclusive"
     assert analysis.measure_alarm(Probe(), "A", NEW, 10, 10).result == "successful"
+    # Blind is not silent: an alerts API that could not be read is an error, never a pass.
+    assert analysis.measure_alarm(Probe(error="refused"), "A", NEW, 100, 10).result == "error"
 
 
 def test_alerts_match_by_name_state_and_labels_in_both_apis():
@@ -102,6 +104,40 @@ def test_low_hit_rate_inside_the_window_is_pending_and_after_it_rolls_back():
     assert p.kind == "rollback" and p.workload == WorkloadPatch(OLD, 0) and p.phase == "RolledBack"
     assert "hit rate 0.1000 < 0.4000 after the recovery window" in p.event[2]
     assert p.conditions[1].reason == "AnalysisFailed"
+
+
+def test_failure_limit_one_waits_on_the_first_failed_measurement_and_rolls_back_on_the_second():
+    spec = prom_spec(failure_limit=1)
+    first = rollout.plan(spec, NEW, OLD, rolling(), "RollingOut", obs(25, Probe(value=0.1)))
+    assert first.kind == "wait" and first.workload is None and first.phase is None
+    assert first.rollout.analysis.failures == 1 and first.rollout.analysis.last_result == "failed"
+    assert first.rollout.step == 1 and not first.rollout.history
+    second = rollout.plan(spec, NEW, OLD, first.rollout, "RollingOut", obs(30, Probe(value=0.1)))
+    assert second.kind == "rollback" and second.workload == WorkloadPatch(OLD, 0) and second.phase == "RolledBack"
+    assert "2 failed measurements (failureLimit 1)" in second.event[2]
+    assert second.conditions[1].reason == "AnalysisFailed"
+
+
+def test_failure_limit_counts_failures_not_in_a_row_and_a_success_between_does_not_reset_them():
+    spec = prom_spec(failure_limit=1)  # count 2: the one success between does not pass the step
+    status = rolling()
+    kinds = []
+    for t, value in ((25, 0.1), (30, 0.9), (35, 0.1)):
+        p = rollout.plan(spec, NEW, OLD, status, "RollingOut", obs(t, Probe(value=value)))
+        kinds.append(p.kind)
+        status = p.rollout or status
+    assert kinds == ["wait", "wait", "rollback"]
+
+
+def test_failure_limit_one_with_a_firing_alarm_and_on_failure_pause_pauses_on_the_second_failure():
+    base = alarm_spec(failure_limit=1)
+    spec = Rollout(canary_pods=base.canary_pods, steps=base.steps, recovery=base.recovery, on_failure="pause")
+    fire = Probe(firing=("since t1, value 0",))
+    first = rollout.plan(spec, NEW, OLD, rolling(), "RollingOut", obs(2, fire))
+    assert first.kind == "wait" and first.rollout.analysis.failures == 1 and first.workload is None
+    second = rollout.plan(spec, NEW, OLD, first.rollout, "RollingOut", obs(7, fire))
+    assert second.kind == "pause" and second.phase == "Paused" and second.workload is None
+    assert second.rollout.paused_reason == "failure" and "failureLimit 1" in second.event[2]
 
 
 def test_unreachable_prometheus_pauses_past_the_error_limit_and_never_rolls_back():
