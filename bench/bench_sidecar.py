@@ -29,6 +29,8 @@ from bench.common import Result, best_of, machine, percentile
 SHAPE = {"model_id": "bench", "weights_version": "v1", "layers": 8, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2}
 BLOCK_BYTES = 2 * 8 * 8 * 128 * 2 * 16
 PROMPT_TOKENS_2K = 2000
+# The bench fleet's peer secret (a sidecar refuses one shorter than 32 bytes).
+BENCH_SECRET = b"bench-peer-secret-" + b"0" * 46
 # Interleaved rounds of the peer contest: enough that the median shrugs off the bursts
 # of a shared 2-core machine (single transfers there vary 2x and more).
 PEER_ROUNDS = 21
@@ -106,7 +108,7 @@ def _peer_results(peer: str, redis_url: str, tokens: np.ndarray, kv: np.ndarray,
     from bench import peer_contest as pc
 
     run_bytes, n_blocks = kv.nbytes, kv.nbytes // BLOCK_BYTES
-    transport = TcpTransport(b"bench-secret", 1.0, 30.0)
+    transport = TcpTransport(BENCH_SECRET, 1.0, 30.0)
     root = _root()
 
     def fetch(dst: np.ndarray) -> None:
@@ -279,7 +281,7 @@ def run(quick: bool = False) -> list[Result]:
     kv = np.random.default_rng(1).integers(0, 256, n_blocks * BLOCK_BYTES, dtype=np.uint8)
     results: list[Result] = []
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-"))
-    (work / "secret").write_text("bench-secret")
+    (work / "secret").write_bytes(BENCH_SECRET)
     with RedisServer() as redis_server:
         cfg = sidecar_config("bench-a", "127.0.0.2", work, _Oracle, redis_server.url, str(work / "secret"),
                              dram_capacity_bytes=run_bytes + 8 * BLOCK_BYTES, peer_timeout_s=30.0)

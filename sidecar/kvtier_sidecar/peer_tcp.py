@@ -142,7 +142,7 @@ class _Handshake:
     secrets: list[bytes] = field(default_factory=list)
 
 
-def as_keyring(keys: PeerKeyring | bytes | None) -> PeerKeyring:
+def as_keyring(keys: PeerKeyring | bytes) -> PeerKeyring:
     """A fixed secret (tests, benchmarks) is a keyring that never rotates."""
     return keys if isinstance(keys, PeerKeyring) else PeerKeyring(keys, 0.0)
 
@@ -157,7 +157,7 @@ class PeerServer:
     out the oldest). A client that trickles bytes holds a few hundred bytes of buffer
     until its deadline, never a slot a real peer needs."""
 
-    def __init__(self, source: PeerSource, host: str, port: int, keys: PeerKeyring | bytes | None,
+    def __init__(self, source: PeerSource, host: str, port: int, keys: PeerKeyring | bytes,
                  max_concurrency: int = 8, timeout_s: float = 2.0, endpoint: str | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.source = source
@@ -457,7 +457,7 @@ class TcpTransport:
 
     `identity` is this sidecar's own advertised peer address (signed into both proofs)."""
 
-    def __init__(self, keys: PeerKeyring | bytes | None, connect_timeout_s: float = 0.25, timeout_s: float = 2.0,
+    def __init__(self, keys: PeerKeyring | bytes, connect_timeout_s: float = 0.25, timeout_s: float = 2.0,
                  identity: str = "") -> None:
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="peer-verify")
         self.keys = as_keyring(keys)

@@ -17,6 +17,8 @@ from .proxy import FaultyProxy
 
 ORACLE = SyntheticOracle()
 BB = ORACLE.block_bytes
+# Peer secrets are at least 32 bytes (a sidecar refuses shorter ones).
+SECRET = b"s3cret" * 6
 
 
 @pytest.fixture()
@@ -49,7 +51,7 @@ class Sink:
 CHALLENGE_BYTES = wire.CHALLENGE.size + wire.PROOF_BYTES
 
 
-def serve(tier, secret=b"s3cret"):
+def serve(tier, secret=SECRET):
     return PeerServer(tier, "127.0.0.1", 0, secret, max_concurrency=4, timeout_s=1.0).start()
 
 
@@ -62,11 +64,11 @@ def test_fetch_streams_the_token_matched_prefix_with_verified_runs(tier):
     kv = fill(tier, "a", toks)
     server = serve(tier)
     sink = Sink()
-    out = TcpTransport(b"s3cret").fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=10, skip_blocks=3)
+    out = TcpTransport(SECRET).fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=10, skip_blocks=3)
     assert out.error is None and out.announced_blocks == 7 and out.verified_blocks == 7
     assert np.array_equal(sink.buf[: 7 * BB], kv[3 * BB: 10 * BB])
     # Another tenant's root with the same tokens matches nothing.
-    miss = TcpTransport(b"s3cret").fetch(server.address, ORACLE.root("b"), toks, 16, BB, Sink(), max_blocks=10)
+    miss = TcpTransport(SECRET).fetch(server.address, ORACLE.root("b"), toks, 16, BB, Sink(), max_blocks=10)
     assert miss.verified_blocks == 0 and miss.error is None
     server.close()
 
@@ -75,12 +77,12 @@ def test_wrong_secret_gets_nothing_and_sends_no_request(tier):
     toks = tokens_of(64)
     fill(tier, "a", toks)
     server = serve(tier)
-    out = TcpTransport(b"guess").fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4)
+    out = TcpTransport(b"guess" * 7).fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4)
     # The server's proof does not check out under "guess": the client stops before its request.
     assert out.verified_blocks == 0 and out.error == "peer failed authentication"
     assert server.counters["fetches"] == 0
     # A client that answers the challenge with a wrong proof is refused.
-    s = _authenticated(server.address, b"guess")
+    s = _authenticated(server.address, b"guess" * 7)
     s.sendall(wire.encode_request(wire.Op.HOT, wire.HotRequest(tenant="a", max_bytes=1 << 20).model_dump_json().encode()))
     status, _ = wire.decode_response_header(s.recv(wire.RESPONSE.size, socket.MSG_WAITALL))
     assert status is wire.Status.UNAUTHORIZED and server.counters["unauthorized"] == 1
@@ -99,7 +101,7 @@ def test_flipped_byte_fails_its_run_checksum_and_nothing_after_is_kept(tier, mon
     proxy = FaultyProxy(server.address, flip_at=header_bytes + 2 * (run_header + 2 * BB) + run_header + 100)
     server.endpoint = proxy.address  # the address its peers dial (and sign)
     sink = Sink()
-    out = TcpTransport(b"s3cret").fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=8)
+    out = TcpTransport(SECRET).fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=8)
     assert out.error == "checksum mismatch" and out.verified_blocks == 4
     assert np.array_equal(sink.buf[: 4 * BB], kv[: 4 * BB])
     proxy.close(); server.close()
@@ -113,7 +115,7 @@ def test_peer_dying_mid_transfer_leaves_a_verified_partial_answer(tier, monkeypa
     proxy = FaultyProxy(server.address, cut_at=CHALLENGE_BYTES + 200 + 3 * (wire.RUN.size + 16 + 2 * BB))
     server.endpoint = proxy.address
     sink = Sink()
-    out = TcpTransport(b"s3cret").fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=9)
+    out = TcpTransport(SECRET).fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=9)
     assert out.error and 0 < out.verified_blocks < 9
     assert np.array_equal(sink.buf[: out.verified_blocks * BB], kv[: out.verified_blocks * BB])
     proxy.close(); server.close()
@@ -122,7 +124,7 @@ def test_peer_dying_mid_transfer_leaves_a_verified_partial_answer(tier, monkeypa
 def test_stalled_peer_times_out_into_a_miss():
     silent = socket.create_server(("127.0.0.1", 0))
     addr = "%s:%d" % silent.getsockname()[:2]
-    t = TcpTransport(b"", connect_timeout_s=0.2, timeout_s=1.0)
+    t = TcpTransport(SECRET, connect_timeout_s=0.2, timeout_s=1.0)
     import time
     t0 = time.monotonic()
     out = t.fetch(addr, ORACLE.root("a"), tokens_of(64), 16, BB, Sink(), max_blocks=4)
@@ -151,13 +153,13 @@ def test_partial_commit_publishes_only_the_verified_blocks(tier):
 def test_peer_protocol_fuzz_server_keeps_serving(tier):
     toks = tokens_of(64)
     kv = fill(tier, "a", toks)
-    server = serve(tier, secret=b"")
+    server = serve(tier)
     rng = random.Random(3)
     host, port = server.address.split(":")
     for i in range(2000):
         kind = i % 4
         s = (socket.create_connection((host, int(port)), timeout=1) if kind == 0
-             else _authenticated(server.address, b""))
+             else _authenticated(server.address, SECRET))
         try:
             if kind == 0:
                 s.sendall(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 80))))
@@ -178,7 +180,7 @@ def test_peer_protocol_fuzz_server_keeps_serving(tier):
         finally:
             s.close()
     sink = Sink()
-    out = TcpTransport(b"").fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=4)
+    out = TcpTransport(SECRET).fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=4)
     assert out.verified_blocks == 4 and np.array_equal(sink.buf[: 4 * BB], kv[: 4 * BB])
     server.close()
 
@@ -200,9 +202,9 @@ def test_connections_over_the_concurrency_bound_get_busy_and_their_slots_come_ba
 
     toks = tokens_of(64)
     kv = fill(tier, "a", toks)
-    server = PeerServer(tier, "127.0.0.1", 0, b"k", max_concurrency=2, timeout_s=5.0).start()
-    holders = [_authenticated(server.address, b"k") for _ in range(2)]
-    transport = TcpTransport(b"k")
+    server = PeerServer(tier, "127.0.0.1", 0, SECRET, max_concurrency=2, timeout_s=5.0).start()
+    holders = [_authenticated(server.address, SECRET) for _ in range(2)]
+    transport = TcpTransport(SECRET)
     out = transport.fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4)
     assert out.error == "busy" and out.verified_blocks == 0 and server.counters["busy"] == 1
     for s in holders:
