@@ -447,6 +447,40 @@ def _left(deadline: float) -> float:
     return left
 
 
+# Bytes asked of the kernel per read while a frame's length is not yet backed by
+# received bytes: a peer that announces a large frame and trickles it holds this much.
+RECV_STEP_BYTES = 64 << 10
+
+
+def recv_into_by(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill `view` by `deadline`: every wait is cut to what is left, so a peer that
+    trickles a byte just inside each socket timeout still cannot stretch one frame."""
+    got, total = 0, len(view)
+    while got < total:
+        sock.settimeout(_left(deadline))
+        k = sock.recv_into(view[got:], total - got)
+        if k == 0:
+            raise ConnectionError("the other end closed the connection")
+        got += k
+
+
+def recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """`n` bytes by `deadline`, the buffer growing as they arrive (an announced length
+    costs memory only once its bytes came)."""
+    if n <= RECV_STEP_BYTES:
+        buf = bytearray(n)
+        recv_into_by(sock, memoryview(buf), deadline)
+        return bytes(buf)
+    buf = bytearray()
+    while len(buf) < n:
+        sock.settimeout(_left(deadline))
+        chunk = sock.recv(min(RECV_STEP_BYTES, n - len(buf)))
+        if not chunk:
+            raise ConnectionError("the other end closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
 class PeerAuthError(wire.ProtocolError):
     """The other side did not prove it holds a secret this sidecar accepts."""
 
@@ -472,11 +506,11 @@ class TcpTransport:
         sock = socket.create_connection((addr.host, addr.port), timeout=self.connect_timeout_s)
         try:
             _tune(sock)
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.settimeout(_left(deadline))
             client_nonce = os.urandom(wire.NONCE_BYTES)
             sock.sendall(wire.encode_hello(client_nonce, self.identity))
-            server_nonce, n = wire.decode_challenge_head(recv_exact(sock, wire.CHALLENGE.size))
-            proofs = recv_exact(sock, n * wire.PROOF_BYTES)
+            server_nonce, n = wire.decode_challenge_head(recv_by(sock, wire.CHALLENGE.size, deadline))
+            proofs = recv_by(sock, n * wire.PROOF_BYTES, deadline)
             secrets = self.keys.accepted()
             for i in range(n):
                 secret = wire.proof_matches(secrets, proofs[i * wire.PROOF_BYTES:(i + 1) * wire.PROOF_BYTES],
@@ -489,10 +523,15 @@ class TcpTransport:
             raise
 
     def fetch(self, peer: str, root: KeyRoot, token_ids: np.ndarray, block_size: int,
-              block_bytes: int, sink: FetchSink, max_blocks: int, skip_blocks: int = 0) -> FetchOutcome:
-        """Blocks [skip_blocks, matched) of the prompt into `sink`; never raises."""
+              block_bytes: int, sink: FetchSink, max_blocks: int, skip_blocks: int = 0,
+              deadline: float | None = None) -> FetchOutcome:
+        """Blocks [skip_blocks, matched) of the prompt into `sink`; never raises.
+
+        The whole fetch (connect, handshake, request, every byte of the answer) ends by
+        `deadline` (monotonic; default `timeout_s` from now): what arrived verified by
+        then is kept, the rest is a miss."""
         outcome = FetchOutcome()
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
         try:
             sock, client_proof = self._connect(peer, deadline)
         except PeerAuthError:
@@ -505,9 +544,10 @@ class TcpTransport:
             request = wire.FetchRequest(root=root_to_wire(root), block_bytes=block_bytes,
                                         block_size=block_size, max_blocks=max_blocks,
                                         skip_blocks=skip_blocks)
+            sock.settimeout(_left(deadline))
             sock.sendall(client_proof + wire.encode_fetch(request, token_ids))
-            status, length = wire.decode_response_header(recv_exact(sock, wire.RESPONSE.size))
-            body = recv_exact(sock, length)
+            status, length = wire.decode_response_header(recv_by(sock, wire.RESPONSE.size, deadline))
+            body = recv_by(sock, length, deadline)
             if status is not wire.Status.OK:
                 outcome.error = None if status is wire.Status.MISS else status.name.lower()
                 return outcome
@@ -521,6 +561,8 @@ class TcpTransport:
                 outcome.error = "no room to receive"
                 return outcome
             self._receive(sock, views, deadline, outcome)
+        except TimeoutError:  # socket.timeout is TimeoutError: the deadline passed mid-way
+            outcome.error = "deadline"
         except (OSError, ConnectionError, wire.ProtocolError, ValueError) as exc:
             outcome.error = f"{exc.__class__.__name__}"
         finally:
@@ -535,15 +577,13 @@ class TcpTransport:
         machines with >= 4 cores, on a helper thread while the next one arrives)."""
         digests_out = outcome.digests
         while outcome.verified_blocks < len(views):
-            sock.settimeout(_left(deadline))
-            first, count = wire.decode_run_header(recv_exact(sock, wire.RUN.size))
+            first, count = wire.decode_run_header(recv_by(sock, wire.RUN.size, deadline))
             if first != outcome.verified_blocks or first + count > len(views):
                 raise wire.ProtocolError("run out of order")
-            expected = np.frombuffer(recv_exact(sock, 8 * count), dtype="<u8")
+            expected = np.frombuffer(recv_by(sock, 8 * count, deadline), dtype="<u8")
             pending = []
             for view in views[first : first + count]:
-                sock.settimeout(_left(deadline))
-                recv_into_exact(sock, view)
+                recv_into_by(sock, view, deadline)
                 outcome.bytes_received += len(view)
                 pending.append(self._hasher.submit(xxhash.xxh3_64_intdigest, view) if len(view) >= THREADED_HASH_BYTES
                                else xxhash.xxh3_64_intdigest(view))
@@ -559,9 +599,10 @@ class TcpTransport:
         deadline = time.monotonic() + self.timeout_s
         sock, client_proof = self._connect(peer, deadline)
         try:
+            sock.settimeout(_left(deadline))
             sock.sendall(client_proof + wire.encode_request(wire.Op.HOT, wire.HotRequest(tenant=tenant, max_bytes=max_bytes).model_dump_json().encode()))
-            status, length = wire.decode_response_header(recv_exact(sock, wire.RESPONSE.size))
-            body = recv_exact(sock, length)
+            status, length = wire.decode_response_header(recv_by(sock, wire.RESPONSE.size, deadline))
+            body = recv_by(sock, length, deadline)
             if status is not wire.Status.OK:
                 raise ConnectionError(f"peer answered {status.name}")
             response = wire.HotResponse.model_validate_json(body)

@@ -43,6 +43,8 @@ class HotPrefixes:
 
 class PeerTransport(Protocol):
     def fetch(self, peer: str, root: KeyRoot, token_ids: np.ndarray, block_size: int,
-              block_bytes: int, sink: FetchSink, max_blocks: int, skip_blocks: int = 0) -> FetchOutcome: ...
+              block_bytes: int, sink: FetchSink, max_blocks: int, skip_blocks: int = 0,
+              deadline: float | None = None) -> FetchOutcome:
+        """Never raises; the whole fetch ends by `deadline` (monotonic) whatever the peer does."""
 
     def hot_prefixes(self, peer: str, tenant: str, max_bytes: int) -> HotPrefixes: ...
