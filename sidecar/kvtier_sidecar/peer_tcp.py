@@ -182,7 +182,8 @@ class PeerServer:
         self._workers = [threading.Thread(target=self._work, name="peer-conn", daemon=True)
                          for _ in range(max_concurrency + 1)]
         self.counters = {"connections": 0, "fetches": 0, "bytes_sent": 0, "busy": 0, "unauthorized": 0,
-                         "bad_requests": 0, "handshake_timeouts": 0, "handshakes_displaced": 0}
+                         "bad_requests": 0, "handshake_timeouts": 0, "handshakes_displaced": 0,
+                         "request_timeouts": 0}
 
     def start(self) -> "PeerServer":
         for worker in self._workers:
@@ -360,19 +361,30 @@ class PeerServer:
     # -- authenticated connections (a slot and a worker each) ----------------------------
 
     def _serve(self, conn: socket.socket) -> None:
+        """Requests in turn, each read in full within `timeout_s` of the moment the
+        server began waiting for it (idle time included) and answered within
+        `timeout_s` more; the body's buffer grows as its bytes arrive. An
+        authenticated peer that announces a large request and trickles it holds its
+        slot until that deadline and what it actually sent, never longer or more."""
         try:
             _tune(conn)
             while not self._stop.is_set():
+                deadline = time.monotonic() + self.timeout_s
                 try:
-                    head = recv_exact(conn, wire.REQUEST.size)
-                except (ConnectionError, socket.timeout):
-                    return
+                    head = recv_by(conn, wire.REQUEST.size, deadline)
+                except (ConnectionError, TimeoutError):
+                    return  # idle past the deadline, or gone
                 op, length = wire.decode_request_header(head)
-                body = recv_exact(conn, length)
+                try:
+                    body = recv_by(conn, length, deadline)
+                except TimeoutError:
+                    self.counters["request_timeouts"] += 1
+                    return
+                answer_by = time.monotonic() + self.timeout_s
                 if op is wire.Op.FETCH:
-                    self._fetch(conn, body)
+                    self._fetch(conn, body, answer_by)
                 else:
-                    self._hot(conn, body)
+                    self._hot(conn, body, answer_by)
         except wire.ProtocolError as exc:
             self.counters["bad_requests"] += 1
             try:
@@ -388,7 +400,7 @@ class PeerServer:
             conn.close()
             self._give_slot()
 
-    def _fetch(self, conn: socket.socket, body: bytes) -> None:
+    def _fetch(self, conn: socket.socket, body: bytes, deadline: float) -> None:
         request, tokens = wire.decode_fetch(body)
         src = self.source
         if request.block_bytes != src.block_bytes or request.block_size != src.block_size:
@@ -397,6 +409,7 @@ class PeerServer:
                 f"this peer serves {src.block_size}/{src.block_bytes}")
         if tokens.size == 0:
             raise wire.ProtocolError("fetch without token ids")
+        conn.settimeout(_left(deadline))
         pinned = src.pin_for_peer(root_from_wire(request.root), tokens, request.max_blocks)
         if pinned is None:
             conn.sendall(wire.encode_response(wire.Status.MISS, wire.FetchHeader(matched_tokens=0, n_blocks=0, block_bytes=src.block_bytes)))
@@ -410,11 +423,11 @@ class PeerServer:
             self.counters["fetches"] += 1
             header = wire.FetchHeader(matched_tokens=matched, n_blocks=len(slots), block_bytes=src.block_bytes)
             conn.sendall(wire.encode_response(wire.Status.OK, header))
-            self._stream(conn, slots)
+            self._stream(conn, slots, deadline)
         finally:
             src.unpin(handle)
 
-    def _stream(self, conn: socket.socket, slots: list[int]) -> None:
+    def _stream(self, conn: socket.socket, slots: list[int], deadline: float) -> None:
         per_chunk = wire.chunk_blocks(self.source.block_bytes)
         for first, slot, count in slot_runs(slots):
             for off in range(0, count, per_chunk):
@@ -423,11 +436,12 @@ class PeerServer:
                 # The header and the arena view leave in one call, straight from the
                 # shared memory: one kernel copy, no small segment of its own.
                 # (sendfile() from the shm descriptor measured slower on loopback.)
+                conn.settimeout(_left(deadline))
                 sendmsg_all(conn, [wire.encode_run_header(first + off, digests), self.source.slot_view(slot + off, n)],
-                            time.monotonic() + self.timeout_s)
+                            deadline)
                 self.counters["bytes_sent"] += n * self.source.block_bytes
 
-    def _hot(self, conn: socket.socket, body: bytes) -> None:
+    def _hot(self, conn: socket.socket, body: bytes, deadline: float) -> None:
         try:
             request = wire.HotRequest.model_validate_json(body)
         except ValueError:
@@ -436,6 +450,7 @@ class PeerServer:
         response = wire.HotResponse(prefixes=[
             wire.HotPrefix(root=root_to_wire(root), tokens=[int(t) for t in tokens]) for root, tokens in found
         ])
+        conn.settimeout(_left(deadline))
         conn.sendall(wire.encode_response(wire.Status.OK, response))
 
 

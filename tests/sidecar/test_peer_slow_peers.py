@@ -48,7 +48,9 @@ def test_a_trickling_peer_costs_its_own_lookups_a_miss_and_others_are_served(
     slow = TricklingPeer("127.0.0.5", Path(secret_file).read_bytes().strip(), TRICKLE_EVERY_S)
     slow_root, slow_tokens = oracle.root("slow"), prompt(200, seed=2)
     _advertise(redis_url, slow.address, slow_root, slow_tokens)
-    sc = spawn("sc", "127.0.0.3", redis_url, secret_file, peer_timeout_s=DEADLINE_S)
+    # (a generous index timeout: this test is about peers, not a loaded machine's Redis)
+    sc = spawn("sc", "127.0.0.3", redis_url, secret_file, peer_timeout_s=DEADLINE_S,
+               index_lookup_timeout_s=DEADLINE_S)
 
     answers: list = []
 
@@ -84,3 +86,63 @@ def test_a_trickling_peer_costs_its_own_lookups_a_miss_and_others_are_served(
     assert stats["peer_fetches_shed"] >= SLOW_LOOKUPS - MAX_FETCHES_PER_PEER
     assert sc.proc.poll() is None
     slow.close()
+
+
+# Authenticated connections the test holds against a sidecar with two peer slots.
+SLOW_CLIENTS = 3
+
+
+def test_authenticated_clients_trickling_a_large_request_do_not_starve_a_real_peer(spawn, oracle, secret_file):
+    """Past the handshake a client holds a peer slot; announcing the largest request
+    and sending it a byte at a time must not keep it: the server cuts the request at
+    its deadline, the slots come back, and a real peer's fetch is served."""
+    from kvtier_sidecar import wire
+    from kvtier_sidecar.peer_tcp import TcpTransport
+
+    from .test_peer_transport import Sink, _authenticated
+
+    secret = Path(secret_file).read_bytes().strip()
+    sc = spawn("sc", "127.0.0.2", None, secret_file, peer_timeout_s=DEADLINE_S, peer_max_concurrency=2)
+    root, tokens = oracle.root("t"), prompt(100, seed=3)
+    seed_cache(SidecarClient(sc.socket), oracle, "t", tokens)
+    lifetimes: list[float] = []
+    trickled: list[int] = []
+    stop = threading.Event()
+
+    def trickle() -> None:
+        s = _authenticated(sc.peer, secret)
+        opened = time.monotonic()
+        try:
+            s.sendall(wire.REQUEST.pack(wire.REQUEST_MAGIC, int(wire.Op.FETCH), wire.MAX_REQUEST_BYTES))
+            while not stop.wait(TRICKLE_EVERY_S):
+                s.sendall(b"\0")
+                trickled.append(1)
+        except OSError:
+            lifetimes.append(time.monotonic() - opened)  # the server hung up on us
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=trickle) for _ in range(SLOW_CLIENTS)]
+    for t in threads:
+        t.start()
+    poll(lambda: len(trickled) >= 3 * SLOW_CLIENTS)  # the tricklers hold the slots now
+    transport = TcpTransport(secret, connect_timeout_s=DEADLINE_S, timeout_s=DEADLINE_S, identity="127.0.0.9:1")
+    kv = oracle.kv(root, tokens)
+    outcomes = []
+    deadline = time.monotonic() + 10 * DEADLINE_S
+    while time.monotonic() < deadline:
+        sink = Sink()
+        out = transport.fetch(sc.peer, root, tokens, 16, BB, sink, max_blocks=6)
+        outcomes.append(out.error)
+        if out.error is None:
+            break
+        time.sleep(TRICKLE_EVERY_S)
+    assert "busy" in outcomes, outcomes[:5]  # the tricklers held every slot at first...
+    assert outcomes[-1] is None and out.verified_blocks == 6, outcomes[-5:]  # ...not for long
+    assert np.array_equal(sink.buf[: 6 * BB], kv[: 6 * BB])
+    poll(lambda: len(lifetimes) == SLOW_CLIENTS, timeout_s=10 * DEADLINE_S)  # every trickler was cut...
+    assert max(lifetimes) < 2 * DEADLINE_S, lifetimes  # ...by the server's deadline, not by giving up
+    stop.set()
+    for t in threads:
+        t.join()
+    assert sc.proc.poll() is None
