@@ -30,7 +30,7 @@ from kvtier.keys import KeyRoot, block_hashes
 from .counters import Count, Counters
 from .dram import DramTier, Reservation
 from .global_index import GlobalIndex
-from .transport import PeerTransport
+from .transport import CHECKSUM_MISMATCH, RECORD_AUTH_FAILED, PeerTransport
 
 log = logging.getLogger("kvtier.sidecar.peer_fetch")
 
@@ -45,8 +45,8 @@ MAX_FETCHES_PER_PEER = FETCH_THREADS // 2
 WARM_THREADS = 2
 # After-store work (digests, index registration): short and CPU-bound, one thread.
 BACKGROUND_THREADS = 1
-# The checksum failure a transport reports (counted apart: a peer serving bad bytes).
-CHECKSUM_MISMATCH = "checksum mismatch"
+# The failures a transport reports for bad bytes (counted apart: a peer serving them).
+BAD_BYTES = frozenset({CHECKSUM_MISMATCH, RECORD_AUTH_FAILED})
 
 # Advertise (root, tokens, first n blocks) in the global index; safe from any thread.
 Register = Callable[[KeyRoot, np.ndarray, int], None]
@@ -145,7 +145,7 @@ class PeerFetcher:
             self.counters.add(Count.PEER_FETCH_ERRORS)
             log.info("peer fetch ended early", extra={"peer": host, "reason": outcome.error,
                                                        "verified_blocks": outcome.verified_blocks})
-        if outcome.error == CHECKSUM_MISMATCH:
+        if outcome.error in BAD_BYTES:
             self.counters.add(Count.PEER_CHECKSUM_MISMATCHES)
         res = sink.reservation
         if res is None:

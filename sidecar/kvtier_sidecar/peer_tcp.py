@@ -8,7 +8,11 @@ Handshakes (see `wire`) run first on one non-blocking thread under an overall
 deadline; only an authenticated connection takes a slot. Concurrency is bounded by a
 semaphore and served by a fixed set of worker threads; a peer over the bound gets BUSY
 at once. Measurements: bench/notes/peer-throughput.md.
-Every socket operation has a deadline. Framing lives in `wire`.
+Every socket operation has a deadline. Framing lives in `wire`; after the handshake
+every frame travels sealed (`peer_session`: AES-256-GCM, keys from the handshake). The
+server encrypts each block from the arena into a staging buffer and sends it; the
+client decrypts each block straight into its reserved slot: one more pass over the
+bytes on each side than the plain stream had, no extra copy.
 """
 from __future__ import annotations
 
@@ -32,8 +36,8 @@ from kvtier.peer_address import parse_peer
 
 from . import wire
 from .peer_keys import PeerKeyring
-from .sockio import recv_exact, recv_into_exact
-from .transport import FetchOutcome, FetchSink, HotPrefixes
+from .peer_session import PeerSession, RecordAuthError, sealed_size
+from .transport import CHECKSUM_MISMATCH, RECORD_AUTH_FAILED, FetchOutcome, FetchSink, HotPrefixes
 
 log = logging.getLogger("kvtier.sidecar.peer")
 
@@ -179,11 +183,12 @@ class PeerServer:
         # Workers outlive connections: starting a thread per connection cost ~0.35 ms
         # here, on the path of every fetch. One spare serves the refusals.
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._local = threading.local()  # per worker: the staging buffer of sealed blocks
         self._workers = [threading.Thread(target=self._work, name="peer-conn", daemon=True)
                          for _ in range(max_concurrency + 1)]
         self.counters = {"connections": 0, "fetches": 0, "bytes_sent": 0, "busy": 0, "unauthorized": 0,
                          "bad_requests": 0, "handshake_timeouts": 0, "handshakes_displaced": 0,
-                         "request_timeouts": 0}
+                         "request_timeouts": 0, "bad_records": 0, "old_protocol": 0}
 
     def start(self) -> "PeerServer":
         for worker in self._workers:
@@ -287,6 +292,10 @@ class PeerServer:
             while len(hs.buf) >= hs.need:
                 if self._stage_done(sel, hs):
                     return
+        except wire.OldProtocolError as exc:
+            self.counters["old_protocol"] += 1
+            log.warning("peer refused: %s", exc)
+            self._drop(sel, hs)
         except wire.ProtocolError:
             self.counters["bad_requests"] += 1
             self._drop(sel, hs)
@@ -312,15 +321,17 @@ class PeerServer:
         self._forget(sel, hs)
         hs.conn.setblocking(True)
         hs.conn.settimeout(self.timeout_s)
-        if wire.proof_matches(hs.secrets, raw, wire.Role.CLIENT, hs.client_nonce, hs.server_nonce,
-                              self.endpoint, hs.client_id) is None:
+        secret = wire.proof_matches(hs.secrets, raw, wire.Role.CLIENT, hs.client_nonce, hs.server_nonce,
+                                    self.endpoint, hs.client_id)
+        if secret is None:
             self.counters["unauthorized"] += 1
             self._refuse(hs.conn, wire.Status.UNAUTHORIZED, "bad peer credentials")
         elif not self._take_slot():
             self.counters["busy"] += 1
             self._refuse(hs.conn, wire.Status.BUSY, "peer at its concurrency limit")
         else:
-            self._jobs.put((self._serve, hs.conn))
+            session = PeerSession.for_server(secret, hs.client_nonce, hs.server_nonce, self.endpoint, hs.client_id)
+            self._jobs.put((self._serve, hs.conn, session))
         return True
 
     def _take_slot(self) -> bool:
@@ -360,7 +371,7 @@ class PeerServer:
 
     # -- authenticated connections (a slot and a worker each) ----------------------------
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, session: PeerSession) -> None:
         """Requests in turn, each read in full within `timeout_s` of the moment the
         server began waiting for it (idle time included) and answered within
         `timeout_s` more; the body's buffer grows as its bytes arrive. An
@@ -371,26 +382,33 @@ class PeerServer:
             while not self._stop.is_set():
                 deadline = time.monotonic() + self.timeout_s
                 try:
-                    head = recv_by(conn, wire.REQUEST.size, deadline)
+                    head = recv_by(conn, wire.RECORD.size, deadline)
                 except (ConnectionError, TimeoutError):
                     return  # idle past the deadline, or gone
-                op, length = wire.decode_request_header(head)
+                length = wire.decode_record_header(head, wire.MAX_REQUEST_RECORD_BYTES)
                 try:
-                    body = recv_by(conn, length, deadline)
+                    sealed = recv_by(conn, length + wire.TAG_BYTES, deadline)
                 except TimeoutError:
                     self.counters["request_timeouts"] += 1
                     return
+                frame = session.open(head, sealed)
+                op, body_len = wire.decode_request_header(frame[: wire.REQUEST.size])
+                if body_len != len(frame) - wire.REQUEST.size:
+                    raise wire.ProtocolError("request length does not match its record")
+                body = frame[wire.REQUEST.size:]
                 answer_by = time.monotonic() + self.timeout_s
                 if op is wire.Op.FETCH:
-                    self._fetch(conn, body, answer_by)
+                    self._fetch(conn, session, body, answer_by)
                 else:
-                    self._hot(conn, body, answer_by)
+                    self._hot(conn, session, body, answer_by)
+        except RecordAuthError:
+            self.counters["bad_records"] += 1  # forged, replayed or reordered: nothing to answer
         except wire.ProtocolError as exc:
             self.counters["bad_requests"] += 1
             try:
-                conn.sendall(wire.encode_response(wire.Status.BAD_REQUEST, {"error": str(exc)}))
+                conn.sendall(session.seal(wire.encode_response(wire.Status.BAD_REQUEST, {"error": str(exc)})))
                 _drain_before_close(conn)
-            except OSError:
+            except (OSError, wire.ProtocolError):
                 pass
         except (OSError, ConnectionError):
             pass  # the other side went away or stalled: nothing to clean but the socket
@@ -400,7 +418,7 @@ class PeerServer:
             conn.close()
             self._give_slot()
 
-    def _fetch(self, conn: socket.socket, body: bytes, deadline: float) -> None:
+    def _fetch(self, conn: socket.socket, session: PeerSession, body: bytes, deadline: float) -> None:
         request, tokens = wire.decode_fetch(body)
         src = self.source
         if request.block_bytes != src.block_bytes or request.block_size != src.block_size:
@@ -412,36 +430,53 @@ class PeerServer:
         conn.settimeout(_left(deadline))
         pinned = src.pin_for_peer(root_from_wire(request.root), tokens, request.max_blocks)
         if pinned is None:
-            conn.sendall(wire.encode_response(wire.Status.MISS, wire.FetchHeader(matched_tokens=0, n_blocks=0, block_bytes=src.block_bytes)))
+            conn.sendall(session.seal(wire.encode_response(wire.Status.MISS, wire.FetchHeader(
+                matched_tokens=0, n_blocks=0, block_bytes=src.block_bytes))))
             return
         matched, slots, handle = pinned
         slots = slots[request.skip_blocks :]
         try:
             if not slots:
-                conn.sendall(wire.encode_response(wire.Status.MISS, wire.FetchHeader(matched_tokens=matched, n_blocks=0, block_bytes=src.block_bytes)))
+                conn.sendall(session.seal(wire.encode_response(wire.Status.MISS, wire.FetchHeader(
+                    matched_tokens=matched, n_blocks=0, block_bytes=src.block_bytes))))
                 return
             self.counters["fetches"] += 1
             header = wire.FetchHeader(matched_tokens=matched, n_blocks=len(slots), block_bytes=src.block_bytes)
-            conn.sendall(wire.encode_response(wire.Status.OK, header))
-            self._stream(conn, slots, deadline)
+            conn.sendall(session.seal(wire.encode_response(wire.Status.OK, header)))
+            self._stream(conn, session, slots, deadline)
         finally:
             src.unpin(handle)
 
-    def _stream(self, conn: socket.socket, slots: list[int], deadline: float) -> None:
-        per_chunk = wire.chunk_blocks(self.source.block_bytes)
+    def _stream(self, conn: socket.socket, session: PeerSession, slots: list[int], deadline: float) -> None:
+        """Run chunks in block order: a sealed run header, then one sealed record per
+        block, encrypted from the arena into a staging buffer (one per worker thread,
+        reused) and sent with the header in one call."""
+        bb = self.source.block_bytes
+        per_chunk = wire.chunk_blocks(bb)
+        record = sealed_size(bb)
+        staging = self._staging(min(per_chunk, len(slots)) * record)
         for first, slot, count in slot_runs(slots):
             for off in range(0, count, per_chunk):
                 n = min(per_chunk, count - off)
                 digests = self.source.block_digests(list(range(slot + off, slot + off + n)))
-                # The header and the arena view leave in one call, straight from the
-                # shared memory: one kernel copy, no small segment of its own.
-                # (sendfile() from the shm descriptor measured slower on loopback.)
+                head = session.seal(wire.encode_run_header(first + off, digests))
+                view = self.source.slot_view(slot + off, n)
+                for i in range(n):
+                    session.seal_into(view[i * bb:(i + 1) * bb], staging[i * record:(i + 1) * record])
                 conn.settimeout(_left(deadline))
-                sendmsg_all(conn, [wire.encode_run_header(first + off, digests), self.source.slot_view(slot + off, n)],
-                            deadline)
-                self.counters["bytes_sent"] += n * self.source.block_bytes
+                sendmsg_all(conn, [head, staging[: n * record]], deadline)
+                self.counters["bytes_sent"] += n * bb
 
-    def _hot(self, conn: socket.socket, body: bytes, deadline: float) -> None:
+    def _staging(self, nbytes: int) -> memoryview:
+        """This worker thread's staging buffer, at least `nbytes` (at most a run chunk
+        of sealed blocks: one per worker, so bounded by the worker count)."""
+        buf = getattr(self._local, "staging", None)
+        if buf is None or len(buf) < nbytes:
+            buf = memoryview(bytearray(nbytes))
+            self._local.staging = buf
+        return buf
+
+    def _hot(self, conn: socket.socket, session: PeerSession, body: bytes, deadline: float) -> None:
         try:
             request = wire.HotRequest.model_validate_json(body)
         except ValueError:
@@ -451,7 +486,7 @@ class PeerServer:
             wire.HotPrefix(root=root_to_wire(root), tokens=[int(t) for t in tokens]) for root, tokens in found
         ])
         conn.settimeout(_left(deadline))
-        conn.sendall(wire.encode_response(wire.Status.OK, response))
+        conn.sendall(session.seal(wire.encode_response(wire.Status.OK, response)))
 
 
 def _left(deadline: float) -> float:
@@ -496,6 +531,35 @@ def recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(buf)
 
 
+def _read_record(sock: socket.socket, session: PeerSession, deadline: float, max_bytes: int) -> bytes:
+    """The next sealed record's plaintext, by `deadline`."""
+    head = recv_by(sock, wire.RECORD.size, deadline)
+    length = wire.decode_record_header(head, max_bytes)
+    return session.open(head, recv_by(sock, length + wire.TAG_BYTES, deadline))
+
+
+def _read_reply(sock: socket.socket, session: PeerSession, deadline: float) -> tuple[wire.Status, bytes]:
+    """The server's first answer: (status, body). Sealed, or a plain refusal the server
+    sent before any session existed (bad proof, no free slot), which carries no data."""
+    head = recv_by(sock, wire.RECORD.size, deadline)
+    if head[:4] == wire.RESPONSE_MAGIC:
+        status, length = wire.decode_response_header(head + recv_by(sock, wire.RESPONSE.size - len(head), deadline))
+        if status not in REFUSALS:
+            raise wire.ProtocolError(f"unsealed {status.name} answer")
+        recv_by(sock, length, deadline)
+        return status, b""
+    length = wire.decode_record_header(head, wire.MAX_RESPONSE_RECORD_BYTES)
+    frame = session.open(head, recv_by(sock, length + wire.TAG_BYTES, deadline))
+    status, body_len = wire.decode_response_header(frame[: wire.RESPONSE.size])
+    if body_len != len(frame) - wire.RESPONSE.size:
+        raise wire.ProtocolError("response length does not match its record")
+    return status, frame[wire.RESPONSE.size:]
+
+
+# What a server may answer in the clear: its refusals at the handshake.
+REFUSALS = frozenset({wire.Status.UNAUTHORIZED, wire.Status.BUSY})
+
+
 class PeerAuthError(wire.ProtocolError):
     """The other side did not prove it holds a secret this sidecar accepts."""
 
@@ -514,9 +578,10 @@ class TcpTransport:
         self.connect_timeout_s = connect_timeout_s
         self.timeout_s = timeout_s
 
-    def _connect(self, peer: str, deadline: float) -> tuple[socket.socket, bytes]:
-        """A connection whose server proved a shared secret for `peer`, and this side's
-        proof, to send ahead of the first request (one segment, no extra round trip)."""
+    def _connect(self, peer: str, deadline: float) -> tuple[socket.socket, bytes, PeerSession]:
+        """A connection whose server proved a shared secret for `peer`, this side's
+        proof, to send ahead of the first request (one segment, no extra round trip),
+        and the session that seals what follows."""
         addr = parse_peer(peer)  # "[v6]:port" too
         sock = socket.create_connection((addr.host, addr.port), timeout=self.connect_timeout_s)
         try:
@@ -531,7 +596,9 @@ class TcpTransport:
                 secret = wire.proof_matches(secrets, proofs[i * wire.PROOF_BYTES:(i + 1) * wire.PROOF_BYTES],
                                             wire.Role.SERVER, client_nonce, server_nonce, peer, self.identity)
                 if secret is not None:
-                    return sock, wire.proof(secret, wire.Role.CLIENT, client_nonce, server_nonce, peer, self.identity)
+                    session = PeerSession.for_client(secret, client_nonce, server_nonce, peer, self.identity)
+                    return sock, wire.proof(secret, wire.Role.CLIENT, client_nonce, server_nonce, peer,
+                                            self.identity), session
             raise PeerAuthError(f"{peer} did not prove a shared peer secret for its address")
         except BaseException:
             sock.close()
@@ -548,7 +615,7 @@ class TcpTransport:
         outcome = FetchOutcome()
         deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
         try:
-            sock, client_proof = self._connect(peer, deadline)
+            sock, client_proof, session = self._connect(peer, deadline)
         except PeerAuthError:
             outcome.error = "peer failed authentication"
             return outcome
@@ -560,9 +627,8 @@ class TcpTransport:
                                         block_size=block_size, max_blocks=max_blocks,
                                         skip_blocks=skip_blocks)
             sock.settimeout(_left(deadline))
-            sock.sendall(client_proof + wire.encode_fetch(request, token_ids))
-            status, length = wire.decode_response_header(recv_by(sock, wire.RESPONSE.size, deadline))
-            body = recv_by(sock, length, deadline)
+            sock.sendall(client_proof + session.seal(wire.encode_fetch(request, token_ids)))
+            status, body = _read_reply(sock, session, deadline)
             if status is not wire.Status.OK:
                 outcome.error = None if status is wire.Status.MISS else status.name.lower()
                 return outcome
@@ -575,7 +641,9 @@ class TcpTransport:
             if not views:
                 outcome.error = "no room to receive"
                 return outcome
-            self._receive(sock, views, deadline, outcome)
+            self._receive(sock, session, views, deadline, outcome)
+        except RecordAuthError:
+            outcome.error = RECORD_AUTH_FAILED
         except TimeoutError:  # socket.timeout is TimeoutError: the deadline passed mid-way
             outcome.error = "deadline"
         except (OSError, ConnectionError, wire.ProtocolError, ValueError) as exc:
@@ -584,40 +652,48 @@ class TcpTransport:
             sock.close()
         return outcome
 
-    def _receive(self, sock: socket.socket, views: list[memoryview], deadline: float, outcome: FetchOutcome) -> None:
-        """Receive run frames in order straight into `views`; keep the blocks whose
-        digests match, stop at the first that does not.
+    def _receive(self, sock: socket.socket, session: PeerSession, views: list[memoryview], deadline: float,
+                 outcome: FetchOutcome) -> None:
+        """Receive run chunks in order, each block's record into a staging buffer and
+        decrypted from there straight into its view; keep the blocks whose tags and
+        digests match, stop at the first that does not (a failed tag raises).
 
         Each block is hashed as soon as it landed, while it is still in cache (on
         machines with >= 4 cores, on a helper thread while the next one arrives)."""
         digests_out = outcome.digests
+        staging = memoryview(bytearray(sealed_size(len(views[0]))))
+        head = staging[: wire.RECORD.size]
         while outcome.verified_blocks < len(views):
-            first, count = wire.decode_run_header(recv_by(sock, wire.RUN.size, deadline))
-            if first != outcome.verified_blocks or first + count > len(views):
+            run = _read_record(sock, session, deadline, wire.MAX_RUN_RECORD_BYTES)
+            first, count = wire.decode_run_header(run[: wire.RUN.size])
+            if first != outcome.verified_blocks or first + count > len(views) or len(run) != wire.RUN.size + 8 * count:
                 raise wire.ProtocolError("run out of order")
-            expected = np.frombuffer(recv_by(sock, 8 * count, deadline), dtype="<u8")
+            expected = np.frombuffer(run, dtype="<u8", offset=wire.RUN.size)
             pending = []
             for view in views[first : first + count]:
-                recv_into_by(sock, view, deadline)
+                recv_into_by(sock, staging, deadline)
+                if wire.decode_record_header(head, len(view)) != len(view):
+                    raise wire.ProtocolError("block record of the wrong length")
+                session.open_into(head, staging[wire.RECORD.size:], view)
                 outcome.bytes_received += len(view)
                 pending.append(self._hasher.submit(xxhash.xxh3_64_intdigest, view) if len(view) >= THREADED_HASH_BYTES
                                else xxhash.xxh3_64_intdigest(view))
             for i, got in enumerate(pending):
                 digest = got.result() if not isinstance(got, int) else got
                 if digest != int(expected[i]):
-                    outcome.error = "checksum mismatch"
+                    outcome.error = CHECKSUM_MISMATCH
                     return
                 digests_out.append(digest)
                 outcome.verified_blocks += 1
 
     def hot_prefixes(self, peer: str, tenant: str, max_bytes: int) -> HotPrefixes:
         deadline = time.monotonic() + self.timeout_s
-        sock, client_proof = self._connect(peer, deadline)
+        sock, client_proof, session = self._connect(peer, deadline)
         try:
             sock.settimeout(_left(deadline))
-            sock.sendall(client_proof + wire.encode_request(wire.Op.HOT, wire.HotRequest(tenant=tenant, max_bytes=max_bytes).model_dump_json().encode()))
-            status, length = wire.decode_response_header(recv_by(sock, wire.RESPONSE.size, deadline))
-            body = recv_by(sock, length, deadline)
+            request = wire.HotRequest(tenant=tenant, max_bytes=max_bytes).model_dump_json().encode()
+            sock.sendall(client_proof + session.seal(wire.encode_request(wire.Op.HOT, request)))
+            status, body = _read_reply(sock, session, deadline)
             if status is not wire.Status.OK:
                 raise ConnectionError(f"peer answered {status.name}")
             response = wire.HotResponse.model_validate_json(body)

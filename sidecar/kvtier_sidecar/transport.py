@@ -21,6 +21,12 @@ class FetchSink(Protocol):
     def reserve(self, n_blocks: int) -> list[memoryview] | None: ...
 
 
+# The errors of a fetch that stopped at bytes that failed verification (a peer, or
+# something between, serving bad bytes): a block's digest, or a sealed record's tag.
+CHECKSUM_MISMATCH = "checksum mismatch"
+RECORD_AUTH_FAILED = "record authentication failed"
+
+
 @dataclass(slots=True)
 class FetchOutcome:
     """`verified_blocks` leading blocks were received and passed their checksums.

@@ -10,7 +10,7 @@ import threading
 import time
 
 from kvtier_sidecar import wire
-from kvtier_sidecar.peer_tcp import recv_exact
+from kvtier_sidecar.sockio import recv_exact
 
 
 class TricklingPeer:
@@ -54,10 +54,11 @@ class TricklingPeer:
             conn.sendall(wire.encode_challenge(server_nonce, [wire.proof(
                 self.secret, wire.Role.SERVER, client_nonce, server_nonce, self.address, client_id)]))
             recv_exact(conn, wire.PROOF_BYTES)
-            _, length = wire.decode_request_header(recv_exact(conn, wire.REQUEST.size))
-            recv_exact(conn, length)
-            answer = wire.RESPONSE.pack(wire.RESPONSE_MAGIC, int(wire.Status.OK), wire.MAX_RESPONSE_JSON_BYTES)
-            answer += b" " * (wire.MAX_RESPONSE_JSON_BYTES)
+            length = wire.decode_record_header(recv_exact(conn, wire.RECORD.size), wire.MAX_REQUEST_RECORD_BYTES)
+            recv_exact(conn, length + wire.TAG_BYTES)  # the sealed request: read, never answered
+            # The largest sealed answer a client accepts, a byte at a time.
+            answer = wire.RECORD.pack(wire.RECORD_MAGIC, wire.MAX_RESPONSE_RECORD_BYTES)
+            answer += bytes(wire.MAX_RESPONSE_RECORD_BYTES + wire.TAG_BYTES)
             for i in range(len(answer)):
                 conn.sendall(answer[i:i + 1])
                 if self._stop.wait(self.every_s):

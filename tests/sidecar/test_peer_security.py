@@ -11,7 +11,8 @@ import pytest
 from kvtier.sidecar_config import PeerSecretError
 from kvtier_sidecar import wire
 from kvtier_sidecar.peer_keys import PeerKeyring, SecretFileWatch
-from kvtier_sidecar.peer_tcp import PeerAuthError, PeerServer, TcpTransport, recv_exact
+from kvtier_sidecar.peer_tcp import PeerAuthError, PeerServer, TcpTransport
+from kvtier_sidecar.sockio import recv_exact
 
 from .test_peer_transport import BB, ORACLE, Sink, fill, tier  # noqa: F401  (tier: fixture)
 

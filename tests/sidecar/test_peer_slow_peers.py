@@ -113,7 +113,8 @@ def test_authenticated_clients_trickling_a_large_request_do_not_starve_a_real_pe
         s = _authenticated(sc.peer, secret)
         opened = time.monotonic()
         try:
-            s.sendall(wire.REQUEST.pack(wire.REQUEST_MAGIC, int(wire.Op.FETCH), wire.MAX_REQUEST_BYTES))
+            # A sealed record announcing the largest request, its bytes trickled after.
+            s.sendall(wire.RECORD.pack(wire.RECORD_MAGIC, wire.MAX_REQUEST_RECORD_BYTES))
             while not stop.wait(TRICKLE_EVERY_S):
                 s.sendall(b"\0")
                 trickled.append(1)
