@@ -1,18 +1,19 @@
 """The peer tier over TCP: a threaded server streaming block runs out of the arena,
-and the client that receives them straight into reserved arena slots.
+and the client that receives them into reserved arena slots.
 
-Threads, not asyncio, on purpose: `socket.sendall` of an arena memoryview and
-`recv_into` an arena slot release the GIL and copy once in the kernel, which is what
-keeps a fetch near raw loopback throughput (asyncio's stream buffers add a copy).
+Threads, not asyncio, on purpose: `sendmsg` of a staging buffer and `recv_into` one
+release the GIL and copy once in the kernel, which is what keeps a fetch near raw
+loopback throughput (asyncio's stream buffers add a copy). After the handshake every frame
+travels sealed: the server encrypts each block from the arena into a per-worker
+staging buffer and sends it; the client receives each block's record into a staging
+buffer and decrypts it straight into its reserved slot (one pass over the bytes on
+each side beyond the plain stream, no user-space copy).
 Handshakes (see `wire`) run first on one non-blocking thread under an overall
 deadline; only an authenticated connection takes a slot. Concurrency is bounded by a
 semaphore and served by a fixed set of worker threads; a peer over the bound gets BUSY
-at once. Measurements: bench/notes/peer-throughput.md.
-Every socket operation has a deadline. Framing lives in `wire`; after the handshake
-every frame travels sealed (`peer_session`: AES-256-GCM, keys from the handshake). The
-server encrypts each block from the arena into a staging buffer and sends it; the
-client decrypts each block straight into its reserved slot: one more pass over the
-bytes on each side than the plain stream had, no extra copy.
+at once. Every socket operation has a deadline, and every fetch (client) and request
+(server) one for the whole of it. Framing lives in `wire`. Measurements:
+bench/notes/peer-throughput.md.
 """
 from __future__ import annotations
 
