@@ -25,9 +25,10 @@ res = tier.reserve(root, toks, None, None, admit=False)
 for i, s in enumerate(res.slots):
     tier.slot_array(s)[:] = kv[(res.first_block + i) * BB:(res.first_block + i + 1) * BB]
 tier.commit(res, len(res.slots)); tier.compute_digests(res.slots) if hasattr(tier, "compute_digests") else None
-server = PeerServer(tier, "127.0.0.1", 0, b"s", max_concurrency=8, timeout_s=5.0).start()
-v2 = wire.HELLO_MAGIC == b"KVP2"
-tr = TcpTransport(b"s", 1.0, 5.0) if v2 else TcpTransport(lambda: b"s", 1.0, 5.0)
+KEY = b"s" * 32  # at least 32 bytes: newer trees refuse a shorter secret
+server = PeerServer(tier, "127.0.0.1", 0, KEY, max_concurrency=8, timeout_s=5.0).start()
+v1 = wire.HELLO_MAGIC == b"KVP1"
+tr = TcpTransport(lambda: KEY, 1.0, 5.0) if v1 else TcpTransport(KEY, 1.0, 5.0)
 payload = bytes(BB * 4)
 raw = socket.create_server(("127.0.0.1", 0)); raddr = raw.getsockname()
 def echo():

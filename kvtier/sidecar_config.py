@@ -75,6 +75,10 @@ DEFAULT_DRAIN_IDLE_S = 5.0
 # changed. A mounted Secret reaches pods up to the kubelet's sync period (60 s) plus its
 # cache TTL (60 s) apart; three minutes covers that with room.
 DEFAULT_PEER_SECRET_OVERLAP_S = 180.0
+# The shortest peer secret a sidecar accepts: 32 bytes (128 bits as the hex text the
+# test fleets write; the operator writes 64 random hex digits, 256 bits). An empty or
+# short secret would let anyone who guesses it into every sidecar of the fleet.
+MIN_PEER_SECRET_BYTES = 32
 
 # Where Kubernetes mounts a pod's ServiceAccount token and the cluster CA.
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -102,6 +106,22 @@ RELOADABLE_FIELDS = frozenset({
     "drain_idle_s",
     "warm_peers",
 })
+
+class PeerSecretError(ValueError):
+    """The peer tier is on, but its secret is missing, empty or too short to trust."""
+
+
+def check_peer_secret(secret: bytes, where: str) -> bytes:
+    """`secret` when it is long enough to authenticate peers; PeerSecretError (saying
+    what to fix) otherwise. `where` names its source for the message."""
+    if len(secret) < MIN_PEER_SECRET_BYTES:
+        what = "is empty" if not secret else f"holds {len(secret)} bytes"
+        raise PeerSecretError(
+            f"peer secret {where} {what}: the peer tier needs a shared secret of at least "
+            f"{MIN_PEER_SECRET_BYTES} bytes (the operator's <policy>-kvtier-peer Secret holds 64 random hex "
+            f"digits); mount that Secret and point peer_secret_file at it, or set peer_enabled: false")
+    return secret
+
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
 
@@ -294,12 +314,22 @@ class SidecarConfig(BaseModel):
         runtime = (os.environ if env is None else env).get("XDG_RUNTIME_DIR") or "/tmp"
         return str(Path(runtime) / f"kvtier-{self.shm_name}.sock")
 
-    def peer_secret(self) -> bytes | None:
-        """The shared secret, read from the mounted file on each call so a rotated
-        secret takes effect; None when peers are unauthenticated (tests only)."""
+    def peer_secret(self) -> bytes:
+        """The shared peer secret, read from the mounted file (surrounding whitespace
+        dropped). PeerSecretError, saying what to fix, when no file is configured, it
+        cannot be read, or it is empty or short: the peer tier never starts without one."""
         if not self.peer_secret_file:
-            return None
-        return Path(self.peer_secret_file).read_bytes().strip()
+            raise PeerSecretError(
+                "the peer tier is on (peer_enabled) but peer_secret_file is not set: mount the policy's "
+                "peer Secret and set peer_secret_file (env KVTIER_PEER_SECRET_FILE) to its file, "
+                "or set peer_enabled: false")
+        try:
+            secret = Path(self.peer_secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise PeerSecretError(f"peer_secret_file {self.peer_secret_file} cannot be read "
+                                  f"({exc.strerror or exc}): mount the policy's peer Secret there, "
+                                  f"or set peer_enabled: false") from None
+        return check_peer_secret(secret, f"file {self.peer_secret_file}")
 
 
 ENV_OVERRIDES: dict[str, tuple[str, ...]] = {

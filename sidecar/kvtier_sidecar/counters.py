@@ -13,6 +13,7 @@ class Count(StrEnum):
     PEER_FETCH_ERRORS = "peer_fetch_errors"
     PEER_CHECKSUM_MISMATCHES = "peer_checksum_mismatches"
     PEER_BYTES_FETCHED = "peer_bytes_fetched"
+    PEER_FETCHES_SHED = "peer_fetches_shed"  # lookups that skipped a peer at its in-flight bound
     STORED_BLOCKS = "stored_blocks"
     INVALIDATED_BLOCKS = "invalidated_blocks"
     WARMED_BLOCKS = "warmed_blocks"

@@ -30,7 +30,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from kvtier import sidecar_config as cfgmod
-from kvtier.sidecar_config import SidecarConfig
+from kvtier.sidecar_config import PeerSecretError, SidecarConfig
 
 from . import logs
 from .arena import Arena, ArenaError
@@ -106,9 +106,10 @@ class SidecarProcess:
         # (it only ever names peers to fetch from).
         self.peer_server = self.index = self.transport = None
         advertise = ""
-        self.keyring = PeerKeyring(c.peer_secret(), c.peer_secret_overlap_s)
-        self.secret_watch = SecretFileWatch(c.peer_secret_file, self.keyring)
+        self.secret_watch = None
         if c.peer_enabled:
+            self.keyring = PeerKeyring(c.peer_secret(), c.peer_secret_overlap_s)  # checked in main()
+            self.secret_watch = SecretFileWatch(c.peer_secret_file, self.keyring)
             self.peer_server = PeerServer(tier, c.pod_ip, c.peer_port, self.keyring, c.peer_max_concurrency,
                                           c.peer_timeout_s)
             advertise = c.peer_advertise or self.peer_server.address
@@ -224,7 +225,7 @@ class SidecarProcess:
         logged and ignored (the running config stays)."""
         while True:
             await asyncio.sleep(CONFIG_POLL_S)
-            if self.secret_watch.poll():
+            if self.secret_watch is not None and self.secret_watch.poll():
                 self.service.counters.add(Count.PEER_SECRET_ROTATIONS)
                 log.info("peer secret rotated; the previous one stays accepted for the overlap",
                          extra={"overlap_s": self.keyring.overlap_s})
@@ -266,9 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = cfgmod.load(args.config)
-        config.peer_secret()
+        if config.peer_enabled:
+            config.peer_secret()  # the peer tier never starts without a usable secret
+    except PeerSecretError as exc:
+        print(f"kvtier-sidecar: {exc}", file=sys.stderr)
+        return 2
     except FileNotFoundError as exc:
-        print(f"kvtier-sidecar: --config / peer_secret_file: {exc}", file=sys.stderr)
+        print(f"kvtier-sidecar: --config: {exc}", file=sys.stderr)
         return 2
     except (ValueError, ValidationError) as exc:
         print(f"kvtier-sidecar: --config {args.config}: {exc}", file=sys.stderr)
@@ -279,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     except ArenaError as exc:
         log.error(str(exc))
         return 1
+    except PeerSecretError as exc:  # the file changed to an unusable one since the check above
+        log.error(str(exc))
+        return 2
     except OSError as exc:
         log.error("cannot start: %s", exc)
         return 1

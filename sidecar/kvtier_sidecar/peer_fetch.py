@@ -7,12 +7,19 @@ waiting), warm-up jobs (the operator's background pulls) and index writes after 
 store. A flood of warm-ups toward a stalled peer fills only the warm pool; engine
 lookups keep their own threads. It counts into the thread-safe `Counters`. Every fault — no answer, a short or lying peer, a
 full arena — commits only the verified prefix, or nothing: rule: fault-is-a-miss.
+
+A slow peer costs its own requests a miss, never anyone else's: every request-path
+fetch ends by one deadline (`peer_timeout_s` from the lookup's ask, time queued for a
+thread included), and no one peer holds more than `MAX_FETCHES_PER_PEER` of the
+request-path threads; a lookup that would wait for a third is a miss at once.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +30,7 @@ from kvtier.keys import KeyRoot, block_hashes
 from .counters import Count, Counters
 from .dram import DramTier, Reservation
 from .global_index import GlobalIndex
-from .transport import PeerTransport
+from .transport import CHECKSUM_MISMATCH, RECORD_AUTH_FAILED, PeerTransport
 
 log = logging.getLogger("kvtier.sidecar.peer_fetch")
 
@@ -31,12 +38,15 @@ log = logging.getLogger("kvtier.sidecar.peer_fetch")
 PEER_ATTEMPTS = 2
 # Parallel request-path peer fetches; each holds a thread blocked in recv_into.
 FETCH_THREADS = 8
+# Request-path fetches one peer may have in flight: a peer that stalls or trickles
+# ties up at most half the threads until their deadline; the rest serve other peers.
+MAX_FETCHES_PER_PEER = FETCH_THREADS // 2
 # Parallel warm-up fetches: background work, so few; a stalled peer ties up only these.
 WARM_THREADS = 2
 # After-store work (digests, index registration): short and CPU-bound, one thread.
 BACKGROUND_THREADS = 1
-# The checksum failure a transport reports (counted apart: a peer serving bad bytes).
-CHECKSUM_MISMATCH = "checksum mismatch"
+# The failures a transport reports for bad bytes (counted apart: a peer serving them).
+BAD_BYTES = frozenset({CHECKSUM_MISMATCH, RECORD_AUTH_FAILED})
 
 # Advertise (root, tokens, first n blocks) in the global index; safe from any thread.
 Register = Callable[[KeyRoot, np.ndarray, int], None]
@@ -78,6 +88,9 @@ class PeerFetcher:
         self.pool = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="peer-fetch")
         self.warm_pool = concurrent.futures.ThreadPoolExecutor(WARM_THREADS, thread_name_prefix="peer-warm")
         self.background_pool = concurrent.futures.ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="after-store")
+        # Request-path fetches in flight per peer (event-loop thread only); a peer's
+        # entry lives while it has one, so at most FETCH_THREADS plus those queued.
+        self._in_flight: collections.Counter[str] = collections.Counter()
 
     async def from_peers(self, root: KeyRoot, tokens: np.ndarray, have: int, max_blocks: int) -> tuple[int, int]:
         """Fetch blocks [have, k) from the peer holding the longest prefix; (blocks, bytes)."""
@@ -89,6 +102,9 @@ class PeerFetcher:
             return 0, 0
         want = answer.matched_blocks
         for host in answer.hosts[:PEER_ATTEMPTS]:
+            if self._in_flight[host] >= MAX_FETCHES_PER_PEER:
+                self.counters.add(Count.PEER_FETCHES_SHED)  # busy or slow: not worth a wait
+                continue
             try:
                 blocks, nbytes = await self.fetch(host, root, tokens[: want * self.block_size], have, want)
             except Exception:  # a bug in the fetch path must still be a miss
@@ -101,19 +117,35 @@ class PeerFetcher:
 
     async def fetch(self, host: str, root: KeyRoot, tokens: np.ndarray, have: int, want: int,
                     pool: concurrent.futures.Executor | None = None) -> tuple[int, int]:
+        """Blocks [have, want) from `host`; (blocks, bytes). A request-path fetch (no
+        `pool`) ends by a deadline set now; a warm-up's starts when it gets a thread."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(pool or self.pool, self._fetch_blocking, host, root, tokens, have, want)
+        if pool is not None:
+            return await loop.run_in_executor(pool, self._fetch_blocking, host, root, tokens, have, want, None)
+        deadline = time.monotonic() + self.transport.timeout_s
+        self._in_flight[host] += 1
+        try:
+            return await loop.run_in_executor(self.pool, self._fetch_blocking, host, root, tokens, have, want,
+                                              deadline)
+        finally:
+            self._in_flight[host] -= 1
+            if not self._in_flight[host]:
+                del self._in_flight[host]
 
-    def _fetch_blocking(self, host: str, root: KeyRoot, tokens: np.ndarray, have: int, want: int) -> tuple[int, int]:
+    def _fetch_blocking(self, host: str, root: KeyRoot, tokens: np.ndarray, have: int, want: int,
+                        deadline: float | None) -> tuple[int, int]:
+        if deadline is not None and time.monotonic() >= deadline:  # it waited its whole deadline for a thread
+            self.counters.add(Count.PEER_FETCH_ERRORS)
+            return 0, 0
         sink = _Sink(self.tier, root, tokens, have)
         outcome = self.transport.fetch(host, root, tokens, self.block_size, self.tier.block_bytes, sink,
-                                       max_blocks=want, skip_blocks=have)
+                                       max_blocks=want, skip_blocks=have, deadline=deadline)
         self.counters.add(Count.PEER_FETCHES)
         if outcome.error:
             self.counters.add(Count.PEER_FETCH_ERRORS)
             log.info("peer fetch ended early", extra={"peer": host, "reason": outcome.error,
                                                        "verified_blocks": outcome.verified_blocks})
-        if outcome.error == CHECKSUM_MISMATCH:
+        if outcome.error in BAD_BYTES:
             self.counters.add(Count.PEER_CHECKSUM_MISMATCHES)
         res = sink.reservation
         if res is None:

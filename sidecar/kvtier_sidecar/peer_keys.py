@@ -5,15 +5,21 @@ A Kubernetes Secret mounted as a volume reaches each pod's file at a different m
 (the kubelet's sync period plus its cache TTL), so for a while some sidecars hold the
 new secret and some the old. During the overlap a sidecar proves and checks with both;
 a handshake succeeds as long as the two ends share one. `PeerKeyring` is pure (the
-caller passes the clock); `SecretFileWatch` is the thin file-reading side.
+caller passes the clock); `SecretFileWatch` is the thin file-reading side. Neither ever
+holds a secret shorter than `MIN_PEER_SECRET_BYTES`: an empty key would let anyone in.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvtier.sidecar_config import PeerSecretError, check_peer_secret
+
+log = logging.getLogger("kvtier.sidecar.peer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,11 +30,12 @@ class _State:
 
 
 class PeerKeyring:
-    """Thread-safe: the peer server, the fetch threads and the reloader share one."""
+    """Thread-safe: the peer server, the fetch threads and the reloader share one.
+    Every secret it holds passed `check_peer_secret` (PeerSecretError otherwise)."""
 
-    def __init__(self, secret: bytes | None, overlap_s: float) -> None:
+    def __init__(self, secret: bytes, overlap_s: float) -> None:
         self.overlap_s = overlap_s
-        self._state = _State(secret or b"")
+        self._state = _State(check_peer_secret(secret, "given"))
         self._lock = threading.Lock()
 
     def accepted(self, now: float | None = None) -> list[bytes]:
@@ -39,10 +46,10 @@ class PeerKeyring:
             return [s.current, s.previous]
         return [s.current]
 
-    def rotate(self, secret: bytes | None, now: float | None = None) -> bool:
+    def rotate(self, secret: bytes, now: float | None = None) -> bool:
         """Make `secret` current; the old one stays accepted for `overlap_s`.
         False (and nothing changes) when it already is the current secret."""
-        new = secret or b""
+        new = check_peer_secret(secret, "rotated to")
         now = time.monotonic() if now is None else now
         with self._lock:
             if new == self._state.current:
@@ -70,8 +77,9 @@ class SecretFileWatch:
             return None
 
     def poll(self) -> bool:
-        """Re-read the file if it changed; True when the secret rotated. A missing or
-        empty file keeps the running secret (a half-written Secret never locks peers out)."""
+        """Re-read the file if it changed; True when the secret rotated. A missing,
+        empty or short file keeps the running secret (a half-written Secret never locks
+        peers out, and a truncated one never opens them up)."""
         stamp = self._stat()
         if stamp == self._stamp or stamp is None:
             return False
@@ -80,4 +88,10 @@ class SecretFileWatch:
             secret = Path(self.path).read_bytes().strip()
         except OSError:
             return False
-        return bool(secret) and self.keyring.rotate(secret)
+        try:
+            return self.keyring.rotate(secret)
+        except PeerSecretError as exc:
+            if secret:  # an empty file is a Secret being replaced: nothing to say yet
+                log.warning("peer secret file changed to an unusable secret; keeping the running one",
+                            extra={"error": str(exc)})
+            return False

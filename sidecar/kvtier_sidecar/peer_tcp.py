@@ -1,14 +1,19 @@
 """The peer tier over TCP: a threaded server streaming block runs out of the arena,
-and the client that receives them straight into reserved arena slots.
+and the client that receives them into reserved arena slots.
 
-Threads, not asyncio, on purpose: `socket.sendall` of an arena memoryview and
-`recv_into` an arena slot release the GIL and copy once in the kernel, which is what
-keeps a fetch near raw loopback throughput (asyncio's stream buffers add a copy).
+Threads, not asyncio, on purpose: `sendmsg` of a staging buffer and `recv_into` one
+release the GIL and copy once in the kernel, which is what keeps a fetch near raw
+loopback throughput (asyncio's stream buffers add a copy). After the handshake every frame
+travels sealed: the server encrypts each block from the arena into a per-worker
+staging buffer and sends it; the client receives each block's record into a staging
+buffer and decrypts it straight into its reserved slot (one pass over the bytes on
+each side beyond the plain stream, no user-space copy).
 Handshakes (see `wire`) run first on one non-blocking thread under an overall
 deadline; only an authenticated connection takes a slot. Concurrency is bounded by a
 semaphore and served by a fixed set of worker threads; a peer over the bound gets BUSY
-at once. Measurements: bench/notes/peer-throughput.md.
-Every socket operation has a deadline. Framing lives in `wire`.
+at once. Every socket operation has a deadline, and every fetch (client) and request
+(server) one for the whole of it. Framing lives in `wire`. Measurements:
+bench/notes/peer-throughput.md.
 """
 from __future__ import annotations
 
@@ -32,8 +37,8 @@ from kvtier.peer_address import parse_peer
 
 from . import wire
 from .peer_keys import PeerKeyring
-from .sockio import recv_exact, recv_into_exact
-from .transport import FetchOutcome, FetchSink, HotPrefixes
+from .peer_session import PeerSession, RecordAuthError, sealed_size
+from .transport import CHECKSUM_MISMATCH, RECORD_AUTH_FAILED, FetchOutcome, FetchSink, HotPrefixes
 
 log = logging.getLogger("kvtier.sidecar.peer")
 
@@ -142,7 +147,7 @@ class _Handshake:
     secrets: list[bytes] = field(default_factory=list)
 
 
-def as_keyring(keys: PeerKeyring | bytes | None) -> PeerKeyring:
+def as_keyring(keys: PeerKeyring | bytes) -> PeerKeyring:
     """A fixed secret (tests, benchmarks) is a keyring that never rotates."""
     return keys if isinstance(keys, PeerKeyring) else PeerKeyring(keys, 0.0)
 
@@ -157,7 +162,7 @@ class PeerServer:
     out the oldest). A client that trickles bytes holds a few hundred bytes of buffer
     until its deadline, never a slot a real peer needs."""
 
-    def __init__(self, source: PeerSource, host: str, port: int, keys: PeerKeyring | bytes | None,
+    def __init__(self, source: PeerSource, host: str, port: int, keys: PeerKeyring | bytes,
                  max_concurrency: int = 8, timeout_s: float = 2.0, endpoint: str | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.source = source
@@ -179,10 +184,12 @@ class PeerServer:
         # Workers outlive connections: starting a thread per connection cost ~0.35 ms
         # here, on the path of every fetch. One spare serves the refusals.
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._local = threading.local()  # per worker: the staging buffer of sealed blocks
         self._workers = [threading.Thread(target=self._work, name="peer-conn", daemon=True)
                          for _ in range(max_concurrency + 1)]
         self.counters = {"connections": 0, "fetches": 0, "bytes_sent": 0, "busy": 0, "unauthorized": 0,
-                         "bad_requests": 0, "handshake_timeouts": 0, "handshakes_displaced": 0}
+                         "bad_requests": 0, "handshake_timeouts": 0, "handshakes_displaced": 0,
+                         "request_timeouts": 0, "bad_records": 0, "old_protocol": 0}
 
     def start(self) -> "PeerServer":
         for worker in self._workers:
@@ -286,6 +293,10 @@ class PeerServer:
             while len(hs.buf) >= hs.need:
                 if self._stage_done(sel, hs):
                     return
+        except wire.OldProtocolError as exc:
+            self.counters["old_protocol"] += 1
+            log.warning("peer refused: %s", exc)
+            self._drop(sel, hs)
         except wire.ProtocolError:
             self.counters["bad_requests"] += 1
             self._drop(sel, hs)
@@ -311,15 +322,17 @@ class PeerServer:
         self._forget(sel, hs)
         hs.conn.setblocking(True)
         hs.conn.settimeout(self.timeout_s)
-        if wire.proof_matches(hs.secrets, raw, wire.Role.CLIENT, hs.client_nonce, hs.server_nonce,
-                              self.endpoint, hs.client_id) is None:
+        secret = wire.proof_matches(hs.secrets, raw, wire.Role.CLIENT, hs.client_nonce, hs.server_nonce,
+                                    self.endpoint, hs.client_id)
+        if secret is None:
             self.counters["unauthorized"] += 1
             self._refuse(hs.conn, wire.Status.UNAUTHORIZED, "bad peer credentials")
         elif not self._take_slot():
             self.counters["busy"] += 1
             self._refuse(hs.conn, wire.Status.BUSY, "peer at its concurrency limit")
         else:
-            self._jobs.put((self._serve, hs.conn))
+            session = PeerSession.for_server(secret, hs.client_nonce, hs.server_nonce, self.endpoint, hs.client_id)
+            self._jobs.put((self._serve, hs.conn, session))
         return True
 
     def _take_slot(self) -> bool:
@@ -359,26 +372,44 @@ class PeerServer:
 
     # -- authenticated connections (a slot and a worker each) ----------------------------
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, session: PeerSession) -> None:
+        """Requests in turn, each read in full within `timeout_s` of the moment the
+        server began waiting for it (idle time included) and answered within
+        `timeout_s` more; the body's buffer grows as its bytes arrive. An
+        authenticated peer that announces a large request and trickles it holds its
+        slot until that deadline and what it actually sent, never longer or more."""
         try:
             _tune(conn)
             while not self._stop.is_set():
+                deadline = time.monotonic() + self.timeout_s
                 try:
-                    head = recv_exact(conn, wire.REQUEST.size)
-                except (ConnectionError, socket.timeout):
+                    head = recv_by(conn, wire.RECORD.size, deadline)
+                except (ConnectionError, TimeoutError):
+                    return  # idle past the deadline, or gone
+                length = wire.decode_record_header(head, wire.MAX_REQUEST_RECORD_BYTES)
+                try:
+                    sealed = recv_by(conn, length + wire.TAG_BYTES, deadline)
+                except TimeoutError:
+                    self.counters["request_timeouts"] += 1
                     return
-                op, length = wire.decode_request_header(head)
-                body = recv_exact(conn, length)
+                frame = session.open(head, sealed)
+                op, body_len = wire.decode_request_header(frame[: wire.REQUEST.size])
+                if body_len != len(frame) - wire.REQUEST.size:
+                    raise wire.ProtocolError("request length does not match its record")
+                body = frame[wire.REQUEST.size:]
+                answer_by = time.monotonic() + self.timeout_s
                 if op is wire.Op.FETCH:
-                    self._fetch(conn, body)
+                    self._fetch(conn, session, body, answer_by)
                 else:
-                    self._hot(conn, body)
+                    self._hot(conn, session, body, answer_by)
+        except RecordAuthError:
+            self.counters["bad_records"] += 1  # forged, replayed or reordered: nothing to answer
         except wire.ProtocolError as exc:
             self.counters["bad_requests"] += 1
             try:
-                conn.sendall(wire.encode_response(wire.Status.BAD_REQUEST, {"error": str(exc)}))
+                conn.sendall(session.seal(wire.encode_response(wire.Status.BAD_REQUEST, {"error": str(exc)})))
                 _drain_before_close(conn)
-            except OSError:
+            except (OSError, wire.ProtocolError):
                 pass
         except (OSError, ConnectionError):
             pass  # the other side went away or stalled: nothing to clean but the socket
@@ -388,7 +419,7 @@ class PeerServer:
             conn.close()
             self._give_slot()
 
-    def _fetch(self, conn: socket.socket, body: bytes) -> None:
+    def _fetch(self, conn: socket.socket, session: PeerSession, body: bytes, deadline: float) -> None:
         request, tokens = wire.decode_fetch(body)
         src = self.source
         if request.block_bytes != src.block_bytes or request.block_size != src.block_size:
@@ -397,37 +428,56 @@ class PeerServer:
                 f"this peer serves {src.block_size}/{src.block_bytes}")
         if tokens.size == 0:
             raise wire.ProtocolError("fetch without token ids")
+        conn.settimeout(_left(deadline))
         pinned = src.pin_for_peer(root_from_wire(request.root), tokens, request.max_blocks)
         if pinned is None:
-            conn.sendall(wire.encode_response(wire.Status.MISS, wire.FetchHeader(matched_tokens=0, n_blocks=0, block_bytes=src.block_bytes)))
+            conn.sendall(session.seal(wire.encode_response(wire.Status.MISS, wire.FetchHeader(
+                matched_tokens=0, n_blocks=0, block_bytes=src.block_bytes))))
             return
         matched, slots, handle = pinned
         slots = slots[request.skip_blocks :]
         try:
             if not slots:
-                conn.sendall(wire.encode_response(wire.Status.MISS, wire.FetchHeader(matched_tokens=matched, n_blocks=0, block_bytes=src.block_bytes)))
+                conn.sendall(session.seal(wire.encode_response(wire.Status.MISS, wire.FetchHeader(
+                    matched_tokens=matched, n_blocks=0, block_bytes=src.block_bytes))))
                 return
             self.counters["fetches"] += 1
             header = wire.FetchHeader(matched_tokens=matched, n_blocks=len(slots), block_bytes=src.block_bytes)
-            conn.sendall(wire.encode_response(wire.Status.OK, header))
-            self._stream(conn, slots)
+            conn.sendall(session.seal(wire.encode_response(wire.Status.OK, header)))
+            self._stream(conn, session, slots, deadline)
         finally:
             src.unpin(handle)
 
-    def _stream(self, conn: socket.socket, slots: list[int]) -> None:
-        per_chunk = wire.chunk_blocks(self.source.block_bytes)
+    def _stream(self, conn: socket.socket, session: PeerSession, slots: list[int], deadline: float) -> None:
+        """Run chunks in block order: a sealed run header, then one sealed record per
+        block, encrypted from the arena into a staging buffer (one per worker thread,
+        reused) and sent with the header in one call."""
+        bb = self.source.block_bytes
+        per_chunk = wire.chunk_blocks(bb)
+        record = sealed_size(bb)
+        staging = self._staging(min(per_chunk, len(slots)) * record)
         for first, slot, count in slot_runs(slots):
             for off in range(0, count, per_chunk):
                 n = min(per_chunk, count - off)
                 digests = self.source.block_digests(list(range(slot + off, slot + off + n)))
-                # The header and the arena view leave in one call, straight from the
-                # shared memory: one kernel copy, no small segment of its own.
-                # (sendfile() from the shm descriptor measured slower on loopback.)
-                sendmsg_all(conn, [wire.encode_run_header(first + off, digests), self.source.slot_view(slot + off, n)],
-                            time.monotonic() + self.timeout_s)
-                self.counters["bytes_sent"] += n * self.source.block_bytes
+                head = session.seal(wire.encode_run_header(first + off, digests))
+                view = self.source.slot_view(slot + off, n)
+                for i in range(n):
+                    session.seal_into(view[i * bb:(i + 1) * bb], staging[i * record:(i + 1) * record])
+                conn.settimeout(_left(deadline))
+                sendmsg_all(conn, [head, staging[: n * record]], deadline)
+                self.counters["bytes_sent"] += n * bb
 
-    def _hot(self, conn: socket.socket, body: bytes) -> None:
+    def _staging(self, nbytes: int) -> memoryview:
+        """This worker thread's staging buffer, at least `nbytes` (at most a run chunk
+        of sealed blocks: one per worker, so bounded by the worker count)."""
+        buf = getattr(self._local, "staging", None)
+        if buf is None or len(buf) < nbytes:
+            buf = memoryview(bytearray(nbytes))
+            self._local.staging = buf
+        return buf
+
+    def _hot(self, conn: socket.socket, session: PeerSession, body: bytes, deadline: float) -> None:
         try:
             request = wire.HotRequest.model_validate_json(body)
         except ValueError:
@@ -436,7 +486,8 @@ class PeerServer:
         response = wire.HotResponse(prefixes=[
             wire.HotPrefix(root=root_to_wire(root), tokens=[int(t) for t in tokens]) for root, tokens in found
         ])
-        conn.sendall(wire.encode_response(wire.Status.OK, response))
+        conn.settimeout(_left(deadline))
+        conn.sendall(session.seal(wire.encode_response(wire.Status.OK, response)))
 
 
 def _left(deadline: float) -> float:
@@ -445,6 +496,69 @@ def _left(deadline: float) -> float:
     if left <= 0:
         raise TimeoutError("peer fetch deadline passed")
     return left
+
+
+# Bytes asked of the kernel per read while a frame's length is not yet backed by
+# received bytes: a peer that announces a large frame and trickles it holds this much.
+RECV_STEP_BYTES = 64 << 10
+
+
+def recv_into_by(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill `view` by `deadline`: every wait is cut to what is left, so a peer that
+    trickles a byte just inside each socket timeout still cannot stretch one frame."""
+    got, total = 0, len(view)
+    while got < total:
+        sock.settimeout(_left(deadline))
+        k = sock.recv_into(view[got:], total - got)
+        if k == 0:
+            raise ConnectionError("the other end closed the connection")
+        got += k
+
+
+def recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """`n` bytes by `deadline`, the buffer growing as they arrive (an announced length
+    costs memory only once its bytes came)."""
+    if n <= RECV_STEP_BYTES:
+        buf = bytearray(n)
+        recv_into_by(sock, memoryview(buf), deadline)
+        return bytes(buf)
+    buf = bytearray()
+    while len(buf) < n:
+        sock.settimeout(_left(deadline))
+        chunk = sock.recv(min(RECV_STEP_BYTES, n - len(buf)))
+        if not chunk:
+            raise ConnectionError("the other end closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def _read_record(sock: socket.socket, session: PeerSession, deadline: float, max_bytes: int) -> bytes:
+    """The next sealed record's plaintext, by `deadline`."""
+    head = recv_by(sock, wire.RECORD.size, deadline)
+    length = wire.decode_record_header(head, max_bytes)
+    return session.open(head, recv_by(sock, length + wire.TAG_BYTES, deadline))
+
+
+def _read_reply(sock: socket.socket, session: PeerSession, deadline: float) -> tuple[wire.Status, bytes]:
+    """The server's first answer: (status, body). Sealed, or a plain refusal the server
+    sent before any session existed (bad proof, no free slot), which carries no data."""
+    head = recv_by(sock, wire.RECORD.size, deadline)
+    if head[:4] == wire.RESPONSE_MAGIC:
+        status, length = wire.decode_response_header(head + recv_by(sock, wire.RESPONSE.size - len(head), deadline))
+        if status not in REFUSALS:
+            raise wire.ProtocolError(f"unsealed {status.name} answer")
+        recv_by(sock, length, deadline)
+        return status, b""
+    length = wire.decode_record_header(head, wire.MAX_RESPONSE_RECORD_BYTES)
+    frame = session.open(head, recv_by(sock, length + wire.TAG_BYTES, deadline))
+    status, body_len = wire.decode_response_header(frame[: wire.RESPONSE.size])
+    if body_len != len(frame) - wire.RESPONSE.size:
+        raise wire.ProtocolError("response length does not match its record")
+    return status, frame[wire.RESPONSE.size:]
+
+
+# What a server may answer in the clear: its refusals at the handshake.
+REFUSALS = frozenset({wire.Status.UNAUTHORIZED, wire.Status.BUSY})
 
 
 class PeerAuthError(wire.ProtocolError):
@@ -457,7 +571,7 @@ class TcpTransport:
 
     `identity` is this sidecar's own advertised peer address (signed into both proofs)."""
 
-    def __init__(self, keys: PeerKeyring | bytes | None, connect_timeout_s: float = 0.25, timeout_s: float = 2.0,
+    def __init__(self, keys: PeerKeyring | bytes, connect_timeout_s: float = 0.25, timeout_s: float = 2.0,
                  identity: str = "") -> None:
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="peer-verify")
         self.keys = as_keyring(keys)
@@ -465,36 +579,44 @@ class TcpTransport:
         self.connect_timeout_s = connect_timeout_s
         self.timeout_s = timeout_s
 
-    def _connect(self, peer: str, deadline: float) -> tuple[socket.socket, bytes]:
-        """A connection whose server proved a shared secret for `peer`, and this side's
-        proof, to send ahead of the first request (one segment, no extra round trip)."""
+    def _connect(self, peer: str, deadline: float) -> tuple[socket.socket, bytes, PeerSession]:
+        """A connection whose server proved a shared secret for `peer`, this side's
+        proof, to send ahead of the first request (one segment, no extra round trip),
+        and the session that seals what follows."""
         addr = parse_peer(peer)  # "[v6]:port" too
         sock = socket.create_connection((addr.host, addr.port), timeout=self.connect_timeout_s)
         try:
             _tune(sock)
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.settimeout(_left(deadline))
             client_nonce = os.urandom(wire.NONCE_BYTES)
             sock.sendall(wire.encode_hello(client_nonce, self.identity))
-            server_nonce, n = wire.decode_challenge_head(recv_exact(sock, wire.CHALLENGE.size))
-            proofs = recv_exact(sock, n * wire.PROOF_BYTES)
+            server_nonce, n = wire.decode_challenge_head(recv_by(sock, wire.CHALLENGE.size, deadline))
+            proofs = recv_by(sock, n * wire.PROOF_BYTES, deadline)
             secrets = self.keys.accepted()
             for i in range(n):
                 secret = wire.proof_matches(secrets, proofs[i * wire.PROOF_BYTES:(i + 1) * wire.PROOF_BYTES],
                                             wire.Role.SERVER, client_nonce, server_nonce, peer, self.identity)
                 if secret is not None:
-                    return sock, wire.proof(secret, wire.Role.CLIENT, client_nonce, server_nonce, peer, self.identity)
+                    session = PeerSession.for_client(secret, client_nonce, server_nonce, peer, self.identity)
+                    return sock, wire.proof(secret, wire.Role.CLIENT, client_nonce, server_nonce, peer,
+                                            self.identity), session
             raise PeerAuthError(f"{peer} did not prove a shared peer secret for its address")
         except BaseException:
             sock.close()
             raise
 
     def fetch(self, peer: str, root: KeyRoot, token_ids: np.ndarray, block_size: int,
-              block_bytes: int, sink: FetchSink, max_blocks: int, skip_blocks: int = 0) -> FetchOutcome:
-        """Blocks [skip_blocks, matched) of the prompt into `sink`; never raises."""
+              block_bytes: int, sink: FetchSink, max_blocks: int, skip_blocks: int = 0,
+              deadline: float | None = None) -> FetchOutcome:
+        """Blocks [skip_blocks, matched) of the prompt into `sink`; never raises.
+
+        The whole fetch (connect, handshake, request, every byte of the answer) ends by
+        `deadline` (monotonic; default `timeout_s` from now): what arrived verified by
+        then is kept, the rest is a miss."""
         outcome = FetchOutcome()
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
         try:
-            sock, client_proof = self._connect(peer, deadline)
+            sock, client_proof, session = self._connect(peer, deadline)
         except PeerAuthError:
             outcome.error = "peer failed authentication"
             return outcome
@@ -505,9 +627,9 @@ class TcpTransport:
             request = wire.FetchRequest(root=root_to_wire(root), block_bytes=block_bytes,
                                         block_size=block_size, max_blocks=max_blocks,
                                         skip_blocks=skip_blocks)
-            sock.sendall(client_proof + wire.encode_fetch(request, token_ids))
-            status, length = wire.decode_response_header(recv_exact(sock, wire.RESPONSE.size))
-            body = recv_exact(sock, length)
+            sock.settimeout(_left(deadline))
+            sock.sendall(client_proof + session.seal(wire.encode_fetch(request, token_ids)))
+            status, body = _read_reply(sock, session, deadline)
             if status is not wire.Status.OK:
                 outcome.error = None if status is wire.Status.MISS else status.name.lower()
                 return outcome
@@ -520,48 +642,59 @@ class TcpTransport:
             if not views:
                 outcome.error = "no room to receive"
                 return outcome
-            self._receive(sock, views, deadline, outcome)
+            self._receive(sock, session, views, deadline, outcome)
+        except RecordAuthError:
+            outcome.error = RECORD_AUTH_FAILED
+        except TimeoutError:  # socket.timeout is TimeoutError: the deadline passed mid-way
+            outcome.error = "deadline"
         except (OSError, ConnectionError, wire.ProtocolError, ValueError) as exc:
             outcome.error = f"{exc.__class__.__name__}"
         finally:
             sock.close()
         return outcome
 
-    def _receive(self, sock: socket.socket, views: list[memoryview], deadline: float, outcome: FetchOutcome) -> None:
-        """Receive run frames in order straight into `views`; keep the blocks whose
-        digests match, stop at the first that does not.
+    def _receive(self, sock: socket.socket, session: PeerSession, views: list[memoryview], deadline: float,
+                 outcome: FetchOutcome) -> None:
+        """Receive run chunks in order, each block's record into a staging buffer and
+        decrypted from there straight into its view; keep the blocks whose tags and
+        digests match, stop at the first that does not (a failed tag raises).
 
         Each block is hashed as soon as it landed, while it is still in cache (on
         machines with >= 4 cores, on a helper thread while the next one arrives)."""
         digests_out = outcome.digests
+        staging = memoryview(bytearray(sealed_size(len(views[0]))))
+        head = staging[: wire.RECORD.size]
         while outcome.verified_blocks < len(views):
-            sock.settimeout(_left(deadline))
-            first, count = wire.decode_run_header(recv_exact(sock, wire.RUN.size))
-            if first != outcome.verified_blocks or first + count > len(views):
+            run = _read_record(sock, session, deadline, wire.MAX_RUN_RECORD_BYTES)
+            first, count = wire.decode_run_header(run[: wire.RUN.size])
+            if first != outcome.verified_blocks or first + count > len(views) or len(run) != wire.RUN.size + 8 * count:
                 raise wire.ProtocolError("run out of order")
-            expected = np.frombuffer(recv_exact(sock, 8 * count), dtype="<u8")
+            expected = np.frombuffer(run, dtype="<u8", offset=wire.RUN.size)
             pending = []
             for view in views[first : first + count]:
-                sock.settimeout(_left(deadline))
-                recv_into_exact(sock, view)
+                recv_into_by(sock, staging, deadline)
+                if wire.decode_record_header(head, len(view)) != len(view):
+                    raise wire.ProtocolError("block record of the wrong length")
+                session.open_into(head, staging[wire.RECORD.size:], view)
                 outcome.bytes_received += len(view)
                 pending.append(self._hasher.submit(xxhash.xxh3_64_intdigest, view) if len(view) >= THREADED_HASH_BYTES
                                else xxhash.xxh3_64_intdigest(view))
             for i, got in enumerate(pending):
                 digest = got.result() if not isinstance(got, int) else got
                 if digest != int(expected[i]):
-                    outcome.error = "checksum mismatch"
+                    outcome.error = CHECKSUM_MISMATCH
                     return
                 digests_out.append(digest)
                 outcome.verified_blocks += 1
 
     def hot_prefixes(self, peer: str, tenant: str, max_bytes: int) -> HotPrefixes:
         deadline = time.monotonic() + self.timeout_s
-        sock, client_proof = self._connect(peer, deadline)
+        sock, client_proof, session = self._connect(peer, deadline)
         try:
-            sock.sendall(client_proof + wire.encode_request(wire.Op.HOT, wire.HotRequest(tenant=tenant, max_bytes=max_bytes).model_dump_json().encode()))
-            status, length = wire.decode_response_header(recv_exact(sock, wire.RESPONSE.size))
-            body = recv_exact(sock, length)
+            sock.settimeout(_left(deadline))
+            request = wire.HotRequest(tenant=tenant, max_bytes=max_bytes).model_dump_json().encode()
+            sock.sendall(client_proof + session.seal(wire.encode_request(wire.Op.HOT, request)))
+            status, body = _read_reply(sock, session, deadline)
             if status is not wire.Status.OK:
                 raise ConnectionError(f"peer answered {status.name}")
             response = wire.HotResponse.model_validate_json(body)

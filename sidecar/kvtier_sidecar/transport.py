@@ -21,6 +21,12 @@ class FetchSink(Protocol):
     def reserve(self, n_blocks: int) -> list[memoryview] | None: ...
 
 
+# The errors of a fetch that stopped at bytes that failed verification (a peer, or
+# something between, serving bad bytes): a block's digest, or a sealed record's tag.
+CHECKSUM_MISMATCH = "checksum mismatch"
+RECORD_AUTH_FAILED = "record authentication failed"
+
+
 @dataclass(slots=True)
 class FetchOutcome:
     """`verified_blocks` leading blocks were received and passed their checksums.
@@ -43,6 +49,8 @@ class HotPrefixes:
 
 class PeerTransport(Protocol):
     def fetch(self, peer: str, root: KeyRoot, token_ids: np.ndarray, block_size: int,
-              block_bytes: int, sink: FetchSink, max_blocks: int, skip_blocks: int = 0) -> FetchOutcome: ...
+              block_bytes: int, sink: FetchSink, max_blocks: int, skip_blocks: int = 0,
+              deadline: float | None = None) -> FetchOutcome:
+        """Never raises; the whole fetch ends by `deadline` (monotonic) whatever the peer does."""
 
     def hot_prefixes(self, peer: str, tenant: str, max_bytes: int) -> HotPrefixes: ...

@@ -1,13 +1,21 @@
 """The peer protocol's bytes: handshake, request and response frames, run frames.
 
-Pure encoding and decoding; the sockets live in `peer_tcp`. One connection:
+Pure encoding and decoding; the sockets live in `peer_tcp`, the session's sealing in
+`peer_session`. One connection:
 
-    client -> server   HELLO    b"KVP2" | client_nonce[16] | id_len u8 | client_id
-    server -> client   CHALLENGE b"KVP2" | server_nonce[16] | n u8 | server_proof[32] * n
+    client -> server   HELLO    b"KVP3" | client_nonce[16] | id_len u8 | client_id
+    server -> client   CHALLENGE b"KVP3" | server_nonce[16] | n u8 | server_proof[32] * n
     client -> server   PROOF    client_proof[32]
+    -- from here on every frame travels sealed, one frame per RECORD --
     client -> server   REQUEST  b"KVRQ" | op u8 | body_len u32 | body
     server -> client   RESPONSE b"KVRS" | status u8 | body_len u32 | body(JSON)
-    server -> client   RUN*     b"KVRN" | first_block u32 | n_blocks u32 | xxh3_64 u64 * n_blocks | bytes
+    server -> client   RUN*     b"KVRN" | first_block u32 | n_blocks u32 | xxh3_64 u64 * n_blocks
+                       then one record per block: its bytes
+    RECORD             b"KVSE" | plaintext_len u32 | AES-256-GCM(plaintext) | tag[16]
+
+A server that refuses a connection at the handshake (bad proof, no free slot) answers
+with a plain RESPONSE instead of a record: no session exists yet, and the refusal
+says nothing an eavesdropper could use.
 
 A FETCH body is `json_len u32 | FetchRequest JSON | token ids (little-endian uint32)`.
 The response announces `n_blocks`; RUN frames follow in block order until they add up.
@@ -25,6 +33,10 @@ at the real one (no relay). The server proves first, once per secret it accepts 
 current one and, during a rotation's overlap, the previous one); the client answers
 with a secret whose server proof checked out, and sends its request only after the
 server proved it holds the secret, so a fake peer learns neither tokens nor tenants.
+
+The magic names the protocol's version: a peer speaking another one is refused at its
+first frame (`OldProtocolError` for the previous version, v2, which sent everything
+after the handshake in the clear).
 """
 from __future__ import annotations
 
@@ -37,10 +49,15 @@ from enum import Enum, IntEnum
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-HELLO_MAGIC = b"KVP2"
+HELLO_MAGIC = b"KVP3"
+# Magics of the versions before, refused by name (v2: authenticated, not encrypted).
+OLD_HELLO_MAGICS = {b"KVP2": 2, b"KVP1": 1}
 NONCE_BYTES = 16
 PROOF_BYTES = 32
-PROOF_CONTEXT = b"kvtier-peer-v2"
+PROOF_CONTEXT = b"kvtier-peer-v3"
+RECORD = struct.Struct("<4sI")
+RECORD_MAGIC = b"KVSE"
+TAG_BYTES = 16
 # Identities are host:port strings; one length byte bounds what a server buffers.
 MAX_IDENTITY_BYTES = 255
 # Secrets a server proves with at once: the current one and the previous one during
@@ -80,6 +97,10 @@ class Status(IntEnum):
 
 class ProtocolError(ValueError):
     """The other side sent bytes that are not this protocol."""
+
+
+class OldProtocolError(ProtocolError):
+    """The other side speaks an earlier version of the peer protocol."""
 
 
 class WireRoot(BaseModel):
@@ -135,7 +156,8 @@ class Role(bytes, Enum):
     CLIENT = b"C"
 
 
-def _field(raw: bytes) -> bytes:
+def field_bytes(raw: bytes) -> bytes:
+    """`raw`, length-prefixed: a list of such fields signs (or keys) unambiguously."""
     return struct.pack("<H", len(raw)) + raw
 
 
@@ -143,8 +165,8 @@ def proof(secret: bytes, role: Role, client_nonce: bytes, server_nonce: bytes, s
           client_id: str) -> bytes:
     """The MAC one side sends: every field length-prefixed, so no two field lists
     produce the same signed bytes."""
-    material = (PROOF_CONTEXT + role.value + _field(client_nonce) + _field(server_nonce)
-                + _field(server_endpoint.encode()) + _field(client_id.encode()))
+    material = (PROOF_CONTEXT + role.value + field_bytes(client_nonce) + field_bytes(server_nonce)
+                + field_bytes(server_endpoint.encode()) + field_bytes(client_id.encode()))
     return hmac.new(secret, material, hashlib.sha256).digest()
 
 
@@ -167,6 +189,9 @@ def encode_hello(client_nonce: bytes, client_id: str) -> bytes:
 def decode_hello_head(raw: bytes) -> tuple[bytes, int]:
     """(client_nonce, identity length) from HELLO's fixed part."""
     magic, nonce, id_len = HELLO.unpack(raw)
+    if magic in OLD_HELLO_MAGICS:
+        raise OldProtocolError(f"peer speaks kvtier peer protocol v{OLD_HELLO_MAGICS[magic]}; this sidecar "
+                               f"speaks v3 (encrypted): run one sidecar version across the fleet")
     if magic != HELLO_MAGIC:
         raise ProtocolError("not the kvtier peer protocol (bad hello magic)")
     return nonce, id_len
@@ -186,11 +211,23 @@ def encode_challenge(server_nonce: bytes, proofs: list[bytes]) -> bytes:
 def decode_challenge_head(raw: bytes) -> tuple[bytes, int]:
     """(server_nonce, number of proofs) from CHALLENGE's fixed part."""
     magic, nonce, n = CHALLENGE.unpack(raw)
+    if magic in OLD_HELLO_MAGICS:
+        raise OldProtocolError(f"peer speaks kvtier peer protocol v{OLD_HELLO_MAGICS[magic]}, not v3")
     if magic != HELLO_MAGIC:
         raise ProtocolError("peer did not greet with the kvtier peer protocol")
     if not 0 < n <= MAX_PROOFS:
         raise ProtocolError(f"challenge with {n} proofs")
     return nonce, n
+
+
+def decode_record_header(raw: bytes, max_bytes: int) -> int:
+    """A sealed record's plaintext length (its ciphertext and tag follow)."""
+    magic, length = RECORD.unpack(raw)
+    if magic != RECORD_MAGIC:
+        raise ProtocolError("bad record magic")
+    if length > max_bytes:
+        raise ProtocolError(f"record of {length} bytes exceeds {max_bytes}")
+    return length
 
 
 def encode_request(op: Op, body: bytes) -> bytes:
@@ -262,6 +299,12 @@ def decode_run_header(raw: bytes) -> tuple[int, int]:
     if not 0 < count <= MAX_RUN_BLOCKS:
         raise ProtocolError(f"run of {count} blocks")
     return first, count
+
+
+# The largest record either side accepts, unless it expects a block's exact length.
+MAX_REQUEST_RECORD_BYTES = REQUEST.size + MAX_REQUEST_BYTES
+MAX_RESPONSE_RECORD_BYTES = RESPONSE.size + MAX_RESPONSE_JSON_BYTES
+MAX_RUN_RECORD_BYTES = RUN.size + 8 * MAX_RUN_BLOCKS
 
 
 def chunk_blocks(block_bytes: int) -> int:

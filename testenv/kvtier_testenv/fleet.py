@@ -132,8 +132,23 @@ def fleet_namespace(workdir: Path) -> str:
     return "kvtier-fleet-" + hashlib.blake2b(str(Path(workdir).resolve()).encode(), digest_size=4).hexdigest()
 
 
+def fleet_secret(workdir: Path) -> str:
+    """The peer secret file every sidecar of the fleet in `workdir` shares (written once:
+    a sidecar never starts its peer tier without a secret)."""
+    path = Path(workdir) / "fleet-peer-secret"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(os.urandom(32).hex())
+        tmp.replace(path)
+    return str(path)
+
+
 def sidecar_config(name: str, ip: str, workdir: Path, oracle, redis_url: str | None = None,
                    secret_file: str | None = None, **overrides) -> dict:
+    """A loopback sidecar's config; without `secret_file` (and with the peer tier on) the
+    fleet's shared secret."""
+    if secret_file is None and overrides.get("peer_enabled", True):
+        secret_file = fleet_secret(workdir)
     config = {
         "pod_name": name, "pod_namespace": fleet_namespace(workdir), "pod_ip": ip,
         "http_port": 0, "peer_port": 0, "engine_socket": str(workdir / f"{name}.sock"),

@@ -7,12 +7,14 @@ import threading
 
 class FaultyProxy:
     """Forwards to `target`; flips the byte at `flip_at` and/or closes after `cut_at`
-    bytes of the server->client direction (None: leave it alone)."""
+    bytes of the server->client direction (None: leave it alone). `seen` keeps every
+    byte that passed, per direction ("to_server", "to_client"): what a wiretap reads."""
 
     def __init__(self, target: str, flip_at: int | None = None, cut_at: int | None = None, host: str = "127.0.0.1") -> None:
         self.target = target
         self.flip_at = flip_at
         self.cut_at = cut_at
+        self.seen = {"to_server": bytearray(), "to_client": bytearray()}
         self.sock = socket.create_server((host, 0))
         self.address = "%s:%d" % self.sock.getsockname()[:2]
         self.connections = 0
@@ -50,6 +52,7 @@ class FaultyProxy:
                         break
                     data = bytes(buf)
                 seen += len(data)
+                self.seen["to_client" if faulty else "to_server"] += data
                 dst.sendall(data)
         except OSError:
             pass

@@ -8,13 +8,22 @@ import time
 import numpy as np
 import pytest
 
+from kvtier.sidecar_config import PeerSecretError
 from kvtier_sidecar import wire
 from kvtier_sidecar.peer_keys import PeerKeyring, SecretFileWatch
-from kvtier_sidecar.peer_tcp import PeerAuthError, PeerServer, TcpTransport, recv_exact
+from kvtier_sidecar.peer_tcp import PeerAuthError, PeerServer, TcpTransport
+from kvtier_sidecar.sockio import recv_exact
 
 from .test_peer_transport import BB, ORACLE, Sink, fill, tier  # noqa: F401  (tier: fixture)
 
-SECRET = b"fleet-secret"
+SECRET = b"fleet-secret-" * 3
+
+
+def key(name: bytes) -> bytes:
+    """A secret long enough for the peer tier (32 bytes and more), named for the test."""
+    return name.ljust(32, b".")
+
+
 # The slow-trickle attack (docs/SECURITY.md): one more connection than the server has slots,
 # each sending one byte every 0.6 s.
 TRICKLERS = 9
@@ -114,9 +123,9 @@ def test_proofs_bind_role_nonces_endpoint_and_identity():
     for change in (dict(role=wire.Role.SERVER), dict(client_nonce=b"d" * 16), dict(server_nonce=b"t" * 16),
                    dict(server_endpoint="10.0.0.9:8082"), dict(client_id="10.0.0.3:8082")):
         assert wire.proof(SECRET, **{**base, **change}) != ref, change
-    assert wire.proof(b"other", **base) != ref
-    assert wire.proof_matches([b"old", SECRET], ref, **base) == SECRET
-    assert wire.proof_matches([b"old"], ref, **base) is None
+    assert wire.proof(key(b"other"), **base) != ref
+    assert wire.proof_matches([key(b"old"), SECRET], ref, **base) == SECRET
+    assert wire.proof_matches([key(b"old")], ref, **base) is None
 
 
 def test_slow_trickle_holds_no_slot_and_real_peers_keep_being_served(tier):
@@ -164,26 +173,40 @@ def test_slow_trickle_holds_no_slot_and_real_peers_keep_being_served(tier):
     server.close()
 
 
+def test_keyring_refuses_an_empty_or_short_secret():
+    for bad in (b"", b"x" * 31):
+        with pytest.raises(PeerSecretError, match="at least 32 bytes"):
+            PeerKeyring(bad, overlap_s=1.0)
+        with pytest.raises(PeerSecretError):
+            TcpTransport(bad)
+    ring = PeerKeyring(key(b"one"), overlap_s=1.0)
+    with pytest.raises(PeerSecretError):
+        ring.rotate(b"")
+    assert ring.accepted() == [key(b"one")]
+
+
 def test_keyring_accepts_the_previous_secret_only_during_the_overlap():
-    ring = PeerKeyring(b"old", overlap_s=30.0)
-    assert ring.accepted(now=0.0) == [b"old"]
-    assert ring.rotate(b"new", now=100.0) and not ring.rotate(b"new", now=101.0)
-    assert ring.accepted(now=129.9) == [b"new", b"old"]
-    assert ring.accepted(now=130.0) == [b"new"]
+    ring = PeerKeyring(key(b"old"), overlap_s=30.0)
+    assert ring.accepted(now=0.0) == [key(b"old")]
+    assert ring.rotate(key(b"new"), now=100.0) and not ring.rotate(key(b"new"), now=101.0)
+    assert ring.accepted(now=129.9) == [key(b"new"), key(b"old")]
+    assert ring.accepted(now=130.0) == [key(b"new")]
 
 
 def test_secret_file_watch_rotates_on_a_changed_file_and_ignores_an_empty_one(tmp_path):
     path = tmp_path / "peer-secret"
-    path.write_text("one\n")
-    ring = PeerKeyring(b"one", overlap_s=60.0)
+    path.write_bytes(key(b"one") + b"\n")
+    ring = PeerKeyring(key(b"one"), overlap_s=60.0)
     watch = SecretFileWatch(str(path), ring)
     assert not watch.poll()
     path.write_text("")
-    assert not watch.poll() and ring.accepted()[0] == b"one"
+    assert not watch.poll() and ring.accepted()[0] == key(b"one")
+    path.write_text("short")  # a truncated Secret never replaces a usable one
+    assert not watch.poll() and ring.accepted() == [key(b"one")]
     tmp = tmp_path / "swap"
-    tmp.write_text("two\n")
+    tmp.write_bytes(key(b"two") + b"\n")
     tmp.replace(path)  # a mounted Secret changes by an atomic swap
-    assert watch.poll() and ring.accepted() == [b"two", b"one"]
+    assert watch.poll() and ring.accepted() == [key(b"two"), key(b"one")]
 
 
 def test_rotation_under_load_fails_no_fetch_and_the_old_secret_expires(tier):
@@ -193,10 +216,10 @@ def test_rotation_under_load_fails_no_fetch_and_the_old_secret_expires(tier):
     toks = tokens_of(64)
     kv = fill(tier, "a", toks)
     overlap_s = 600.0  # longer than any run of this test: the overlap never ends mid-way
-    server_keys = PeerKeyring(b"k1", overlap_s)
+    server_keys = PeerKeyring(key(b"k1"), overlap_s)
     server = PeerServer(tier, "127.0.0.1", 0, server_keys, max_concurrency=8, timeout_s=SLACK_S,
                         handshake_timeout_s=SLACK_S).start()
-    clients = [PeerKeyring(b"k1", overlap_s) for _ in range(2)]
+    clients = [PeerKeyring(key(b"k1"), overlap_s) for _ in range(2)]
     transports = [TcpTransport(k, connect_timeout_s=SLACK_S, timeout_s=SLACK_S) for k in clients]
     failures, done = [], []
     stop = threading.Event()
@@ -220,11 +243,11 @@ def test_rotation_under_load_fails_no_fetch_and_the_old_secret_expires(tier):
             time.sleep(0.005)
 
     after_more(20)
-    server_keys.rotate(b"k2")
+    server_keys.rotate(key(b"k2"))
     after_more(20)
-    clients[0].rotate(b"k2")
+    clients[0].rotate(key(b"k2"))
     after_more(20)
-    clients[1].rotate(b"k2")
+    clients[1].rotate(key(b"k2"))
     after_more(20)
     stop.set()
     for t in threads:
@@ -232,13 +255,13 @@ def test_rotation_under_load_fails_no_fetch_and_the_old_secret_expires(tier):
     assert failures == [] and len(done) >= 80
     server.close()
     # Once a server's overlap is over, the old secret opens nothing.
-    rotated = PeerKeyring(b"k1", overlap_s=0.0)
-    rotated.rotate(b"k2")
+    rotated = PeerKeyring(key(b"k1"), overlap_s=0.0)
+    rotated.rotate(key(b"k2"))
     server = PeerServer(tier, "127.0.0.1", 0, rotated, max_concurrency=8, timeout_s=SLACK_S,
                         handshake_timeout_s=SLACK_S).start()
-    stale = TcpTransport(b"k1", connect_timeout_s=SLACK_S, timeout_s=SLACK_S)
+    stale = TcpTransport(key(b"k1"), connect_timeout_s=SLACK_S, timeout_s=SLACK_S)
     out = stale.fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4)
     assert out.error == "peer failed authentication" and out.verified_blocks == 0
-    fresh = TcpTransport(b"k2", connect_timeout_s=SLACK_S, timeout_s=SLACK_S)
+    fresh = TcpTransport(key(b"k2"), connect_timeout_s=SLACK_S, timeout_s=SLACK_S)
     assert fresh.fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4).verified_blocks == 4
     server.close()

@@ -10,13 +10,17 @@ import pytest
 from kvtier_sidecar import wire
 from kvtier_sidecar.arena import Arena
 from kvtier_sidecar.dram import DramTier
+from kvtier_sidecar.peer_session import PeerSession, sealed_size
 from kvtier_sidecar.peer_tcp import PeerServer, TcpTransport
+from kvtier_sidecar.transport import RECORD_AUTH_FAILED
 from kvtier_testenv.workload import SyntheticOracle
 
 from .proxy import FaultyProxy
 
 ORACLE = SyntheticOracle()
 BB = ORACLE.block_bytes
+# Peer secrets are at least 32 bytes (a sidecar refuses shorter ones).
+SECRET = b"s3cret" * 6
 
 
 @pytest.fixture()
@@ -49,7 +53,7 @@ class Sink:
 CHALLENGE_BYTES = wire.CHALLENGE.size + wire.PROOF_BYTES
 
 
-def serve(tier, secret=b"s3cret"):
+def serve(tier, secret=SECRET):
     return PeerServer(tier, "127.0.0.1", 0, secret, max_concurrency=4, timeout_s=1.0).start()
 
 
@@ -62,11 +66,11 @@ def test_fetch_streams_the_token_matched_prefix_with_verified_runs(tier):
     kv = fill(tier, "a", toks)
     server = serve(tier)
     sink = Sink()
-    out = TcpTransport(b"s3cret").fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=10, skip_blocks=3)
+    out = TcpTransport(SECRET).fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=10, skip_blocks=3)
     assert out.error is None and out.announced_blocks == 7 and out.verified_blocks == 7
     assert np.array_equal(sink.buf[: 7 * BB], kv[3 * BB: 10 * BB])
     # Another tenant's root with the same tokens matches nothing.
-    miss = TcpTransport(b"s3cret").fetch(server.address, ORACLE.root("b"), toks, 16, BB, Sink(), max_blocks=10)
+    miss = TcpTransport(SECRET).fetch(server.address, ORACLE.root("b"), toks, 16, BB, Sink(), max_blocks=10)
     assert miss.verified_blocks == 0 and miss.error is None
     server.close()
 
@@ -75,12 +79,12 @@ def test_wrong_secret_gets_nothing_and_sends_no_request(tier):
     toks = tokens_of(64)
     fill(tier, "a", toks)
     server = serve(tier)
-    out = TcpTransport(b"guess").fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4)
+    out = TcpTransport(b"guess" * 7).fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4)
     # The server's proof does not check out under "guess": the client stops before its request.
     assert out.verified_blocks == 0 and out.error == "peer failed authentication"
     assert server.counters["fetches"] == 0
     # A client that answers the challenge with a wrong proof is refused.
-    s = _authenticated(server.address, b"guess")
+    s = _authenticated(server.address, b"guess" * 7)
     s.sendall(wire.encode_request(wire.Op.HOT, wire.HotRequest(tenant="a", max_bytes=1 << 20).model_dump_json().encode()))
     status, _ = wire.decode_response_header(s.recv(wire.RESPONSE.size, socket.MSG_WAITALL))
     assert status is wire.Status.UNAUTHORIZED and server.counters["unauthorized"] == 1
@@ -88,21 +92,107 @@ def test_wrong_secret_gets_nothing_and_sends_no_request(tier):
     server.close()
 
 
-def test_flipped_byte_fails_its_run_checksum_and_nothing_after_is_kept(tier, monkeypatch):
+def _block_offset(block: int, blocks_per_run: int, n_blocks: int) -> int:
+    """Where block `block`'s ciphertext starts in the server-to-client stream of a
+    fetch answered with `n_blocks` in runs of `blocks_per_run`."""
+    answer = sealed_size(wire.RESPONSE.size + len(wire.FetchHeader(
+        matched_tokens=n_blocks * 16, n_blocks=n_blocks, block_bytes=BB).model_dump_json()))
+    run_header = sealed_size(wire.RUN.size + 8 * blocks_per_run)
+    runs, within = divmod(block, blocks_per_run)
+    return (CHALLENGE_BYTES + answer + runs * (run_header + blocks_per_run * sealed_size(BB)) + run_header
+            + within * sealed_size(BB) + wire.RECORD.size)
+
+
+@pytest.mark.parametrize("block", [0, 4])
+def test_a_flipped_ciphertext_byte_fails_its_record_and_nothing_from_there_is_kept(tier, monkeypatch, block):
     monkeypatch.setattr(wire, "RUN_CHUNK_BYTES", 2 * BB)  # runs of two blocks
     toks = tokens_of(160)
     kv = fill(tier, "a", toks)
     server = serve(tier)
-    header_bytes = CHALLENGE_BYTES + wire.RESPONSE.size + len(wire.FetchHeader(matched_tokens=160, n_blocks=8, block_bytes=BB).model_dump_json())
-    run_header = wire.RUN.size + 2 * 8
-    # Corrupt a byte inside the third run's first block (block 4).
-    proxy = FaultyProxy(server.address, flip_at=header_bytes + 2 * (run_header + 2 * BB) + run_header + 100)
+    proxy = FaultyProxy(server.address, flip_at=_block_offset(block, 2, 8) + 100)
     server.endpoint = proxy.address  # the address its peers dial (and sign)
     sink = Sink()
-    out = TcpTransport(b"s3cret").fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=8)
-    assert out.error == "checksum mismatch" and out.verified_blocks == 4
-    assert np.array_equal(sink.buf[: 4 * BB], kv[: 4 * BB])
+    out = TcpTransport(SECRET).fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=8)
+    # The blocks before the flipped one passed their tags and digests; the flipped one
+    # and everything after are dropped (block 0: a miss), never handed on.
+    assert out.error == RECORD_AUTH_FAILED and out.verified_blocks == block
+    assert np.array_equal(sink.buf[: block * BB], kv[: block * BB])
     proxy.close(); server.close()
+
+
+def test_a_wiretap_reads_neither_kv_nor_token_ids_nor_the_tenant(tier):
+    toks = tokens_of(160, seed=7)
+    tenant = "tenant-acme-confidential"
+    root = ORACLE.root(tenant)
+    kv = ORACLE.kv(root, toks)
+    res = tier.reserve(root, toks, None, None, admit=False)
+    for i, slot in enumerate(res.slots):
+        tier.slot_array(slot)[:] = kv[(res.first_block + i) * BB:(res.first_block + i + 1) * BB]
+    assert tier.commit(res, len(res.slots)) == len(res.slots)
+    server = serve(tier)
+    tap = FaultyProxy(server.address)
+    server.endpoint = tap.address
+    sink = Sink()
+    out = TcpTransport(SECRET).fetch(tap.address, root, toks, 16, BB, sink, max_blocks=10)
+    assert out.error is None and out.verified_blocks == 10
+    assert np.array_equal(sink.buf[: 10 * BB], kv[: 10 * BB])
+    to_server, to_client = bytes(tap.seen["to_server"]), bytes(tap.seen["to_client"])
+    assert len(to_client) > 10 * BB  # the blocks did cross the tap...
+    assert to_server.startswith(wire.HELLO_MAGIC)  # ...and the tap sees the handshake in the clear
+    ids = toks.astype("<u4").tobytes()
+    for i in range(0, len(ids) - 32, 32):  # no 32-byte run of the prompt's token ids
+        assert ids[i:i + 32] not in to_server
+    for b in range(10):  # no 64-byte run of any block's KV
+        assert kv[b * BB: b * BB + 64].tobytes() not in to_client
+        assert kv[b * BB + BB // 2: b * BB + BB // 2 + 64].tobytes() not in to_client
+    for direction in (to_server, to_client):
+        assert tenant.encode() not in direction and b"model_id" not in direction
+    tap.close(); server.close()
+
+
+def test_a_replayed_record_is_refused_in_its_connection_and_in_another(tier):
+    fill(tier, "a", tokens_of(64))
+    server = serve(tier)
+    hot = wire.encode_request(wire.Op.HOT, wire.HotRequest(tenant="a", max_bytes=1 << 20).model_dump_json().encode())
+    s, session = _session(server.address, SECRET)
+    record = session.seal(hot)
+    s.sendall(record)
+    status, _ = _sealed_reply(s, session)
+    assert status is wire.Status.OK
+    s.sendall(record)  # the same bytes again: the counter moved on, its tag fails
+    assert _hung_up(s)  # closed without an answer
+    assert server.counters["bad_records"] == 1
+    s.close()
+    other, _ = _session(server.address, SECRET)  # another connection: other keys
+    other.sendall(record)
+    assert _hung_up(other)
+    assert server.counters["bad_records"] == 2
+    other.close()
+    server.close()
+
+
+def test_a_peer_speaking_the_previous_protocol_is_refused_cleanly(tier):
+    server = serve(tier)
+    host, port = server.address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.sendall(b"KVP2" + os.urandom(wire.NONCE_BYTES) + bytes([4]) + b"old1")
+    assert _hung_up(s)  # no challenge: nothing of ours to an old peer
+    assert server.counters["old_protocol"] == 1
+    s.close()
+    old_server = socket.create_server(("127.0.0.1", 0))  # answers a v3 hello as a v2 server would
+
+    def answer() -> None:
+        c, _ = old_server.accept()
+        c.recv(4096)
+        c.sendall(b"KVP2" + os.urandom(wire.NONCE_BYTES) + bytes([1]) + bytes(wire.PROOF_BYTES))
+        c.close()
+
+    import threading
+    threading.Thread(target=answer, daemon=True).start()
+    out = TcpTransport(SECRET).fetch("127.0.0.1:%d" % old_server.getsockname()[1], ORACLE.root("a"),
+                                     tokens_of(64), 16, BB, Sink(), max_blocks=4)
+    assert out.error == "connect: OldProtocolError" and out.verified_blocks == 0
+    old_server.close(); server.close()
 
 
 def test_peer_dying_mid_transfer_leaves_a_verified_partial_answer(tier, monkeypatch):
@@ -113,7 +203,7 @@ def test_peer_dying_mid_transfer_leaves_a_verified_partial_answer(tier, monkeypa
     proxy = FaultyProxy(server.address, cut_at=CHALLENGE_BYTES + 200 + 3 * (wire.RUN.size + 16 + 2 * BB))
     server.endpoint = proxy.address
     sink = Sink()
-    out = TcpTransport(b"s3cret").fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=9)
+    out = TcpTransport(SECRET).fetch(proxy.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=9)
     assert out.error and 0 < out.verified_blocks < 9
     assert np.array_equal(sink.buf[: out.verified_blocks * BB], kv[: out.verified_blocks * BB])
     proxy.close(); server.close()
@@ -122,7 +212,7 @@ def test_peer_dying_mid_transfer_leaves_a_verified_partial_answer(tier, monkeypa
 def test_stalled_peer_times_out_into_a_miss():
     silent = socket.create_server(("127.0.0.1", 0))
     addr = "%s:%d" % silent.getsockname()[:2]
-    t = TcpTransport(b"", connect_timeout_s=0.2, timeout_s=1.0)
+    t = TcpTransport(SECRET, connect_timeout_s=0.2, timeout_s=1.0)
     import time
     t0 = time.monotonic()
     out = t.fetch(addr, ORACLE.root("a"), tokens_of(64), 16, BB, Sink(), max_blocks=4)
@@ -151,24 +241,29 @@ def test_partial_commit_publishes_only_the_verified_blocks(tier):
 def test_peer_protocol_fuzz_server_keeps_serving(tier):
     toks = tokens_of(64)
     kv = fill(tier, "a", toks)
-    server = serve(tier, secret=b"")
+    server = serve(tier)
     rng = random.Random(3)
     host, port = server.address.split(":")
     for i in range(2000):
-        kind = i % 4
-        s = (socket.create_connection((host, int(port)), timeout=1) if kind == 0
-             else _authenticated(server.address, b""))
+        kind = i % 5
+        if kind == 0:
+            s = socket.create_connection((host, int(port)), timeout=1)
+        else:
+            s, session = _session(server.address, SECRET)
         try:
             if kind == 0:
                 s.sendall(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 80))))
-            else:
+            elif kind == 4:  # past the handshake, bytes that are no sealed record
+                s.sendall(wire.RECORD.pack(wire.RECORD_MAGIC, rng.randrange(64)) + os.urandom(rng.randrange(80)))
+            else:  # sealed garbage: the request parsing behind the session
                 if kind == 1:
-                    s.sendall(wire.REQUEST.pack(wire.REQUEST_MAGIC, rng.randrange(256), rng.randrange(1 << 32)))
+                    s.sendall(session.seal(wire.REQUEST.pack(wire.REQUEST_MAGIC, rng.randrange(256), rng.randrange(1 << 32))))
                 elif kind == 2:
                     body = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))
-                    s.sendall(wire.encode_request(wire.Op.FETCH, struct.pack("<I", len(body)) + body))
+                    s.sendall(session.seal(wire.encode_request(wire.Op.FETCH, struct.pack("<I", len(body)) + body)))
                 else:
-                    s.sendall(wire.encode_request(wire.Op(rng.choice([1, 2])), b'{"root": 1}' + os.urandom(rng.randrange(8))))
+                    s.sendall(session.seal(wire.encode_request(
+                        wire.Op(rng.choice([1, 2])), b'{"root": 1}' + os.urandom(rng.randrange(8)))))
             s.settimeout(1.0)
             try:
                 s.shutdown(socket.SHUT_WR)  # the server sees the end of our garbage at once
@@ -178,21 +273,40 @@ def test_peer_protocol_fuzz_server_keeps_serving(tier):
         finally:
             s.close()
     sink = Sink()
-    out = TcpTransport(b"").fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=4)
+    out = TcpTransport(SECRET).fetch(server.address, ORACLE.root("a"), toks, 16, BB, sink, max_blocks=4)
     assert out.verified_blocks == 4 and np.array_equal(sink.buf[: 4 * BB], kv[: 4 * BB])
     server.close()
 
 
-def _authenticated(address: str, secret: bytes, client_id: str = "test-client") -> socket.socket:
-    """A socket past the handshake, as a real peer would leave it."""
-    host, port = address.split(":")
+def _session(address: str, secret: bytes, client_id: str = "test-client") -> tuple[socket.socket, PeerSession]:
+    """A socket past the handshake, as a real peer would leave it, and its session."""
+    host, port = address.rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=2)
     client_nonce = os.urandom(wire.NONCE_BYTES)
     s.sendall(wire.encode_hello(client_nonce, client_id))
     server_nonce, n = wire.decode_challenge_head(s.recv(wire.CHALLENGE.size, socket.MSG_WAITALL))
     s.recv(n * wire.PROOF_BYTES, socket.MSG_WAITALL)
     s.sendall(wire.proof(secret, wire.Role.CLIENT, client_nonce, server_nonce, address, client_id))
-    return s
+    return s, PeerSession.for_client(secret, client_nonce, server_nonce, address, client_id)
+
+
+def _authenticated(address: str, secret: bytes, client_id: str = "test-client") -> socket.socket:
+    return _session(address, secret, client_id)[0]
+
+
+def _hung_up(s: socket.socket) -> bool:
+    """The server closed this connection without sending anything more."""
+    try:
+        return s.recv(100) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _sealed_reply(s: socket.socket, session: PeerSession) -> tuple[wire.Status, bytes]:
+    head = s.recv(wire.RECORD.size, socket.MSG_WAITALL)
+    n = wire.decode_record_header(head, wire.MAX_RESPONSE_RECORD_BYTES)
+    frame = session.open(head, s.recv(n + wire.TAG_BYTES, socket.MSG_WAITALL))
+    return wire.decode_response_header(frame[: wire.RESPONSE.size])[0], frame[wire.RESPONSE.size:]
 
 
 def test_connections_over_the_concurrency_bound_get_busy_and_their_slots_come_back(tier):
@@ -200,9 +314,9 @@ def test_connections_over_the_concurrency_bound_get_busy_and_their_slots_come_ba
 
     toks = tokens_of(64)
     kv = fill(tier, "a", toks)
-    server = PeerServer(tier, "127.0.0.1", 0, b"k", max_concurrency=2, timeout_s=5.0).start()
-    holders = [_authenticated(server.address, b"k") for _ in range(2)]
-    transport = TcpTransport(b"k")
+    server = PeerServer(tier, "127.0.0.1", 0, SECRET, max_concurrency=2, timeout_s=5.0).start()
+    holders = [_authenticated(server.address, SECRET) for _ in range(2)]
+    transport = TcpTransport(SECRET)
     out = transport.fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4)
     assert out.error == "busy" and out.verified_blocks == 0 and server.counters["busy"] == 1
     for s in holders:
