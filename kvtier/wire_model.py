@@ -22,9 +22,19 @@ class CelRule:
     cel: str
     message: str
     holds: Callable[[Any], bool]
+    # A rule whose message needs the object's numbers: a CEL messageExpression for the
+    # apiserver and the same text from Python (`describe`), replacing `message`.
+    message_expression: str | None = None
+    describe: Callable[[Any], str] | None = None
 
     def schema(self) -> dict[str, str]:
-        return {"rule": self.cel, "message": self.message}
+        out = {"rule": self.cel, "message": self.message}
+        if self.message_expression is not None:
+            out["messageExpression"] = self.message_expression
+        return out
+
+    def explain(self, model: Any) -> str:
+        return self.describe(model) if self.describe is not None else self.message
 
 
 class WireModel(BaseModel):
@@ -43,7 +53,7 @@ class WireModel(BaseModel):
     def _cel_rules_hold(self) -> "WireModel":
         for rule in self.CEL_RULES:
             if not rule.holds(self):
-                raise ValueError(rule.message)
+                raise ValueError(rule.explain(self))
         return self
 
     def wire(self) -> dict[str, Any]:

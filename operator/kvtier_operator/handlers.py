@@ -28,7 +28,7 @@ from kubernetes.client.rest import ApiException
 from kvtier import policy
 
 from kvtier_operator import (admission_policies, conflicts, hit_rate, injection, metrics, names, publish, reconcile,
-                             rollout_teardown, webhook_gate)
+                             rollout_teardown, sidecar_render, webhook_gate)
 from kvtier_operator.kube import Kube
 from kvtier_operator.membership import PodView, pod_view
 from kvtier_operator.options import (
@@ -200,14 +200,19 @@ async def inject_sidecar(
     if chosen is None:
         return
     spec = next((raw for name, raw, _created in entries if name == chosen), None)
-    try:
-        chosen_spec = policy.KVCachePolicySpec.model_validate(spec)
-    except ValueError:
-        return  # the owner's spec is invalid: inject nothing rather than the wrong config
     options: OperatorOptions = memo.options
-    result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(
-        image=options.sidecar_image, auth_mode=options.sidecar_auth, auth_users=options.sidecar_auth_users,
-        protect_metrics=options.sidecar_protect_metrics, metrics_users=options.sidecar_metrics_users))
+    try:
+        chosen_spec = sidecar_render.carried_out(spec)
+        result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(
+            image=options.sidecar_image, auth_mode=options.sidecar_auth, auth_users=options.sidecar_auth_users,
+            protect_metrics=options.sidecar_protect_metrics, metrics_users=options.sidecar_metrics_users))
+    except sidecar_render.BrokenPolicy as exc:
+        # The owner's mistake is never the pod's: admit it without the sidecar, say why on
+        # the pod, and let the policy's status name it (membership's SidecarsInjected).
+        log.warning("pod %s/%s admitted without the sidecar: policy %s: %s", namespace,
+                    body.metadata.name or body.metadata.get("generateName", ""), chosen, exc)
+        patch["metadata"] = {"annotations": {names.INJECTION_SKIPPED_ANNOTATION: injection.skipped_note(chosen, exc)}}
+        return
     if result is not None:
         patch["metadata"] = result["metadata"]
         patch["spec"] = result["spec"]
@@ -222,7 +227,10 @@ async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, body: kopf.
     await rollout_teardown.settle_workload(memo.kube, dict(body), _poster(dict(body)),
                                            lambda: webhook_gate.serving(memo))
     redis_spec = spec.get("redis") or {}
-    parsed = policy.KVCachePolicySpec.model_validate(dict(spec)) if redis_spec else None
+    try:
+        parsed = policy.KVCachePolicySpec.model_validate(dict(spec)) if redis_spec else None
+    except ValueError:  # a spec no longer valid still goes: only its Redis key stays behind
+        parsed = None
     url = await reconcile.redis_url(memo.kube, namespace, parsed) if parsed else None
     if url:
         await publish.delete_redis(url, namespace, name, bool(redis_spec.get("cluster")))

@@ -23,6 +23,10 @@ Added to the pod:
                                     its tenants on their new homes
     metadata.annotations[kvtier.io/injected-by] = <policy name>
 
+A policy whose sidecar config cannot be rendered (`sidecar_render.BrokenPolicy`) injects
+nothing: the pod is admitted as it is, with `kvtier.io/injection-skipped` saying which
+policy and what to fix, and that policy's status counts it.
+
 The sidecar itself needs no privilege: it satisfies the `restricted` Pod Security
 Standard (non-root, no privilege escalation, every capability dropped, the runtime's
 default seccomp profile, a read-only root filesystem whose writable paths are the
@@ -75,6 +79,15 @@ def selecting_policy(pod: dict[str, Any], policies: list[conflicts.PolicyRef]) -
     if labels.get(names.OPT_OUT_LABEL) == "false":
         return None
     return conflicts.owner(labels, (meta.get("annotations") or {}).get(names.INJECTED_ANNOTATION), policies)
+
+
+# An annotation value stays short: the policy's status has the whole message.
+MAX_SKIPPED_NOTE_CHARS = 1024
+
+
+def skipped_note(policy_name: str, problem: Exception) -> str:
+    """The `injection-skipped` annotation: which policy, and what to fix in it."""
+    return f"{policy_name}: {problem}"[:MAX_SKIPPED_NOTE_CHARS]
 
 
 def inject(

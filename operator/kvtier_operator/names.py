@@ -8,6 +8,10 @@ FINALIZER = f"{PREFIX}/finalizer"
 
 # On pods the webhook injected into: which policy did it, so a second pass is a no-op.
 INJECTED_ANNOTATION = f"{PREFIX}/injected-by"
+# On pods a selecting policy could not inject into because its sidecar config is
+# invalid: "<policy>: <what to fix>". The pod is admitted without the sidecar (never
+# denied for its policy's mistake) and the policy's status names it.
+INJECTION_SKIPPED_ANNOTATION = f"{PREFIX}/injection-skipped"
 # Downward API source of the pod's weights version (set by the rollout on the template).
 WEIGHTS_VERSION_ANNOTATION = f"{PREFIX}/weights-version"
 # Pods opt out of injection with this label set to "true".
