@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictInt, field_v
 
 from kvtier.cache import CacheStats
 from kvtier.peer_address import parse_peer
+from kvtier.tenants import TenantName
 
 JobId = NewType("JobId", str)
 # Longest tenant, model version or job ref the API takes: a name, not a payload.
@@ -47,7 +48,7 @@ class InvalidateRequest(_Request):
 class WarmRequest(_Request):
     """Pull `tenant`'s hottest prefixes, up to `max_bytes`, from the peer `from_peer`."""
 
-    tenant: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    tenant: TenantName
     from_peer: str = Field(min_length=3, max_length=300)
     # Strict: true, "100" and 1.0 are refused rather than read as numbers.
     max_bytes: StrictInt = Field(gt=0, le=MAX_WARM_BYTES)

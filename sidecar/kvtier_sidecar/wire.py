@@ -37,6 +37,8 @@ from enum import Enum, IntEnum
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvtier.tenants import TenantName
+
 HELLO_MAGIC = b"KVP2"
 NONCE_BYTES = 16
 PROOF_BYTES = 32
@@ -87,7 +89,7 @@ class WireRoot(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    tenant: str = Field(min_length=1, max_length=256)
+    tenant: TenantName
     model_id: str = Field(min_length=1, max_length=256)
     weights_version: str = Field(min_length=1, max_length=256)
     kv_dtype: str = Field(min_length=1, max_length=64)
@@ -116,7 +118,7 @@ class FetchHeader(BaseModel):
 class HotRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tenant: str = Field(min_length=1, max_length=256)
+    tenant: TenantName
     max_bytes: int = Field(ge=0)
 
 
