@@ -198,6 +198,8 @@ async def inject_sidecar(
     refs = _policy_refs(entries)
     chosen = injection.selecting_policy(dict(body), refs)
     if chosen is None:
+        if (unforged := injection.unforged(dict(body))) is not None:
+            patch["metadata"] = unforged
         return
     spec = next((raw for name, raw, _created in entries if name == chosen), None)
     options: OperatorOptions = memo.options
@@ -211,7 +213,8 @@ async def inject_sidecar(
         # the pod, and let the policy's status name it (membership's SidecarsInjected).
         log.warning("pod %s/%s admitted without the sidecar: policy %s: %s", namespace,
                     body.metadata.name or body.metadata.get("generateName", ""), chosen, exc)
-        patch["metadata"] = {"annotations": {names.INJECTION_SKIPPED_ANNOTATION: injection.skipped_note(chosen, exc)}}
+        patch["metadata"] = {"annotations": {names.INJECTION_SKIPPED_ANNOTATION: injection.skipped_note(chosen, exc)},
+                             **(injection.unforged(dict(body)) or {})}
         return
     if result is not None:
         patch["metadata"] = result["metadata"]

@@ -22,6 +22,8 @@ Added to the pod:
                                     after SIGTERM it serves peers while the operator warms
                                     its tenants on their new homes
     metadata.annotations[kvtier.io/injected-by] = <policy name>
+    metadata.labels[kvtier.io/injected-by]      = the same (a label value: `names.injected_label_value`);
+                                    removed from every pod the webhook does not inject
 
 A policy whose sidecar config cannot be rendered (`sidecar_render.BrokenPolicy`) injects
 nothing: the pod is admitted as it is, with `kvtier.io/injection-skipped` saying which
@@ -117,9 +119,18 @@ def inject(
     if (KUBERNETES_DEFAULT_GRACE_S if grace is None else grace) < needed:
         patch_spec["terminationGracePeriodSeconds"] = needed
     return {
-        "metadata": {"annotations": {names.INJECTED_ANNOTATION: policy_name}},
+        "metadata": {"annotations": {names.INJECTED_ANNOTATION: policy_name},
+                     "labels": {names.INJECTED_LABEL: names.injected_label_value(policy_name)}},
         "spec": patch_spec,
     }
+
+
+def unforged(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The patch removing an injected-by label from a pod the webhook does not inject
+    (only the webhook may say a pod runs a policy's sidecar), or None."""
+    if names.INJECTED_LABEL in ((pod.get("metadata") or {}).get("labels") or {}):
+        return {"labels": {names.INJECTED_LABEL: None}}
+    return None
 
 
 def sidecar_grace_s(drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:

@@ -22,6 +22,8 @@ DEBOUNCE_S = 0.3
 # Warm-ups in flight per target sidecar: a new home keeps most of its peer link and
 # CPU for live traffic while it is being warmed.
 WARMS_PER_TARGET = 2
+# The label the chart gives the operator's pods (charts/kvtier, kvtier.selectorLabels).
+DEFAULT_OPERATOR_POD_LABELS = "app.kubernetes.io/name=kvtier-operator"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +49,9 @@ class OperatorOptions:
     # A NetworkPolicy per KVCachePolicy guarding the sidecars' ports (see netpol).
     network_policies: bool = False
     operator_namespace: str = ""
-    operator_pod_labels: str = ""  # k=v,k=v: this operator's pods, allowed to the HTTP port
+    # k=v,k=v: this operator's pods, allowed to the HTTP port (never empty: that would
+    # be every pod of the operator's namespace); the chart's selector label by default.
+    operator_pod_labels: str = DEFAULT_OPERATOR_POD_LABELS
     monitoring_namespace: str = ""  # allowed to the HTTP port (metrics); empty: none
     serving_ports_open: bool = True
 
@@ -81,7 +85,7 @@ class OperatorOptions:
             sidecar_token_file=get("SIDECAR_TOKEN_FILE"),
             network_policies=get("NETWORK_POLICIES", "false") == "true",
             operator_namespace=get("OPERATOR_NAMESPACE", ""),
-            operator_pod_labels=get("OPERATOR_POD_LABELS", ""),
+            operator_pod_labels=get("OPERATOR_POD_LABELS", "") or cls.operator_pod_labels,
             monitoring_namespace=get("MONITORING_NAMESPACE", ""),
             serving_ports_open=get("SERVING_PORTS_OPEN", "true") == "true",
             metrics_host=get("METRICS_HOST", cls.metrics_host),

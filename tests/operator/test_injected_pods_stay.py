@@ -39,9 +39,15 @@ def test_pods_of_a_deleted_policy_are_not_adopted_by_an_overlapping_one(operator
     newer["spec"]["model"]["id"] = "reference-tiny-b"  # another model: its members must never be zeta's pods
     kubectl.apply(newer)
     wait_for("alpha config", lambda: _condition(kubectl, "alpha", "SidecarConfigRendered"))
+    # Only the webhook says which policy's sidecar a pod runs: a forged label goes.
+    forged = serving_pod("forged-0", "web")
+    forged["metadata"]["labels"][names.INJECTED_LABEL] = "zeta"
+    kubectl.apply(forged)
+    assert names.INJECTED_LABEL not in kubectl.get_json("pod", "forged-0")["metadata"]["labels"]
     kubectl.apply(serving_pod(f"{APP}-0", APP))
     agent.wait_ready(1, selector=f"app={APP}", timeout_s=90)
-    assert kubectl.get_json("pod", f"{APP}-0")["metadata"]["annotations"][names.INJECTED_ANNOTATION] == "zeta"
+    meta = kubectl.get_json("pod", f"{APP}-0")["metadata"]
+    assert meta["annotations"][names.INJECTED_ANNOTATION] == "zeta" and meta["labels"][names.INJECTED_LABEL] == "zeta"
     wait_for("zeta's member", lambda: status_of(kubectl, "zeta").get("memberCount") == 1)
 
     kubectl.delete("kvcp", "zeta", wait=True)
@@ -57,3 +63,11 @@ def test_pods_of_a_deleted_policy_are_not_adopted_by_an_overlapping_one(operator
     assert kubectl.get_json("pod", f"{APP}-1")["metadata"]["annotations"][names.INJECTED_ANNOTATION] == "alpha"
     alpha = wait_for("alpha's member", lambda: (s := status_of(kubectl, "alpha")).get("memberCount") == 1 and s)
     assert [m.split("=")[0] for m in alpha["members"]] == [f"{APP}-1"]
+
+
+def test_the_injected_label_is_a_label_value_unique_per_policy():
+    assert names.injected_label_value("tiny") == "tiny"
+    long_a, long_b = "a" * 60 + ".x" * 20, "a" * 60 + ".y" * 20
+    labels = {names.injected_label_value(n) for n in (long_a, long_b)}
+    assert len(labels) == 2
+    assert all(len(v) <= names.MAX_LABEL_VALUE and v[0].isalnum() and v[-1].isalnum() for v in labels)

@@ -27,4 +27,5 @@ def test_operator_writes_the_policys_network_policy_owned_by_the_policy(operator
     assert np["metadata"]["ownerReferences"][0]["kind"] == "KVCachePolicy"
     assert np["metadata"]["labels"][names.POLICY_LABEL] == "tiny"
     peer_rule = next(r for r in np["spec"]["ingress"] if r["ports"][0]["port"] == PEER)
-    assert peer_rule["from"] == [{"podSelector": {"matchLabels": {"app": "llm"}}}]
+    # The peer port admits the pods the webhook injected for this policy, by the label it sets.
+    assert peer_rule["from"] == [{"podSelector": {"matchLabels": {names.INJECTED_LABEL: "tiny"}}}]
