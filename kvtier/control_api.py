@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictInt, field_v
 
 from kvtier.cache import CacheStats
 from kvtier.peer_address import parse_peer
+from kvtier.sidecar_config import DEFAULT_CONTROL_AUDIENCE
 from kvtier.tenants import TenantName
 
 JobId = NewType("JobId", str)
@@ -29,6 +30,16 @@ MAX_NAME_CHARS = 256
 # Largest warm-up one request may ask for: 4 TiB is beyond any node's DRAM tier, and a
 # bound keeps a typo (10**30) a clear 422 instead of an integer no code path expects.
 MAX_WARM_BYTES = 4 << 40
+
+
+# The audience of the operator's token for one sidecar: its pod's own, so a token one
+# sidecar received opens no other (the webhook writes the same formula into the pod,
+# with the downward-API variables for the names; the operator mints per pod).
+POD_AUDIENCE_TEMPLATE = "{base}:{namespace}:{pod}"
+
+
+def pod_audience(namespace: str, pod: str, base: str = DEFAULT_CONTROL_AUDIENCE) -> str:
+    return POD_AUDIENCE_TEMPLATE.format(base=base, namespace=namespace, pod=pod)
 
 
 class _Request(BaseModel):

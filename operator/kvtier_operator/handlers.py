@@ -35,7 +35,7 @@ from kvtier_operator.options import (
     WATCH_CLIENT_TIMEOUT_S, WATCH_CONNECT_TIMEOUT_S, WATCH_SERVER_TIMEOUT_S, OperatorOptions,
 )
 from kvtier_operator.registry import PolicyKey, PolicyRegistry
-from kvtier_operator.sidecar_client import SidecarClient
+from kvtier_operator.sidecar_client import PodTokens, SidecarClient
 
 POLICY = (policy.GROUP, policy.VERSION, policy.PLURAL)
 # While Redis lags the published table: short enough that routers reading Redis catch
@@ -66,7 +66,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         )
     memo.options = options
     memo.kube = Kube.from_environment()
-    memo.sidecars = SidecarClient.create(options.warms_per_target, options.sidecar_token_file)
+    memo.sidecars = SidecarClient.create(options.warms_per_target, options.sidecar_token_file,
+                                         _pod_tokens(memo.kube, options.sidecar_token_service_account))
     memo.policies = PolicyRegistry()
     memo.admission = admission_policies.AdmissionPolicies()
     memo.http = aiohttp.ClientSession()  # rollout analysis: Prometheus and Alertmanager
@@ -74,6 +75,14 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.metrics_runner = None
     if options.metrics_port:
         memo.metrics_runner = await metrics.serve(memo.rollout_metrics, options.metrics_host, options.metrics_port)
+
+
+def _pod_tokens(kube: Kube, service_account: str) -> PodTokens | None:
+    """Per-sidecar tokens minted for this operator's ServiceAccount ("namespace/name")."""
+    if not service_account:
+        return None
+    namespace, _, name = service_account.partition("/")
+    return PodTokens(lambda audience, ttl_s: kube.request_token(namespace, name, audience, ttl_s))
 
 
 @kopf.on.login()
@@ -207,7 +216,8 @@ async def inject_sidecar(
         chosen_spec = sidecar_render.carried_out(spec)
         result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(
             image=options.sidecar_image, auth_mode=options.sidecar_auth, auth_users=options.sidecar_auth_users,
-            protect_metrics=options.sidecar_protect_metrics, metrics_users=options.sidecar_metrics_users))
+            protect_metrics=options.sidecar_protect_metrics, metrics_users=options.sidecar_metrics_users,
+            pod_audience=bool(options.sidecar_token_service_account)))
     except sidecar_render.BrokenPolicy as exc:
         # The owner's mistake is never the pod's: admit it without the sidecar, say why on
         # the pod, and let the policy's status name it (membership's SidecarsInjected).

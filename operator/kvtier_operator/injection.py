@@ -43,6 +43,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier import control_api as api
 from kvtier import policy
 from kvtier.sidecar_config import DEFAULT_DRAIN_TIMEOUT_S, SERVICE_ACCOUNT_DIR, SidecarConfig
 
@@ -71,6 +72,8 @@ class SidecarImage:
     auth_users: str = ""
     protect_metrics: bool = False
     metrics_users: str = ""
+    # The operator mints a token per pod: the sidecar accepts its pod's own audience only.
+    pod_audience: bool = False
 
 
 def selecting_policy(pod: dict[str, Any], policies: list[conflicts.PolicyRef]) -> str | None:
@@ -205,6 +208,9 @@ def _auth_env(image: SidecarImage) -> list[dict[str, Any]]:
                 {"name": "KVTIER_CONTROL_AUTH_PROTECT_METRICS", "value": str(image.protect_metrics).lower()}]
         if image.metrics_users:
             env.append({"name": "KVTIER_CONTROL_AUTH_METRICS_USERS", "value": image.metrics_users})
+        if image.pod_audience:  # POD_NAMESPACE and POD_NAME come first in the env: $(...) expands them
+            env.append({"name": "KVTIER_CONTROL_AUTH_AUDIENCE",
+                        "value": api.pod_audience("$(POD_NAMESPACE)", "$(POD_NAME)")})
     return env
 
 

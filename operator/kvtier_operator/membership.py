@@ -40,6 +40,7 @@ class PodView:
     node: str | None = None  # spec.nodeName once bound
     node_selector: tuple[tuple[str, str], ...] = ()  # spec.nodeSelector: where it may be scheduled
     injection_skipped: str | None = None  # "<policy>: <why>": admitted without the sidecar
+    namespace: str = ""
 
     def selected_by(self, selector: policy.LabelSelector) -> bool:
         return selector.matches(dict(self.labels))
@@ -54,6 +55,7 @@ class Member:
     name: MemberName
     ip: str
     weight: float
+    namespace: str = ""  # the pod's: its sidecar's token audience names it
 
     def http_url(self, port: int = SidecarConfig.model_fields["http_port"].default) -> str:
         return f"http://{self.ip}:{port}"
@@ -85,13 +87,14 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         node=(body.get("spec") or {}).get("nodeName") or None,
         node_selector=tuple(sorted(((body.get("spec") or {}).get("nodeSelector") or {}).items())),
         injection_skipped=(meta.get("annotations") or {}).get(INJECTION_SKIPPED_ANNOTATION),
+        namespace=meta.get("namespace", ""),
     )
 
 
 def members(views: Iterable[PodView], selector: policy.LabelSelector) -> dict[MemberName, Member]:
     """The serving members, by pod name (the affinity table's member names)."""
     out = {
-        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight)
+        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight, v.namespace)
         for v in views
         if v.serving and v.selected_by(selector)
     }
@@ -104,7 +107,7 @@ def leaving(views: Iterable[PodView], selector: policy.LabelSelector,
     have an IP: candidates to warm from before they go (their sidecars decide)."""
     was = set(previous)
     out = {
-        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight)
+        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight, v.namespace)
         for v in views
         if v.name in was and v.ip and not v.serving and v.selected_by(selector)
     }

@@ -44,8 +44,12 @@ class OperatorOptions:
     sidecar_auth_users: str = ""  # comma-separated; normally this operator's own ServiceAccount
     sidecar_protect_metrics: bool = False  # /metrics needs the token too
     sidecar_metrics_users: str = ""  # comma-separated identities allowed /metrics only
-    # This operator's projected token for the sidecars' audience (re-read as kubelet rotates it).
+    # This operator's projected token for the sidecars' shared audience (re-read as
+    # kubelet rotates it) ...
     sidecar_token_file: str | None = None
+    # ... or, preferred, "namespace/name" of this operator's ServiceAccount, whose tokens
+    # it mints per sidecar for that pod's own audience (`control_api.pod_audience`).
+    sidecar_token_service_account: str = ""
     # A NetworkPolicy per KVCachePolicy guarding the sidecars' ports (see netpol).
     network_policies: bool = False
     operator_namespace: str = ""
@@ -83,6 +87,7 @@ class OperatorOptions:
             sidecar_protect_metrics=get("SIDECAR_PROTECT_METRICS", "false") == "true",
             sidecar_metrics_users=get("SIDECAR_METRICS_USERS", ""),
             sidecar_token_file=get("SIDECAR_TOKEN_FILE"),
+            sidecar_token_service_account=get("SIDECAR_TOKEN_SERVICE_ACCOUNT", ""),
             network_policies=get("NETWORK_POLICIES", "false") == "true",
             operator_namespace=get("OPERATOR_NAMESPACE", ""),
             operator_pod_labels=get("OPERATOR_POD_LABELS", "") or cls.operator_pod_labels,
@@ -109,6 +114,7 @@ class OperatorOptions:
         for key, value in (("WEBHOOK_HOST", self.webhook_host), ("WEBHOOK_CERT", self.webhook_cert),
                            ("WEBHOOK_KEY", self.webhook_key), ("SIDECAR_AUTH_USERS", self.sidecar_auth_users),
                            ("SIDECAR_TOKEN_FILE", self.sidecar_token_file),
+                           ("SIDECAR_TOKEN_SERVICE_ACCOUNT", self.sidecar_token_service_account),
                            ("SIDECAR_METRICS_USERS", self.sidecar_metrics_users),
                            ("OPERATOR_NAMESPACE", self.operator_namespace),
                            ("OPERATOR_POD_LABELS", self.operator_pod_labels),
