@@ -1,8 +1,10 @@
 """Who may use the control API: the operator's ServiceAccount token, checked with the
 API server's TokenReview (as kube-rbac-proxy does).
 
-    Authorization: Bearer <token>  ->  TokenReview{token, audiences: [audience]}
-        not authenticated, or not for our audience  -> 401
+    Authorization: Bearer <token>  ->  TokenReview{token, audiences: [audience, metrics_audience]}
+        not authenticated, or not for our audience  -> 401   (/cache/: `audience`, this pod's own
+                                                              when the operator mints per pod;
+                                                              /metrics: either)
         authenticated as someone not allowed        -> 403
         the API server cannot be asked              -> 503 (fail closed)
 
@@ -72,6 +74,7 @@ class Decision:
     status: int  # 200, 401, 403, 429 or 503
     user: str = ""
     reason: str = ""
+    audiences: tuple[str, ...] = ()  # of those asked, the ones the token is valid for
 
     @property
     def allowed(self) -> bool:
@@ -92,25 +95,32 @@ def bearer_token(header: str | None) -> str | None:
     return token
 
 
-def review_body(token: str, audience: str) -> dict[str, Any]:
+def review_body(token: str, audiences: list[str]) -> dict[str, Any]:
     return {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
-            "spec": {"token": token, "audiences": [audience]}}
+            "spec": {"token": token, "audiences": audiences}}
 
 
-def identify(review: dict[str, Any], audience: str) -> Decision:
-    """Who a TokenReview answer says the token belongs to (200), or why not (401)."""
+def identify(review: dict[str, Any], asked: list[str]) -> Decision:
+    """Who a TokenReview answer says the token belongs to (200), and for which of the
+    `asked` audiences, or why not (401)."""
     status = review.get("status") or {}
     if not status.get("authenticated"):
         return Decision(401, reason=status.get("error") or "token not authenticated")
     audiences = status.get("audiences")
-    if audiences is not None and audience not in audiences:
-        return Decision(401, reason=f"token not issued for audience {audience}")
-    return Decision(200, user=(status.get("user") or {}).get("username", ""))
+    valid = tuple(a for a in asked if audiences is None or a in audiences)
+    if not valid:
+        return Decision(401, reason=f"token not issued for audience {asked[0]}")
+    return Decision(200, user=(status.get("user") or {}).get("username", ""), audiences=valid)
 
 
-def authorize(identity: Decision, allowed_users: list[str], what: str) -> Decision:
-    """The verdict for one request: an identified caller must be one of `allowed_users`."""
-    if not identity.allowed or identity.user in allowed_users:
+def authorize(identity: Decision, allowed_users: list[str], what: str, audiences: list[str]) -> Decision:
+    """The verdict for one request: an identified caller, with a token for one of
+    `audiences`, must be one of `allowed_users`."""
+    if not identity.allowed:
+        return identity
+    if not any(a in identity.audiences for a in audiences):
+        return Decision(401, user=identity.user, reason=f"token not issued for audience {audiences[0]}")
+    if identity.user in allowed_users:
         return identity
     return Decision(403, user=identity.user, reason=f"{identity.user} may not use this sidecar's {what}")
 
@@ -182,15 +192,19 @@ class TokenReviewer:
         self._gate = asyncio.Semaphore(MAX_REVIEWS_IN_FLIGHT)
         self._trusted_gate = asyncio.Semaphore(1)  # re-reviews of tokens that were allowed
         self.counters = Counters() if counters is None else counters
+        # The control API's audience (a pod's own, when the operator mints per pod), then
+        # the shared one /metrics also takes.
+        self._audiences = list(dict.fromkeys([config.audience, config.metrics_audience]))
 
     async def check(self, authorization: str | None, metrics: bool = False, source: str = "") -> Decision:
         """The verdict on a request's Authorization header: the control API admits
         `allowed_users`; /metrics (when protected) those and `metrics_users`.
         `source`: the client's address, whose reviews of unknown tokens are rate-limited."""
         identity = await self._identity(authorization, source)
-        if metrics:
-            return authorize(identity, self.config.allowed_users + self.config.metrics_users, "metrics")
-        return authorize(identity, self.config.allowed_users, "control API")
+        if metrics:  # a scraper holds a token for the shared audience, not one per pod
+            return authorize(identity, self.config.allowed_users + self.config.metrics_users, "metrics",
+                             self._audiences)
+        return authorize(identity, self.config.allowed_users, "control API", [self.config.audience])
 
     def _trusts(self, identity: Decision) -> bool:
         return identity.allowed and identity.user in (self.config.allowed_users + self.config.metrics_users)
@@ -217,7 +231,7 @@ class TokenReviewer:
             self.counters.add(Count.AUTH_UNAVAILABLE)
             log.warning("cannot review a control-API token", extra={"error": str(exc) or "timed out"})
             return Decision(503, reason="cannot verify credentials now")
-        decision = identify(review, self.config.audience)
+        decision = identify(review, self._audiences)
         expires = time.monotonic() + self.config.cache_ttl_s
         if self._trusts(decision):
             self._trusted.put(key, decision, expires)
@@ -240,7 +254,7 @@ class TokenReviewer:
         self.counters.add(Count.TOKEN_REVIEWS)
         try:
             async with self._session.post(
-                    f"{url}/apis/authentication.k8s.io/v1/tokenreviews", json=review_body(token, self.config.audience),
+                    f"{url}/apis/authentication.k8s.io/v1/tokenreviews", json=review_body(token, self._audiences),
                     headers={"Authorization": f"Bearer {own}"},
                     timeout=aiohttp.ClientTimeout(total=REVIEW_TIMEOUT_S)) as resp:
                 if resp.status != 201 and resp.status != 200:
