@@ -448,8 +448,8 @@ class SharedPrefix(_Wire):
 
 # --- one KV block, in CEL and in Python ---------------------------------------------------
 # The sidecar's arena must hold at least one block (`SidecarConfig`): a policy whose DRAM
-# tier cannot is refused at apply time, with the block's size. The CEL computes the same
-# bytes as `kv_block_bytes`: the presets' elements per token are written into the rule.
+# tier cannot is refused at apply time. The CEL computes the same bytes as
+# `kv_block_bytes`: the presets' elements per token are written into the rule.
 
 def _cel_map(values: dict[str, int]) -> str:
     return "{" + ", ".join(f"'{k}': {v}" for k, v in sorted(values.items())) + "}"
@@ -479,10 +479,16 @@ def _dram_holds_a_block(spec: "KVCachePolicySpec") -> bool:
     return parse_quantity_bytes(spec.tiers.dram.capacity) >= kv_block_bytes(spec)
 
 
+# The apiserver's message is static (a messageExpression computing the bytes costs more
+# than the CEL budget allows); the operator's adds this policy's numbers.
+DRAM_BLOCK_MESSAGE = ("tiers.dram.capacity cannot hold one KV block (blockSize tokens x the model's KV bytes per "
+                      "token: 5 MiB for llama-3-70b at fp16 and blockSize 16): raise tiers.dram.capacity or "
+                      "lower blockSize")
+
+
 def _dram_block_message(spec: "KVCachePolicySpec") -> str:
-    return (f"tiers.dram.capacity {spec.tiers.dram.capacity} cannot hold one KV block of {kv_block_bytes(spec)} "
-            f"bytes (blockSize {spec.block_size} tokens of {kv_token_bytes(spec)} KV bytes each): raise "
-            "tiers.dram.capacity to at least that, or lower blockSize")
+    return (f"{DRAM_BLOCK_MESSAGE}; here one block is {kv_block_bytes(spec)} bytes and tiers.dram.capacity "
+            f"{spec.tiers.dram.capacity} is {parse_quantity_bytes(spec.tiers.dram.capacity)}")
 
 
 # --- spec ----------------------------------------------------------------------------------
@@ -524,15 +530,9 @@ class KVCachePolicySpec(_Wire):
         ),
         CelRule(
             "!(has(self.model.preset) || has(self.model.shape)) || "
-            f"quantity(self.tiers.dram.capacity).compareTo(quantity(string({_CEL_BLOCK_BYTES}))) >= 0",
-            "tiers.dram.capacity must hold at least one KV block (blockSize tokens x the model's KV bytes per "
-            "token): raise tiers.dram.capacity or lower blockSize",
+            f"quantity(self.tiers.dram.capacity).asApproximateFloat() >= double({_CEL_BLOCK_BYTES})",
+            DRAM_BLOCK_MESSAGE,
             _dram_holds_a_block,
-            message_expression=(
-                "'tiers.dram.capacity ' + self.tiers.dram.capacity + ' cannot hold one KV block of ' + "
-                f"string({_CEL_BLOCK_BYTES}) + ' bytes (blockSize ' + string(self.blockSize) + ' tokens of ' + "
-                f"string({_CEL_KV_TOKEN_BYTES}) + ' KV bytes each): raise tiers.dram.capacity to at least that, "
-                "or lower blockSize'"),
             describe=_dram_block_message,
         ),
         CelRule(

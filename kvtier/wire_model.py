@@ -22,16 +22,11 @@ class CelRule:
     cel: str
     message: str
     holds: Callable[[Any], bool]
-    # A rule whose message needs the object's numbers: a CEL messageExpression for the
-    # apiserver and the same text from Python (`describe`), replacing `message`.
-    message_expression: str | None = None
+    # The operator's message may add the object's numbers to `message` (`describe`).
     describe: Callable[[Any], str] | None = None
 
     def schema(self) -> dict[str, str]:
-        out = {"rule": self.cel, "message": self.message}
-        if self.message_expression is not None:
-            out["messageExpression"] = self.message_expression
-        return out
+        return {"rule": self.cel, "message": self.message}
 
     def explain(self, model: Any) -> str:
         return self.describe(model) if self.describe is not None else self.message
