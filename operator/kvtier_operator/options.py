@@ -90,7 +90,7 @@ class OperatorOptions:
             sidecar_token_service_account=get("SIDECAR_TOKEN_SERVICE_ACCOUNT", ""),
             network_policies=get("NETWORK_POLICIES", "false") == "true",
             operator_namespace=get("OPERATOR_NAMESPACE", ""),
-            operator_pod_labels=get("OPERATOR_POD_LABELS", "") or cls.operator_pod_labels,
+            operator_pod_labels=get("OPERATOR_POD_LABELS", "") or DEFAULT_OPERATOR_POD_LABELS,
             monitoring_namespace=get("MONITORING_NAMESPACE", ""),
             serving_ports_open=get("SERVING_PORTS_OPEN", "true") == "true",
             metrics_host=get("METRICS_HOST", cls.metrics_host),

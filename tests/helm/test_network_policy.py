@@ -146,9 +146,9 @@ def test_the_http_port_never_opens_to_a_whole_namespace():
     with pytest.raises(ValueError, match="operator's pod labels"):
         netpol.sidecar_network_policy("tiny", "ns", selector, HTTP, PEER, netpol.SidecarAccess("kvtier-system"))
     # The operator's defaults (flags or environment left out) name the chart's operator pods.
-    for options in (OperatorOptions(network_policies=True, operator_namespace="kvtier-system"),
-                    OperatorOptions.from_env({"KVTIER_OPERATOR_NETWORK_POLICIES": "true",
-                                              "KVTIER_OPERATOR_OPERATOR_NAMESPACE": "kvtier-system"})):
+    defaults = OperatorOptions(network_policies=True, operator_namespace="kvtier-system")
+    env = {k: v for k, v in defaults.to_env().items() if k != "KVTIER_OPERATOR_OPERATOR_POD_LABELS"}
+    for options in (defaults, OperatorOptions.from_env(env)):
         body = netpol.sidecar_network_policy("tiny", "ns", selector, HTTP, PEER, options.sidecar_access())
         http_rule = next(r for r in body["spec"]["ingress"] if r["ports"][0]["port"] == HTTP)
         assert [p["podSelector"] for p in http_rule["from"]] == [
