@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictInt, field_v
 
 from kvtier.cache import CacheStats
 from kvtier.peer_address import parse_peer
+from kvtier.sidecar_config import DEFAULT_CONTROL_AUDIENCE
+from kvtier.tenants import TenantName
 
 JobId = NewType("JobId", str)
 # Longest tenant, model version or job ref the API takes: a name, not a payload.
@@ -28,6 +30,16 @@ MAX_NAME_CHARS = 256
 # Largest warm-up one request may ask for: 4 TiB is beyond any node's DRAM tier, and a
 # bound keeps a typo (10**30) a clear 422 instead of an integer no code path expects.
 MAX_WARM_BYTES = 4 << 40
+
+
+# The audience of the operator's token for one sidecar: its pod's own, so a token one
+# sidecar received opens no other (the webhook writes the same formula into the pod,
+# with the downward-API variables for the names; the operator mints per pod).
+POD_AUDIENCE_TEMPLATE = "{base}:{namespace}:{pod}"
+
+
+def pod_audience(namespace: str, pod: str, base: str = DEFAULT_CONTROL_AUDIENCE) -> str:
+    return POD_AUDIENCE_TEMPLATE.format(base=base, namespace=namespace, pod=pod)
 
 
 class _Request(BaseModel):
@@ -47,7 +59,7 @@ class InvalidateRequest(_Request):
 class WarmRequest(_Request):
     """Pull `tenant`'s hottest prefixes, up to `max_bytes`, from the peer `from_peer`."""
 
-    tenant: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    tenant: TenantName
     from_peer: str = Field(min_length=3, max_length=300)
     # Strict: true, "100" and 1.0 are refused rather than read as numbers.
     max_bytes: StrictInt = Field(gt=0, le=MAX_WARM_BYTES)

@@ -446,6 +446,51 @@ class SharedPrefix(_Wire):
     )
 
 
+# --- one KV block, in CEL and in Python ---------------------------------------------------
+# The sidecar's arena must hold at least one block (`SidecarConfig`): a policy whose DRAM
+# tier cannot is refused at apply time. The CEL computes the same bytes as
+# `kv_block_bytes`: the presets' elements per token are written into the rule.
+
+def _cel_map(values: dict[str, int]) -> str:
+    return "{" + ", ".join(f"'{k}': {v}" for k, v in sorted(values.items())) + "}"
+
+
+_CEL_KV_ELEMENTS = (
+    f"(has(self.model.preset) ? {_cel_map({n: m.kv_elements() for n, m in presets.MODELS.items()})}[self.model.preset]"
+    " : has(self.model.shape.kvElementsPerToken) ? self.model.shape.kvElementsPerToken"
+    " : 2 * self.model.shape.layers * self.model.shape.kvHeads * self.model.shape.headDim)"
+)
+_CEL_KV_TOKEN_BYTES = f"({_CEL_KV_ELEMENTS} * {_cel_map(KV_DTYPE_BYTES)}[self.model.kvDtype])"
+_CEL_BLOCK_BYTES = f"({_CEL_KV_TOKEN_BYTES} * self.blockSize)"
+
+
+def kv_token_bytes(spec: "KVCachePolicySpec") -> int:
+    """KV bytes one token takes in the sidecar's arena (every layer, K and V or a latent)."""
+    shape = presets.model_preset(spec.model.preset) if spec.model.preset is not None else spec.model.shape
+    assert shape is not None  # the model's CEL rule: exactly one of preset or shape
+    return shape.kv_elements() * KV_DTYPE_BYTES[spec.model.kv_dtype]
+
+
+def kv_block_bytes(spec: "KVCachePolicySpec") -> int:
+    return kv_token_bytes(spec) * spec.block_size
+
+
+def _dram_holds_a_block(spec: "KVCachePolicySpec") -> bool:
+    return parse_quantity_bytes(spec.tiers.dram.capacity) >= kv_block_bytes(spec)
+
+
+# The apiserver's message is static (a messageExpression computing the bytes costs more
+# than the CEL budget allows); the operator's adds this policy's numbers.
+DRAM_BLOCK_MESSAGE = ("tiers.dram.capacity cannot hold one KV block (blockSize tokens x the model's KV bytes per "
+                      "token: 5 MiB for llama-3-70b at fp16 and blockSize 16): raise tiers.dram.capacity or "
+                      "lower blockSize")
+
+
+def _dram_block_message(spec: "KVCachePolicySpec") -> str:
+    return (f"{DRAM_BLOCK_MESSAGE}; here one block is {kv_block_bytes(spec)} bytes and tiers.dram.capacity "
+            f"{spec.tiers.dram.capacity} is {parse_quantity_bytes(spec.tiers.dram.capacity)}")
+
+
 # --- spec ----------------------------------------------------------------------------------
 
 
@@ -482,6 +527,13 @@ class KVCachePolicySpec(_Wire):
             "self.rollout.canaryPods > 0 || self.rollout.steps[0] < 100 || size(self.rollout.steps) > 1",
             "rollout: a single 100% step with no canary pods is not gradual; add canaryPods or earlier steps",
             lambda s: s.rollout.canary_pods > 0 or s.rollout.steps[0] < 100 or len(s.rollout.steps) > 1,
+        ),
+        CelRule(
+            "!(has(self.model.preset) || has(self.model.shape)) || "
+            f"quantity(self.tiers.dram.capacity).asApproximateFloat() >= double({_CEL_BLOCK_BYTES})",
+            DRAM_BLOCK_MESSAGE,
+            _dram_holds_a_block,
+            describe=_dram_block_message,
         ),
         CelRule(
             f"!has(self.sharedPrefixes) || self.sharedPrefixes.map(p, size(p.tokenIds)).sum() <= {MAX_SHARED_PREFIX_TOKENS_TOTAL}",

@@ -202,7 +202,11 @@ class ControlAuthConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     mode: Literal["open", "tokenreview"] = "tokenreview"
-    audience: str = Field(DEFAULT_CONTROL_AUDIENCE, min_length=1, max_length=253)
+    # A pod's own audience (`control_api.pod_audience`) holds its namespace and name.
+    audience: str = Field(DEFAULT_CONTROL_AUDIENCE, min_length=1, max_length=400)
+    # Protected /metrics also takes tokens for this shared audience: a scraper cannot
+    # hold one token per pod.
+    metrics_audience: str = Field(DEFAULT_CONTROL_AUDIENCE, min_length=1, max_length=253)
     allowed_users: list[str] = Field(default_factory=list, max_length=100)
     protect_metrics: bool = False
     metrics_users: list[str] = Field(default_factory=list, max_length=100)  # /metrics only (e.g. Prometheus)

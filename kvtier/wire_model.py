@@ -22,9 +22,14 @@ class CelRule:
     cel: str
     message: str
     holds: Callable[[Any], bool]
+    # The operator's message may add the object's numbers to `message` (`describe`).
+    describe: Callable[[Any], str] | None = None
 
     def schema(self) -> dict[str, str]:
         return {"rule": self.cel, "message": self.message}
+
+    def explain(self, model: Any) -> str:
+        return self.describe(model) if self.describe is not None else self.message
 
 
 class WireModel(BaseModel):
@@ -43,7 +48,7 @@ class WireModel(BaseModel):
     def _cel_rules_hold(self) -> "WireModel":
         for rule in self.CEL_RULES:
             if not rule.holds(self):
-                raise ValueError(rule.message)
+                raise ValueError(rule.explain(self))
         return self
 
     def wire(self) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.sidecar_config import DEFAULT_CONTROL_AUDIENCE
+from kvtier.control_api import pod_audience
 from kvtier_testenv import polling
 from kvtier_testenv.binaries import REPO_ROOT
 
@@ -52,7 +52,6 @@ SYSTEM_NAMESPACE = "kvtier-system"
 NAMESPACE = "kvtier-demo"
 # The serving pods' ServiceAccount: the chart lets it create TokenReviews, nothing else.
 SERVING_SERVICE_ACCOUNT = "default"
-CONTROL_AUDIENCE = DEFAULT_CONTROL_AUDIENCE
 POLICY = "demo"
 WORKLOAD = "llm"
 APP_LABEL = "kvtier-demo-llm"
@@ -202,10 +201,9 @@ class ClusterDemo:
             "controlAuth": {"servingServiceAccounts": [{"namespace": NAMESPACE, "name": SERVING_SERVICE_ACCOUNT}]},
         }
         self.helm.install(RELEASE, CHART, "--create-namespace", values=values)
-        # The demo reads sidecar stats as the operator does: with a token minted for the
-        # sidecars' audience for the operator's ServiceAccount (the demo is the cluster admin).
-        self.control_token = self.kubectl.in_namespace(SYSTEM_NAMESPACE).run(
-            "create", "token", f"{RELEASE}-operator", f"--audience={CONTROL_AUDIENCE}").stdout.strip()
+        # The demo reads sidecar stats as the operator does: with a token of the operator's
+        # ServiceAccount minted for each sidecar's own audience (the demo is the cluster admin).
+        self.control_tokens: dict[str, str] = {}
         self.stack.callback(self._uninstall)
 
         self.step("node agent: runs the operator pod and the injected sidecars as local processes")
@@ -316,7 +314,7 @@ class ClusterDemo:
         total = ReplayStats()
         for r in results:
             total.merge(r)
-        stats = [self.sidecar_stats(addresses[m]["ip"]) for m in members]
+        stats = [self.sidecar_stats(m, addresses[m]["ip"]) for m in members]
         return Phase(table.epoch, members, fleet_report(total, stats, self.oracle.block_bytes, elapsed),
                      {m: len(r) for m, r in routed.items()})
 
@@ -328,7 +326,7 @@ class ClusterDemo:
         seen: dict[str, Any] = {}
 
         def shown() -> float | None:
-            stats = [self.sidecar_stats(a["ip"]) for a in addresses.values()]
+            stats = [self.sidecar_stats(m, a["ip"]) for m, a in addresses.items()]
             lookups = sum(s["lookups"] for s in stats)
             expected = round(sum(s["hits"] for s in stats) / lookups, 4) if lookups else None
             rate = self.status().get("fleetHitRate")
@@ -340,9 +338,15 @@ class ClusterDemo:
             raise DemoFailed(f"{exc} (sidecars' hit rate {seen.get('expected')}, status "
                              f"{seen.get('status')})\n{self.operator_log(60)}") from None
 
-    def sidecar_stats(self, ip: str, tenant: str | None = None) -> dict[str, Any]:
+    def control_token(self, pod: str) -> str:
+        if pod not in self.control_tokens:
+            self.control_tokens[pod] = self.kubectl.in_namespace(SYSTEM_NAMESPACE).run(
+                "create", "token", f"{RELEASE}-operator", f"--audience={pod_audience(NAMESPACE, pod)}").stdout.strip()
+        return self.control_tokens[pod]
+
+    def sidecar_stats(self, pod: str, ip: str, tenant: str | None = None) -> dict[str, Any]:
         url = f"http://{ip}:{SIDECAR_HTTP_PORT}/cache/stats" + (f"?tenant={tenant}" if tenant else "")
-        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.control_token}"})
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.control_token(pod)}"})
         with urllib.request.urlopen(request, timeout=5) as resp:
             return json.loads(resp.read())
 
@@ -451,7 +455,7 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         if table_after.epoch <= table_before.epoch:
             raise DemoFailed(f"scaling to {SCALED_REPLICAS} did not publish a new epoch ({table_after.epoch})")
         moves = moved_tenants(table_before, table_after, tenants)
-        held = {m: demo.sidecar_stats(addresses[m]["ip"]).get("tenants", {}) for m in {n for _, n in moves.values()}}
+        held = {m: demo.sidecar_stats(m, addresses[m]["ip"]).get("tenants", {}) for m in {n for _, n in moves.values()}}
         warmed = {t: held[new].get(t, {}).get("warmed_bytes", 0) for t, (_, new) in moves.items()}
         if moves and not any(warmed.values()):
             raise DemoFailed(f"tenants {sorted(moves)} moved but none was warmed on its new home before the epoch")

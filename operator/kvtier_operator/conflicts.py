@@ -3,9 +3,11 @@
 Ownership rule (deterministic, the same in the webhook and in membership):
 
 1. A pod injected by a policy (annotation `kvtier.io/injected-by`) belongs to that
-   policy for its whole life, as long as the policy still exists and selects it: its
-   sidecar runs that policy's config, so no other policy may count it as a member.
-2. Otherwise the OLDEST selecting policy owns it (creationTimestamp, then name): the
+   policy for its whole life: its sidecar runs that policy's config (model id, peer
+   secret, ConfigMap), so no other policy may count it as a member. When the injecting
+   policy is deleted or stops selecting it, the pod belongs to nobody until it is
+   recreated; the policies that select it report it (`foreign`).
+2. An uninjected pod belongs to the OLDEST selecting policy (creationTimestamp, then name): the
    policy that was there first keeps its workload, so a scale-up injects new replicas
    with the same config as their siblings even after a second, overlapping policy
    appears.
@@ -41,8 +43,8 @@ class PolicyRef:
 def owner(labels: Mapping[str, str], injected_by: str | None, policies: Iterable[PolicyRef]) -> str | None:
     """The policy that owns a pod with these labels and annotation (see module doc)."""
     selecting = sorted((p for p in policies if p.selector.matches(dict(labels))), key=lambda p: p.seniority)
-    if injected_by is not None and any(p.name == injected_by for p in selecting):
-        return injected_by
+    if injected_by is not None:
+        return injected_by if any(p.name == injected_by for p in selecting) else None
     return selecting[0].name if selecting else None
 
 
@@ -64,8 +66,29 @@ def overlaps(this: PolicyRef, pods: Iterable[PodLabels], policies: Iterable[Poli
             continue
         for other in others:
             if other.selector.matches(dict(pod.labels)):
-                out.setdefault(other.name, {})[pod.name] = owner(pod.labels, pod.injected_by, everyone) or ""
+                out.setdefault(other.name, {})[pod.name] = owner(pod.labels, pod.injected_by, everyone) or "nobody"
     return {k: dict(sorted(v.items())) for k, v in sorted(out.items())}
+
+
+def foreign(this: PolicyRef, pods: Iterable[PodLabels], policies: Iterable[PolicyRef]) -> dict[str, str]:
+    """{pod: the policy that injected it} for pods `this` selects that run the sidecar of
+    a policy now gone or no longer selecting them: nobody's members until recreated."""
+    everyone = list(policies)
+    return {pod.name: pod.injected_by for pod in sorted(pods, key=lambda p: p.name)
+            if pod.injected_by is not None and this.selector.matches(dict(pod.labels))
+            and owner(pod.labels, pod.injected_by, everyone) is None}
+
+
+def foreign_observation(found: Mapping[str, str]) -> Observation:
+    if not found:
+        return Observation("ForeignSidecars", "False", "NoForeignSidecars",
+                           "no selected pod runs another policy's sidecar")
+    named = ", ".join(f"{pod} (injected by {by})" for pod, by in list(found.items())[:MAX_PODS_NAMED])
+    more = len(found) - MAX_PODS_NAMED
+    return Observation("ForeignSidecars", "True", "InjectedByAnotherPolicy",
+                       f"{len(found)} selected pods run the sidecar of a policy that is gone or no longer selects "
+                       f"them: {named}" + (f" and {more} more" if more > 0 else "")
+                       + "; they are nobody's members until recreated (delete them or restart the workload)")
 
 
 def observation(this: PolicyRef, found: Mapping[str, Mapping[str, str]]) -> Observation:

@@ -28,14 +28,14 @@ from kubernetes.client.rest import ApiException
 from kvtier import policy
 
 from kvtier_operator import (admission_policies, conflicts, hit_rate, injection, metrics, names, publish, reconcile,
-                             rollout_teardown, webhook_gate)
+                             rollout_teardown, sidecar_render, webhook_gate)
 from kvtier_operator.kube import Kube
 from kvtier_operator.membership import PodView, pod_view
 from kvtier_operator.options import (
     WATCH_CLIENT_TIMEOUT_S, WATCH_CONNECT_TIMEOUT_S, WATCH_SERVER_TIMEOUT_S, OperatorOptions,
 )
 from kvtier_operator.registry import PolicyKey, PolicyRegistry
-from kvtier_operator.sidecar_client import SidecarClient
+from kvtier_operator.sidecar_client import PodTokens, SidecarClient
 
 POLICY = (policy.GROUP, policy.VERSION, policy.PLURAL)
 # While Redis lags the published table: short enough that routers reading Redis catch
@@ -66,7 +66,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         )
     memo.options = options
     memo.kube = Kube.from_environment()
-    memo.sidecars = SidecarClient.create(options.warms_per_target, options.sidecar_token_file)
+    memo.sidecars = SidecarClient.create(options.warms_per_target, options.sidecar_token_file,
+                                         _pod_tokens(memo.kube, options.sidecar_token_service_account))
     memo.policies = PolicyRegistry()
     memo.admission = admission_policies.AdmissionPolicies()
     memo.http = aiohttp.ClientSession()  # rollout analysis: Prometheus and Alertmanager
@@ -74,6 +75,14 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.metrics_runner = None
     if options.metrics_port:
         memo.metrics_runner = await metrics.serve(memo.rollout_metrics, options.metrics_host, options.metrics_port)
+
+
+def _pod_tokens(kube: Kube, service_account: str) -> PodTokens | None:
+    """Per-sidecar tokens minted for this operator's ServiceAccount ("namespace/name")."""
+    if not service_account:
+        return None
+    namespace, _, name = service_account.partition("/")
+    return PodTokens(lambda audience, ttl_s: kube.request_token(namespace, name, audience, ttl_s))
 
 
 @kopf.on.login()
@@ -198,16 +207,25 @@ async def inject_sidecar(
     refs = _policy_refs(entries)
     chosen = injection.selecting_policy(dict(body), refs)
     if chosen is None:
+        if (unforged := injection.unforged(dict(body))) is not None:
+            patch["metadata"] = unforged
         return
     spec = next((raw for name, raw, _created in entries if name == chosen), None)
-    try:
-        chosen_spec = policy.KVCachePolicySpec.model_validate(spec)
-    except ValueError:
-        return  # the owner's spec is invalid: inject nothing rather than the wrong config
     options: OperatorOptions = memo.options
-    result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(
-        image=options.sidecar_image, auth_mode=options.sidecar_auth, auth_users=options.sidecar_auth_users,
-        protect_metrics=options.sidecar_protect_metrics, metrics_users=options.sidecar_metrics_users))
+    try:
+        chosen_spec = sidecar_render.carried_out(spec)
+        result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(
+            image=options.sidecar_image, auth_mode=options.sidecar_auth, auth_users=options.sidecar_auth_users,
+            protect_metrics=options.sidecar_protect_metrics, metrics_users=options.sidecar_metrics_users,
+            pod_audience=bool(options.sidecar_token_service_account)))
+    except sidecar_render.BrokenPolicy as exc:
+        # The owner's mistake is never the pod's: admit it without the sidecar, say why on
+        # the pod, and let the policy's status name it (membership's SidecarsInjected).
+        log.warning("pod %s/%s admitted without the sidecar: policy %s: %s", namespace,
+                    body.metadata.name or body.metadata.get("generateName", ""), chosen, exc)
+        patch["metadata"] = {"annotations": {names.INJECTION_SKIPPED_ANNOTATION: injection.skipped_note(chosen, exc)},
+                             **(injection.unforged(dict(body)) or {})}
+        return
     if result is not None:
         patch["metadata"] = result["metadata"]
         patch["spec"] = result["spec"]
@@ -222,7 +240,10 @@ async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, body: kopf.
     await rollout_teardown.settle_workload(memo.kube, dict(body), _poster(dict(body)),
                                            lambda: webhook_gate.serving(memo))
     redis_spec = spec.get("redis") or {}
-    parsed = policy.KVCachePolicySpec.model_validate(dict(spec)) if redis_spec else None
+    try:
+        parsed = policy.KVCachePolicySpec.model_validate(dict(spec)) if redis_spec else None
+    except ValueError:  # a spec no longer valid still goes: only its Redis key stays behind
+        parsed = None
     url = await reconcile.redis_url(memo.kube, namespace, parsed) if parsed else None
     if url:
         await publish.delete_redis(url, namespace, name, bool(redis_spec.get("cluster")))

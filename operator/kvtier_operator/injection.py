@@ -22,6 +22,12 @@ Added to the pod:
                                     after SIGTERM it serves peers while the operator warms
                                     its tenants on their new homes
     metadata.annotations[kvtier.io/injected-by] = <policy name>
+    metadata.labels[kvtier.io/injected-by]      = the same (a label value: `names.injected_label_value`);
+                                    removed from every pod the webhook does not inject
+
+A policy whose sidecar config cannot be rendered (`sidecar_render.BrokenPolicy`) injects
+nothing: the pod is admitted as it is, with `kvtier.io/injection-skipped` saying which
+policy and what to fix, and that policy's status counts it.
 
 The sidecar itself needs no privilege: it satisfies the `restricted` Pod Security
 Standard (non-root, no privilege escalation, every capability dropped, the runtime's
@@ -37,6 +43,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier import control_api as api
 from kvtier import policy
 from kvtier.sidecar_config import DEFAULT_DRAIN_TIMEOUT_S, SERVICE_ACCOUNT_DIR, SidecarConfig
 
@@ -65,6 +72,8 @@ class SidecarImage:
     auth_users: str = ""
     protect_metrics: bool = False
     metrics_users: str = ""
+    # The operator mints a token per pod: the sidecar accepts its pod's own audience only.
+    pod_audience: bool = False
 
 
 def selecting_policy(pod: dict[str, Any], policies: list[conflicts.PolicyRef]) -> str | None:
@@ -75,6 +84,15 @@ def selecting_policy(pod: dict[str, Any], policies: list[conflicts.PolicyRef]) -
     if labels.get(names.OPT_OUT_LABEL) == "false":
         return None
     return conflicts.owner(labels, (meta.get("annotations") or {}).get(names.INJECTED_ANNOTATION), policies)
+
+
+# An annotation value stays short: the policy's status has the whole message.
+MAX_SKIPPED_NOTE_CHARS = 1024
+
+
+def skipped_note(policy_name: str, problem: Exception) -> str:
+    """The `injection-skipped` annotation: which policy, and what to fix in it."""
+    return f"{policy_name}: {problem}"[:MAX_SKIPPED_NOTE_CHARS]
 
 
 def inject(
@@ -104,9 +122,18 @@ def inject(
     if (KUBERNETES_DEFAULT_GRACE_S if grace is None else grace) < needed:
         patch_spec["terminationGracePeriodSeconds"] = needed
     return {
-        "metadata": {"annotations": {names.INJECTED_ANNOTATION: policy_name}},
+        "metadata": {"annotations": {names.INJECTED_ANNOTATION: policy_name},
+                     "labels": {names.INJECTED_LABEL: names.injected_label_value(policy_name)}},
         "spec": patch_spec,
     }
+
+
+def unforged(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The patch removing an injected-by label from a pod the webhook does not inject
+    (only the webhook may say a pod runs a policy's sidecar), or None."""
+    if names.INJECTED_LABEL in ((pod.get("metadata") or {}).get("labels") or {}):
+        return {"labels": {names.INJECTED_LABEL: None}}
+    return None
 
 
 def sidecar_grace_s(drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
@@ -181,6 +208,9 @@ def _auth_env(image: SidecarImage) -> list[dict[str, Any]]:
                 {"name": "KVTIER_CONTROL_AUTH_PROTECT_METRICS", "value": str(image.protect_metrics).lower()}]
         if image.metrics_users:
             env.append({"name": "KVTIER_CONTROL_AUTH_METRICS_USERS", "value": image.metrics_users})
+        if image.pod_audience:  # POD_NAMESPACE and POD_NAME come first in the env: $(...) expands them
+            env.append({"name": "KVTIER_CONTROL_AUTH_AUDIENCE",
+                        "value": api.pod_audience("$(POD_NAMESPACE)", "$(POD_NAME)")})
     return env
 
 

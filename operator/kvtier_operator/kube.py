@@ -69,6 +69,16 @@ class Kube:
         await asyncio.to_thread(self.core.patch_namespaced_config_map, meta["name"], meta["namespace"], patch)
         return True
 
+    # --- tokens for the sidecars (TokenRequest on this operator's own ServiceAccount) --
+
+    async def request_token(self, namespace: str, service_account: str, audience: str, ttl_s: int) -> str:
+        """A token of `namespace/service_account` for `audience`, valid `ttl_s` seconds."""
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "spec": {"audiences": [audience], "expirationSeconds": ttl_s}}
+        answer = await asyncio.to_thread(self.core.create_namespaced_service_account_token,
+                                         service_account, namespace, body)
+        return answer.status.token
+
     # --- Secrets (only those the chart grants by name: redis.secretRef) -------------
 
     async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:

@@ -51,7 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sidecar-metrics-user", action="append", default=[],
                    help="identity allowed the sidecars' protected /metrics only (repeatable)")
     p.add_argument("--sidecar-token-file",
-                   help="this operator's projected ServiceAccount token for the sidecars' audience")
+                   help="this operator's projected ServiceAccount token for the sidecars' shared audience")
+    p.add_argument("--sidecar-token-service-account", default="", metavar="NAMESPACE/NAME",
+                   help="this operator's ServiceAccount: mint a short-lived token per sidecar for that pod's "
+                        "own audience (preferred to --sidecar-token-file)")
     p.add_argument("--network-policies", action="store_true",
                    help="write a NetworkPolicy per KVCachePolicy guarding the sidecars' ports")
     p.add_argument("--operator-namespace", default="", help="this operator's namespace (NetworkPolicy peer)")
@@ -82,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         print("kvtier-operator: --network-policies needs --operator-namespace and --operator-pod-labels",
               file=sys.stderr)
         return 2
+    if args.sidecar_token_service_account.count("/") != 1:
+        if args.sidecar_token_service_account:
+            print("kvtier-operator: --sidecar-token-service-account is NAMESPACE/NAME", file=sys.stderr)
+            return 2
     if args.warms_per_target < 1:
         print("kvtier-operator: --warms-per-target must be at least 1", file=sys.stderr)
         return 2
@@ -97,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_host=args.metrics_host,
         sidecar_auth=args.sidecar_auth, sidecar_auth_users=",".join(args.sidecar_auth_user),
         sidecar_token_file=args.sidecar_token_file, sidecar_protect_metrics=args.sidecar_protect_metrics,
+        sidecar_token_service_account=args.sidecar_token_service_account,
         sidecar_metrics_users=",".join(args.sidecar_metrics_user),
         network_policies=args.network_policies,
         operator_namespace=args.operator_namespace, operator_pod_labels=args.operator_pod_labels,

@@ -17,7 +17,7 @@ from typing import Any, NewType
 from kvtier import policy
 from kvtier.sidecar_config import SidecarConfig
 
-from kvtier_operator.names import INJECTED_ANNOTATION, OPT_OUT_LABEL
+from kvtier_operator.names import INJECTED_ANNOTATION, INJECTION_SKIPPED_ANNOTATION, OPT_OUT_LABEL
 
 MemberName = NewType("MemberName", str)
 
@@ -39,6 +39,8 @@ class PodView:
     injected_by: str | None = None  # the policy whose sidecar the webhook injected
     node: str | None = None  # spec.nodeName once bound
     node_selector: tuple[tuple[str, str], ...] = ()  # spec.nodeSelector: where it may be scheduled
+    injection_skipped: str | None = None  # "<policy>: <why>": admitted without the sidecar
+    namespace: str = ""
 
     def selected_by(self, selector: policy.LabelSelector) -> bool:
         return selector.matches(dict(self.labels))
@@ -53,6 +55,7 @@ class Member:
     name: MemberName
     ip: str
     weight: float
+    namespace: str = ""  # the pod's: its sidecar's token audience names it
 
     def http_url(self, port: int = SidecarConfig.model_fields["http_port"].default) -> str:
         return f"http://{self.ip}:{port}"
@@ -83,13 +86,15 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         injected_by=(meta.get("annotations") or {}).get(INJECTED_ANNOTATION),
         node=(body.get("spec") or {}).get("nodeName") or None,
         node_selector=tuple(sorted(((body.get("spec") or {}).get("nodeSelector") or {}).items())),
+        injection_skipped=(meta.get("annotations") or {}).get(INJECTION_SKIPPED_ANNOTATION),
+        namespace=meta.get("namespace", ""),
     )
 
 
 def members(views: Iterable[PodView], selector: policy.LabelSelector) -> dict[MemberName, Member]:
     """The serving members, by pod name (the affinity table's member names)."""
     out = {
-        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight)
+        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight, v.namespace)
         for v in views
         if v.serving and v.selected_by(selector)
     }
@@ -102,7 +107,7 @@ def leaving(views: Iterable[PodView], selector: policy.LabelSelector,
     have an IP: candidates to warm from before they go (their sidecars decide)."""
     was = set(previous)
     out = {
-        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight)
+        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight, v.namespace)
         for v in views
         if v.name in was and v.ip and not v.serving and v.selected_by(selector)
     }
@@ -119,6 +124,15 @@ def uninjected(views: Iterable[PodView], selector: policy.LabelSelector) -> list
     return sorted(v.name for v in views
                   if v.selected_by(selector) and not v.deleting and v.injected_by is None
                   and dict(v.labels).get(OPT_OUT_LABEL) != "false")
+
+
+def skipped(views: Iterable[PodView], selector: policy.LabelSelector, policy_name: str) -> dict[str, str]:
+    """Selected pods admitted without the sidecar because `policy_name`'s config was
+    invalid when they were created: pod -> what the webhook said to fix."""
+    prefix = f"{policy_name}: "
+    return {v.name: v.injection_skipped[len(prefix):] for v in sorted(views, key=lambda v: v.name)
+            if v.injection_skipped and v.injection_skipped.startswith(prefix) and v.injected_by is None
+            and not v.deleting and v.selected_by(selector)}
 
 
 def nodes(views: Iterable[PodView], selector: policy.LabelSelector) -> list[str]:

@@ -8,6 +8,15 @@ FINALIZER = f"{PREFIX}/finalizer"
 
 # On pods the webhook injected into: which policy did it, so a second pass is a no-op.
 INJECTED_ANNOTATION = f"{PREFIX}/injected-by"
+# Its label twin (the webhook sets it, and removes it from pods it does not inject):
+# what the policy's NetworkPolicy admits to the peer port, since anyone who may label
+# a pod can give it the policy's selector labels. A label value holds 63 characters.
+INJECTED_LABEL = INJECTED_ANNOTATION
+MAX_LABEL_VALUE = 63
+# On pods a selecting policy could not inject into because its sidecar config is
+# invalid: "<policy>: <what to fix>". The pod is admitted without the sidecar (never
+# denied for its policy's mistake) and the policy's status names it.
+INJECTION_SKIPPED_ANNOTATION = f"{PREFIX}/injection-skipped"
 # Downward API source of the pod's weights version (set by the rollout on the template).
 WEIGHTS_VERSION_ANNOTATION = f"{PREFIX}/weights-version"
 # Pods opt out of injection with this label set to "true".
@@ -39,6 +48,17 @@ ADDRESSES_KEY = "addresses.json"
 # Redis keys routers read (a hint like everything in Redis: the ConfigMap is the record).
 REDIS_AFFINITY_KEY = "kvt:affinity:{namespace}:{name}"
 REDIS_AFFINITY_CHANNEL = "kvt:affinity"
+
+
+def injected_label_value(policy_name: str) -> str:
+    """The policy's name, or for a name past a label value's 63 characters its head and
+    a digest of the whole (unique per policy, still a valid label value)."""
+    if len(policy_name) <= MAX_LABEL_VALUE:
+        return policy_name
+    import hashlib
+
+    digest = hashlib.sha256(policy_name.encode()).hexdigest()[:16]
+    return f"{policy_name[:MAX_LABEL_VALUE - 17].rstrip('.-')}-{digest}"
 
 
 def sidecar_config_map(policy_name: str) -> str:

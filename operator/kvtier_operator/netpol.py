@@ -1,7 +1,9 @@
 """The NetworkPolicy guarding one KVCachePolicy's sidecar ports. Pure: the handler
 applies the body (owned by the policy, so it goes when the policy goes).
 
-    peer port (block transfers)   from the policy's own pods only
+    peer port (block transfers)   from the pods running this policy's sidecar only: by the
+                                  label the injection webhook sets (`names.INJECTED_LABEL`),
+                                  not the selector's labels, which anyone may put on a pod
     HTTP port (control, metrics)  from the operator's pods and, when configured, from
                                   the monitoring namespace (Prometheus scrapes /metrics;
                                   the control endpoints there still need the
@@ -80,7 +82,9 @@ def _port(first: int, last: int | None = None) -> dict[str, Any]:
 
 def sidecar_network_policy(name: str, namespace: str, selector: policy.LabelSelector, http_port: int,
                            peer_port: int, access: SidecarAccess) -> dict[str, Any]:
-    own_pods = {"podSelector": selector_wire(selector)}
+    if not access.operator_labels:  # {} would select every pod of the operator's namespace
+        raise ValueError("the operator's pod labels are needed to admit it (and only it) to the sidecars' HTTP port")
+    own_pods = {"podSelector": {"matchLabels": {names.INJECTED_LABEL: names.injected_label_value(name)}}}
     operator = {"namespaceSelector": _namespace(access.operator_namespace),
                 "podSelector": {"matchLabels": dict(access.operator_labels)}}
     http_from = [operator] + ([{"namespaceSelector": _namespace(access.monitoring_namespace)}]

@@ -22,6 +22,8 @@ DEBOUNCE_S = 0.3
 # Warm-ups in flight per target sidecar: a new home keeps most of its peer link and
 # CPU for live traffic while it is being warmed.
 WARMS_PER_TARGET = 2
+# The label the chart gives the operator's pods (charts/kvtier, kvtier.selectorLabels).
+DEFAULT_OPERATOR_POD_LABELS = "app.kubernetes.io/name=kvtier-operator"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +44,18 @@ class OperatorOptions:
     sidecar_auth_users: str = ""  # comma-separated; normally this operator's own ServiceAccount
     sidecar_protect_metrics: bool = False  # /metrics needs the token too
     sidecar_metrics_users: str = ""  # comma-separated identities allowed /metrics only
-    # This operator's projected token for the sidecars' audience (re-read as kubelet rotates it).
+    # This operator's projected token for the sidecars' shared audience (re-read as
+    # kubelet rotates it) ...
     sidecar_token_file: str | None = None
+    # ... or, preferred, "namespace/name" of this operator's ServiceAccount, whose tokens
+    # it mints per sidecar for that pod's own audience (`control_api.pod_audience`).
+    sidecar_token_service_account: str = ""
     # A NetworkPolicy per KVCachePolicy guarding the sidecars' ports (see netpol).
     network_policies: bool = False
     operator_namespace: str = ""
-    operator_pod_labels: str = ""  # k=v,k=v: this operator's pods, allowed to the HTTP port
+    # k=v,k=v: this operator's pods, allowed to the HTTP port (never empty: that would
+    # be every pod of the operator's namespace); the chart's selector label by default.
+    operator_pod_labels: str = DEFAULT_OPERATOR_POD_LABELS
     monitoring_namespace: str = ""  # allowed to the HTTP port (metrics); empty: none
     serving_ports_open: bool = True
 
@@ -79,9 +87,10 @@ class OperatorOptions:
             sidecar_protect_metrics=get("SIDECAR_PROTECT_METRICS", "false") == "true",
             sidecar_metrics_users=get("SIDECAR_METRICS_USERS", ""),
             sidecar_token_file=get("SIDECAR_TOKEN_FILE"),
+            sidecar_token_service_account=get("SIDECAR_TOKEN_SERVICE_ACCOUNT", ""),
             network_policies=get("NETWORK_POLICIES", "false") == "true",
             operator_namespace=get("OPERATOR_NAMESPACE", ""),
-            operator_pod_labels=get("OPERATOR_POD_LABELS", ""),
+            operator_pod_labels=get("OPERATOR_POD_LABELS", "") or DEFAULT_OPERATOR_POD_LABELS,
             monitoring_namespace=get("MONITORING_NAMESPACE", ""),
             serving_ports_open=get("SERVING_PORTS_OPEN", "true") == "true",
             metrics_host=get("METRICS_HOST", cls.metrics_host),
@@ -105,6 +114,7 @@ class OperatorOptions:
         for key, value in (("WEBHOOK_HOST", self.webhook_host), ("WEBHOOK_CERT", self.webhook_cert),
                            ("WEBHOOK_KEY", self.webhook_key), ("SIDECAR_AUTH_USERS", self.sidecar_auth_users),
                            ("SIDECAR_TOKEN_FILE", self.sidecar_token_file),
+                           ("SIDECAR_TOKEN_SERVICE_ACCOUNT", self.sidecar_token_service_account),
                            ("SIDECAR_METRICS_USERS", self.sidecar_metrics_users),
                            ("OPERATOR_NAMESPACE", self.operator_namespace),
                            ("OPERATOR_POD_LABELS", self.operator_pod_labels),

@@ -108,8 +108,7 @@ async def _write_sidecar_config(kube: Kube, body: dict[str, Any], spec: policy.K
     except sidecar_render.ConfigTooLarge as exc:
         return "SidecarConfigTooLarge", str(exc)
     except ValidationError as exc:  # a spec the CRD admits but the sidecar could not run
-        return "SidecarConfigInvalid", "the sidecar config would be invalid: " + "; ".join(
-            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
+        return "SidecarConfigInvalid", "the sidecar config would be invalid: " + sidecar_render.errors_text(exc)
     cm = sidecar_render.config_map(meta["name"], meta["namespace"], rendered)
     kopf.adopt(cm, owner=body)
     try:
@@ -165,12 +164,18 @@ async def reconcile_membership(
     body = await kube.read_policy(namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return
-    spec = policy.KVCachePolicySpec.model_validate(body["spec"])
     old_status = _status(body)
+    try:
+        spec = sidecar_render.carried_out(body["spec"])
+    except sidecar_render.BrokenPolicy as exc:
+        await _report_broken(kube, body, views, state, event, policies or [], exc)
+        return
+    state.broken = None
     this = conflicts.PolicyRef(name, body["metadata"].get("creationTimestamp") or "", spec.selector)
     refs = [p for p in policies or [] if p.name != name] + [this]
-    overlap = conflicts.observation(this, conflicts.overlaps(
-        this, [conflicts.PodLabels(v.name, dict(v.labels), v.injected_by) for v in views], refs))
+    labelled = [conflicts.PodLabels(v.name, dict(v.labels), v.injected_by) for v in views]
+    overlap = conflicts.observation(this, conflicts.overlaps(this, labelled, refs))
+    foreign = conflicts.foreign_observation(conflicts.foreign(this, labelled, refs))
     views = [v for v in views if conflicts.owner(dict(v.labels), v.injected_by, refs) == name]
     members = membership.members(views, spec.selector)
     missing = membership.uninjected(views, spec.selector)
@@ -212,7 +217,7 @@ async def reconcile_membership(
     fields = _membership_status(name, old_status, members, table, plan, stats, new_epoch)
     observed = [conditions.Observation("AffinityPublished", "True", "Published",
                                        f"epoch {table.epoch}, {len(members)} members, {len(tenants)} known tenants"),
-                overlap, _injection_observation(missing, old_status, event),
+                overlap, foreign, _injection_observation(missing, old_status, event, membership.skipped(views, spec.selector, name)),
                 await _dram_fit_observation(kube, spec, views, old_status, event)]
     fields.update(uninjectedPods=len(missing), uninjectedPodNames=missing[:MAX_UNINJECTED_NAMED])
     before = conditions.find(old_status.conditions, overlap.type)
@@ -278,18 +283,67 @@ async def _candidate_nodes(kube: Kube, unscheduled: dict[str, tuple[tuple[str, s
 MAX_UNINJECTED_NAMED = 20
 
 
-def _injection_observation(missing: list[str], old: policy.KVCachePolicyStatus, event: EventFn) -> conditions.Observation:
+def _named(pods: list[str]) -> str:
+    return ", ".join(pods[:MAX_UNINJECTED_NAMED]) + (f" and {len(pods) - MAX_UNINJECTED_NAMED} more"
+                                                     if len(pods) > MAX_UNINJECTED_NAMED else "")
+
+
+def _injection_observation(missing: list[str], old: policy.KVCachePolicyStatus, event: EventFn,
+                           skipped: dict[str, str] | None = None) -> conditions.Observation:
     """SidecarsInjected: False while selected pods run without the sidecar (an Event when
-    that starts or the set changes), so a webhook outage is never silent."""
+    that starts or the set changes), so a webhook outage — or a policy whose sidecar
+    config was invalid when they were created (`skipped`: pod -> why) — is never silent."""
     if not missing:
         return conditions.Observation("SidecarsInjected", "True", "AllInjected", "every selected pod runs the sidecar")
-    named = ", ".join(missing[:MAX_UNINJECTED_NAMED]) + (f" and {len(missing) - MAX_UNINJECTED_NAMED} more"
-                                                         if len(missing) > MAX_UNINJECTED_NAMED else "")
-    message = (f"{len(missing)} selected pods run without the sidecar (created while the injection webhook was "
-               f"unreachable): {named}; delete them or restart the workload to inject it")
+    skipped = {p: why for p, why in (skipped or {}).items() if p in missing}
+    unreachable = [p for p in missing if p not in skipped]
+    parts = []
+    if skipped:
+        parts.append(f"{len(skipped)} selected pods were admitted without the sidecar because this policy could not "
+                     f"be carried out ({next(iter(skipped.values()))}): {_named(list(skipped))}; fix the policy, "
+                     "then delete them or restart the workload to inject it")
+    if unreachable:
+        parts.append(f"{len(unreachable)} selected pods run without the sidecar (created while the injection webhook "
+                     f"was unreachable): {_named(unreachable)}; delete them or restart the workload to inject it")
+    message = "; ".join(parts)
+    reason = "PolicyNotCarriedOut" if skipped else "PodsWithoutSidecar"
     if old.uninjected_pod_names != missing[:MAX_UNINJECTED_NAMED] or old.uninjected_pods != len(missing):
-        event("Warning", "PodsWithoutSidecar", message)
-    return conditions.Observation("SidecarsInjected", "False", "PodsWithoutSidecar", message)
+        event("Warning", reason, message)
+    return conditions.Observation("SidecarsInjected", "False", reason, message)
+
+
+async def _report_broken(kube: Kube, body: dict[str, Any], views: list[membership.PodView], state: PolicyState,
+                         event: EventFn, policies: list[conflicts.PolicyRef],
+                         problem: sidecar_render.BrokenPolicy) -> None:
+    """A policy that cannot be carried out publishes nothing: its status says why (its
+    own condition when the spec no longer parses; `reconcile_spec` reports a sidecar
+    config it cannot render) and counts the pods admitted without the sidecar. Logged
+    once per distinct problem; written only when the status would change."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    if state.broken != str(problem):
+        log.warning("policy %s/%s cannot be carried out: %s; selected pods are admitted without the sidecar",
+                    namespace, name, problem)
+        state.broken = str(problem)
+    old = _status(body)
+    try:
+        selector = policy.LabelSelector.model_validate((body.get("spec") or {}).get("selector") or {})
+    except ValueError:
+        selector = None  # selects nothing
+    owned = [] if selector is None else [v for v in views if conflicts.owner(
+        dict(v.labels), v.injected_by, [p for p in policies if p.name != name]
+        + [conflicts.PolicyRef(name, meta.get("creationTimestamp") or "", selector)]) == name]
+    missing = membership.uninjected(owned, selector) if selector is not None else []
+    skipped = membership.skipped(owned, selector, name) if selector is not None else {}
+    observed = [_injection_observation(missing, old, event, skipped)]
+    if problem.reason == "SpecInvalid":
+        observed.append(conditions.Observation("Degraded", "True", problem.reason, str(problem)))
+    fields: dict[str, Any] = {"uninjectedPods": len(missing), "uninjectedPodNames": missing[:MAX_UNINJECTED_NAMED],
+                              "conditions": [c.wire() for c in conditions.merge(old.conditions, observed,
+                                                                                  meta.get("generation"))]}
+    current = body.get("status") or {}
+    if any(current.get(k) != v for k, v in fields.items()):
+        await kube.patch_status(namespace, name, fields)
 
 
 async def _warm_then_publish(kube, sidecars, body, spec, members, plan, table, leavers=None) -> bool:

@@ -24,6 +24,8 @@ class PolicyState:
     # The last pass could not bring Redis up to the published table: retry soon,
     # not only at the next resync, so routers reading Redis catch up once it returns.
     redis_behind: bool = False
+    # Why the policy cannot be carried out (logged once per distinct reason), or None.
+    broken: str | None = None
 
 
 @dataclass(slots=True)

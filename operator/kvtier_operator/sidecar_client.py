@@ -7,7 +7,8 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,18 +112,62 @@ class BearerToken:
         return {"Authorization": f"Bearer {self._value}"} if self._value else None
 
 
+# Minted tokens live this long: the API server's shortest TokenRequest (ten minutes),
+# against the projected token's hour. Renewed once half of that is gone.
+MINTED_TOKEN_TTL_S = 600
+# Pods whose tokens are kept; past it the least recently used is forgotten (re-minted).
+MAX_MINTED_TOKENS = 10_000
+
+
+class PodTokens:
+    """Per sidecar, a token of this operator's ServiceAccount minted (TokenRequest) for
+    that pod's own audience (`control_api.pod_audience`) and short-lived: a token one
+    sidecar received is refused by every other. `mint(namespace, audience, ttl_s)` is
+    the operator's Kube.request_token for its ServiceAccount."""
+
+    def __init__(self, mint: Callable[[str, int], Awaitable[str]], ttl_s: int = MINTED_TOKEN_TTL_S) -> None:
+        self._mint, self.ttl_s = mint, ttl_s
+        self._tokens: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    async def headers(self, member: Member) -> dict[str, str] | None:
+        audience = api.pod_audience(member.namespace, member.name)
+        now = time.monotonic()
+        cached = self._tokens.get(audience)
+        if cached is None or cached[1] <= now:
+            try:
+                token = await self._mint(audience, self.ttl_s)
+            except Exception as exc:  # the API server away: this call goes without (a 401, a missing answer)
+                log.warning("cannot mint a token for %s: %s", audience, exc)
+                return None
+            cached = (token, now + self.ttl_s / 2)
+            self._tokens[audience] = cached
+            while len(self._tokens) > MAX_MINTED_TOKENS:
+                self._tokens.popitem(last=False)
+        self._tokens.move_to_end(audience)
+        return {"Authorization": f"Bearer {cached[0]}"}
+
+
 class SidecarClient:
-    """One aiohttp session for the operator's lifetime (created in `on.startup`)."""
+    """One aiohttp session for the operator's lifetime (created in `on.startup`). Its
+    credentials: per-pod minted tokens (`PodTokens`), else a token file for the
+    sidecars' shared audience (`BearerToken`), else none (open sidecars)."""
 
     def __init__(self, session: aiohttp.ClientSession, warms_per_target: int = WARMS_PER_TARGET,
-                 token_file: str | None = None):
+                 token_file: str | None = None, pod_tokens: PodTokens | None = None):
         self._session = session
         self.warms_per_target = warms_per_target
         self._token = BearerToken(token_file)
+        self._pod_tokens = pod_tokens
 
     @classmethod
-    def create(cls, warms_per_target: int = WARMS_PER_TARGET, token_file: str | None = None) -> "SidecarClient":
-        return cls(aiohttp.ClientSession(), warms_per_target, token_file)
+    def create(cls, warms_per_target: int = WARMS_PER_TARGET, token_file: str | None = None,
+               pod_tokens: PodTokens | None = None) -> "SidecarClient":
+        return cls(aiohttp.ClientSession(), warms_per_target, token_file, pod_tokens)
+
+    async def _auth(self, member: Member) -> dict[str, str] | None:
+        if self._pod_tokens is not None:
+            return await self._pod_tokens.headers(member)
+        return self._token.headers()
 
     async def close(self) -> None:
         await self._session.close()
@@ -141,7 +186,7 @@ class SidecarClient:
         try:
             async with self._session.get(
                 f"{member.http_url()}/cache/stats", timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S),
-                headers=self._token.headers(),
+                headers=await self._auth(member),
             ) as resp:
                 if resp.status != 200:
                     log.info("no stats from %s: HTTP %s %s", member.name, resp.status, (await resp.text())[:200])
@@ -165,7 +210,7 @@ class SidecarClient:
             try:
                 async with self._session.post(f"{member.http_url()}/cache/drain/done", json={},
                                               timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S),
-                                              headers=self._token.headers()) as resp:
+                                              headers=await self._auth(member)) as resp:
                     log.info("released leaving pod %s: %s", member.name, resp.status)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 log.info("leaving pod %s not released: %s", member.name, exc)
@@ -213,7 +258,7 @@ class SidecarClient:
             while True:
                 remaining = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
                 async with self._session.post(f"{target.http_url()}/cache/warm", json=api.dump(body),
-                                              timeout=remaining, headers=self._token.headers()) as resp:
+                                              timeout=remaining, headers=await self._auth(target)) as resp:
                     if resp.status in ASK_AGAIN_STATUSES:  # ask again when told, within the deadline
                         wait_s = _retry_after_s(resp.headers.get("Retry-After"))
                         if time.monotonic() + wait_s >= deadline:
@@ -236,11 +281,12 @@ class SidecarClient:
         while time.monotonic() < deadline:
             timeout = aiohttp.ClientTimeout(total=max(0.1, min(STATS_TIMEOUT_S, deadline - time.monotonic())))
             async with self._session.get(f"{target.http_url()}/cache/jobs", timeout=timeout,
-                                         headers=self._token.headers()) as resp:
+                                         headers=await self._auth(target)) as resp:
                 record = api.Jobs.model_validate(await resp.json()).root.get(job) if resp.status == 200 else None
             if record is not None and record.state == api.JobState.DONE:
                 return True
             if record is not None and record.state == api.JobState.FAILED:
+                log.warning("warm-up job %s on %s failed: %s", job, target.name, record.error)
                 return False
             await asyncio.sleep(JOB_POLL_INTERVAL_S)
         return False

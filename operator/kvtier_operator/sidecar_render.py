@@ -6,6 +6,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvtier import policy
 from kvtier.sidecar_config import NvmeConfig, ServedModel, SidecarConfig, dump_yaml
 
@@ -58,6 +60,36 @@ def sidecar_config(spec: policy.KVCachePolicySpec) -> SidecarConfig:
         redis_cluster=bool(spec.redis and spec.redis.cluster),
         platform_prefixes=[p.token_ids for p in spec.shared_prefixes],
     )
+
+
+class BrokenPolicy(ValueError):
+    """A stored policy the operator cannot carry out: its spec does not parse (stored
+    before a rule that now refuses it) or its sidecar config would be invalid. The
+    message says what to fix; its pods are admitted without the sidecar. `reason` is
+    the condition reason: SpecInvalid or SidecarConfigInvalid."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def errors_text(exc: ValidationError) -> str:
+    """A pydantic error as one line: `field.path: what is wrong; ...`."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors(include_url=False))
+
+
+def carried_out(raw_spec: Any) -> policy.KVCachePolicySpec:
+    """The spec parsed, and checked to render a valid sidecar config; BrokenPolicy when not."""
+    try:
+        spec = policy.KVCachePolicySpec.model_validate(raw_spec)
+    except ValidationError as exc:
+        raise BrokenPolicy("SpecInvalid", f"the policy's spec is invalid: {errors_text(exc)}") from None
+    try:
+        sidecar_config(spec)
+    except ValidationError as exc:
+        raise BrokenPolicy("SidecarConfigInvalid",
+                           f"the sidecar config would be invalid: {errors_text(exc)}") from None
+    return spec
 
 
 def render(spec: policy.KVCachePolicySpec) -> RenderedConfig:

@@ -26,6 +26,7 @@ class Count(StrEnum):
     TOKEN_REVIEWS = "token_reviews"  # control-API tokens sent to the API server's TokenReview
     AUTH_MISSING = "auth_missing"  # control-API calls without a bearer token
     AUTH_UNAVAILABLE = "auth_unavailable"  # calls refused because TokenReview could not be asked
+    AUTH_RATE_LIMITED = "auth_rate_limited"  # unknown tokens refused unreviewed: their source asked too often
 
 
 class Counters:

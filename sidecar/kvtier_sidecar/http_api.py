@@ -10,12 +10,15 @@
                                  429 with Retry-After when the bounded warm queue is full)
     POST /cache/drain/done       a draining sidecar may exit now (409 when not draining)
     GET  /cache/jobs             background jobs: state, started_s/finished_s (wall clock), bytes
-    GET  /metrics                Prometheus text, top-N tenants + "other"
+    GET  /metrics                Prometheus text, top-N tenants + "other" (tenant labels are keyed
+                                 digests while /metrics needs no token and /cache/ does)
     GET  /healthz, /readyz
 
 Bodies and answers are the pydantic models of `kvtier.control_api` (the operator's
 client reads the same ones); anything malformed is a 4xx with a message saying what
-was wrong. Handlers are thin: the work is in `service.Sidecar`.
+was wrong: a body that is not `application/json` is 415, one nested deeper than the
+parser goes is 400, a tenant outside `kvtier.tenants`' rule is
+400 (stats) or 422 (warm). Handlers are thin: the work is in `service.Sidecar`.
 
 Everything under /cache/ (and /metrics when `control_auth.protect_metrics`) needs the
 operator's token (see `control_auth`): 401 without a valid one, 403 for someone else,
@@ -32,13 +35,17 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from kvtier import control_api as api
+from kvtier import tenants
 
+from . import metrics as metrics_mod
+from .control_auth import RATE_LIMIT_RETRY_AFTER_S
 from .global_index import MEMBERSHIP_RETRY_AFTER_S, MembershipUnknown
 from .service import PeerTierDisabled, QueueFull, RefConflict
 
 log = logging.getLogger("kvtier.sidecar.http")
 
 MAX_BODY_BYTES = 64 << 10
+JSON_TYPE = "application/json"
 
 
 def _bad(message: str, status: int = 400) -> web.Response:
@@ -51,10 +58,14 @@ async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel | web
     raw = await request.content.read(MAX_BODY_BYTES + 1)
     if len(raw) > MAX_BODY_BYTES:
         return _bad(f"body larger than {MAX_BODY_BYTES} bytes", 413)
+    if raw and request.content_type != JSON_TYPE:
+        return _bad(f"body must be {JSON_TYPE} (got {request.content_type or 'no Content-Type'})", 415)
     try:
         data = json.loads(raw or b"null")
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return _bad(f"body is not JSON: {exc}")
+    except RecursionError:  # the parser's own bound on nesting: requests are flat objects
+        return _bad("body nests too deeply to be a request (requests are flat JSON objects)")
     if not isinstance(data, dict):
         return _bad("body must be a JSON object")
     try:
@@ -66,6 +77,17 @@ async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel | web
 
 
 PROTECTED_PREFIX = "/cache/"
+# Keys the hashed tenant labels when no peer secret is configured: the digests are then
+# the same everywhere, which hides names but not a guess of one (set a peer secret).
+UNKEYED_LABELS = b"kvtier-tenant-label"
+
+
+def _label_key(service) -> bytes:
+    """The policy's peer secret (shared by its sidecars only), read once at start-up."""
+    try:
+        return service.config.peer_secret() or UNKEYED_LABELS
+    except OSError:
+        return UNKEYED_LABELS
 
 REPORT_THREADS = 1
 """`/cache/stats` and `/metrics` are assembled on one thread of their own, never on
@@ -82,8 +104,8 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
 
     async def stats(request: web.Request) -> web.Response:
         tenant = request.query.get("tenant")
-        if tenant is not None and not (0 < len(tenant) <= api.MAX_NAME_CHARS):
-            return _bad(f"tenant must be 1-{api.MAX_NAME_CHARS} characters")
+        if tenant is not None and not tenants.is_tenant(tenant):
+            return _bad(f"tenant is not a tenant name ({tenants.TENANT_RULE})")
         return web.json_response(api.dump(await off_loop(service.stats, tenant)))
 
     async def invalidate(request: web.Request) -> web.Response:
@@ -125,8 +147,12 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
     async def jobs(request: web.Request) -> web.Response:
         return web.json_response(api.dump(api.Jobs(service.jobs())))
 
+    # /metrics open while the control API is not: tenants appear as keyed digests only.
+    tenant_label = None if auth is None or protect_metrics else metrics_mod.hashed_tenants(_label_key(service))
+
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=await off_loop(service.metrics_text), content_type="text/plain", charset="utf-8",
+        return web.Response(body=await off_loop(service.metrics_text, tenant_label), content_type="text/plain",
+                            charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 
     async def healthz(request: web.Request) -> web.Response:
@@ -151,10 +177,13 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
         if auth is None or not (request.path.startswith(PROTECTED_PREFIX)
                                 or (protect_metrics and request.path == "/metrics")):
             return await handler(request)
-        decision = await auth.check(request.headers.get("Authorization"), metrics=request.path == "/metrics")
+        decision = await auth.check(request.headers.get("Authorization"), metrics=request.path == "/metrics",
+                                    source=request.remote or "")
         if decision.allowed:
             return await handler(request)
         headers = {"WWW-Authenticate": 'Bearer realm="kvtier-sidecar"'} if decision.status == 401 else None
+        if decision.status == 429:
+            headers = {"Retry-After": str(RATE_LIMIT_RETRY_AFTER_S)}
         return web.json_response({"error": decision.reason}, status=decision.status, headers=headers)
 
     app = web.Application(middlewares=[never_crash, authenticated], client_max_size=MAX_BODY_BYTES)

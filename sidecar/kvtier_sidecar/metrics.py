@@ -16,13 +16,21 @@ as `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` do, while
 Every series carries `version`, the weights version this sidecar serves; `namespace`,
 `pod` and `policy` are target labels Prometheus adds from the pod (see
 docs/OBSERVABILITY.md), so the label set per sidecar is bounded by top_n x tiers.
+
+Tenant names are the operator's to read (`/cache/stats`, behind its token). Where
+/metrics answers without a token while the control API wants one, the tenant label is
+`hashed_tenants`' keyed digest of the name: the same on every sidecar of a policy (keyed
+by its peer secret), so per-tenant series still add up across pods, and no name can be
+read or guessed from it.
 """
 from __future__ import annotations
 
 import collections
+import hashlib
 import heapq
+import hmac
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -188,7 +196,21 @@ class SidecarState:
     index_pending_blocks: int = 0  # registrations queued while writes are refused
 
 
-def _tenant_families(buckets: dict[str, TenantCounters], version: str) -> Iterable:
+TenantLabel = Callable[[str], str]
+# Hex digits of a hashed tenant label: 64 bits, no collision among a sidecar's tenants.
+HASHED_LABEL_HEX = 16
+
+
+def hashed_tenants(key: bytes) -> TenantLabel:
+    """A tenant's label as HMAC-SHA256(key, name), shortened; "other" stays "other"."""
+    def label(bucket: str) -> str:
+        if bucket == OTHER:
+            return OTHER
+        return "h-" + hmac.new(key, bucket.encode(), hashlib.sha256).hexdigest()[:HASHED_LABEL_HEX]
+    return label
+
+
+def _tenant_families(buckets: dict[str, TenantCounters], version: str, tenant_label: TenantLabel | None = None) -> Iterable:
     def counter(name: str, doc: str, *extra: str) -> CounterMetricFamily:
         return CounterMetricFamily(name, doc, labels=["tenant", "version", *extra])
 
@@ -201,7 +223,8 @@ def _tenant_families(buckets: dict[str, TenantCounters], version: str) -> Iterab
     peer_bytes = counter("kvtier_peer_fetched_bytes", "KV bytes fetched from peers for lookups")
     warmed = counter("kvtier_warmed_bytes", "KV bytes pulled from peers by warm-up jobs")
     stores = counter("kvtier_stores", "Stores by outcome (accepted, or declined by admission)", "outcome")
-    for tenant, c in buckets.items():
+    for bucket, c in buckets.items():
+        tenant = bucket if tenant_label is None else tenant_label(bucket)
         lookups.add_metric([tenant, version], c.lookups)
         queries.add_metric([tenant, version], c.lookup_tokens)
         peer_bytes.add_metric([tenant, version], c.peer_bytes)
@@ -273,15 +296,17 @@ def _sidecar_families(s: SidecarState) -> Iterable:
 
 
 class _Collector:
-    def __init__(self, metrics: TenantMetrics, top_n: int, state: SidecarState) -> None:
-        self.metrics, self.top_n, self.state = metrics, top_n, state
+    def __init__(self, metrics: TenantMetrics, top_n: int, state: SidecarState,
+                 tenant_label: TenantLabel | None) -> None:
+        self.metrics, self.top_n, self.state, self.tenant_label = metrics, top_n, state, tenant_label
 
     def collect(self) -> Iterable:
-        yield from _tenant_families(self.metrics.bucketed(self.top_n), self.state.version)
+        yield from _tenant_families(self.metrics.bucketed(self.top_n), self.state.version, self.tenant_label)
         yield from _sidecar_families(self.state)
 
 
-def render(metrics: TenantMetrics, top_n: int, state: SidecarState) -> bytes:
+def render(metrics: TenantMetrics, top_n: int, state: SidecarState, tenant_label: TenantLabel | None = None) -> bytes:
+    """Prometheus text; `tenant_label` (e.g. `hashed_tenants`) names the tenant series."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(metrics, top_n, state))
+    registry.register(_Collector(metrics, top_n, state, tenant_label))
     return generate_latest(registry)

@@ -277,17 +277,20 @@ class Sidecar:
         return job, True
 
     async def _warm(self, tenant: str, peer: str, max_bytes: int) -> dict[str, int]:
-        deadline = asyncio.get_running_loop().time() + WARM_JOB_DEADLINE_S
+        job_timer = asyncio.timeout_at(asyncio.get_running_loop().time() + WARM_JOB_DEADLINE_S)
         try:
-            async with asyncio.timeout_at(deadline):
+            async with job_timer:
                 async with self._warm_slots:
                     warmed = await self.fetcher.warm(tenant, peer, max_bytes, self.config.model.weights_version)
-        except TimeoutError:
-            raise RuntimeError(f"deadline: not finished within {WARM_JOB_DEADLINE_S:.0f}s") from None
+        except TimeoutError as exc:  # the job's deadline, or a peer socket's (socket.timeout is one too)
+            if job_timer.expired():
+                raise RuntimeError(f"deadline: not finished within {WARM_JOB_DEADLINE_S:.0f}s") from None
+            raise RuntimeError(f"peer {peer} did not answer within peer_timeout_s={self.config.peer_timeout_s:g}s "
+                               f"({exc or 'timed out'})") from None
         self.metrics.warmed(tenant, warmed.bytes)
         return {"prefixes": warmed.prefixes, "blocks": warmed.blocks, "bytes": warmed.bytes}
 
-    def metrics_text(self) -> bytes:
+    def metrics_text(self, tenant_label: metrics_mod.TenantLabel | None = None) -> bytes:
         occ = self.tier.occupancy()
         state = metrics_mod.SidecarState(
             version=self.config.model.weights_version, bytes_used=occ["bytes_used"],
@@ -300,7 +303,7 @@ class Sidecar:
             index_health={} if self.index is None else self.index.health(),
             index_pending_blocks=0 if self.index is None else self.index.pending,
         )
-        return metrics_mod.render(self.metrics, self.config.metrics_top_tenants, state)
+        return metrics_mod.render(self.metrics, self.config.metrics_top_tenants, state, tenant_label)
 
     def readiness(self) -> tuple[bool, str]:
         if self.draining:

@@ -49,6 +49,8 @@ from enum import Enum, IntEnum
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from kvtier.tenants import TenantName
+
 HELLO_MAGIC = b"KVP3"
 # Magics of the versions before, refused by name (v2: authenticated, not encrypted).
 OLD_HELLO_MAGICS = {b"KVP2": 2, b"KVP1": 1}
@@ -108,7 +110,7 @@ class WireRoot(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    tenant: str = Field(min_length=1, max_length=256)
+    tenant: TenantName
     model_id: str = Field(min_length=1, max_length=256)
     weights_version: str = Field(min_length=1, max_length=256)
     kv_dtype: str = Field(min_length=1, max_length=64)
@@ -137,7 +139,7 @@ class FetchHeader(BaseModel):
 class HotRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tenant: str = Field(min_length=1, max_length=256)
+    tenant: TenantName
     # A budget of nothing is a caller's bug, as on the control API's warm-up.
     max_bytes: StrictInt = Field(gt=0)
 

@@ -27,7 +27,13 @@ def test_default_render_has_every_object_least_privilege_and_hardening():
         ("Service", "kvtier-operator"), ("Secret", "kvtier-webhook-tls"),
         ("MutatingWebhookConfiguration", "kvtier-sidecar-injector"), ("NetworkPolicy", "kvtier-operator"),
         ("ConfigMap", "kvtier-alert-rules"), ("ConfigMap", "kvtier-dashboard"),
+        ("Role", "kvtier-operator-sidecar-tokens"), ("RoleBinding", "kvtier-operator-sidecar-tokens"),
     }
+    # The sidecars' tokens: the operator mints its own, and nobody else's.
+    assert objects[("Role", "kvtier-operator-sidecar-tokens")]["rules"] == [
+        {"apiGroups": [""], "resources": ["serviceaccounts/token"], "resourceNames": ["kvtier-operator"],
+         "verbs": ["create"]}]
+    assert "--sidecar-token-service-account=kvtier-system/kvtier-operator" in operator_container(objects)["args"]
     rules = objects[("ClusterRole", "kvtier-operator")]["rules"]
     granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     assert not any(v in ("*", "update", "deletecollection") for _, r, v in granted)
@@ -120,7 +126,8 @@ def test_user_provided_certificate_renders_no_secret_and_uses_the_given_ca_bundl
 def test_webhook_disabled_renders_no_webhook_service_or_flags():
     objects = render({"webhook": {"enabled": False}})
     assert {kind for kind, _ in objects} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
-                                             "NetworkPolicy", "ConfigMap"}  # ConfigMap: the monitoring ones
+                                             "NetworkPolicy", "ConfigMap",  # ConfigMap: the monitoring ones
+                                             "Role", "RoleBinding"}  # the operator mints the sidecars' tokens
     assert not any(a.startswith("--webhook") for a in operator_container(objects)["args"])
 
 

@@ -15,7 +15,7 @@ import yaml
 
 from kvtier import policy
 from helm_chart import CHART, flags, helm, operator_container
-from kvtier_operator import netpol
+from kvtier_operator import names, netpol
 from kvtier_operator.options import OperatorOptions
 from kvtier_testenv.kubectl import Kubectl
 HTTP, PEER, ENGINE, WEBHOOK, HEALTH, OPERATOR_METRICS = 8081, 8082, 8000, 9443, 8080, 8090
@@ -92,8 +92,11 @@ def test_sidecar_and_operator_policies_admit_exactly_the_intended_peers(control_
         admin.run("apply", "-f", "-", input=json.dumps(objects[("NetworkPolicy", "kvtier-operator")]))
         admin.run("apply", "-f", "-", input=json.dumps(sidecar_policy))
         operator_labels = objects[("Deployment", "kvtier-operator")]["spec"]["template"]["metadata"]["labels"]
+        injected = {"app": "llm", names.INJECTED_LABEL: names.injected_label_value("tiny")}
         pods = {
-            "llm-0": (namespace, {"app": "llm"}), "llm-1": (namespace, {"app": "llm"}),
+            "llm-0": (namespace, injected), "llm-1": (namespace, injected),
+            # the policy's selector labels put on a pod by hand: selected, never a peer
+            "forged": (namespace, {"app": "llm"}),
             "web-0": (namespace, {"app": "web"}), "operator": (op_ns, operator_labels),
             "prometheus": (mon_ns, {"app": "prometheus"}), "intruder": (other_ns, {"app": "llm"}),
         }
@@ -112,13 +115,13 @@ def test_sidecar_and_operator_policies_admit_exactly_the_intended_peers(control_
                     and selector_matches(p["spec"]["podSelector"], obj["metadata"]["labels"])}
 
         assert selected_by(policies[0]) == {"operator"}
-        assert selected_by(policies[1]) == {"llm-0", "llm-1"}
+        assert selected_by(policies[1]) == {"llm-0", "llm-1", "forged"}
 
         def who_reaches(dst: str, port: int) -> set[str]:
             return {s for s in live if s != dst and allowed(policies, ns_labels, live[s], live[dst], port)}
 
         everyone_else = lambda dst: set(live) - {dst}  # noqa: E731
-        assert who_reaches("llm-0", PEER) == {"llm-1"}  # the policy's own pods only
+        assert who_reaches("llm-0", PEER) == {"llm-1"}  # the pods running the policy's sidecar only
         assert who_reaches("llm-0", HTTP) == {"operator", "prometheus"}
         assert who_reaches("llm-0", ENGINE) == everyone_else("llm-0")  # serving traffic untouched
         assert who_reaches("web-0", PEER) == everyone_else("web-0")  # not selected: not isolated
@@ -145,10 +148,13 @@ def test_a_policy_selecting_by_expressions_opens_the_peer_port_to_exactly_the_po
     admin = Kubectl(control_plane.kubeconfig)
     selector = policy.LabelSelector.model_validate({"matchLabels": {"app": "llm"}, "matchExpressions": [
         {"key": "tier", "operator": "NotIn", "values": ["batch"]}, {"key": "serving", "operator": "Exists"}]})
-    access = netpol.SidecarAccess(operator_namespace="kvtier-system")
+    access = netpol.SidecarAccess(operator_namespace="kvtier-system", operator_labels={"app": "op"})
     admin.run("apply", "-f", "-", input=json.dumps(netpol.sidecar_network_policy("exprs", namespace, selector,
                                                                                  HTTP, PEER, access)))
-    pods = {"llm-0": {"app": "llm", "serving": "yes"}, "llm-1": {"app": "llm", "serving": "yes", "tier": "online"},
+    # The webhook labels the pods it injects (the ones the selector matches).
+    injected = {names.INJECTED_LABEL: names.injected_label_value("exprs")}
+    pods = {"llm-0": {"app": "llm", "serving": "yes", **injected},
+            "llm-1": {"app": "llm", "serving": "yes", "tier": "online", **injected},
             "batch-0": {"app": "llm", "serving": "yes", "tier": "batch"}, "bare-0": {"app": "llm"},
             "web-0": {"app": "web", "serving": "yes"}}
     for name, labels in pods.items():
@@ -167,3 +173,17 @@ def test_a_policy_selecting_by_expressions_opens_the_peer_port_to_exactly_the_po
     assert who_reaches("llm-1", PEER) == {"llm-0"}
     assert who_reaches("batch-0", PEER) == set(live) - {"batch-0"}  # not selected: not isolated
     assert who_reaches("llm-0", ENGINE) == set(live) - {"llm-0"}
+
+
+def test_the_http_port_never_opens_to_a_whole_namespace():
+    selector = policy.LabelSelector.model_validate({"matchLabels": {"app": "llm"}})
+    with pytest.raises(ValueError, match="operator's pod labels"):
+        netpol.sidecar_network_policy("tiny", "ns", selector, HTTP, PEER, netpol.SidecarAccess("kvtier-system"))
+    # The operator's defaults (flags or environment left out) name the chart's operator pods.
+    defaults = OperatorOptions(network_policies=True, operator_namespace="kvtier-system")
+    env = {k: v for k, v in defaults.to_env().items() if k != "KVTIER_OPERATOR_OPERATOR_POD_LABELS"}
+    for options in (defaults, OperatorOptions.from_env(env)):
+        body = netpol.sidecar_network_policy("tiny", "ns", selector, HTTP, PEER, options.sidecar_access())
+        http_rule = next(r for r in body["spec"]["ingress"] if r["ports"][0]["port"] == HTTP)
+        assert [p["podSelector"] for p in http_rule["from"]] == [
+            {"matchLabels": {"app.kubernetes.io/name": "kvtier-operator"}}]

@@ -1,4 +1,4 @@
-"""Overlapping selectors: the ownership rule (injected-by first, then the oldest policy,
+"""Overlapping selectors: the ownership rule (injected-by for life, then the oldest policy,
 then the name) and the SelectorConflict condition both policies report."""
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ def test_oldest_selecting_policy_owns_an_uninjected_pod_whatever_the_names():
 
 def test_injected_by_annotation_keeps_a_pod_with_the_policy_that_injected_it():
     assert owner({"app": "llm"}, "alpha", [NEW, OLD]) == "alpha"
-    # ...unless that policy is gone or no longer selects the pod.
-    assert owner({"app": "llm"}, "gone", [NEW, OLD]) == "zeta"
+    # Its sidecar runs that policy's config: gone or no longer selecting it, the pod is
+    # nobody's until it is recreated, never adopted by another selecting policy.
+    assert owner({"app": "llm"}, "gone", [NEW, OLD]) is None
     narrowed = PolicyRef("alpha", NEW.created, sel(app="llm", tier="gpu"))
-    assert owner({"app": "llm"}, "alpha", [narrowed, OLD]) == "zeta"
+    assert owner({"app": "llm"}, "alpha", [narrowed, OLD]) is None
 
 
 def test_overlap_is_reported_by_both_policies_with_the_shared_pods_and_their_owner():

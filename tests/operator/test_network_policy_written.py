@@ -28,7 +28,8 @@ def test_operator_writes_the_policys_network_policy_owned_by_the_policy(operator
     assert np["metadata"]["ownerReferences"][0]["kind"] == "KVCachePolicy"
     assert np["metadata"]["labels"][names.POLICY_LABEL] == "tiny"
     peer_rule = next(r for r in np["spec"]["ingress"] if r["ports"][0]["port"] == PEER)
-    assert peer_rule["from"] == [{"podSelector": {"matchLabels": {"app": "llm"}}}]
+    # The peer port admits the pods the webhook injected for this policy, by the label it sets.
+    assert peer_rule["from"] == [{"podSelector": {"matchLabels": {names.INJECTED_LABEL: "tiny"}}}]
 
 
 # A selector by expressions only: serving pods of `llm` that are not batch workers.
@@ -39,11 +40,14 @@ EXPRESSIONS = [{"key": "app", "operator": "In", "values": ["llm"]},
 
 def test_a_selector_by_expressions_is_rendered_whole_in_the_pod_selector_and_the_peer_rule():
     selector = policy.LabelSelector.model_validate({"matchLabels": {"team": "a"}, "matchExpressions": EXPRESSIONS})
-    body = netpol.sidecar_network_policy("tiny", "ns", selector, 8081, PEER, netpol.SidecarAccess("kvtier-system"))
+    body = netpol.sidecar_network_policy("tiny", "ns", selector, 8081, PEER,
+                                         netpol.SidecarAccess("kvtier-system", {"app": "op"}))
     wanted = {"matchLabels": {"team": "a"}, "matchExpressions": EXPRESSIONS}
-    assert body["spec"]["podSelector"] == wanted
+    assert body["spec"]["podSelector"] == wanted  # every selected pod is isolated
+    # ... and its peer port admits only the pods the webhook injected for this policy
+    # (a subset of those the expressions select), never the selector's labels alone.
     [peer_rule] = [r for r in body["spec"]["ingress"] if r["ports"] == [{"protocol": "TCP", "port": PEER}]]
-    assert peer_rule["from"] == [{"podSelector": wanted}]
+    assert peer_rule["from"] == [{"podSelector": {"matchLabels": {names.INJECTED_LABEL: "tiny"}}}]
 
 
 @pytest.mark.parametrize("operator", [dict(network_policies=True, operator_namespace="kvtier-system",
@@ -56,7 +60,7 @@ def test_operator_writes_a_policys_expressions_into_its_network_policy(operator,
         "get", "networkpolicy", name, "-o", "json", check=False)).returncode == 0 and json.loads(out.stdout))
     assert np["spec"]["podSelector"] == {"matchExpressions": EXPRESSIONS}
     peer_rule = next(r for r in np["spec"]["ingress"] if r["ports"][0]["port"] == PEER)
-    assert peer_rule["from"] == [{"podSelector": {"matchExpressions": EXPRESSIONS}}]
+    assert peer_rule["from"] == [{"podSelector": {"matchLabels": {names.INJECTED_LABEL: "exprs"}}}]
 
 
 def test_the_rendered_policy_is_exactly_the_three_rules_and_leaves_nothing_out():
@@ -70,7 +74,8 @@ def test_the_rendered_policy_is_exactly_the_three_rules_and_leaves_nothing_out()
         "metadata": {"name": "tiny-kvtier-sidecar", "namespace": "ns",
                      "labels": {names.POLICY_LABEL: "tiny", names.COMPONENT_LABEL: "sidecar-network-policy"}},
         "spec": {"podSelector": {"matchLabels": {"app": "llm"}}, "policyTypes": ["Ingress"], "ingress": [
-            {"ports": [{"protocol": "TCP", "port": 8083}], "from": [{"podSelector": {"matchLabels": {"app": "llm"}}}]},
+            {"ports": [{"protocol": "TCP", "port": 8083}],
+             "from": [{"podSelector": {"matchLabels": {names.INJECTED_LABEL: "tiny"}}}]},
             {"ports": [{"protocol": "TCP", "port": 8081}],
              "from": [{"namespaceSelector": ns("kvtier-system"), "podSelector": {"matchLabels": {"app": "op"}}},
                       {"namespaceSelector": ns("monitoring")}]},
@@ -81,10 +86,10 @@ def test_the_rendered_policy_is_exactly_the_three_rules_and_leaves_nothing_out()
     # Without a monitoring namespace only the operator reaches the HTTP port; with the
     # other ports closed there is no third rule.
     closed = netpol.sidecar_network_policy("tiny", "ns", selector, 8081, 8083,
-                                           netpol.SidecarAccess("kvtier-system", other_ports_open=False))
+                                           netpol.SidecarAccess("kvtier-system", {"app": "op"}, other_ports_open=False))
     assert [r["from"] for r in closed["spec"]["ingress"]] == [
-        [{"podSelector": {"matchLabels": {"app": "llm"}}}],
-        [{"namespaceSelector": ns("kvtier-system"), "podSelector": {"matchLabels": {}}}]]
+        [{"podSelector": {"matchLabels": {names.INJECTED_LABEL: "tiny"}}}],
+        [{"namespaceSelector": ns("kvtier-system"), "podSelector": {"matchLabels": {"app": "op"}}}]]
     assert netpol.SidecarAccess("x").other_ports_open is True
 
 
