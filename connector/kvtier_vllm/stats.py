@@ -6,9 +6,16 @@ from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "loaded_bytes", "load_seconds", "load_errors",
-            "saved_blocks", "saved_bytes", "store_declined")
-"""What the scheduler side (lookups, hit_tokens) and the workers (the rest) count."""
+COUNTERS = ("lookups", "prompt_tokens", "local_hit_tokens", "hit_tokens", "lookup_timeouts", "lookup_faults",
+            "lookups_skipped", "breaker_trips", "breaker_recoveries",
+            "loaded_blocks", "loaded_bytes", "loaded_tokens_dram", "loaded_tokens_peer", "load_seconds",
+            "load_errors", "saved_blocks", "saved_bytes", "store_declined", "stores_skipped", "sidecar_unreachable")
+"""What the scheduler side counts (lookups through breaker_recoveries: `plan.COUNTS`,
+`lookups.AsyncLookups.counts`, the breaker's trips) and the workers (the rest).
+
+A hit is `loaded_tokens_{tier}`: prompt tokens a worker really copied in from kvtier.
+`hit_tokens` is what vLLM accepted from the lookups (offered), `local_hit_tokens` what
+its own prefix cache already held, `prompt_tokens` the prompts' length."""
 
 
 @dataclass

@@ -9,17 +9,23 @@ slot ids in their answers. KV bytes never cross this socket: the engine copies t
 out of (or into) the shared-memory arena named in the HELLO answer.
 
     HELLO        {}                                   -> {arena..., instance}
-    LOOKUP       {root, digests?}  + tokens           -> {hit, matched_tokens, tier, digests?} + slots
+    LOOKUP       {root, digests?, local_tokens?} + tokens
+                                                      -> {hit, matched_tokens, tier, digests?} + slots
     RELEASE      {hit}                                -> {}
     STORE_BEGIN  {root, tp, rank}  + tokens           -> {ticket, n_blocks} + slots (ticket 0: declined)
     STORE_COMMIT {ticket, rank}                       -> {committed}
     STORE_ABORT  {ticket}                             -> {}
-    REPORT       {loaded_bytes, load_errors}          -> {}
+    REPORT       {loaded_bytes, load_errors, loaded_tokens_*, ...} -> {}
 
 REPORT carries what only the engine knows (`EngineReport`): the KV bytes it really
-copied in from the arena, and the blocks it told its scheduler it could not load (a
-failed copy or checksum: the engine recomputes them). The sidecar counts both for
-its /metrics.
+copied in from the arena and the prompt tokens they hold (by tier: what the engine
+really got from kvtier), the blocks it told its scheduler it could not load (a
+failed copy or checksum: the engine recomputes them), its own prefix-cache hits, and
+the lookups it gave up on. The sidecar counts them for its /metrics.
+
+`local_tokens` (optional, default 0) is the engine's own prefix-cache hit: the
+sidecar fetches blocks from a peer only when the peer holds more than that, so a
+prompt the engine already holds costs no peer bytes.
 
 `digests` (optional) asks for each hit block's xxh3-64, as computed after its store,
 so an engine can verify what it copies out of the arena.
@@ -58,6 +64,14 @@ class EngineReport(BaseModel):
 
     loaded_bytes: NonNegativeInt = 0  # KV bytes copied from the arena into the engine
     load_errors: NonNegativeInt = 0  # blocks reported to the engine's scheduler as not loaded
+    # The one definition of a hit: prompt tokens the engine loaded from kvtier, by the
+    # tier its lookup found them in, next to its own prefix-cache hits and the prompts.
+    loaded_tokens_dram: NonNegativeInt = 0
+    loaded_tokens_peer: NonNegativeInt = 0
+    local_hit_tokens: NonNegativeInt = 0  # tokens the engine's own prefix cache held
+    prompt_tokens: NonNegativeInt = 0  # prompt tokens of the requests it looked up
+    lookup_timeouts: NonNegativeInt = 0  # lookups the engine stopped waiting for (its budget)
+    breaker_trips: NonNegativeInt = 0  # times the engine stopped asking this sidecar for a while
 
 
 class FrameError(ValueError):

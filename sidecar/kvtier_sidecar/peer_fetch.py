@@ -79,13 +79,15 @@ class PeerFetcher:
         self.warm_pool = concurrent.futures.ThreadPoolExecutor(WARM_THREADS, thread_name_prefix="peer-warm")
         self.background_pool = concurrent.futures.ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="after-store")
 
-    async def from_peers(self, root: KeyRoot, tokens: np.ndarray, have: int, max_blocks: int) -> tuple[int, int]:
-        """Fetch blocks [have, k) from the peer holding the longest prefix; (blocks, bytes)."""
+    async def from_peers(self, root: KeyRoot, tokens: np.ndarray, have: int, max_blocks: int,
+                         beyond: int = 0) -> tuple[int, int]:
+        """Fetch blocks [have, k) from the peer holding the longest prefix, when k is
+        more than `beyond` (the blocks the engine holds itself); (blocks, bytes)."""
         if self.index is None or self.transport is None:
             return 0, 0
         hashes = block_hashes(root, tokens[: max_blocks * self.block_size], self.block_size)
         answer = await self.index.longest_prefix(root.digest().hex(), [h.hex() for h in hashes])
-        if answer is None or answer.matched_blocks <= have:
+        if answer is None or answer.matched_blocks <= max(have, beyond):
             return 0, 0
         want = answer.matched_blocks
         for host in answer.hosts[:PEER_ATTEMPTS]:
