@@ -48,7 +48,7 @@ from .lookups import AsyncLookups, Breaker
 from .worker_calls import Staged, WorkerCalls
 from .paged import PagedKV
 from .plan import LoadSpec, SchedulerBook, StepSpecs, StoreSpec, root_from_fields
-from .stats import KvtierConnectorStats
+from .stats import KvtierConnectorStats, KvtierPromMetrics
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -541,6 +541,11 @@ class KvtierConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierConnectorStats:
         return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         self._finish_layer_loads()
