@@ -268,6 +268,7 @@ class KvtierConnector(KVConnectorBase_V1):
             if problem:
                 raise ConfigError(problem)
             self._mapped = (str(self.client.info.get("instance", "")), self.client.arena)
+            self._check_weights_version()
         else:
             self._unmapped_logged = True
             log.error("kvtier: the sidecar's engine socket %s does not answer; this engine serves WITHOUT kvtier "
@@ -277,6 +278,18 @@ class KvtierConnector(KVConnectorBase_V1):
         self._calls = WorkerCalls(self.cfg.store_staging_mb << 20)
         log.info("KvtierConnector worker rank %d/%d: %d layers, backend %s (%s), layout %s, page %d tokens",
                  self.rank, self.tp, len(tensors), backend, kernel, layout.value, page_tokens)
+
+    def _check_weights_version(self) -> None:
+        """The sidecar labels its metrics with the weights version it was told; an engine
+        serving another one still never shares blocks (the digest is in the key root),
+        but its traffic would be counted under the wrong version: say so loudly."""
+        theirs = self.client.info.get("weights_version")
+        if theirs is not None and theirs != self.identity.weights_version:
+            log.error("kvtier: this engine serves weights %s but its sidecar at %s is configured for %s; blocks "
+                      "stay apart, but the sidecar's metrics label this engine's traffic with the wrong version "
+                      "(set the sidecar's model.weights_version / KVTIER_WEIGHTS_VERSION to the engine's)",
+                      self.identity.weights_version, self.cfg.socket, theirs)
+            self.stats.add("weights_version_mismatch", 1)
 
     def _cpu_kernel(self, backend: str, tensor: torch.Tensor) -> str | None:
         """vLLM's CPU attention kernel for this cache (it decides how K is packed)."""

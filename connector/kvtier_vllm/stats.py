@@ -13,7 +13,8 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 COUNTERS = ("lookups", "prompt_tokens", "local_hit_tokens", "hit_tokens", "lookup_timeouts", "lookup_faults",
             "lookups_skipped", "breaker_trips", "breaker_recoveries",
             "loaded_blocks", "loaded_bytes", "loaded_tokens_dram", "loaded_tokens_peer", "load_seconds",
-            "load_errors", "saved_blocks", "saved_bytes", "store_declined", "stores_skipped", "sidecar_unreachable")
+            "load_errors", "saved_blocks", "saved_bytes", "store_declined", "stores_skipped", "sidecar_unreachable",
+            "weights_version_mismatch")
 """What the scheduler side counts (lookups through breaker_recoveries: `plan.COUNTS`,
 `lookups.AsyncLookups.counts`, the breaker's trips) and the workers (the rest).
 
@@ -67,6 +68,7 @@ PROM_HELP = {
     "store_declined": "Stores the sidecar declined (admission, full arena)",
     "stores_skipped": "Stores skipped: no sidecar connection, or staging full behind a slow sidecar",
     "sidecar_unreachable": "Times a worker found the sidecar's engine socket not answering",
+    "weights_version_mismatch": "Workers whose sidecar is configured for other weights than the engine serves",
 }
 
 

@@ -65,7 +65,8 @@ def hello_for(config: SidecarConfig, arena: Arena) -> dict:
     return {"shm_name": arena.name, "arena_tag": arena.tag.hex(), "arena_bytes": arena.size,
             "block_bytes": arena.block_bytes,
             "block_size": config.block_size, "slots": arena.slots, "dtype": f"u{m.dtype_bytes}",
-            "block_shape": [m.layers, m.kv_planes, m.kv_heads, config.block_size, m.head_dim], "kv_heads": m.kv_heads}
+            "block_shape": [m.layers, m.kv_planes, m.kv_heads, config.block_size, m.head_dim], "kv_heads": m.kv_heads,
+            "weights_version": m.weights_version}
 
 
 class SidecarProcess:
