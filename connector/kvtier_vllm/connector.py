@@ -562,6 +562,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._finish_layer_loads()
+        if self._calls is not None:  # the last stores and reports, unless the sidecar is away
+            self._calls.idle(self.cfg.lookup_timeout_s)
         for background in (self.lookups, self._calls):
             if background is not None:
                 background.close()
