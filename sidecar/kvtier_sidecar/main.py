@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from kvtier import sidecar_config as cfgmod
 from kvtier.sidecar_config import SidecarConfig
 
-from . import logs
+from . import identity_lock, logs
 from .arena import Arena, ArenaError
 from .control_auth import TokenReviewer
 from .counters import Count
@@ -99,6 +99,7 @@ class SidecarProcess:
 
     async def _start(self, stack: contextlib.AsyncExitStack, ready_file: str | None) -> None:
         c = self.config
+        stack.callback(identity_lock.claim(c.shm_name, f"{c.pod_namespace}/{c.pod_name}").release)
         self.arena = Arena.create(c.shm_name, c.slots, c.block_bytes)
         stack.callback(self.arena.close)
         tier = DramTier(self.arena, c.block_size, c.min_sightings, c.model.kv_heads, c.thrash_ratio)
