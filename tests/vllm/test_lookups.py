@@ -125,3 +125,40 @@ def test_an_absent_sidecar_trips_the_breaker_at_once(tmp_path):
     assert changes == ["the sidecar is unreachable"]
     assert lookups.take_counts()["lookup_faults"] == 2
     lookups.close()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_breaker_trips_on_the_second_failure_in_a_row_probes_once_per_backoff_and_doubles_it():
+    clock, changes = Clock(), []
+    b = Breaker(2.0, clock=clock, on_change=lambda tripped, why: changes.append(tripped))
+    b.failure("late")
+    b.success()                       # a success in between: not in a row
+    b.failure("late")
+    assert b.allow() and not b.is_open
+    b.failure("late")
+    assert b.is_open and changes == [True] and not b.allow()
+    clock.now += 1.99
+    assert not b.allow()
+    clock.now += 0.02
+    assert b.allow() and not b.allow()  # one probe at a time
+    b.failure("probe late")             # reopened for twice the back-off
+    assert b.backoff_s == 4.0 and changes == [True]
+    for expected in (8.0, 16.0, 16.0):  # capped at MAX_BACKOFF_FACTOR x the base
+        clock.now += b.backoff_s
+        assert b.allow()
+        b.failure("probe late")
+        assert b.backoff_s == expected
+    clock.now += b.backoff_s
+    assert b.allow()
+    b.success()
+    assert not b.is_open and changes == [True, False] and b.backoff_s == 2.0
+    assert (b.trips, b.recoveries) == (1, 1)
+    b.failure("late")                   # one failure after recovery: still closed
+    assert not b.is_open
