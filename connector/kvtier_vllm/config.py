@@ -6,7 +6,11 @@
      "block_size": 32,                        # kvtier's; must divide vLLM's --block-size
      "default_tenant": "default",             # requests without a cache_salt
      "verify_checksums": false,               # hash every loaded block against the sidecar's digest
-     "lookup_timeout_s": 2.0}
+     "lookup_budget_ms": 200,                 # a request waits at most this for its lookup
+     "lookup_wait_ms": 5,                     # a scheduler step waits at most this for lookups
+     "breaker_backoff_s": 5.0,                # an unresponsive sidecar is left alone this long
+     "store_staging_mb": 1024,                # stores waiting for a slow sidecar, at most
+     "lookup_timeout_s": 2.0}                 # the lookup thread's socket timeout
 
 The key root is everything besides the tokens that decides what prefill produces:
 the tenant (the request's `cache_salt`), the model id, the exact weights digest (from
@@ -32,8 +36,21 @@ SOCKET_ENV = "KVTIER_ENGINE_SOCKET"
 DEFAULT_TENANT = "default"
 """Tenant of a request that carries no cache_salt: one shared namespace per model."""
 DEFAULT_LOOKUP_TIMEOUT_S = 2.0
-"""A lookup (which may include a peer fetch) slower than this is a miss: prefill of a
-few thousand tokens on a GPU takes about that long."""
+"""The lookup thread's socket timeout: a sidecar silent this long is disconnected (the
+request itself stopped waiting long before, at its budget)."""
+DEFAULT_LOOKUP_BUDGET_MS = 200.0
+"""How long a new request waits for its lookup (a peer fetch included) before it
+proceeds with no external tokens: a peer hit answers in tens of ms, and a prefill the
+budget would have saved costs about that much on a GPU for a few thousand tokens."""
+DEFAULT_LOOKUP_WAIT_MS = 5.0
+"""How long one scheduler step waits, over all its new requests, for lookups to
+answer before telling vLLM "not known yet": a DRAM lookup answers in well under 1 ms,
+so a healthy sidecar never costs a request a step."""
+DEFAULT_BREAKER_BACKOFF_S = 5.0
+"""An unresponsive sidecar is not asked for this long after the breaker trips."""
+DEFAULT_STORE_STAGING_MB = 1024
+"""Stores copied out of vLLM's pages and not yet in the sidecar, at most (per worker):
+a healthy sidecar drains them within the step; past it a store is skipped."""
 ROPE_KEY_MARKERS = ("rope", "rotary")
 """HF config keys that shape positional encoding (rope_theta, rope_scaling, ...)."""
 
@@ -53,6 +70,10 @@ class ConnectorConfig(BaseModel):
     attn_impl_id: str | None = Field(None, min_length=1)
     verify_checksums: bool = False
     lookup_timeout_s: float = Field(DEFAULT_LOOKUP_TIMEOUT_S, gt=0)
+    lookup_budget_ms: float = Field(DEFAULT_LOOKUP_BUDGET_MS, gt=0)
+    lookup_wait_ms: float = Field(DEFAULT_LOOKUP_WAIT_MS, ge=0)
+    breaker_backoff_s: float = Field(DEFAULT_BREAKER_BACKOFF_S, gt=0)
+    store_staging_mb: int = Field(DEFAULT_STORE_STAGING_MB, ge=1)
 
 
 def parse_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] = os.environ) -> ConnectorConfig:

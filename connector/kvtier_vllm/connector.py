@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -33,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier_sidecar.client import SidecarClient
 
 from .config import (
+    SOCKET_ENV,
     ConfigError,
     EngineIdentity,
     check_block_sizes,
@@ -42,9 +44,11 @@ from .config import (
 )
 from .layouts import LAYOUT_FORMATS, LayoutError, block_places, format_for_device, format_tag, kv_views, layout_for
 from .layer_loads import LayerJob, LayerLoads
+from .lookups import AsyncLookups, Breaker
+from .worker_calls import Staged, WorkerCalls
 from .paged import PagedKV
 from .plan import LoadSpec, SchedulerBook, StepSpecs, StoreSpec, root_from_fields
-from .stats import KvtierConnectorStats
+from .stats import KvtierConnectorStats, KvtierPromMetrics
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -59,6 +63,8 @@ if TYPE_CHECKING:
 # logs where and how vLLM's own connectors do.
 log = logging.getLogger("vllm.kvtier_vllm")
 
+SCHEDULER_REPORTED = ("prompt_tokens", "local_hit_tokens", "lookup_timeouts", "breaker_trips")
+"""Scheduler-side counts the sidecar's /metrics gets too (`engine_proto.EngineReport`)."""
 RECOMPUTE_POLICY = "recompute"
 """The only kv_load_failure_policy under which a failed load costs a recompute, not the request."""
 
@@ -118,7 +124,15 @@ class KvtierConnector(KVConnectorBase_V1):
                               "KvtierConnector needs whole kv heads per rank")
         self.client = SidecarClient(self.cfg.socket, timeout_s=self.cfg.lookup_timeout_s)
         self.stats = KvtierConnectorStats()
-        self.book = SchedulerBook(self.client, self.block_size, self.vllm_block_size, self.cfg.verify_checksums)
+        self.lookups: AsyncLookups | None = None
+        self.book: SchedulerBook | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.breaker = Breaker(self.cfg.breaker_backoff_s, on_change=self._breaker_changed)
+            self.lookups = AsyncLookups(self.client, self.cfg.lookup_budget_ms / 1000, self.breaker)
+            self.book = SchedulerBook(self.lookups, self.block_size, self.vllm_block_size,
+                                      self.cfg.verify_checksums)
+        self._step_wait_s = self.cfg.lookup_wait_ms / 1000  # left for this scheduler step
+        self._breaker_seen = (0, 0)  # (trips, recoveries) already in the stats
         # worker side, set by register_kv_caches
         self.rank = 0
         self.paged: PagedKV | None = None
@@ -126,8 +140,15 @@ class KvtierConnector(KVConnectorBase_V1):
         self._layer_ids: dict[str, int] = {}  # vLLM's layer name -> index in self.paged.layers
         self._waited: set[int] = set()  # layers that asked for their load in this forward pass
         self._layerwise = False  # set once a pass showed every layer waits for its load
-        self._layer_loads: tuple[LayerLoads, list, float, tuple[int, int]] | None = None
+        self._layer_loads: tuple[LayerLoads, list, float] | None = None
         self._reports_refused = False  # a sidecar that does not know REPORT (an older release)
+        self._unreported: dict[str, int] = {}  # load counts not yet sent to the sidecar
+        self._calls: WorkerCalls | None = None  # the worker's sidecar calls, off the forward pass
+        # (sidecar instance, its arena) the loads read; replaced whole by the calls thread
+        self._mapped: tuple[str, Any] | None = None
+        self._unmapped_logged = False
+        self._bg_lock = threading.Lock()
+        self._bg_counts: dict[str, float] = {}  # stats the calls thread counts, merged at collection
         log.info("KvtierConnector %s: socket %s, block size %d (vLLM %d), identity %s", role.name,
                  self.cfg.socket, self.block_size, self.vllm_block_size, self.identity.model_dump())
 
@@ -136,15 +157,28 @@ class KvtierConnector(KVConnectorBase_V1):
     # ==================================================================================
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """None ("not known yet") while the request's lookup runs within its budget;
+        vLLM asks again at its next step. Never waits longer than what is left of
+        lookup_wait_ms for this step."""
         try:
             root = self.identity.root(tenant_of(getattr(request, "cache_salt", None), self.cfg))
             prompt = list(request.prompt_token_ids or [])
             if len(prompt) <= self.block_size:
                 return 0, False
-            return self.book.matched(request.request_id, root, prompt, num_computed_tokens), False
+            started = time.perf_counter()
+            n = self.book.matched(request.request_id, root, prompt, num_computed_tokens, self._step_wait_s)
+            self._step_wait_s = max(0.0, self._step_wait_s - (time.perf_counter() - started))
+            return n, False
         except Exception:  # never on the request path: a fault is a miss
             log.exception("kvtier lookup failed; serving without it")
             return 0, False
+
+    def _breaker_changed(self, tripped: bool, why: str) -> None:
+        if tripped:
+            log.warning("kvtier: not asking the sidecar at %s for %.1f s (%s): requests are served without "
+                        "kvtier meanwhile, then it is probed again", self.cfg.socket, self.breaker.backoff_s, why)
+        else:
+            log.warning("kvtier: the sidecar at %s answers again (%s); lookups resume", self.cfg.socket, why)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         try:
@@ -161,10 +195,21 @@ class KvtierConnector(KVConnectorBase_V1):
         except Exception:
             log.exception("kvtier: building step metadata failed; this step loads and stores nothing")
             specs = StepSpecs()
-        lookups, hit_tokens = self.book.take_counts()
-        self.stats.add("lookups", lookups)
-        self.stats.add("hit_tokens", hit_tokens)
+        self._step_wait_s = self.cfg.lookup_wait_ms / 1000
+        self._take_scheduler_counts()
         return KvtierConnectorMetadata(specs)
+
+    def _take_scheduler_counts(self) -> None:
+        """This step's scheduler-side counts, into KVConnectorStats and (through the
+        lookup thread) the sidecar's /metrics."""
+        counts = {**self.book.take_counts(), **self.lookups.take_counts()}
+        trips, recoveries = self.breaker.trips, self.breaker.recoveries
+        counts["breaker_trips"] = trips - self._breaker_seen[0]
+        counts["breaker_recoveries"] = recoveries - self._breaker_seen[1]
+        self._breaker_seen = (trips, recoveries)
+        for name, value in counts.items():
+            self.stats.add(name, value)
+        self.lookups.report({name: counts[name] for name in SCHEDULER_REPORTED if counts.get(name)})
 
     def _prefills_done(self, so: "SchedulerOutput") -> list[str]:
         done = []
@@ -222,10 +267,29 @@ class KvtierConnector(KVConnectorBase_V1):
             problem = self._arena_mismatch()
             if problem:
                 raise ConfigError(problem)
+            self._mapped = (str(self.client.info.get("instance", "")), self.client.arena)
+            self._check_weights_version()
         else:
-            log.warning("kvtier sidecar at %s not reachable yet; serving without it until it is", self.cfg.socket)
+            self._unmapped_logged = True
+            log.error("kvtier: the sidecar's engine socket %s does not answer; this engine serves WITHOUT kvtier "
+                      "until it does (check kv_connector_extra_config.socket / %s against the sidecar's "
+                      "engine_socket)", self.cfg.socket, SOCKET_ENV)
+            self.stats.add("sidecar_unreachable", 1)
+        self._calls = WorkerCalls(self.cfg.store_staging_mb << 20)
         log.info("KvtierConnector worker rank %d/%d: %d layers, backend %s (%s), layout %s, page %d tokens",
                  self.rank, self.tp, len(tensors), backend, kernel, layout.value, page_tokens)
+
+    def _check_weights_version(self) -> None:
+        """The sidecar labels its metrics with the weights version it was told; an engine
+        serving another one still never shares blocks (the digest is in the key root),
+        but its traffic would be counted under the wrong version: say so loudly."""
+        theirs = self.client.info.get("weights_version")
+        if theirs is not None and theirs != self.identity.weights_version:
+            log.error("kvtier: this engine serves weights %s but its sidecar at %s is configured for %s; blocks "
+                      "stay apart, but the sidecar's metrics label this engine's traffic with the wrong version "
+                      "(set the sidecar's model.weights_version / KVTIER_WEIGHTS_VERSION to the engine's)",
+                      self.identity.weights_version, self.cfg.socket, theirs)
+            self.stats.add("weights_version_mismatch", 1)
 
     def _cpu_kernel(self, backend: str, tensor: torch.Tensor) -> str | None:
         """vLLM's CPU attention kernel for this cache (it decides how K is packed)."""
@@ -261,7 +325,6 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata):
             return
-        before = self.stats.data["loaded_bytes"], self.stats.data["load_errors"]
         pipelined: list[tuple[LoadSpec, int, LayerJob]] = []
         for spec in meta.specs.loads:
             started = time.perf_counter()
@@ -278,17 +341,17 @@ class KvtierConnector(KVConnectorBase_V1):
             self._account_load(spec, n, time.perf_counter() - started)
         if pipelined:
             self._layer_loads = (LayerLoads([job for _, _, job in pipelined], len(self.paged.layers)).start(),
-                                 pipelined, time.perf_counter(), before)
+                                 pipelined, time.perf_counter())
         else:
-            self._report(self.stats.data["loaded_bytes"] - before[0], self.stats.data["load_errors"] - before[1])
+            self._report()
 
     def _verified(self, spec: LoadSpec) -> tuple[Any, int]:
         """The arena and how many leading blocks of the spec may be copied (0 when the
-        pins went with another sidecar instance; up to the first failed checksum)."""
-        self.client.connect()
-        if self.paged is None or self.client.info.get("instance") != spec.instance or self._arena_mismatch():
+        pins went with another sidecar instance, or its arena is not mapped in time;
+        up to the first failed checksum)."""
+        arena = self._arena_of(spec.instance)
+        if self.paged is None or arena is None:
             return None, 0  # the pins went with the sidecar that handed them out
-        arena = self.client.arena
         n = len(spec.slots)
         if spec.digests is not None:
             for j, (slot, digest) in enumerate(zip(spec.slots, spec.digests)):
@@ -299,6 +362,49 @@ class KvtierConnector(KVConnectorBase_V1):
                     break
         return arena, n
 
+    def _arena_of(self, instance: str) -> Any:
+        """The mapped arena of sidecar `instance`. Pins from an instance this worker has
+        not mapped (the sidecar restarted) wait at most the lookup budget for the calls
+        thread to connect; the forward pass never waits on the socket itself."""
+        mapped = self._mapped
+        if mapped is not None and mapped[0] == instance:
+            return mapped[1]
+        done = threading.Event()
+        if self._calls is None or not self._calls.submit(lambda: self._remap(instance, done)):
+            return None
+        done.wait(self.cfg.lookup_budget_ms / 1000)
+        mapped = self._mapped
+        return mapped[1] if mapped is not None and mapped[0] == instance else None
+
+    def _remap(self, instance: str, done: threading.Event) -> None:
+        """On the calls thread: connect to the sidecar now serving (dropping a connection
+        to an older instance) and map its arena."""
+        try:
+            if self.client.info.get("instance") != instance:
+                self.client.close()
+            self._refresh_mapping()
+        finally:
+            done.set()
+
+    def _refresh_mapping(self) -> None:
+        """On the calls thread: what the client is connected to now, for the loads."""
+        if not self.client.connect():
+            if not self._unmapped_logged:
+                self._unmapped_logged = True
+                log.error("kvtier: the sidecar's engine socket %s does not answer; loads and stores are "
+                          "skipped until it does", self.cfg.socket)
+            self._bg_add("sidecar_unreachable", 1)
+            return
+        problem = self._arena_mismatch()
+        if problem:
+            log.error("kvtier: %s; serving without it", problem)
+            self._mapped = None
+            return
+        if self._unmapped_logged:
+            self._unmapped_logged = False
+            log.warning("kvtier: the sidecar at %s answers again", self.cfg.socket)
+        self._mapped = (str(self.client.info.get("instance", "")), self.client.arena)
+
     def _layer_copier(self, arena: Any, spec: LoadSpec, n: int) -> Callable[[int], None]:
         paged, slots = self.paged, spec.slots[:n]
         return lambda layer: paged.copy(arena, slots, spec.block_ids, spec.first_block, True, (layer,))
@@ -307,39 +413,54 @@ class KvtierConnector(KVConnectorBase_V1):
         """Stats for one request's load; the blocks not loaded go to vLLM as load errors."""
         self.stats.add("load_seconds", seconds)
         self.stats.add("loaded_blocks", loaded)
-        if loaded and self.client.arena is not None:
-            self.stats.add("loaded_bytes", loaded * self.client.arena.block_bytes // self.tp)
+        counts = {}
+        mapped = self._mapped
+        if loaded and mapped is not None:
+            counts["loaded_bytes"] = loaded * mapped[1].block_bytes // self.tp
+            if self.rank == 0:  # tokens once per engine, not once per TP rank
+                counts[f"loaded_tokens_{spec.tier}"] = loaded * self.block_size
         if loaded < len(spec.slots):
             failed = block_places(spec.block_ids, spec.first_block + loaded, len(spec.slots) - loaded,
                                   self.block_size, self.vllm_block_size, self.vllm_block_size)
             self._load_errors.update(page for page, _ in failed)
-            self.stats.add("load_errors", len(spec.slots) - loaded)
+            counts["load_errors"] = len(spec.slots) - loaded
+        for name, value in counts.items():
+            self.stats.add(name, value)
+            self._unreported[name] = self._unreported.get(name, 0) + value
 
     def _finish_layer_loads(self) -> None:
         """Wait for the step's layer-by-layer loads; account them like synchronous ones."""
         if self._layer_loads is None:
             return
-        loads, pipelined, started, before = self._layer_loads
+        loads, pipelined, started = self._layer_loads
         self._layer_loads = None
         loads.finish()
         seconds = time.perf_counter() - started
         for spec, n, job in pipelined:
             self._account_load(spec, 0 if job.failed else n, seconds / len(pipelined))
-        self._report(self.stats.data["loaded_bytes"] - before[0], self.stats.data["load_errors"] - before[1])
+        self._report()
 
-    def _report(self, loaded_bytes: int, load_errors: int) -> None:
-        """The same counts this step added to KVConnectorStats, to the sidecar's /metrics
-        (engine socket REPORT). Best effort: a sidecar that is away misses them, and one
-        that refuses them is not asked again."""
-        if self._reports_refused:
+    def _report(self) -> None:
+        """The counts the loads added to KVConnectorStats since the last report, to the
+        sidecar's /metrics (engine socket REPORT), sent by the calls thread. Best effort:
+        a sidecar that is away misses them, and one that refuses them is not asked again."""
+        counts, self._unreported = {k: int(v) for k, v in self._unreported.items() if v}, {}
+        if self._reports_refused or self._calls is None or not counts:
             return
+        self._calls.submit(lambda: self._send_report(counts))
+
+    def _send_report(self, counts: dict[str, int]) -> None:
         try:
-            self.client.report(loaded_bytes, load_errors)
+            self.client.report(**counts)
         except ValueError as exc:
             self._reports_refused = True
             log.warning("kvtier: the sidecar refused the load report (%s); not reporting again", exc)
-        except Exception:  # a report is never worth failing the forward pass for
-            log.warning("kvtier: load report failed", exc_info=True)
+        self._refresh_mapping_if_changed()
+
+    def _refresh_mapping_if_changed(self) -> None:
+        mapped = self._mapped
+        if mapped is None or mapped[0] != self.client.info.get("instance") or mapped[1] is not self.client.arena:
+            self._refresh_mapping()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_ids.get(layer_name)
@@ -370,20 +491,41 @@ class KvtierConnector(KVConnectorBase_V1):
                 log.exception("kvtier store failed; the blocks stay uncached")
 
     def _store(self, spec: StoreSpec) -> None:
-        if self.paged is None or not self.client.connect() or self._arena_mismatch():
+        """Copy the prompt's blocks out of vLLM's pages now (they may be reused after this
+        step), and leave the sidecar's part to the calls thread."""
+        mapped = self._mapped
+        if self.paged is None or self._calls is None:
             return
+        if mapped is None:  # not connected: try again in the background, skip this store
+            self._calls.submit(self._refresh_mapping_if_changed)
+            self.stats.add("stores_skipped", 1)
+            return
+        n = len(spec.token_ids) // self.block_size
+        staged = self._calls.stage(n, mapped[1].block_bytes)
+        if staged is None:
+            self.stats.add("stores_skipped", 1)  # the sidecar is far behind: staging is full
+            return
+        self.paged.copy(staged, list(range(n)), spec.block_ids, 0, to_paged=False)
+        if not self._calls.submit_store(lambda: self._commit_staged(spec, staged), staged):
+            self.stats.add("stores_skipped", 1)
+
+    def _commit_staged(self, spec: StoreSpec, staged: Staged) -> None:
+        """On the calls thread: reserve slots for the blocks the sidecar lacks, copy them
+        from the staging buffer, commit."""
         res = self.client.begin_store(root_from_fields(spec.root), spec.token_ids, self.tp, self.rank)
+        self._refresh_mapping_if_changed()
         if res is None:
-            self.stats.add("store_declined", 1)
+            self._bg_add("store_declined", 1)
             return
         try:
-            self.paged.copy(res.arena, res.slots, spec.block_ids, res.first_block, to_paged=False)
+            self.paged.copy_blocks(staged, res.arena, range(res.first_block, res.first_block + len(res.slots)),
+                                   res.slots)
         except Exception:
             self.client.abort_store(res)
             raise
         if self.client.commit_store(res):
-            self.stats.add("saved_blocks", len(res.slots))
-            self.stats.add("saved_bytes", len(res.slots) * res.arena.block_bytes // self.tp)
+            self._bg_add("saved_blocks", len(res.slots))
+            self._bg_add("saved_bytes", len(res.slots) * res.arena.block_bytes // self.tp)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_layer_loads()
@@ -394,7 +536,15 @@ class KvtierConnector(KVConnectorBase_V1):
     # both
     # ==================================================================================
 
+    def _bg_add(self, name: str, value: float) -> None:
+        with self._bg_lock:
+            self._bg_counts[name] = self._bg_counts.get(name, 0) + value
+
     def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
+        with self._bg_lock:
+            counts, self._bg_counts = self._bg_counts, {}
+        for name, value in counts.items():
+            self.stats.add(name, value)
         if self.stats.is_empty():
             return None
         out = KvtierConnectorStats(data=dict(self.stats.data))
@@ -405,6 +555,16 @@ class KvtierConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierConnectorStats:
         return KvtierConnectorStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         self._finish_layer_loads()
+        if self._calls is not None:  # the last stores and reports, unless the sidecar is away
+            self._calls.idle(self.cfg.lookup_timeout_s)
+        for background in (self.lookups, self._calls):
+            if background is not None:
+                background.close()
         self.client.close()

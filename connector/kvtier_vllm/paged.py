@@ -91,6 +91,15 @@ class PagedKV:
             copy_run(self.layers, shard_blocks(blocks, self.fmt, self.tp, self.rank), run, to_paged, self.fmt,
                      layer_ids)
 
+    def copy_blocks(self, src, dst, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
+        """This rank's heads of blocks `src_slots` of `src` into `dst_slots` of `dst`
+        (arena-like both, in this engine's block format): a staged store into the arena."""
+        _, np_bits = BIT_DTYPES[self.itemsize]
+        for s, d in zip(src_slots, dst_slots):
+            a = src.slot_array(s, 1).view(np_bits).reshape(1, *self.format_shape)
+            b = dst.slot_array(d, 1).view(np_bits).reshape(1, *self.format_shape)
+            np.copyto(shard_blocks(b, self.fmt, self.tp, self.rank), shard_blocks(a, self.fmt, self.tp, self.rank))
+
     def _copy_whole_pages(self, raw: np.ndarray, page: int, to_paged: bool,
                           layer_ids: Sequence[int] | None) -> None:
         """A run of CPU_PAGES blocks, one page each: per layer, `count` page-sized copies."""

@@ -1,11 +1,15 @@
 """Scheduler-side bookkeeping: which requests load which blocks, which store, and
-the pins held meanwhile. Pure: the sidecar client is passed in, vLLM is not imported.
+the pins held meanwhile. Pure: the sidecar calls go through `lookups.AsyncLookups`
+(passed in, its own thread), vLLM is not imported.
 
 Life of a request on the scheduler side:
 
-  lookup     `matched`: one sidecar lookup per new request (a re-ask for the same
-             request reuses the pinned hit); the tokens beyond vLLM's own local hit,
-             rounded down to vLLM's block size, are offered to vLLM.
+  lookup     `matched`: one sidecar lookup per new request, started on the lookup
+             thread; until it answers (within the budget) vLLM is told "not known
+             yet" (None) and asks again; past the budget, or with the breaker open,
+             the request is a miss. Once known, the tokens beyond vLLM's own local
+             hit, rounded down to vLLM's block size, are offered to vLLM (a re-ask
+             reuses the pinned hit).
   allocated  `allocated`: vLLM accepted them and gave the request its blocks: a
              LoadSpec is queued; if it accepted none, the pin is released.
   step       `step_specs`: queued loads go to the workers in this step's metadata,
@@ -20,12 +24,17 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from kvtier.keys import KeyRoot
 from pydantic import BaseModel, ConfigDict
 
+from .lookups import PENDING, AsyncLookups, PendingLookup
 
+
+COUNTS = ("lookups", "prompt_tokens", "local_hit_tokens", "hit_tokens")
+"""The scheduler side's counts: lookups asked, prompt tokens of new requests, tokens
+vLLM's own prefix cache held when they were scheduled, tokens offered and accepted."""
 PIN_STEPS = 2
 """Steps a loaded hit stays pinned: its own, plus the one vLLM may schedule while it runs."""
 
@@ -43,6 +52,7 @@ class LoadSpec(BaseModel):
     slots: list[int]
     block_ids: list[int]
     digests: list[int] | None = None
+    tier: str = "dram"  # where the sidecar found the blocks: "dram" or "peer"
 
 
 class StoreSpec(BaseModel):
@@ -71,39 +81,37 @@ def root_from_fields(fields: dict[str, str]) -> KeyRoot:
     return KeyRoot(**fields)
 
 
-class LookupClient(Protocol):
-    def lookup(self, root: KeyRoot, token_ids, digests: bool = False): ...
-    def release(self, hit) -> None: ...
-
-
 @dataclass
 class _Request:
     root: KeyRoot
     prompt: list[int]
     local: int = 0              # vLLM's own (block-aligned) hit when asked
     hit: object = None          # a pinned client Hit, or None
+    pending: PendingLookup | None = None  # the lookup, until it is settled
     asked: bool = True          # looked up, not allocated yet: a re-ask reuses the hit
     block_ids: list[int] = field(default_factory=list)
     stored: bool = False
 
 
 class SchedulerBook:
-    def __init__(self, client: LookupClient, block_size: int, vllm_block_size: int,
+    def __init__(self, lookups: AsyncLookups, block_size: int, vllm_block_size: int,
                  verify_checksums: bool) -> None:
-        self.client = client
+        self.lookups = lookups
         self.block_size = block_size
         self.vllm_block_size = vllm_block_size
         self.verify_checksums = verify_checksums
         self._requests: dict[str, _Request] = {}
         self._pending_loads: list[LoadSpec] = []
         self._loaded_steps: collections.deque[list[str]] = collections.deque()
-        self.lookups = 0
-        self.hit_tokens = 0
+        self.counts = dict.fromkeys(COUNTS, 0)
 
     # -- lookup -------------------------------------------------------------------------
 
-    def matched(self, req_id: str, root: KeyRoot, prompt: Sequence[int], local_tokens: int) -> int:
-        """External tokens beyond `local_tokens` (vLLM's block-aligned local hit)."""
+    def matched(self, req_id: str, root: KeyRoot, prompt: Sequence[int], local_tokens: int,
+                wait_s: float = 0.0) -> int | None:
+        """External tokens beyond `local_tokens` (vLLM's block-aligned local hit); None
+        while the lookup runs within its budget (vLLM asks again next step). Waits at
+        most `wait_s` for the answer."""
         req = self._requests.get(req_id)
         if req is not None and not req.asked:
             # Preempted and asked again: vLLM freed its blocks; start over.
@@ -112,9 +120,14 @@ class SchedulerBook:
         if req is None:
             req = _Request(root, list(prompt))
             self._requests[req_id] = req
-            hit = self.client.lookup(root, req.prompt, digests=self.verify_checksums)
-            self.lookups += 1
-            req.hit = hit if hit else None
+            req.pending = self.lookups.start(root, req.prompt, local_tokens, self.verify_checksums)
+            self.counts["lookups"] += req.pending is not None
+            self.counts["prompt_tokens"] += len(req.prompt)
+        if req.pending is not None:
+            hit = self.lookups.settle(req.pending, wait_s)
+            if hit is PENDING:
+                return None
+            req.pending, req.hit = None, hit
         req.local = local_tokens
         if req.hit is None:
             return 0
@@ -127,6 +140,7 @@ class SchedulerBook:
             return
         req.block_ids = list(block_ids)
         req.asked = False
+        self.counts["local_hit_tokens"] += req.local
         if external_tokens <= 0 or req.hit is None:
             self._release(req)
             return
@@ -136,8 +150,8 @@ class SchedulerBook:
         digests = hit.digests[first : first + n] if hit.digests is not None else None
         self._pending_loads.append(LoadSpec(req_id=req_id, instance=hit.instance, first_block=first,
                                             slots=hit.blocks[first : first + n], block_ids=req.block_ids,
-                                            digests=digests))
-        self.hit_tokens += external_tokens
+                                            digests=digests, tier=hit.tier))
+        self.counts["hit_tokens"] += external_tokens
 
     # -- per step -----------------------------------------------------------------------
 
@@ -170,10 +184,9 @@ class SchedulerBook:
                                           token_ids=req.prompt[: n * self.block_size], block_ids=req.block_ids))
         return specs
 
-    def take_counts(self) -> tuple[int, int]:
-        """(lookups, offered hit tokens) since the last call."""
-        counts = (self.lookups, self.hit_tokens)
-        self.lookups = self.hit_tokens = 0
+    def take_counts(self) -> dict[str, int]:
+        """`COUNTS` since the last call."""
+        counts, self.counts = self.counts, dict.fromkeys(COUNTS, 0)
         return counts
 
     def prompt_len(self, req_id: str) -> int | None:
@@ -188,8 +201,11 @@ class SchedulerBook:
             self._release(req)
 
     def _release(self, req: _Request) -> None:
+        if req.pending is not None:
+            self.lookups.abandon(req.pending)
+            req.pending = None
         if req.hit is not None:
-            self.client.release(req.hit)
+            self.lookups.release(req.hit)
             req.hit = None
 
     def pinned(self) -> int:

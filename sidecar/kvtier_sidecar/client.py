@@ -44,6 +44,8 @@ from .sockio import recv_exact
 RECONNECT_BACKOFF_S = 0.5
 # Longer than the sidecar's peer timeout: a lookup may include a peer fetch.
 DEFAULT_TIMEOUT_S = 5.0
+# The Miss reason of a fault (no answer, connection lost), as opposed to a cache miss.
+UNAVAILABLE = "sidecar unavailable"
 
 
 @dataclass(slots=True)
@@ -199,16 +201,20 @@ class SidecarClient:
 
     # -- engine API ---------------------------------------------------------------------
 
-    def lookup(self, root: KeyRoot, token_ids, digests: bool = False) -> Hit | Miss:
+    def lookup(self, root: KeyRoot, token_ids, digests: bool = False, local_tokens: int = 0) -> Hit | Miss:
         """The longest cached prefix, pinned. With `digests`, the hit carries each
-        block's checksum so the engine can verify the bytes it copies."""
+        block's checksum so the engine can verify the bytes it copies. `local_tokens`:
+        the leading tokens the engine already holds itself; the sidecar fetches from
+        peers only what lies beyond them."""
         tokens = as_token_array(token_ids)
         payload = {"root": root_payload(root)}
         if digests:
             payload["digests"] = True
+        if local_tokens:
+            payload["local_tokens"] = int(local_tokens)
         got = self._call(EngineOp.LOOKUP, payload, tokens)
         if got is None:
-            return Miss("sidecar unavailable")
+            return Miss(UNAVAILABLE)
         answer, slots = got
         if not answer.get("hit"):
             return Miss(answer.get("reason", "miss"))
@@ -217,13 +223,15 @@ class SidecarClient:
                    int(answer["hit"]), self.arena, self.generation, str(self.info.get("instance", "")),
                    [int(d) for d in sums] if sums is not None else None, self.connection)
 
-    def report(self, loaded_bytes: int = 0, load_errors: int = 0) -> bool:
+    def report(self, loaded_bytes: int = 0, load_errors: int = 0, **counts: int) -> bool:
         """Tell the sidecar what only the engine knows since the last report (see
-        `engine_proto.EngineReport`); False when the sidecar did not take it."""
-        if not loaded_bytes and not load_errors:
+        `engine_proto.EngineReport`: `counts` names its other fields); False when the
+        sidecar did not take it."""
+        payload = {name: int(v) for name, v in {"loaded_bytes": loaded_bytes, "load_errors": load_errors,
+                                                 **counts}.items() if v}
+        if not payload:
             return True
-        return self._call(EngineOp.REPORT, {"loaded_bytes": int(loaded_bytes), "load_errors": int(load_errors)}) \
-            is not None
+        return self._call(EngineOp.REPORT, payload) is not None
 
     def _instance(self) -> dict:
         """Names the sidecar process a hit or ticket came from: another one refuses it."""

@@ -21,6 +21,12 @@ class Count(StrEnum):
     STORE_UNWRITTEN_BLOCKS = "store_unwritten_blocks"  # committed but never written: not published
     ENGINE_LOADED_BYTES = "engine_loaded_bytes"  # reported by the engine (engine socket REPORT)
     ENGINE_LOAD_ERRORS = "engine_load_errors"  # blocks the engine reported as not loaded
+    ENGINE_LOADED_TOKENS_DRAM = "engine_loaded_tokens_dram"  # prompt tokens the engine loaded, by tier
+    ENGINE_LOADED_TOKENS_PEER = "engine_loaded_tokens_peer"
+    ENGINE_LOCAL_HIT_TOKENS = "engine_local_hit_tokens"  # the engine's own prefix-cache hits
+    ENGINE_PROMPT_TOKENS = "engine_prompt_tokens"
+    ENGINE_LOOKUP_TIMEOUTS = "engine_lookup_timeouts"  # lookups the engine stopped waiting for
+    ENGINE_BREAKER_TRIPS = "engine_breaker_trips"  # the engine stopped asking for a back-off
     WARM_REFUSED = "warm_refused"  # warm-ups answered 429: the queue was full
     PEER_SECRET_ROTATIONS = "peer_secret_rotations"  # the mounted peer secret changed
     TOKEN_REVIEWS = "token_reviews"  # control-API tokens sent to the API server's TokenReview

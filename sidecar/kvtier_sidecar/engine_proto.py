@@ -9,17 +9,23 @@ slot ids in their answers. KV bytes never cross this socket: the engine copies t
 out of (or into) the shared-memory arena named in the HELLO answer.
 
     HELLO        {}                                   -> {arena..., instance}
-    LOOKUP       {root, digests?}  + tokens           -> {hit, matched_tokens, tier, digests?} + slots
+    LOOKUP       {root, digests?, local_tokens?} + tokens
+                                                      -> {hit, matched_tokens, tier, digests?} + slots
     RELEASE      {hit, instance?}                     -> {}
     STORE_BEGIN  {root, tp, rank}  + tokens           -> {ticket, first_block} + slots (ticket 0: declined)
     STORE_COMMIT {ticket, rank, instance?}            -> {committed}
     STORE_ABORT  {ticket, instance?}                  -> {}
-    REPORT       {loaded_bytes, load_errors}          -> {}
+    REPORT       {loaded_bytes, load_errors, loaded_tokens_*, ...} -> {}
 
 REPORT carries what only the engine knows (`EngineReport`): the KV bytes it really
-copied in from the arena, and the blocks it told its scheduler it could not load (a
-failed copy or checksum: the engine recomputes them). The sidecar counts both for
-its /metrics.
+copied in from the arena and the prompt tokens they hold (by tier: what the engine
+really got from kvtier), the blocks it told its scheduler it could not load (a
+failed copy or checksum: the engine recomputes them), its own prefix-cache hits, and
+the lookups it gave up on. The sidecar counts them for its /metrics.
+
+`local_tokens` (optional, default 0) is the engine's own prefix-cache hit: the
+sidecar fetches blocks from a peer only when the peer holds more than that, so a
+prompt the engine already holds costs no peer bytes.
 
 `instance` (optional) is the HELLO answer's: a sidecar refuses a hit or ticket
 named for another process (ids restart with the process; a stale one must never
@@ -36,6 +42,7 @@ from __future__ import annotations
 import json
 import struct
 from enum import IntEnum
+from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,6 +55,9 @@ MAX_BODY_BYTES = 8 << 20
 # precision.
 MAX_REPORT_BYTES = 1 << 50
 MAX_REPORT_BLOCKS = 1 << 32
+# A report's fields: strict JSON integers in range (1e30, true and 1.5 are refused).
+ReportBytes = Annotated[int, Field(ge=0, le=MAX_REPORT_BYTES, strict=True)]
+ReportCount = Annotated[int, Field(ge=0, le=MAX_REPORT_BLOCKS, strict=True)]
 
 
 class EngineOp(IntEnum):
@@ -65,8 +75,16 @@ class EngineReport(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    loaded_bytes: int = Field(0, ge=0, le=MAX_REPORT_BYTES, strict=True)  # KV bytes copied from the arena
-    load_errors: int = Field(0, ge=0, le=MAX_REPORT_BLOCKS, strict=True)  # blocks handed back as not loaded
+    loaded_bytes: ReportBytes = 0  # KV bytes copied from the arena into the engine
+    load_errors: ReportCount = 0  # blocks reported to the engine's scheduler as not loaded
+    # The one definition of a hit: prompt tokens the engine loaded from kvtier, by the
+    # tier its lookup found them in, next to its own prefix-cache hits and the prompts.
+    loaded_tokens_dram: ReportCount = 0
+    loaded_tokens_peer: ReportCount = 0
+    local_hit_tokens: ReportCount = 0  # tokens the engine's own prefix cache held
+    prompt_tokens: ReportCount = 0  # prompt tokens of the requests it looked up
+    lookup_timeouts: ReportCount = 0  # lookups the engine stopped waiting for (its budget)
+    breaker_trips: ReportCount = 0  # times the engine stopped asking this sidecar for a while
 
 
 class FrameError(ValueError):

@@ -131,7 +131,8 @@ class EngineServer:
         if op == EngineOp.LOOKUP:
             root = self._root(payload["root"])
             tokens = _tokens(tail)
-            answer = await svc.lookup(root, tokens, owner)
+            local = _int(payload, "local_tokens", 0, len(tokens), default=0)
+            answer = await svc.lookup(root, tokens, owner, local_tokens=local)
             if answer is None:
                 return {"hit": 0}, None
             hits.add(answer.hit_id)

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from kvtier import sidecar_config as cfgmod
 from kvtier.sidecar_config import PeerSecretError, SidecarConfig
 
-from . import logs
+from . import identity_lock, logs
 from .arena import Arena, ArenaError
 from .control_auth import TokenReviewer
 from .counters import Count
@@ -65,7 +65,8 @@ def hello_for(config: SidecarConfig, arena: Arena) -> dict:
     return {"shm_name": arena.name, "arena_tag": arena.tag.hex(), "arena_bytes": arena.size,
             "block_bytes": arena.block_bytes,
             "block_size": config.block_size, "slots": arena.slots, "dtype": f"u{m.dtype_bytes}",
-            "block_shape": [m.layers, m.kv_planes, m.kv_heads, config.block_size, m.head_dim], "kv_heads": m.kv_heads}
+            "block_shape": [m.layers, m.kv_planes, m.kv_heads, config.block_size, m.head_dim], "kv_heads": m.kv_heads,
+            "weights_version": m.weights_version}
 
 
 class SidecarProcess:
@@ -98,6 +99,7 @@ class SidecarProcess:
 
     async def _start(self, stack: contextlib.AsyncExitStack, ready_file: str | None) -> None:
         c = self.config
+        stack.callback(identity_lock.claim(c.shm_name, f"{c.pod_namespace}/{c.pod_name}").release)
         self.arena = Arena.create(c.shm_name, c.slots, c.block_bytes)
         stack.callback(self.arena.close)
         tier = DramTier(self.arena, c.block_size, c.min_sightings, c.model.kv_heads, c.thrash_ratio,

@@ -44,7 +44,9 @@ _HEAP_SLACK = 4
 TIERS = ("dram", "peer")
 # Sidecar counters rendered under their own typed families below, not generically.
 _TYPED_COUNTERS = frozenset({"peer_fetches", "peer_fetch_errors", "peer_checksum_mismatches", "stored_bytes",
-                             "engine_loaded_bytes", "engine_load_errors"})
+                             "engine_loaded_bytes", "engine_load_errors", "engine_loaded_tokens_dram",
+                             "engine_loaded_tokens_peer", "engine_local_hit_tokens", "engine_prompt_tokens",
+                             "engine_lookup_timeouts", "engine_breaker_trips"})
 # Global index operations, exported at 0 before their first failure (so rates exist).
 INDEX_OPERATIONS = ("lookup", "register", "heartbeat")
 # The states `kvtier_index_health` reports per kind of operation (redis_health.Health).
@@ -290,6 +292,21 @@ def _sidecar_families(s: SidecarState) -> Iterable:
                   s.counters.get("engine_loaded_bytes", 0))
     yield counter("kvtier_engine_load_errors", "Blocks the engine reported to its scheduler as not loaded "
                   "(recomputed)", s.counters.get("engine_load_errors", 0))
+    # The one hit figure: what the engine loaded (kvtier_prefix_cache_hits_total is what
+    # lookups offered, which the engine may not take: its own cache may hold it).
+    loaded = CounterMetricFamily("kvtier_engine_loaded_tokens", "Prompt tokens the engine reported loading "
+                                 "from kvtier, by tier (the hits it really used)", labels=["version", "tier"])
+    for tier in TIERS:
+        loaded.add_metric([s.version, tier], s.counters.get(f"engine_loaded_tokens_{tier}", 0))
+    yield loaded
+    yield counter("kvtier_engine_local_hit_tokens", "Prompt tokens the engine's own prefix cache held when it "
+                  "asked", s.counters.get("engine_local_hit_tokens", 0))
+    yield counter("kvtier_engine_prompt_tokens", "Prompt tokens of the requests the engine looked up",
+                  s.counters.get("engine_prompt_tokens", 0))
+    yield counter("kvtier_engine_lookup_timeouts", "Lookups the engine stopped waiting for (its lookup budget)",
+                  s.counters.get("engine_lookup_timeouts", 0))
+    yield counter("kvtier_engine_breaker_trips", "Times the engine stopped asking this sidecar for a back-off "
+                  "period", s.counters.get("engine_breaker_trips", 0))
     for name, value in sorted(s.counters.items()):
         if name not in _TYPED_COUNTERS:
             yield counter(f"kvtier_{name}", name.replace("_", " "), value)

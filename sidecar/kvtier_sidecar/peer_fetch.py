@@ -92,13 +92,15 @@ class PeerFetcher:
         # entry lives while it has one, so at most FETCH_THREADS plus those queued.
         self._in_flight: collections.Counter[str] = collections.Counter()
 
-    async def from_peers(self, root: KeyRoot, tokens: np.ndarray, have: int, max_blocks: int) -> tuple[int, int]:
-        """Fetch blocks [have, k) from the peer holding the longest prefix; (blocks, bytes)."""
+    async def from_peers(self, root: KeyRoot, tokens: np.ndarray, have: int, max_blocks: int,
+                         beyond: int = 0) -> tuple[int, int]:
+        """Fetch blocks [have, k) from the peer holding the longest prefix, when k is
+        more than `beyond` (the blocks the engine holds itself); (blocks, bytes)."""
         if self.index is None or self.transport is None:
             return 0, 0
         hashes = block_hashes(root, tokens[: max_blocks * self.block_size], self.block_size)
         answer = await self.index.longest_prefix(root.digest().hex(), [h.hex() for h in hashes])
-        if answer is None or answer.matched_blocks <= have:
+        if answer is None or answer.matched_blocks <= max(have, beyond):
             return 0, 0
         want = answer.matched_blocks
         for host in answer.hosts[:PEER_ATTEMPTS]:

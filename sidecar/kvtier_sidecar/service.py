@@ -99,7 +99,10 @@ class Sidecar:
 
     # -- engine path --------------------------------------------------------------------
 
-    async def lookup(self, root: KeyRoot, tokens: np.ndarray, owner: object = None) -> LookupAnswer | None:
+    async def lookup(self, root: KeyRoot, tokens: np.ndarray, owner: object = None,
+                     local_tokens: int = 0) -> LookupAnswer | None:
+        """`local_tokens`: what the engine's own prefix cache holds; a peer is asked only
+        for a prefix longer than that (and not at all when it covers the prompt)."""
         hit = self.tier.lookup(root, tokens)
         tier_name = "dram" if hit else None
         peer_bytes = 0
@@ -112,8 +115,9 @@ class Sidecar:
                     self.tier.release(hit.handle)
                 hit, tier_name = platform, "dram"
                 have = hit.matched_tokens // self.block_size
-        if have < max_blocks and self.index is not None and self.transport is not None:
-            fetched, peer_bytes = await self.fetcher.from_peers(root, tokens, have, max_blocks)
+        local_blocks = local_tokens // self.block_size
+        if max(have, local_blocks) < max_blocks and self.index is not None and self.transport is not None:
+            fetched, peer_bytes = await self.fetcher.from_peers(root, tokens, have, max_blocks, beyond=local_blocks)
             if fetched:
                 again = self.tier.lookup(root, tokens)
                 if again and again.matched_tokens > have * self.block_size:
@@ -169,6 +173,14 @@ class Sidecar:
         """What only the engine knows (an `engine_proto.EngineReport`), into the counters."""
         self.counters.add(Count.ENGINE_LOADED_BYTES, report.loaded_bytes)
         self.counters.add(Count.ENGINE_LOAD_ERRORS, report.load_errors)
+        for count, value in ((Count.ENGINE_LOADED_TOKENS_DRAM, report.loaded_tokens_dram),
+                             (Count.ENGINE_LOADED_TOKENS_PEER, report.loaded_tokens_peer),
+                             (Count.ENGINE_LOCAL_HIT_TOKENS, report.local_hit_tokens),
+                             (Count.ENGINE_PROMPT_TOKENS, report.prompt_tokens),
+                             (Count.ENGINE_LOOKUP_TIMEOUTS, report.lookup_timeouts),
+                             (Count.ENGINE_BREAKER_TRIPS, report.breaker_trips)):
+            if value:
+                self.counters.add(count, value)
 
     def store_abort(self, ticket_id: int, owner: object = None) -> None:
         self.tickets.abort(TicketId(ticket_id), owner)

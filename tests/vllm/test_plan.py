@@ -7,9 +7,13 @@ import pytest
 
 from kvtier.keys import KeyRoot
 from kvtier_sidecar.client import SidecarClient
+from kvtier_testenv.polling import wait_for
+from kvtier_vllm.lookups import AsyncLookups, Breaker
 from kvtier_vllm.plan import PIN_STEPS, SchedulerBook
 
 BLOCK = 16
+# These tests pin the bookkeeping, not the deadline: every lookup is waited for.
+PATIENT_S = 30.0
 ROOT = KeyRoot("t", "reference-tiny", "dev", "float32", "rope-default", "sdpa")
 
 
@@ -20,8 +24,8 @@ class CountingClient(SidecarClient):
         super().__init__(path)
         self.held: set[int] = set()
 
-    def lookup(self, root, token_ids, digests=False):
-        hit = super().lookup(root, token_ids, digests)
+    def lookup(self, root, token_ids, digests=False, local_tokens=0):
+        hit = super().lookup(root, token_ids, digests, local_tokens)
         if hit:
             self.held.add(hit.hit_id)
         return hit
@@ -29,6 +33,22 @@ class CountingClient(SidecarClient):
     def release(self, hit) -> None:
         self.held.discard(hit.hit_id)
         super().release(hit)
+
+
+class PatientBook(SchedulerBook):
+    """The connector's book over the lookup thread, each lookup waited for in full."""
+
+    def __init__(self, client, block_size: int, vllm_block_size: int, verify_checksums: bool) -> None:
+        super().__init__(AsyncLookups(client, PATIENT_S, Breaker(PATIENT_S)), block_size, vllm_block_size,
+                         verify_checksums)
+
+    def matched(self, req_id, root, prompt, local_tokens, wait_s=PATIENT_S):
+        return super().matched(req_id, root, prompt, local_tokens, wait_s)
+
+
+def _released(client: CountingClient, n: int) -> None:
+    """Releases run on the lookup thread: wait until n pins are left."""
+    wait_for(f"{n} pins held", lambda: len(client.held) == n, 10)
 
 
 @pytest.fixture()
@@ -45,7 +65,7 @@ def stored(spawn, oracle):
 
 def test_offers_the_hit_beyond_vllms_local_blocks_rounded_to_its_block_size(stored):
     sc, prompt = stored
-    book = SchedulerBook(CountingClient(sc.socket), BLOCK, 2 * BLOCK, verify_checksums=True)
+    book = PatientBook(CountingClient(sc.socket), BLOCK, 2 * BLOCK, verify_checksums=True)
     assert book.matched("r1", ROOT, prompt, 0) == 4 * BLOCK      # 5 blocks hit -> 2 vLLM blocks of 32
     assert book.matched("r1", ROOT, prompt, 2 * BLOCK) == 2 * BLOCK  # asked again: same pinned hit
     book.allocated("r1", [7, 3, 9], 2 * BLOCK)
@@ -60,35 +80,36 @@ def test_offers_the_hit_beyond_vllms_local_blocks_rounded_to_its_block_size(stor
 def test_pins_are_released_after_the_load_steps_or_at_the_end(stored):
     sc, prompt = stored
     client = CountingClient(sc.socket)
-    book = SchedulerBook(client, BLOCK, BLOCK, verify_checksums=False)
+    book = PatientBook(client, BLOCK, BLOCK, verify_checksums=False)
     book.matched("loaded", ROOT, prompt, 0)
     book.allocated("loaded", [1, 2, 3, 4, 5], 5 * BLOCK)
     book.matched("refused", ROOT, prompt, 0)
     book.allocated("refused", [], 0)                # vLLM took none: released at once
     book.matched("aborted", ROOT, prompt, 0)        # never allocated, then aborted
-    assert len(client.held) == 2
+    _released(client, 2)
     for _ in range(PIN_STEPS + 1):
         book.step_specs(prefill_done=[])
-    assert len(client.held) == 1                    # the load has certainly run
+    _released(client, 1)                            # the load has certainly run
     book.finished("aborted")
-    assert client.held == set() and book.pinned() == 0
+    _released(client, 0)
+    assert book.pinned() == 0
 
 
 def test_a_preempted_request_asked_again_looks_up_afresh(stored):
     sc, prompt = stored
     client = CountingClient(sc.socket)
-    book = SchedulerBook(client, BLOCK, BLOCK, verify_checksums=False)
+    book = PatientBook(client, BLOCK, BLOCK, verify_checksums=False)
     book.matched("r", ROOT, prompt, 0)
     book.allocated("r", [1, 2, 3, 4, 5], 5 * BLOCK)
     first = set(client.held)
     assert book.matched("r", ROOT, prompt, 0) == 5 * BLOCK
-    assert len(client.held) == 1 and client.held != first
+    wait_for("the first pin released", lambda: len(client.held) == 1 and client.held != first, 10)
     book.finished("r")
-    assert client.held == set()
+    _released(client, 0)
 
 
 def test_a_sidecar_that_is_gone_offers_nothing(tmp_path):
-    book = SchedulerBook(SidecarClient(str(tmp_path / "absent.sock")), BLOCK, BLOCK, verify_checksums=False)
+    book = PatientBook(SidecarClient(str(tmp_path / "absent.sock")), BLOCK, BLOCK, verify_checksums=False)
     assert book.matched("r", ROOT, list(range(100)), 0) == 0
     book.allocated("r", [], 0)
     assert book.step_specs(prefill_done=["r"]).loads == []

@@ -31,8 +31,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.slow]
 
 SHAPE = TinyLlama()
 # These tests check what is served, not how fast: a lookup (with its peer fetch) gets
-# far longer than in production before it counts as a miss, so a machine busy starting
-# vLLM engines does not turn a hit the test expects into a miss.
+# far longer than in production before it counts as a miss (budget and socket
+# timeout), so a machine busy starting vLLM engines does not turn a hit the test
+# expects into a miss.
 LOOKUP_TIMEOUT_S = 20.0
 OVERLAP_LOG = "loads now overlap the forward pass layer by layer"
 """What the connector logs once vLLM showed that every layer waits for its load."""
@@ -79,6 +80,7 @@ class World:
     def engine(self, name: str, sidecar: str, **extra) -> VllmEngine:
         weights = extra.pop("weights_version", WEIGHTS)
         extra.setdefault("lookup_timeout_s", LOOKUP_TIMEOUT_S)
+        extra.setdefault("lookup_budget_ms", LOOKUP_TIMEOUT_S * 1000)
         cfg = connector_config(self.sidecars[sidecar].socket, weights, model_id="tiny-llama", block_size=BLOCK,
                                **extra)
         eng = VllmEngine(self.workdir, self.model, cfg, name=name)
@@ -189,16 +191,23 @@ def test_corrupted_blocks_change_the_output_and_with_checksums_are_a_miss(world)
     assert corrupted["outputs"] != [world.reference["Q"]]
 
     c = world.engine("c", "s1", verify_checksums=True)
-    reported = {n: _metric(s1, n) for n in ("kvtier_engine_load_errors_total", "kvtier_engine_loaded_bytes_total")}
+    # one intact load first: its pass shows vLLM asks before every layer, so the loads
+    # below run layer by layer during the forward pass
+    assert world.ask(c, ["P_MORE"]) == {"outputs": [world.reference["P_MORE"]], "cached": [_hit("P")]}
+    wait_for("c's loads overlapping the pass", lambda: OVERLAP_LOG in (world.workdir / "c.log").read_text(), POLL_S)
+    names = ("kvtier_engine_load_errors_total", "kvtier_engine_loaded_bytes_total", "kvtier_engine_loaded_tokens_total")
+    reported = {n: _metric(s1, n) for n in names}
     got = world.ask(c, ["Q", "P"])
     assert got["outputs"] == [world.reference["Q"], world.reference["P"]]
     assert got["cached"][1] == _hit("P")  # intact blocks still load with checksums on
     # The connector's KVConnectorStats counts, as it reported them to the sidecar's
-    # /metrics: Q's blocks were handed back to vLLM as load errors, P's bytes loaded.
-    assert _metric(s1, "kvtier_engine_load_errors_total") - reported["kvtier_engine_load_errors_total"] \
-        == _hit("Q") // BLOCK
-    assert _metric(s1, "kvtier_engine_loaded_bytes_total") - reported["kvtier_engine_loaded_bytes_total"] \
-        == _hit("P") // BLOCK * arena.block_bytes
+    # /metrics (sent off the forward pass, so polled): Q's blocks were handed back to
+    # vLLM as load errors and recomputed, P's bytes and tokens loaded.
+    wait_for("the load errors reported", lambda: _metric(s1, names[0]) - reported[names[0]] == _hit("Q") // BLOCK,
+             POLL_S)
+    wait_for("the loaded bytes reported", lambda: _metric(s1, names[1]) - reported[names[1]]
+             == _hit("P") // BLOCK * arena.block_bytes, POLL_S)
+    assert _metric(s1, names[2]) - reported[names[2]] == _hit("P")
     world.c = c
 
 

