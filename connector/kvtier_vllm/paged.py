@@ -2,9 +2,13 @@
 between them and arena slots (no vLLM import, so benchmarks can drive it).
 
 Copies move bits: KV is viewed as integers of its width, so no float conversion path
-is ever taken. CPU tensors are copied as numpy views of the same memory (single-
-threaded, vectorised strided copies; torch's thread pool only adds hand-offs to a
-memory-bound copy); device tensors with torch, arena bytes going through a CPU view.
+is ever taken. CPU tensors are copied as numpy views of the same memory by
+`kvtier.memcopy`: one call per layer and run hands every piece (one block's layer,
+~100 KiB for real models) to a compiled loop that writes with non-temporal stores, as
+memcpy does only for copies of several MiB, so a load or save runs at the speed of one
+big memcpy of the same bytes (single-threaded; torch's thread pool only adds hand-offs
+to a memory-bound copy on a busy node). Device tensors are copied with torch, arena
+bytes going through a CPU view.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from kvtier import memcopy
 
 from .layouts import (
     LAYOUT_FORMATS, BlockFormat, PagedLayout, block_places, block_views, copy_run, format_shape, plan_runs,
@@ -98,4 +104,4 @@ class PagedKV:
         for layer in range(len(self.whole_pages)) if layer_ids is None else layer_ids:
             stored = raw[:, layer].reshape(count, -1)
             paged = self.whole_pages[layer][page : page + count]
-            np.copyto(paged, stored) if to_paged else np.copyto(stored, paged)
+            memcopy.copy(paged, stored) if to_paged else memcopy.copy(stored, paged)
