@@ -6,8 +6,8 @@ in one call, interleaved rep by rep so a busy machine slows both alike.
 
 - load: lookup (pinned hit) -> PagedKV.copy(to_paged=True) -> release
 - save: lookup (a sighting) -> begin_store -> PagedKV.copy(to_paged=False) -> commit_store
-- memcpy: the hit's arena slots -> a plain buffer, and a plain buffer -> the slots a
-  store reserved, each one numpy copy (glibc's memcpy, which streams copies this big)
+- memcpy: as many consecutive arena slots as the hit has -> a plain buffer, and back,
+  each one numpy copy (glibc's memcpy, which streams copies this big)
 - pieces: the same bytes as the load, in pieces the size of the load's copies (one
   block's layer) with numpy's copy, which the connector used before its streaming copy
 
@@ -36,6 +36,7 @@ pages = n + 8
 tensors = [torch.zeros(pages, heads, block, 2 * dim, dtype=dtype) for _ in range(layers)]
 paged = PagedKV.from_tensors(tensors, PagedLayout.CPU_VEC, heads, dim, block, block)
 client = SidecarClient(spec["socket"])
+assert client.connect(), "the sidecar did not answer"
 root = KeyRoot(*spec["root"])
 block_bytes = client.info["block_bytes"]
 assert block_bytes == layers * 2 * heads * block * dim * paged.itemsize, (block_bytes, paged.format_shape)
@@ -47,7 +48,8 @@ plain = np.empty(n * block_bytes, dtype=np.uint8)
 
 
 def prompt() -> list[int]:
-    return [rng.randrange(3, 30000) for _ in range(n * block)]
+    """n full blocks and one token more: a lookup always leaves a token to compute."""
+    return [rng.randrange(3, 30000) for _ in range(n * block + 1)]
 
 
 def save(tokens_: list[int]) -> float:
@@ -69,19 +71,22 @@ def load(tokens_: list[int]) -> float:
     return time.perf_counter() - t0
 
 
-def contiguous(slots: list[int]) -> bool:
-    return slots == list(range(slots[0], slots[0] + len(slots)))
+def region(hit) -> np.ndarray:
+    """n consecutive arena slots from the hit's first: one memcpy's worth of the
+    arena, the same size as the hit (its own slots need not be consecutive)."""
+    start = min(min(hit.blocks), client.arena.slots - n)
+    return client.arena.slot_array(start, n)
 
 
 def memcpy_pair(tokens_: list[int]) -> tuple[float, float]:
-    """(arena -> plain, plain -> arena) of one hit's bytes, each one copy."""
+    """(arena -> plain, plain -> arena) of a hit's worth of arena bytes, each one copy;
+    the second writes back what the first read, so every stored block stays intact."""
     hit = client.lookup(root, tokens_)
-    assert contiguous(hit.blocks), "benchmark needs the hit in consecutive slots"
-    slots = client.arena.slot_array(hit.blocks[0], n)
+    slots = region(hit)
     t0 = time.perf_counter()
     np.copyto(plain, slots)
     t1 = time.perf_counter()
-    np.copyto(slots, plain)  # the same bytes back: the stored blocks stay as they were
+    np.copyto(slots, plain)
     t2 = time.perf_counter()
     client.release(hit)
     return t1 - t0, t2 - t1
@@ -93,7 +98,7 @@ plain_pieces = plain.reshape(-1, piece)
 
 def pieces(tokens_: list[int]) -> float:
     hit = client.lookup(root, tokens_)
-    src_pieces = client.arena.slot_array(hit.blocks[0], n).reshape(-1, piece)
+    src_pieces = region(hit).reshape(-1, piece)
     t0 = time.perf_counter()
     for i in range(len(src_pieces)):
         np.copyto(plain_pieces[i], src_pieces[i])

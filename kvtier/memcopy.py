@@ -29,6 +29,21 @@ def native() -> bool:
     return _native is not None
 
 
+def copy_pieces(dst_addrs: np.ndarray, src_addrs: np.ndarray, piece_bytes: int) -> None:
+    """Copy `piece_bytes` from each source address to the matching destination, in
+    one streaming call (needs `native()`). The caller derives every address from
+    arrays it holds, each piece inside one of them and no two overlapping."""
+    if _native is None:
+        raise RuntimeError("kvtier._copy is not built (scripts/setup.sh builds it); use copy()")
+    _native.copy_pieces(np.ascontiguousarray(dst_addrs, dtype=np.int64),
+                        np.ascontiguousarray(src_addrs, dtype=np.int64), int(piece_bytes))
+
+
+def address(a: np.ndarray) -> int:
+    """The address of `a`'s first element."""
+    return a.__array_interface__["data"][0]
+
+
 def _contiguous_tail(a: np.ndarray) -> int:
     """How many trailing axes of `a` lie in memory as one C-contiguous run."""
     expected = a.itemsize
@@ -46,7 +61,7 @@ def _addresses(a: np.ndarray, outer: int) -> np.ndarray:
     offsets = np.zeros(1, dtype=np.int64)
     for size, stride in zip(a.shape[:outer], a.strides[:outer]):
         offsets = (offsets[:, None] + np.arange(size, dtype=np.int64) * stride).ravel()
-    return offsets + a.__array_interface__["data"][0]
+    return offsets + address(a)
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:
