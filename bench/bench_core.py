@@ -2,8 +2,12 @@
 
 Four figures, each measured in this run on this machine:
 
-1. lookup of a 2,000-token prompt in an index holding >= 100k blocks: p50 <= 100 us and
-   p99 <= 1 ms (absolute bounds: the lookup sits on every request's critical path);
+1. lookup of a 2,000-token prompt in an index holding >= 100k blocks against vLLM's
+   own block hashing of the same prompt (chained sha256 over pickled (parent, tokens
+   tuple, extras), 16-token blocks: what vLLM's prefix cache computes for every
+   request), timed sample by sample in alternation: p50 <= 1x and p99 <= 1.5x
+   (the whole lookup, hashing and index walk, costs less than the hashing alone of
+   the engine it serves);
 2. `block_hashes` over 2,000 tokens against chained sha256 over pickled
    (parent, tokens tuple, extras) tuples, the scheme vLLM uses: >= 5x;
 3. `materialize` of a 2,000-token hit against one numpy copy of the same bytes:
@@ -28,8 +32,8 @@ from kvtier.keys import KeyRoot, block_hashes
 PROMPT_TOKENS = 2000
 BLOCK = 16
 # Targets, with the numbered list in the module docstring saying why each matters.
-LOOKUP_P50_US = 100.0
-LOOKUP_P99_US = 1000.0
+LOOKUP_P50_VS_VLLM_HASH = 1.0
+LOOKUP_P99_VS_VLLM_HASH = 1.5
 HASH_SPEEDUP = 5.0
 MATERIALIZE_FRACTION = 0.7
 BURST_P99_FACTOR = 2.0
@@ -60,16 +64,24 @@ def _populate(cache: LocalCache, roots: list[KeyRoot], prompts_per_root: int, rn
 
 
 def _lookup_samples(cache: LocalCache, prompts: list[tuple[KeyRoot, np.ndarray]], n: int,
-                    rng: np.random.Generator) -> list[float]:
-    samples = []
+                    rng: np.random.Generator) -> tuple[list[float], list[float]]:
+    """(lookup seconds, vLLM-style hashing seconds) of the same prompts, alternating
+    sample by sample so machine load falls on both alike. vLLM holds a request's
+    tokens as a list; the sidecar receives them as an array."""
+    ours, vllm = [], []
     picks = rng.integers(0, len(prompts), n)
     for i in picks:
         root, tokens = prompts[i]
+        as_list, parent = tokens.tolist(), root.digest()
         t0 = time.perf_counter()
         hit = cache.lookup(root, tokens)
-        samples.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        _vllm_style_hashes(parent, as_list)
+        t2 = time.perf_counter()
+        ours.append(t1 - t0)
+        vllm.append(t2 - t1)
         cache.release(hit)
-    return samples
+    return ours, vllm
 
 
 def bench_lookup(quick: bool) -> tuple[list[Result], LocalCache, list]:
@@ -77,16 +89,21 @@ def bench_lookup(quick: bool) -> tuple[list[Result], LocalCache, list]:
     cache = LocalCache(200_000 * 64, 64, metadata_only=True, drain_budget_s=0)
     prompts = _populate(cache, _roots(40), 28, rng)   # 40 x (32 + 28 x 93) ~ 105k blocks
     blocks = cache.stats().blocks_used
-    samples = _lookup_samples(cache, prompts, 2000 if quick else 10_000, rng)
-    p50, p99 = percentile(samples, 0.5) * 1e6, percentile(samples, 0.99) * 1e6
+    samples, vllm = _lookup_samples(cache, prompts, 2000 if quick else 10_000, rng)
     note = f"index holds {blocks:,} blocks; prompt {PROMPT_TOKENS} tokens as a uint32 array"
+    base = "vLLM's block hashing of the same prompt"
     return [
-        Result("lookup 2,000-token prompt, p50", p50, "us", LOOKUP_P50_US, "lower", "absolute", note=note),
-        Result("lookup 2,000-token prompt, p99", p99, "us", LOOKUP_P99_US, "lower", "absolute", note=note),
+        Result("lookup 2,000-token prompt, p50", percentile(samples, 0.5) * 1e6, "us", LOOKUP_P50_VS_VLLM_HASH,
+               "lower", baseline=percentile(vllm, 0.5) * 1e6, baseline_name=f"{base}, p50", note=note),
+        Result("lookup 2,000-token prompt, p99", percentile(samples, 0.99) * 1e6, "us", LOOKUP_P99_VS_VLLM_HASH,
+               "lower", baseline=percentile(vllm, 0.99) * 1e6, baseline_name=f"{base}, p99", note=note),
     ], cache, prompts
 
 
 def _vllm_style_hashes(parent: bytes, tokens: list[int]) -> list[bytes]:
+    """vLLM's `hash_block_tokens` over a request with its default `sha256` hash
+    (vllm.utils.hashing: sha256 of pickle.dumps(..., HIGHEST_PROTOCOL)), restated so
+    this benchmark runs without vLLM installed."""
     out = []
     for i in range(0, len(tokens) - BLOCK + 1, BLOCK):
         data = pickle.dumps((parent, tuple(tokens[i:i + BLOCK]), None), protocol=pickle.HIGHEST_PROTOCOL)

@@ -1,9 +1,19 @@
-"""Run by bench_vllm with the vLLM venv's python: time loading a 2,000-token hit from
-a real shared-memory arena into paged KV tensors laid out as vLLM's CPU backend
-lays them out (kvtier_vllm.paged, the connector's own copy path, in the block format
-that layout stores), against a plain copy of the same bytes out of the same arena.
+"""Run by bench_vllm with the vLLM venv's python: time loading a hit from a real
+sidecar's shared-memory arena into paged KV tensors laid out as vLLM's CPU backend
+lays them out, and saving one back (kvtier_vllm.paged, the connector's own copy path,
+in the block format that layout stores), each against a plain copy of the same bytes
+in one call, interleaved rep by rep so a busy machine slows both alike.
+
+- load: lookup (pinned hit) -> PagedKV.copy(to_paged=True) -> release
+- save: lookup (a sighting) -> begin_store -> PagedKV.copy(to_paged=False) -> commit_store
+- memcpy: as many consecutive arena slots as the hit has -> a plain buffer, and back,
+  each one numpy copy (glibc's memcpy, which streams copies this big)
+- pieces: the same bytes as the load, in pieces the size of the load's copies (one
+  block's layer) with numpy's copy, which the connector used before its streaming copy
+
 Prints one JSON line."""
 import json
+import random
 import statistics
 import sys
 import time
@@ -11,7 +21,9 @@ import time
 import numpy as np
 import torch
 
-from kvtier_sidecar.arena import Arena
+from kvtier import memcopy
+from kvtier.keys import KeyRoot
+from kvtier_sidecar.client import SidecarClient
 from kvtier_vllm.layouts import PagedLayout, block_planes
 from kvtier_vllm.paged import PagedKV
 
@@ -20,44 +32,97 @@ layers, heads, dim, block = spec["layers"], spec["kv_heads"], spec["head_dim"], 
 dtype = getattr(torch, spec["dtype"])
 tokens, reps = spec["tokens"], spec["reps"]
 n = tokens // block
-pages = 2 * n + 8
+pages = n + 8
 tensors = [torch.zeros(pages, heads, block, 2 * dim, dtype=dtype) for _ in range(layers)]
 paged = PagedKV.from_tensors(tensors, PagedLayout.CPU_VEC, heads, dim, block, block)
-block_bytes = layers * 2 * heads * block * dim * paged.itemsize
-arena = Arena.create(f"kvtier-bench-{spec['tag']}", n + 4, block_bytes)
-try:
-    arena.array[:] = np.random.default_rng(0).integers(0, 255, arena.array.size, dtype=np.uint8) & 0x3F
-    slots = list(range(2, 2 + n))
-    block_ids = list(range(pages - n, pages))   # the request's vLLM blocks, contiguous like a fresh engine's
-    plain = np.empty(n * block_bytes, dtype=np.uint8)
-    src = arena.slot_array(slots[0], n)
+client = SidecarClient(spec["socket"])
+assert client.connect(), "the sidecar did not answer"
+root = KeyRoot(*spec["root"])
+block_bytes = client.info["block_bytes"]
+assert block_bytes == layers * 2 * heads * block * dim * paged.itemsize, (block_bytes, paged.format_shape)
+block_ids = list(range(pages - n, pages))  # the request's vLLM blocks, contiguous like a fresh engine's
+rng = random.Random(spec["seed"])
+for t in tensors:  # KV bytes as the engine wrote them
+    t.view(torch.int16 if paged.itemsize == 2 else torch.int32).random_(0, 1 << 14)
+plain = np.empty(n * block_bytes, dtype=np.uint8)
 
-    def timed(fn) -> float:
-        fn()
-        samples = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
 
-    load_s = timed(lambda: paged.copy(arena, slots, block_ids, 0, to_paged=True))
-    memcpy_s = timed(lambda: np.copyto(plain, src))
-    # the same bytes in pieces the size of the load's copies (one block's layer): a
-    # copy whose pieces are smaller than glibc's non-temporal threshold uses ordinary
-    # stores, which also read each destination line first
-    piece = block_bytes // layers
-    plain_pieces, src_pieces = plain.reshape(-1, piece), src.reshape(-1, piece)
+def prompt() -> list[int]:
+    """n full blocks and one token more: a lookup always leaves a token to compute."""
+    return [rng.randrange(3, 30000) for _ in range(n * block + 1)]
 
-    def pieces():
-        for i in range(len(src_pieces)):
-            np.copyto(plain_pieces[i], src_pieces[i])
-    pieces_s = timed(pieces)
-    # the bytes landed where vLLM's kernels read them: the first block's layer-0 K and V
-    stored = arena.slot_array(slots[0]).view(paged.layers[0][1].dtype).reshape(1, *paged.format_shape)
-    for plane, stored_plane in zip(paged.layers[0], block_planes(stored, paged.fmt, 0, dim)):
-        assert np.array_equal(plane[block_ids[0], 0], stored_plane[0])
-    print(json.dumps({"bytes": n * block_bytes, "tokens": n * block, "load_s": load_s, "memcpy_s": memcpy_s,
-                      "pieces_s": pieces_s, "piece_bytes": piece}))
-finally:
-    arena.close()
+
+def save(tokens_: list[int]) -> float:
+    client.lookup(root, tokens_)  # a sighting, as the scheduler's lookup makes
+    t0 = time.perf_counter()
+    res = client.begin_store(root, tokens_)
+    assert res is not None and len(res.slots) == n, "the sidecar declined the store"
+    paged.copy(res.arena, res.slots, block_ids, res.first_block, to_paged=False)
+    assert client.commit_store(res)
+    return time.perf_counter() - t0
+
+
+def load(tokens_: list[int]) -> float:
+    t0 = time.perf_counter()
+    hit = client.lookup(root, tokens_)
+    assert hit and len(hit.blocks) == n, "the stored prompt did not hit"
+    paged.copy(client.arena, hit.blocks, block_ids, 0, to_paged=True)
+    client.release(hit)
+    return time.perf_counter() - t0
+
+
+def region(hit) -> np.ndarray:
+    """n consecutive arena slots from the hit's first: one memcpy's worth of the
+    arena, the same size as the hit (its own slots need not be consecutive)."""
+    start = min(min(hit.blocks), client.arena.slots - n)
+    return client.arena.slot_array(start, n)
+
+
+def memcpy_pair(tokens_: list[int]) -> tuple[float, float]:
+    """(arena -> plain, plain -> arena) of a hit's worth of arena bytes, each one copy;
+    the second writes back what the first read, so every stored block stays intact."""
+    hit = client.lookup(root, tokens_)
+    slots = region(hit)
+    t0 = time.perf_counter()
+    np.copyto(plain, slots)
+    t1 = time.perf_counter()
+    np.copyto(slots, plain)
+    t2 = time.perf_counter()
+    client.release(hit)
+    return t1 - t0, t2 - t1
+
+
+piece = block_bytes // layers
+plain_pieces = plain.reshape(-1, piece)
+
+
+def pieces(tokens_: list[int]) -> float:
+    hit = client.lookup(root, tokens_)
+    src_pieces = region(hit).reshape(-1, piece)
+    t0 = time.perf_counter()
+    for i in range(len(src_pieces)):
+        np.copyto(plain_pieces[i], src_pieces[i])
+    t = time.perf_counter() - t0
+    client.release(hit)
+    return t
+
+
+samples: dict[str, list[float]] = {k: [] for k in ("save", "load", "memcpy_load", "memcpy_save", "pieces")}
+for rep in range(reps + 1):  # the first round warms the arena's and the buffers' pages
+    p = prompt()
+    s = save(p)
+    lo = load(p)
+    ml, ms = memcpy_pair(p)
+    pc = pieces(p)
+    if rep:
+        for k, v in zip(samples, (s, lo, ml, ms, pc)):
+            samples[k].append(v)
+# the bytes landed where vLLM's kernels read them: a stored block's layer-0 K and V
+# equal the pages it was saved from, and a load of it reproduces them
+hit = client.lookup(root, p)
+stored = client.arena.slot_array(hit.blocks[0]).view(paged.layers[0][1].dtype).reshape(1, *paged.format_shape)
+for plane, stored_plane in zip(paged.layers[0], block_planes(stored, paged.fmt, 0, dim)):
+    assert np.array_equal(plane[block_ids[0], 0], stored_plane[0])
+client.release(hit)
+print(json.dumps({"bytes": n * block_bytes, "tokens": n * block, "piece_bytes": piece,
+                  "streaming": memcopy.native(), **{f"{k}_s": statistics.median(v) for k, v in samples.items()}}))

@@ -39,6 +39,9 @@ COMPILED_MODULES = (
     "kvtier.sim.caches",
     "kvtier.sim.replay",
 )
+NATIVE_MODULES = ("kvtier._copy",)
+"""Extension modules written in C (`kvtier/_copy.c`), optional like the others: the code
+that uses one falls back to plain Python without it."""
 MANIFEST = "_compiled.json"
 """Written by the build beside the package's extensions: module name -> SHA-256 of the
 source each was compiled from."""
@@ -48,8 +51,9 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def source_path(module: str, package_dir: Path = _PACKAGE_DIR) -> Path:
-    """The `.py` a compiled module is built from (`kvtier.sim.caches` -> kvtier/sim/caches.py)."""
-    return package_dir.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    """The source a compiled module is built from (`kvtier.sim.caches` -> kvtier/sim/caches.py,
+    `kvtier._copy` -> kvtier/_copy.c)."""
+    return package_dir.joinpath(*module.split(".")[1:]).with_suffix(".c" if module in NATIVE_MODULES else ".py")
 
 
 def source_digest(path: Path) -> str:
@@ -92,8 +96,10 @@ def unbuilt_modules(package_dir: Path = _PACKAGE_DIR) -> list[str]:
     built = _manifest(package_dir)
     suffixes = importlib.machinery.EXTENSION_SUFFIXES
     out = []
-    for module in COMPILED_MODULES:
+    for module in COMPILED_MODULES + NATIVE_MODULES:
         src = source_path(module, package_dir)
+        if module in NATIVE_MODULES and not src.is_file():
+            continue  # a package without that source has nothing to build
         has_ext = any(src.with_suffix(sfx).is_file() for sfx in suffixes)
         if not has_ext or built.get(module) != source_digest(src):
             out.append(module)

@@ -47,6 +47,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvtier import memcopy
+
 Array = Any
 """A numpy array or a torch tensor (this module never imports torch)."""
 
@@ -302,4 +304,4 @@ def _copy(dst: Array, src: Array) -> None:
     if hasattr(dst, "copy_"):
         dst.copy_(src)
     else:
-        np.copyto(dst, src)
+        memcopy.copy(dst, src)

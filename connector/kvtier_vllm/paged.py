@@ -2,9 +2,13 @@
 between them and arena slots (no vLLM import, so benchmarks can drive it).
 
 Copies move bits: KV is viewed as integers of its width, so no float conversion path
-is ever taken. CPU tensors are copied as numpy views of the same memory (single-
-threaded, vectorised strided copies; torch's thread pool only adds hand-offs to a
-memory-bound copy); device tensors with torch, arena bytes going through a CPU view.
+is ever taken. CPU tensors are copied as numpy views of the same memory by
+`kvtier.memcopy`: one call per layer and run hands every piece (one block's layer,
+~100 KiB for real models) to a compiled loop that writes with non-temporal stores, as
+memcpy does only for copies of several MiB, so a load or save runs at the speed of one
+big memcpy of the same bytes (single-threaded; torch's thread pool only adds hand-offs
+to a memory-bound copy on a busy node). Device tensors are copied with torch, arena
+bytes going through a CPU view.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from kvtier import memcopy
 
 from .layouts import (
     LAYOUT_FORMATS, BlockFormat, PagedLayout, block_places, block_views, copy_run, format_shape, plan_runs,
@@ -82,6 +88,9 @@ class PagedKV:
         torch_bits, np_bits = BIT_DTYPES[self.itemsize]
         places = block_places(block_ids, first_block, len(slots), self.block_size, self.manager_block,
                               self.page_tokens)
+        if self.whole_pages is not None and memcopy.native():
+            self._stream_whole_pages(arena, slots, [page for page, _ in places], to_paged, layer_ids)
+            return
         for run in plan_runs(slots, places, self.page_tokens // self.block_size):
             raw = arena.slot_array(run.slot, run.count).view(np_bits).reshape(run.count, *self.format_shape)
             if self.whole_pages is not None:
@@ -100,6 +109,29 @@ class PagedKV:
             b = dst.slot_array(d, 1).view(np_bits).reshape(1, *self.format_shape)
             np.copyto(shard_blocks(b, self.fmt, self.tp, self.rank), shard_blocks(a, self.fmt, self.tp, self.rank))
 
+    def _stream_whole_pages(self, arena, slots: list[int], pages: list[int], to_paged: bool,
+                            layer_ids: Sequence[int] | None) -> None:
+        """CPU_PAGES blocks, one page each: every (block, layer) piece of the request
+        in one streaming call, however the slots and pages are scattered. Addresses
+        come from the arena's and the layers' own arrays, so every piece lies inside
+        them (`block_places` and the arena bound pages and slots)."""
+        layers = np.arange(len(self.whole_pages)) if layer_ids is None else np.asarray(layer_ids, dtype=np.int64)
+        block_bytes = arena.block_bytes
+        piece = block_bytes // len(self.whole_pages)
+        page_bytes = self.whole_pages[0].strides[0]
+        if piece != self.whole_pages[0].shape[1] * self.itemsize or max(slots) >= arena.slots or \
+                max(pages) >= self.whole_pages[0].shape[0] or min(slots) < 0 or min(pages) < 0:
+            raise ValueError(f"slots {min(slots)}..{max(slots)} / pages {min(pages)}..{max(pages)} outside the "
+                             f"arena ({arena.slots}) or the KV tensors ({self.whole_pages[0].shape[0]} pages)")
+        bases = np.array([memcopy.address(self.whole_pages[int(layer)]) for layer in layers], dtype=np.int64)
+        paged = bases[None, :] + np.asarray(pages, dtype=np.int64)[:, None] * page_bytes
+        stored = (memcopy.address(arena.array) + np.asarray(slots, dtype=np.int64)[:, None] * block_bytes
+                  + layers[None, :] * piece)
+        if to_paged:
+            memcopy.copy_pieces(paged.ravel(), stored.ravel(), piece)
+        else:
+            memcopy.copy_pieces(stored.ravel(), paged.ravel(), piece)
+
     def _copy_whole_pages(self, raw: np.ndarray, page: int, to_paged: bool,
                           layer_ids: Sequence[int] | None) -> None:
         """A run of CPU_PAGES blocks, one page each: per layer, `count` page-sized copies."""
@@ -107,4 +139,4 @@ class PagedKV:
         for layer in range(len(self.whole_pages)) if layer_ids is None else layer_ids:
             stored = raw[:, layer].reshape(count, -1)
             paged = self.whole_pages[layer][page : page + count]
-            np.copyto(paged, stored) if to_paged else np.copyto(stored, paged)
+            memcopy.copy(paged, stored) if to_paged else memcopy.copy(stored, paged)
