@@ -11,7 +11,8 @@ import pytest
 
 from kvtier_sidecar import wire
 from kvtier_sidecar.client import SidecarClient
-from kvtier_sidecar.peer_tcp import recv_exact
+from kvtier_sidecar.peer_session import PeerSession
+from kvtier_sidecar.sockio import recv_exact
 
 from .test_sidecar_process import prompt, seed_cache
 
@@ -34,9 +35,17 @@ def _challenge(sock: socket.socket) -> tuple[bytes, bytes]:
     return server_nonce, recv_exact(sock, n * wire.PROOF_BYTES)
 
 
-def _answer(sock: socket.socket) -> tuple[wire.Status, dict]:
-    status, length = wire.decode_response_header(recv_exact(sock, wire.RESPONSE.size))
-    return status, json.loads(recv_exact(sock, length))
+def _answer(sock: socket.socket, session: PeerSession) -> tuple[wire.Status, dict]:
+    """The server's answer: sealed in the session, or a refusal in the clear (the
+    server sends those before any session exists: bad proof, no free slot)."""
+    head = recv_exact(sock, wire.RECORD.size)
+    if head[:4] == wire.RESPONSE_MAGIC:
+        status, length = wire.decode_response_header(head + recv_exact(sock, wire.RESPONSE.size - len(head)))
+        return status, json.loads(recv_exact(sock, length))
+    length = wire.decode_record_header(head, wire.MAX_RESPONSE_RECORD_BYTES)
+    frame = session.open(head, recv_exact(sock, length + wire.TAG_BYTES))
+    status, _ = wire.decode_response_header(frame[: wire.RESPONSE.size])
+    return status, json.loads(frame[wire.RESPONSE.size:])
 
 
 def _hot(tenant: str, max_bytes) -> bytes:
@@ -49,20 +58,22 @@ def _secret(secret_file: str) -> bytes:
     return Path(secret_file).read_bytes().strip()
 
 
-def _authenticated(address: str, secret: bytes) -> tuple[socket.socket, bytes]:
-    """A connection past the server's challenge, and the proof that answers it."""
+def _authenticated(address: str, secret: bytes) -> tuple[socket.socket, bytes, PeerSession]:
+    """A connection past the server's challenge, the proof that answers it, and the
+    session that seals what follows."""
     sock = _dial(address)
     client_nonce = os.urandom(wire.NONCE_BYTES)
     sock.sendall(wire.encode_hello(client_nonce, CLIENT_ID))
     server_nonce, _ = _challenge(sock)
-    return sock, wire.proof(secret, wire.Role.CLIENT, client_nonce, server_nonce, address, CLIENT_ID)
+    return (sock, wire.proof(secret, wire.Role.CLIENT, client_nonce, server_nonce, address, CLIENT_ID),
+            PeerSession.for_client(secret, client_nonce, server_nonce, address, CLIENT_ID))
 
 
 def _ask(address: str, secret: bytes, request: bytes) -> tuple[wire.Status, dict]:
-    sock, proof = _authenticated(address, secret)
+    sock, proof, session = _authenticated(address, secret)
     try:
-        sock.sendall(proof + request)
-        return _answer(sock)
+        sock.sendall(proof + session.seal(request))
+        return _answer(sock, session)
     finally:
         sock.close()
 
@@ -84,9 +95,10 @@ def test_a_recorded_handshake_replayed_on_a_new_connection_is_unauthorized(sidec
     server_nonce, _ = _challenge(sock)
     client_nonce = hello[4:4 + wire.NONCE_BYTES]
     proof = wire.proof(secret, wire.Role.CLIENT, client_nonce, server_nonce, sidecar.peer, CLIENT_ID)
-    request = _hot("acme", 1 << 20)
+    session = PeerSession.for_client(secret, client_nonce, server_nonce, sidecar.peer, CLIENT_ID)
+    request = session.seal(_hot("acme", 1 << 20))  # what went on the wire, sealed
     sock.sendall(proof + request)
-    status, body = _answer(sock)
+    status, body = _answer(sock, session)
     assert status is wire.Status.OK and [p["root"]["tenant"] for p in body["prefixes"]] == ["acme"]
 
     # The same bytes on new connections, one while the original is still open and one
@@ -99,10 +111,10 @@ def test_a_recorded_handshake_replayed_on_a_new_connection_is_unauthorized(sidec
         fresh_nonce, _ = _challenge(replay)
         replay.sendall(proof + request)
         assert fresh_nonce != server_nonce
-        assert _answer(replay) == (wire.Status.UNAUTHORIZED, {"error": "bad peer credentials"})
+        assert _answer(replay, session) == (wire.Status.UNAUTHORIZED, {"error": "bad peer credentials"})
         replay.close()
     # The real peer, on its own fresh handshake, is still served.
-    status, body = _ask(sidecar.peer, secret, request)
+    status, body = _ask(sidecar.peer, secret, _hot("acme", 1 << 20))
     assert status is wire.Status.OK and [p["root"]["tenant"] for p in body["prefixes"]] == ["acme"]
 
 
