@@ -17,6 +17,8 @@ type schemaProp struct {
 	Maximum          *float64 `json:"maximum"`
 	ExclusiveMinimum *float64 `json:"exclusiveMinimum"`
 	ExclusiveMaximum *float64 `json:"exclusiveMaximum"`
+	// For a map property: the schema of its values (members' weights).
+	AdditionalProperties *schemaProp `json:"additionalProperties"`
 }
 
 func loadSchema(t *testing.T) map[string]schemaProp {
@@ -80,7 +82,11 @@ func TestDecodeEnforcesTheSchemasBounds(t *testing.T) {
 	// Fields the cross-field rule (hysteresis < spillOccupancy) would otherwise trip.
 	base := map[string]string{"spillOccupancy": `"hysteresis":0,`, "hysteresis": `"spillOccupancy":1,`}
 	probes := 0
-	for name, p := range props {
+	for name, prop := range props {
+		p, format := prop, `{%s"%s":%v}`
+		if p.AdditionalProperties != nil { // a map: probe one entry's value
+			p, format = *p.AdditionalProperties, `{%s"%s":{"m":%v}}`
+		}
 		if p.Type != "integer" && p.Type != "number" {
 			continue
 		}
@@ -90,7 +96,7 @@ func TestDecodeEnforcesTheSchemasBounds(t *testing.T) {
 		}
 		try := func(v float64, accept bool) {
 			probes++
-			text := fmt.Sprintf(`{%s"%s":%v}`, base[name], name, v)
+			text := fmt.Sprintf(format, base[name], name, v)
 			_, err := Decode([]byte(text))
 			if accept != (err == nil) {
 				t.Errorf("%s: accepted=%v, want %v (%v)", text, err == nil, accept, err)
@@ -117,7 +123,7 @@ func TestDecodeEnforcesTheSchemasBounds(t *testing.T) {
 			try(*p.ExclusiveMaximum-step, true)
 		}
 	}
-	if probes < 14 {
+	if probes < 16 {
 		t.Fatalf("only %d probes: the schema lost its bounds", probes)
 	}
 }

@@ -141,3 +141,10 @@ def test_go_router_package_passes_vet_and_the_shared_vectors():
             f"`{' '.join(cmd[1:])}` in router/ failed (run scripts/setup.sh if modules are missing):\n"
             + out.stdout[-6000:] + out.stderr[-3000:])
     assert "ok  \tgithub.com/kvtier/kvtier/router/affinity" in out.stdout
+
+
+def test_go_router_package_is_gofmt_clean():
+    gofmt = shutil.which("gofmt")
+    assert gofmt, "gofmt is not installed: it comes with Go, which router/ needs on PATH"
+    out = subprocess.run([gofmt, "-l", "."], cwd=ROUTER, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "", f"not gofmt-formatted (run `gofmt -w router/`):\n{out.stdout}"
