@@ -8,7 +8,8 @@
 #   - the real Kubernetes control plane (kube-apiserver, kube-controller-manager,
 #     etcd, kubectl, helm), built or unpacked once into a versioned cache outside git,
 #   - Prometheus with Kubernetes service discovery (hack/prometheus.sh), likewise,
-#   - vLLM's CPU build in its own venv, cached the same way (hack/vllm.sh).
+#   - vLLM's CPU build in its own venv, cached the same way (hack/vllm.sh),
+#   - the Go modules of the router package (router/), in Go's module cache.
 # A second run is a no-op that takes a few seconds.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -51,6 +52,12 @@ if [ -n "$(.venv/bin/python -W ignore -c 'import kvtier._compiled as c; print(*c
   log "compiling kvtier's hot modules (Cython)"
   .venv/bin/python setup.py -q build_ext --inplace --parallel 2 >/dev/null
 fi
+
+# --- the Go router package (router/): its modules into Go's own caches, as the ------
+# control plane's build uses them (GOMODCACHE, GOCACHE: Go's defaults), so the tests'
+# `go test` runs offline. A no-op once downloaded.
+command -v go >/dev/null 2>&1 || { log "ERROR: go is not installed (router/ needs Go >= 1.26 on PATH)"; exit 1; }
+(cd router && GOTOOLCHAIN=local GOFLAGS=-mod=readonly go mod download && GOTOOLCHAIN=local go build ./...)
 
 # --- checkov (chart lint), in its own venv -------------------------------------------
 bash hack/checkov.sh

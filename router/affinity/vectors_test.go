@@ -1,0 +1,182 @@
+package affinity
+
+import (
+	"encoding/json"
+	"math"
+	"os"
+	"reflect"
+	"testing"
+)
+
+// The shared vectors kvtier.routing generated (`kvtier contract`).
+type vectors struct {
+	RendezvousVersion int `json:"rendezvousVersion"`
+	Hashes            map[string]struct {
+		TenantHash uint64 `json:"tenantHash"`
+		MemberHash uint64 `json:"memberHash"`
+	} `json:"hashes"`
+	Tables map[string]struct {
+		JSON string `json:"json"`
+	} `json:"tables"`
+	InvalidTables []struct {
+		Name string `json:"name"`
+		JSON string `json:"json"`
+		Rule string `json:"rule"`
+	} `json:"invalidTables"`
+	Orders []struct {
+		Table  string    `json:"table"`
+		Tenant string    `json:"tenant"`
+		Order  []string  `json:"order"`
+		Scores []float64 `json:"scores"`
+		Homes  []string  `json:"homes"`
+	} `json:"orders"`
+	Sequences []struct {
+		Name     string `json:"name"`
+		Stateful bool   `json:"stateful"`
+		Steps    []struct {
+			Table     string             `json:"table"`
+			Tenant    string             `json:"tenant"`
+			Occupancy map[string]float64 `json:"occupancy"`
+			Pick      *struct {
+				Member  string `json:"member"`
+				Rank    int    `json:"rank"`
+				Spilled bool   `json:"spilled"`
+				Epoch   int64  `json:"epoch"`
+			} `json:"pick"`
+			Error      string `json:"error"`
+			SpillState *struct {
+				Epoch   int64             `json:"epoch"`
+				MovedTo map[string]string `json:"movedTo"`
+			} `json:"spillState"`
+		} `json:"steps"`
+	} `json:"sequences"`
+}
+
+func loadVectors(t *testing.T) (*vectors, map[string]*Table) {
+	t.Helper()
+	data, err := os.ReadFile("../testdata/pick-vectors.json")
+	if err != nil {
+		t.Fatalf("read the shared vectors (run `kvtier contract`): %v", err)
+	}
+	var v vectors
+	if err := json.Unmarshal(data, &v); err != nil {
+		t.Fatalf("decode the shared vectors: %v", err)
+	}
+	tables := map[string]*Table{}
+	for name, tb := range v.Tables {
+		table, err := Decode([]byte(tb.JSON))
+		if err != nil {
+			t.Fatalf("table %s: %v", name, err)
+		}
+		tables[name] = table
+	}
+	return &v, tables
+}
+
+func TestVectorsNameThisRendezvousVersion(t *testing.T) {
+	v, _ := loadVectors(t)
+	if v.RendezvousVersion != RendezvousVersion {
+		t.Fatalf("vectors are for rendezvous version %d, this package implements %d", v.RendezvousVersion, RendezvousVersion)
+	}
+}
+
+func TestHashesMatchPython(t *testing.T) {
+	v, _ := loadVectors(t)
+	if len(v.Hashes) == 0 {
+		t.Fatal("no hash vectors")
+	}
+	for name, h := range v.Hashes {
+		if got := TenantHash(name); got != h.TenantHash {
+			t.Errorf("TenantHash(%q) = %#x, want %#x", name, got, h.TenantHash)
+		}
+		if got := MemberHash(name); got != h.MemberHash {
+			t.Errorf("MemberHash(%q) = %#x, want %#x", name, got, h.MemberHash)
+		}
+	}
+}
+
+func TestOrdersHomesAndScoresMatchPython(t *testing.T) {
+	v, tables := loadVectors(t)
+	if len(v.Orders) == 0 {
+		t.Fatal("no order vectors")
+	}
+	for _, o := range v.Orders {
+		table := tables[o.Table]
+		order, err := table.OrderFor(o.Tenant)
+		if err != nil {
+			t.Fatalf("%s/%q: %v", o.Table, o.Tenant, err)
+		}
+		if !equalNames(order, o.Order) {
+			t.Errorf("%s/%q: order %q, want %q", o.Table, o.Tenant, order, o.Order)
+		}
+		homes, err := table.HomesFor(o.Tenant)
+		if err != nil || !equalNames(homes, o.Homes) {
+			t.Errorf("%s/%q: homes %q (%v), want %q", o.Table, o.Tenant, homes, err, o.Homes)
+		}
+		th := TenantHash(o.Tenant)
+		for i, m := range o.Order {
+			w, _ := table.Weight(m)
+			got, want := Score(th, MemberHash(m), w), o.Scores[i]
+			if math.Abs(got-want) > 1e-12*math.Abs(want) {
+				t.Errorf("%s/%q: score of %q = %v, want %v", o.Table, o.Tenant, m, got, want)
+			}
+		}
+	}
+}
+
+func TestPickSequencesMatchPython(t *testing.T) {
+	v, tables := loadVectors(t)
+	if len(v.Sequences) == 0 {
+		t.Fatal("no pick sequences")
+	}
+	for _, seq := range v.Sequences {
+		t.Run(seq.Name, func(t *testing.T) {
+			var state *SpillState
+			if seq.Stateful {
+				state = NewSpillState()
+			}
+			for i, step := range seq.Steps {
+				got, err := tables[step.Table].Pick(step.Tenant, step.Occupancy, state)
+				switch {
+				case step.Pick == nil && err == nil:
+					t.Fatalf("step %d: picked %+v, want the error %q", i, got, step.Error)
+				case step.Pick != nil && err != nil:
+					t.Fatalf("step %d: %v, want %+v", i, err, *step.Pick)
+				case step.Pick != nil:
+					want := Pick{Member: step.Pick.Member, Rank: step.Pick.Rank, Spilled: step.Pick.Spilled, Epoch: step.Pick.Epoch}
+					if got != want {
+						t.Errorf("step %d (%s, %q): pick %+v, want %+v", i, step.Table, step.Tenant, got, want)
+					}
+				}
+				if step.SpillState == nil {
+					continue
+				}
+				if state.Epoch() != step.SpillState.Epoch {
+					t.Errorf("step %d: state epoch %d, want %d", i, state.Epoch(), step.SpillState.Epoch)
+				}
+				if moved := state.MovedTo(); !reflect.DeepEqual(moved, step.SpillState.MovedTo) {
+					t.Errorf("step %d: moved %v, want %v", i, moved, step.SpillState.MovedTo)
+				}
+			}
+		})
+	}
+}
+
+func TestInvalidTablesAreRefused(t *testing.T) {
+	v, _ := loadVectors(t)
+	if len(v.InvalidTables) == 0 {
+		t.Fatal("no invalid tables")
+	}
+	for _, bad := range v.InvalidTables {
+		if table, err := Decode([]byte(bad.JSON)); err == nil {
+			t.Errorf("%s (%s): decoded %+v, want a refusal", bad.Name, bad.Rule, table)
+		}
+	}
+}
+
+func equalNames(a, b []string) bool {
+	if len(a) == 0 && len(b) == 0 {
+		return true
+	}
+	return reflect.DeepEqual(a, b)
+}
