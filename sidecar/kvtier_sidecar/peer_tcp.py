@@ -3,8 +3,8 @@ and the client that receives them into reserved arena slots.
 
 Threads, not asyncio, on purpose: `sendmsg` of a staging buffer and `recv_into` one
 release the GIL and copy once in the kernel, which is what keeps a fetch near raw
-loopback throughput (asyncio's stream buffers add a copy). After the handshake every frame
-travels sealed: the server encrypts each block from the arena into a per-worker
+loopback throughput (asyncio's stream buffers add a copy). After the handshake every
+frame travels sealed: the server encrypts each block from the arena into a per-worker
 staging buffer and sends it; the client receives each block's record into a staging
 buffer and decrypts it straight into its reserved slot (one pass over the bytes on
 each side beyond the plain stream, no user-space copy).
@@ -584,7 +584,7 @@ class TcpTransport:
         proof, to send ahead of the first request (one segment, no extra round trip),
         and the session that seals what follows."""
         addr = parse_peer(peer)  # "[v6]:port" too
-        sock = socket.create_connection((addr.host, addr.port), timeout=self.connect_timeout_s)
+        sock = socket.create_connection((addr.host, addr.port), timeout=min(self.connect_timeout_s, _left(deadline)))
         try:
             _tune(sock)
             sock.settimeout(_left(deadline))
