@@ -462,3 +462,19 @@ def test_a_lying_peer_never_gets_a_block_accepted(answer):
         out = transport.fetch(peer.address, ORACLE.root("a"), tokens_of(64, seed=i), 16, BB, sink, max_blocks=3)
         assert out.error and out.verified_blocks == 0 and out.digests == [], out
     peer.close()
+
+
+def test_session_keys_follow_hkdf_sha256_and_differ_per_direction_and_connection():
+    from kvtier_sidecar.peer_session import _hkdf_sha256, derive_keys
+
+    # RFC 5869, test case 1.
+    okm = _hkdf_sha256(bytes([0x0B] * 22), bytes(range(13)), bytes(range(0xF0, 0xFA)), 42)
+    assert okm.hex() == ("3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf"
+                         "34007208d5b887185865")
+    base = (SECRET, b"c" * 16, b"s" * 16, "10.0.0.1:8082", "10.0.0.2:8082")
+    c2s, s2c = derive_keys(*base)
+    assert c2s != s2c and len(c2s) == len(s2c) == 32
+    for i, other in ((0, SECRET[::-1]), (1, b"d" * 16), (2, b"t" * 16), (3, "10.0.0.9:8082"), (4, "10.0.0.3:8082")):
+        changed = list(base)
+        changed[i] = other
+        assert derive_keys(*changed)[0] != c2s, i
