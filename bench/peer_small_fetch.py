@@ -55,5 +55,5 @@ for i in range(N):
     for f, acc in ((peer, ps), (rawtcp, rs)) if i % 2 else ((rawtcp, rs), (peer, ps)):
         t = time.perf_counter(); f(); acc.append(time.perf_counter() - t)
 p, r = statistics.median(ps) * 1e6, statistics.median(rs) * 1e6
-print(f"{'v2' if v2 else 'v1'} small fetch p50 {p:.0f} us, raw TCP p50 {r:.0f} us, ratio {p/r:.2f}")
+print(f"{wire.HELLO_MAGIC.decode()} small fetch p50 {p:.0f} us, raw TCP p50 {r:.0f} us, ratio {p/r:.2f}")
 server.close(); arena.close()

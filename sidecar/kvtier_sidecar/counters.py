@@ -14,6 +14,10 @@ class Count(StrEnum):
     PEER_CHECKSUM_MISMATCHES = "peer_checksum_mismatches"
     PEER_BYTES_FETCHED = "peer_bytes_fetched"
     PEER_FETCHES_SHED = "peer_fetches_shed"  # lookups that skipped a peer at its in-flight bound
+    # What the peer server refused after the handshake or at it, by cause:
+    PEER_BAD_RECORDS = "peer_bad_records"  # a sealed record failed its tag (tampered, replayed)
+    PEER_REQUEST_TIMEOUTS = "peer_request_timeouts"  # a request not in by its deadline
+    PEER_OLD_PROTOCOL = "peer_old_protocol"  # a peer speaking an earlier protocol version
     STORED_BLOCKS = "stored_blocks"
     INVALIDATED_BLOCKS = "invalidated_blocks"
     WARMED_BLOCKS = "warmed_blocks"

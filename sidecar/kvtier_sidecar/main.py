@@ -124,6 +124,8 @@ class SidecarProcess:
                 stack.push_async_callback(self._leave_index, self.index)
             self.transport = TcpTransport(self.keyring, c.peer_connect_timeout_s, c.peer_timeout_s, identity=advertise)
         self.service = Sidecar(c, tier, self.index, self.transport, instance=uuid.uuid4().hex)
+        if self.peer_server is not None:
+            self.peer_server.events = self.service.counters
         stack.callback(self.service.close)
         self.service.bind_loop(asyncio.get_running_loop())
         self.auth = TokenReviewer(c.control_auth, self.service.counters) if c.control_auth.mode == "tokenreview" else None

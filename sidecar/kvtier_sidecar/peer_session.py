@@ -35,10 +35,10 @@ class RecordAuthError(wire.ProtocolError):
 
 def _hkdf_sha256(secret: bytes, salt: bytes, info: bytes, length: int) -> bytes:
     """HKDF (RFC 5869) with SHA-256: extract, then expand to `length` bytes."""
-    prk = hmac.new(salt, secret, hashlib.sha256).digest()
+    prk = hmac.digest(salt, secret, hashlib.sha256)
     out, block, i = b"", b"", 1
     while len(out) < length:
-        block = hmac.new(prk, block + info + bytes([i]), hashlib.sha256).digest()
+        block = hmac.digest(prk, block + info + bytes([i]), hashlib.sha256)
         out += block
         i += 1
     return out[:length]

@@ -3,8 +3,8 @@ and the client that receives them into reserved arena slots.
 
 Threads, not asyncio, on purpose: `sendmsg` of a staging buffer and `recv_into` one
 release the GIL and copy once in the kernel, which is what keeps a fetch near raw
-loopback throughput (asyncio's stream buffers add a copy). After the handshake every frame
-travels sealed: the server encrypts each block from the arena into a per-worker
+loopback throughput (asyncio's stream buffers add a copy). After the handshake every
+frame travels sealed: the server encrypts each block from the arena into a per-worker
 staging buffer and sends it; the client receives each block's record into a staging
 buffer and decrypts it straight into its reserved slot (one pass over the bytes on
 each side beyond the plain stream, no user-space copy).
@@ -36,6 +36,7 @@ from kvtier.keys import KeyRoot
 from kvtier.peer_address import parse_peer
 
 from . import wire
+from .counters import Count, Counters
 from .peer_keys import PeerKeyring
 from .peer_session import PeerSession, RecordAuthError, sealed_size
 from .transport import CHECKSUM_MISMATCH, RECORD_AUTH_FAILED, FetchOutcome, FetchSink, HotPrefixes
@@ -187,6 +188,9 @@ class PeerServer:
         self._local = threading.local()  # per worker: the staging buffer of sealed blocks
         self._workers = [threading.Thread(target=self._work, name="peer-conn", daemon=True)
                          for _ in range(max_concurrency + 1)]
+        # The sidecar's counters, where the refusals an operator should see are counted
+        # too (set once the sidecar's service exists).
+        self.events: Counters | None = None
         self.counters = {"connections": 0, "fetches": 0, "bytes_sent": 0, "busy": 0, "unauthorized": 0,
                          "bad_requests": 0, "handshake_timeouts": 0, "handshakes_displaced": 0,
                          "request_timeouts": 0, "bad_records": 0, "old_protocol": 0}
@@ -294,7 +298,7 @@ class PeerServer:
                 if self._stage_done(sel, hs):
                     return
         except wire.OldProtocolError as exc:
-            self.counters["old_protocol"] += 1
+            self._count("old_protocol", Count.PEER_OLD_PROTOCOL)
             log.warning("peer refused: %s", exc)
             self._drop(sel, hs)
         except wire.ProtocolError:
@@ -334,6 +338,11 @@ class PeerServer:
             session = PeerSession.for_server(secret, hs.client_nonce, hs.server_nonce, self.endpoint, hs.client_id)
             self._jobs.put((self._serve, hs.conn, session))
         return True
+
+    def _count(self, name: str, event: Count) -> None:
+        self.counters[name] += 1
+        if self.events is not None:
+            self.events.add(event)
 
     def _take_slot(self) -> bool:
         with self._slots_lock:
@@ -390,7 +399,7 @@ class PeerServer:
                 try:
                     sealed = recv_by(conn, length + wire.TAG_BYTES, deadline)
                 except TimeoutError:
-                    self.counters["request_timeouts"] += 1
+                    self._count("request_timeouts", Count.PEER_REQUEST_TIMEOUTS)
                     return
                 frame = session.open(head, sealed)
                 op, body_len = wire.decode_request_header(frame[: wire.REQUEST.size])
@@ -403,7 +412,7 @@ class PeerServer:
                 else:
                     self._hot(conn, session, body, answer_by)
         except RecordAuthError:
-            self.counters["bad_records"] += 1  # forged, replayed or reordered: nothing to answer
+            self._count("bad_records", Count.PEER_BAD_RECORDS)  # forged, replayed or reordered: no answer
         except wire.ProtocolError as exc:
             self.counters["bad_requests"] += 1
             try:
@@ -584,7 +593,7 @@ class TcpTransport:
         proof, to send ahead of the first request (one segment, no extra round trip),
         and the session that seals what follows."""
         addr = parse_peer(peer)  # "[v6]:port" too
-        sock = socket.create_connection((addr.host, addr.port), timeout=self.connect_timeout_s)
+        sock = socket.create_connection((addr.host, addr.port), timeout=min(self.connect_timeout_s, _left(deadline)))
         try:
             _tune(sock)
             sock.settimeout(_left(deadline))

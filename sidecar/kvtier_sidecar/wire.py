@@ -232,12 +232,20 @@ def decode_record_header(raw: bytes, max_bytes: int) -> int:
     return length
 
 
+def _unpack(frame: struct.Struct, raw: bytes, what: str) -> tuple:
+    """`frame`'s fields from `raw`; ProtocolError when `raw` is short (a sealed record
+    may hold fewer bytes than the frame it claims to be)."""
+    if len(raw) != frame.size:
+        raise ProtocolError(f"{what} of {len(raw)} bytes, not {frame.size}")
+    return frame.unpack(raw)
+
+
 def encode_request(op: Op, body: bytes) -> bytes:
     return REQUEST.pack(REQUEST_MAGIC, int(op), len(body)) + body
 
 
 def decode_request_header(raw: bytes) -> tuple[Op, int]:
-    magic, op, length = REQUEST.unpack(raw)
+    magic, op, length = _unpack(REQUEST, raw, "request header")
     if magic != REQUEST_MAGIC:
         raise ProtocolError("bad request magic")
     try:
@@ -277,7 +285,7 @@ def encode_response(status: Status, payload: BaseModel | dict) -> bytes:
 
 
 def decode_response_header(raw: bytes) -> tuple[Status, int]:
-    magic, status, length = RESPONSE.unpack(raw)
+    magic, status, length = _unpack(RESPONSE, raw, "response header")
     if magic != RESPONSE_MAGIC:
         raise ProtocolError("bad response magic")
     if length > MAX_RESPONSE_JSON_BYTES:
@@ -295,7 +303,7 @@ def encode_run_header(first_block: int, digests: np.ndarray) -> bytes:
 
 def decode_run_header(raw: bytes) -> tuple[int, int]:
     """(first_block, n_blocks); the n_blocks * 8 bytes of digests follow."""
-    magic, first, count = RUN.unpack(raw)
+    magic, first, count = _unpack(RUN, raw, "run header")
     if magic != RUN_MAGIC:
         raise ProtocolError("bad run magic")
     if not 0 < count <= MAX_RUN_BLOCKS:

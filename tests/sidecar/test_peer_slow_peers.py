@@ -147,3 +147,27 @@ def test_authenticated_clients_trickling_a_large_request_do_not_starve_a_real_pe
     for t in threads:
         t.join()
     assert sc.proc.poll() is None
+
+
+def test_a_replayed_record_is_refused_and_counted_by_a_sidecar(spawn, oracle, secret_file):
+    """The operator sees tampering: a sealed record replayed at a real sidecar ends
+    the connection and shows in its stats (and so in /metrics)."""
+    from kvtier_sidecar import wire
+
+    from .test_peer_transport import _hung_up, _sealed_reply, _session
+
+    secret = Path(secret_file).read_bytes().strip()
+    sc = spawn("sc", "127.0.0.2", None, secret_file)
+    seed_cache(SidecarClient(sc.socket), oracle, "t", prompt(100, seed=4))
+    s, session = _session(sc.peer, secret)
+    record = session.seal(wire.encode_request(
+        wire.Op.HOT, wire.HotRequest(tenant="t", max_bytes=1 << 20).model_dump_json().encode()))
+    s.sendall(record)
+    status, body = _sealed_reply(s, session)
+    assert status is wire.Status.OK and wire.HotResponse.model_validate_json(body).prefixes
+    assert sc.stats()["sidecar"].get("peer_bad_records", 0) == 0
+    s.sendall(record)
+    assert _hung_up(s)
+    poll(lambda: sc.stats()["sidecar"].get("peer_bad_records") == 1)
+    s.close()
+    assert sc.proc.poll() is None

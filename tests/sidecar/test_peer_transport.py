@@ -374,3 +374,107 @@ def test_sendmsg_all_gives_up_at_its_deadline_when_nobody_reads():
     # The deadline is checked between sends: it may be overrun by one socket wait.
     assert time.monotonic() - t0 < deadline_s + 2 * socket_timeout_s
     a.close(); b.close()
+
+
+class _LyingPeer:
+    """Proves the fleet's secret (an insider gone bad), then answers every fetch with
+    what `answer(session, rng)` makes of it: the client's side of the fuzz."""
+
+    def __init__(self, answer, seed: int) -> None:
+        import threading
+
+        self.answer = answer
+        self.rng = random.Random(seed)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        from kvtier_sidecar.sockio import recv_exact
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                conn.settimeout(5)
+                client_nonce, id_len = wire.decode_hello_head(recv_exact(conn, wire.HELLO.size))
+                client_id = recv_exact(conn, id_len).decode()
+                server_nonce = os.urandom(wire.NONCE_BYTES)
+                conn.sendall(wire.encode_challenge(server_nonce, [wire.proof(
+                    SECRET, wire.Role.SERVER, client_nonce, server_nonce, self.address, client_id)]))
+                recv_exact(conn, wire.PROOF_BYTES)
+                session = PeerSession.for_server(SECRET, client_nonce, server_nonce, self.address, client_id)
+                head = recv_exact(conn, wire.RECORD.size)
+                session.open(head, recv_exact(conn, wire.decode_record_header(head, 1 << 30) + wire.TAG_BYTES))
+                conn.sendall(self.answer(session, self.rng))
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _ok(n_blocks: int) -> bytes:
+    return wire.encode_response(wire.Status.OK, wire.FetchHeader(matched_tokens=16 * n_blocks, n_blocks=n_blocks,
+                                                                 block_bytes=BB))
+
+
+def _garbage_answers():
+    """Answers a lying peer may give: each must end as an error with nothing verified."""
+    def random_bytes(session, rng):
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
+
+    def sealed_random_frame(session, rng):
+        return session.seal(bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64))))
+
+    def wrong_digests(session, rng):  # well-formed, but the blocks are not what the digests say
+        n = rng.randrange(1, 4)
+        out = session.seal(_ok(n)) + session.seal(wire.encode_run_header(0, np.arange(n, dtype="<u8")))
+        return out + b"".join(session.seal(os.urandom(BB)) for _ in range(n))
+
+    def wrong_block_length(session, rng):
+        return session.seal(_ok(2)) + session.seal(wire.encode_run_header(0, np.zeros(2, "<u8"))) + session.seal(
+            os.urandom(BB - rng.randrange(1, 64)))
+
+    def run_out_of_order(session, rng):
+        return session.seal(_ok(3)) + session.seal(wire.encode_run_header(rng.randrange(1, 3), np.zeros(1, "<u8")))
+
+    def unsealed_ok(session, rng):  # an OK in the clear is no answer a session accepts
+        return _ok(1)
+
+    def record_under_other_keys(session, rng):  # e.g. one recorded from another connection
+        return PeerSession(os.urandom(32), os.urandom(32)).seal(_ok(1))
+
+    return [random_bytes, sealed_random_frame, wrong_digests, wrong_block_length, run_out_of_order, unsealed_ok,
+            record_under_other_keys]
+
+
+@pytest.mark.parametrize("answer", _garbage_answers(), ids=lambda f: f.__name__)
+def test_a_lying_peer_never_gets_a_block_accepted(answer):
+    peer = _LyingPeer(answer, seed=11)
+    transport = TcpTransport(SECRET, timeout_s=5.0)
+    for i in range(20):
+        sink = Sink()
+        out = transport.fetch(peer.address, ORACLE.root("a"), tokens_of(64, seed=i), 16, BB, sink, max_blocks=3)
+        assert out.error and out.verified_blocks == 0 and out.digests == [], out
+    peer.close()
+
+
+def test_session_keys_follow_hkdf_sha256_and_differ_per_direction_and_connection():
+    from kvtier_sidecar.peer_session import _hkdf_sha256, derive_keys
+
+    # RFC 5869, test case 1.
+    okm = _hkdf_sha256(bytes([0x0B] * 22), bytes(range(13)), bytes(range(0xF0, 0xFA)), 42)
+    assert okm.hex() == ("3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf"
+                         "34007208d5b887185865")
+    base = (SECRET, b"c" * 16, b"s" * 16, "10.0.0.1:8082", "10.0.0.2:8082")
+    c2s, s2c = derive_keys(*base)
+    assert c2s != s2c and len(c2s) == len(s2c) == 32
+    for i, other in ((0, SECRET[::-1]), (1, b"d" * 16), (2, b"t" * 16), (3, "10.0.0.9:8082"), (4, "10.0.0.3:8082")):
+        changed = list(base)
+        changed[i] = other
+        assert derive_keys(*changed)[0] != c2s, i
