@@ -13,10 +13,9 @@ the connection is over. Pure: no sockets (`peer_tcp` moves the records).
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
-
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from . import wire
@@ -34,14 +33,8 @@ class RecordAuthError(wire.ProtocolError):
 
 
 def _hkdf_sha256(secret: bytes, salt: bytes, info: bytes, length: int) -> bytes:
-    """HKDF (RFC 5869) with SHA-256: extract, then expand to `length` bytes."""
-    prk = hmac.digest(salt, secret, hashlib.sha256)
-    out, block, i = b"", b"", 1
-    while len(out) < length:
-        block = hmac.digest(prk, block + info + bytes([i]), hashlib.sha256)
-        out += block
-        i += 1
-    return out[:length]
+    """HKDF (RFC 5869) with SHA-256, from the `cryptography` package."""
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(secret)
 
 
 def derive_keys(secret: bytes, client_nonce: bytes, server_nonce: bytes, server_endpoint: str,
