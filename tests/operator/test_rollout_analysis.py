@@ -3,7 +3,10 @@ verdicts, and the planner acting on them — no data or an unreachable Prometheu
 (never rolls back) and resumes by itself; a firing alarm rolls back at once."""
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
+
+import pytest
 
 from kvtier.policy import AnalysisStatus, Recovery, Rollout, RolloutStatus
 from kvtier_operator import analysis, rollout
@@ -191,6 +194,50 @@ def test_no_probe_this_tick_changes_nothing():
     status = rolling(AnalysisStatus(successes=1, measured_at=T0))
     p = rollout.plan(prom_spec(), NEW, OLD, status, "RollingOut", obs(2, None))
     assert p.kind == "wait" and p.rollout is None and p.workload is None
+
+
+def test_inconclusive_limit_one_waits_on_the_first_inconclusive_measurement_and_pauses_on_the_second():
+    spec = prom_spec(inconclusive_limit=1)
+    first = rollout.plan(spec, NEW, OLD, rolling(), "RollingOut", obs(5, Probe()))
+    assert first.kind == "wait" and first.rollout.analysis.inconclusives == 1
+    second = rollout.plan(spec, NEW, OLD, first.rollout, "RollingOut", obs(10, Probe()))
+    assert second.kind == "pause" and second.rollout.paused_reason == "inconclusive"
+    assert "2 inconclusive measurements (inconclusiveLimit 1)" in second.event[2]
+
+
+def test_a_step_with_no_measurement_yet_says_so():
+    verdict = analysis.judge(prom_spec().recovery, AnalysisStatus(), new_pods_ready=False)
+    assert verdict == analysis.Verdict("continue", "0/2 successful, 0 failed, 0 inconclusive; last: none yet")
+
+
+def test_an_alert_is_found_behind_alerts_that_do_not_match():
+    labels = {"namespace": "ns", "policy": "llm", "version": NEW}
+    alerts = [{"labels": {"alertname": "Other", **labels}, "state": "firing"},
+              {"labels": {"alertname": "KVTierHitRateDrop", **labels, "version": OLD}, "state": "firing"},
+              {"labels": {"alertname": "KVTierHitRateDrop", **labels}, "state": "pending"},
+              {"labels": {"alertname": "KVTierHitRateDrop", **labels}, "state": "firing", "activeAt": "t3"}]
+    assert analysis.matching_alerts(alerts, "KVTierHitRateDrop", labels) == ("since t3",)
+
+
+def test_probes_and_measurements_are_values():
+    for value, name in ((Probe(value=0.5), "value"), (analysis.Measurement("successful", 0.5, "ok"), "message"),
+                        (analysis.Verdict("pass", "ok"), "reason")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(value, name, None)
+
+
+def test_a_hit_rate_at_the_bar_passes_and_values_keep_four_decimals():
+    assert analysis.measure_hit_rate(Probe(value=0.4), 0.4, True).result == "successful"
+    m = analysis.measure_hit_rate(Probe(value=0.123456), 0.1, False)
+    assert m.value == pytest.approx(0.1235, abs=1e-9) and "hit rate 0.1235 >= 0.1000" == m.message
+
+
+def test_long_alert_lists_and_messages_are_cut_to_the_status_bound():
+    many = tuple(f"since t{i}, value 0" for i in range(200))
+    assert len(analysis.measure_alarm(Probe(firing=many), "A", NEW, 100, 10).message) == 1024
+    assert len(analysis.measure_alarm(Probe(pending=many), "A", NEW, 100, 10).message) == 1024
+    long = analysis.Measurement("error", None, "x" * 2000)
+    assert len(analysis.tally(None, long, T0).message) == 1024
 
 
 # --- a person's controls (kvtier.io/rollout-request) -------------------------------------

@@ -265,3 +265,15 @@ def test_rotation_under_load_fails_no_fetch_and_the_old_secret_expires(tier):
     fresh = TcpTransport(key(b"k2"), connect_timeout_s=SLACK_S, timeout_s=SLACK_S)
     assert fresh.fetch(server.address, ORACLE.root("a"), toks, 16, BB, Sink(), max_blocks=4).verified_blocks == 4
     server.close()
+
+
+def test_secret_file_watch_survives_a_missing_file_and_one_it_cannot_read(tmp_path):
+    path = tmp_path / "peer-secret"
+    ring = PeerKeyring(b"one", overlap_s=60.0)
+    watch = SecretFileWatch(str(path), ring)  # not mounted yet: no error, nothing to rotate
+    assert not watch.poll() and ring.accepted() == [b"one"]
+    path.mkdir()  # there, but not readable as a file
+    assert not watch.poll() and ring.accepted() == [b"one"]
+    path.rmdir()
+    path.write_text("two\n")
+    assert watch.poll() and ring.accepted() == [b"two", b"one"]
