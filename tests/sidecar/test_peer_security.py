@@ -269,11 +269,11 @@ def test_rotation_under_load_fails_no_fetch_and_the_old_secret_expires(tier):
 
 def test_secret_file_watch_survives_a_missing_file_and_one_it_cannot_read(tmp_path):
     path = tmp_path / "peer-secret"
-    ring = PeerKeyring(b"one", overlap_s=60.0)
+    ring = PeerKeyring(key(b"one"), overlap_s=60.0)
     watch = SecretFileWatch(str(path), ring)  # not mounted yet: no error, nothing to rotate
-    assert not watch.poll() and ring.accepted() == [b"one"]
+    assert not watch.poll() and ring.accepted() == [key(b"one")]
     path.mkdir()  # there, but not readable as a file
-    assert not watch.poll() and ring.accepted() == [b"one"]
+    assert not watch.poll() and ring.accepted() == [key(b"one")]
     path.rmdir()
-    path.write_text("two\n")
-    assert watch.poll() and ring.accepted() == [b"two", b"one"]
+    path.write_bytes(key(b"two") + b"\n")
+    assert watch.poll() and ring.accepted() == [key(b"two"), key(b"one")]
