@@ -7,10 +7,11 @@
  * traffic of the copy itself. Streaming stores write whole lines straight to memory,
  * which is what memcpy does for one big copy; this does it per piece.
  *
- * copy_pieces(dst_addrs, src_addrs, piece_bytes) -> None
+ * copy_pieces(dst_addrs, src_addrs, piece_bytes, stream=True) -> None
  *     dst_addrs, src_addrs: buffers of int64 addresses, one per piece, same length.
  *     The caller (kvtier.memcopy) derives them from arrays it holds, so every piece is
- *     inside memory it owns. The GIL is released while copying.
+ *     inside memory it owns. The GIL is released while copying. stream=False copies
+ *     every piece with memcpy (a copy small enough to stay in the cache is faster so).
  *
  * Built by setup.py (optional: kvtier.memcopy falls back to numpy's copy without it).
  */
@@ -67,8 +68,8 @@ static void stream_sse2(char *dst, const char *src, size_t n) {
         memcpy(dst + i, src + i, n - i);
 }
 
-static void copy_one(char *dst, const char *src, size_t n) {
-    if (n < STREAM_MIN_BYTES) {
+static void copy_one(char *dst, const char *src, size_t n, int stream) {
+    if (!stream || n < STREAM_MIN_BYTES) {
         memcpy(dst, src, n);
         return;
     }
@@ -83,7 +84,7 @@ static void copy_one(char *dst, const char *src, size_t n) {
         stream_sse2(dst, src, n);
 }
 #else
-static void copy_one(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
+static void copy_one(char *dst, const char *src, size_t n, int stream) { (void)stream; memcpy(dst, src, n); }
 #endif
 
 static int int64_buffer(PyObject *obj, Py_buffer *view, const char *what) {
@@ -101,7 +102,8 @@ static int int64_buffer(PyObject *obj, Py_buffer *view, const char *what) {
 static PyObject *copy_pieces(PyObject *self, PyObject *args) {
     PyObject *dst_obj, *src_obj;
     Py_ssize_t piece_bytes;
-    if (!PyArg_ParseTuple(args, "OOn:copy_pieces", &dst_obj, &src_obj, &piece_bytes))
+    int stream = 1;
+    if (!PyArg_ParseTuple(args, "OOn|p:copy_pieces", &dst_obj, &src_obj, &piece_bytes, &stream))
         return NULL;
     if (piece_bytes < 0) {
         PyErr_SetString(PyExc_ValueError, "piece_bytes must be >= 0");
@@ -124,7 +126,7 @@ static PyObject *copy_pieces(PyObject *self, PyObject *args) {
     Py_ssize_t count = dst.len / 8;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++)
-        copy_one((char *)(uintptr_t)d[i], (const char *)(uintptr_t)s[i], (size_t)piece_bytes);
+        copy_one((char *)(uintptr_t)d[i], (const char *)(uintptr_t)s[i], (size_t)piece_bytes, stream);
 #ifdef KVTIER_X86
     _mm_sfence(); /* streaming stores are visible to other threads after this */
 #endif
@@ -136,8 +138,9 @@ static PyObject *copy_pieces(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"copy_pieces", copy_pieces, METH_VARARGS,
-     "copy_pieces(dst_addrs, src_addrs, piece_bytes): copy piece_bytes from each src address to the "
-     "matching dst address, with non-temporal stores for pieces of 4 KiB and more."},
+     "copy_pieces(dst_addrs, src_addrs, piece_bytes, stream=True): copy piece_bytes from each src "
+     "address to the matching dst address, with non-temporal stores for pieces of 4 KiB and more "
+     "when stream is true."},
     {NULL, NULL, 0, NULL},
 };
 

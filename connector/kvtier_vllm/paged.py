@@ -127,10 +127,11 @@ class PagedKV:
         paged = bases[None, :] + np.asarray(pages, dtype=np.int64)[:, None] * page_bytes
         stored = (memcopy.address(arena.array) + np.asarray(slots, dtype=np.int64)[:, None] * block_bytes
                   + layers[None, :] * piece)
+        stream = memcopy.stream_for(len(slots) * block_bytes)  # the request's, whatever layers this call moves
         if to_paged:
-            memcopy.copy_pieces(paged.ravel(), stored.ravel(), piece)
+            memcopy.copy_pieces(paged.ravel(), stored.ravel(), piece, stream)
         else:
-            memcopy.copy_pieces(stored.ravel(), paged.ravel(), piece)
+            memcopy.copy_pieces(stored.ravel(), paged.ravel(), piece, stream)
 
     def _copy_whole_pages(self, raw: np.ndarray, page: int, to_paged: bool,
                           layer_ids: Sequence[int] | None) -> None:
