@@ -143,9 +143,10 @@ def test_fresh_engine_serves_prefix_stored_by_another_with_identical_outputs(wor
     a = world.engine("a", "s1")
     got = world.ask(a, ["P"])
     assert got["outputs"] == [world.reference["P"]] and got["cached"] == [0]
-    a.close()
+    # stores reach the sidecar off the forward pass: wait for them before A goes
     wait_for("A's prompt stored",
              lambda: world.sidecars["s1"].stats()["cache"]["stored_blocks"] >= len(PROMPTS["P"]) // BLOCK, POLL_S)
+    a.close()
 
     world.b = b = world.engine("b", "s1")
     for name, cached in (("P", _hit("P")), ("P_MORE", _hit("P")), ("DIVERGE", 100 // BLOCK * BLOCK)):
