@@ -17,6 +17,7 @@ vLLM (kv_load_failure_policy "recompute", checked at start-up) recomputes exactl
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import re
 import threading
@@ -276,6 +277,8 @@ class KvtierConnector(KVConnectorBase_V1):
                       "engine_socket)", self.cfg.socket, SOCKET_ENV)
             self.stats.add("sidecar_unreachable", 1)
         self._calls = WorkerCalls(self.cfg.store_staging_mb << 20)
+        # a worker that exits without shutdown() still hands over its queued stores
+        atexit.register(self._calls.idle, self.cfg.lookup_timeout_s)
         log.info("KvtierConnector worker rank %d/%d: %d layers, backend %s (%s), layout %s, page %d tokens",
                  self.rank, self.tp, len(tensors), backend, kernel, layout.value, page_tokens)
 

@@ -314,6 +314,8 @@ def test_a_hung_sidecar_costs_requests_a_miss_within_the_budget_never_the_engine
         hung = _round(served, "hung", hang=True)
     finally:
         served.sidecar.proc.send_signal(signal.SIGCONT)
+    print(f"\n{CONCURRENT} requests: healthy {healthy['seconds']:.3f} s, hung {hung['seconds']:.3f} s; stream's "
+          f"largest gap: healthy {healthy['max_gap_s']:.3f} s, hung {hung['max_gap_s']:.3f} s; budget {budget_s} s")
     # Without the budget each new request waited a socket timeout behind the last
     # (8 x 5 s) and the stream froze for as long.
     assert hung["seconds"] <= 2 * healthy["seconds"] + budget_s, (hung["seconds"], healthy["seconds"])
