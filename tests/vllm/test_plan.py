@@ -113,3 +113,40 @@ def test_a_sidecar_that_is_gone_offers_nothing(tmp_path):
     assert book.matched("r", ROOT, list(range(100)), 0) == 0
     book.allocated("r", [], 0)
     assert book.step_specs(prefill_done=["r"]).loads == []
+
+
+def test_a_requests_new_blocks_reach_its_store_and_the_counts_add_up(stored):
+    sc, prompt = stored
+    client = CountingClient(sc.socket)
+    book = PatientBook(client, BLOCK, BLOCK, verify_checksums=False)
+    assert book.prompt_len("r") is None
+    assert book.matched("r", ROOT, prompt, BLOCK) == 4 * BLOCK  # one block local, four from kvtier
+    assert book.prompt_len("r") == len(prompt)
+    book.allocated("r", [1, 2], 4 * BLOCK)
+    book.blocks_changed("r", [3, 4], replace=False)            # more blocks while it runs
+    book.blocks_changed("absent", [9], replace=False)          # an unknown request changes nothing
+    (store,) = book.step_specs(prefill_done=["r"]).stores
+    assert store.block_ids == [1, 2, 3, 4]
+    assert book.step_specs(prefill_done=["r"]).stores == []    # stored once
+    book.blocks_changed("r", [7], replace=True)                # resumed: a whole new list
+    assert book._requests["r"].block_ids == [7]
+    counts = book.take_counts()
+    assert (counts["lookups"], counts["prompt_tokens"], counts["local_hit_tokens"], counts["hit_tokens"]) == (
+        1, len(prompt), BLOCK, 4 * BLOCK)
+    assert set(book.take_counts().values()) == {0}             # taken: they start again
+    book.finished("r")
+    _released(client, 0)
+
+
+def test_a_loads_pin_is_held_exactly_pin_steps_steps(stored):
+    sc, prompt = stored
+    client = CountingClient(sc.socket)
+    book = PatientBook(client, BLOCK, BLOCK, verify_checksums=False)
+    book.matched("r", ROOT, prompt, 0)
+    book.allocated("r", [1, 2, 3, 4, 5], 5 * BLOCK)
+    for _ in range(PIN_STEPS):  # the load's step and the ones after it still need the pin
+        book.step_specs(prefill_done=[])
+    assert book.pinned() == 1
+    book.step_specs(prefill_done=[])
+    assert book.pinned() == 0
+    _released(client, 0)
