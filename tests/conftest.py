@@ -54,17 +54,26 @@ def _shm_entries() -> set[str]:
     return {p.name for pattern in _LEFT_BY_KILLED for p in _SHM.glob(pattern)}
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _unlink_shared_memory_left_by_killed_processes():
-    """Tests SIGKILL sidecars and engines on purpose, and a killed process never unlinks
-    its shared memory: without this, every run would leave segments in /dev/shm
-    (memory-backed) until the machine runs out. Only what this session created and no
-    live process still uses goes."""
-    before = _shm_entries()
-    yield
-    for name in _shm_entries() - before - _in_use():
+def _unlink_unused(names: set[str]) -> None:
+    for name in names - _in_use():
         path = _SHM / name
         try:
             shutil.rmtree(path) if path.is_dir() else os.unlink(path)
         except OSError:
             pass
+
+
+@pytest.fixture(scope="session")
+def _shm_before_session() -> set[str]:
+    return _shm_entries()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _unlink_shared_memory_left_by_killed_processes(_shm_before_session):
+    """Tests SIGKILL sidecars and engines on purpose, and a killed process never unlinks
+    its shared memory: a sidecar's arena is preallocated (64 MiB in the tests), so a
+    whole suite's worth would fill /dev/shm (memory-backed) and the machine's memory
+    with it. After every test module, what this session created and no live process
+    still uses goes (a session-scoped fixture's processes keep theirs)."""
+    yield
+    _unlink_unused(_shm_entries() - _shm_before_session)
