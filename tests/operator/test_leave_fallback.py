@@ -14,7 +14,7 @@ from kvtier import sidecar_config as cfgmod
 from kvtier.affinity import AffinityTable, TenantMove
 from kvtier_operator import membership, names, reconcile, sidecar_render
 from kvtier_operator.sidecar_client import SidecarClient
-from kvtier_testenv.fleet import SidecarHandle
+from kvtier_testenv.fleet import SidecarHandle, fleet_secret
 from sidecar_fleet import PodSidecar, tiny_policy
 
 # Loopback addresses no other test uses: the sidecars bind the pod ports 8081/8082.
@@ -50,7 +50,8 @@ def sidecars(tmp_path):
             # No API server to review tokens here: the control API is open, as the
             # webhook makes it when the operator runs with --sidecar-auth=open.
             config = {**base, "pod_name": name, "pod_ip": IPS[name], "log_level": "WARNING",
-                      "engine_socket": str(tmp_path / f"{name}.sock"), "control_auth": {"mode": "open"}}
+                      "engine_socket": str(tmp_path / f"{name}.sock"), "control_auth": {"mode": "open"},
+                      "peer_secret_file": fleet_secret(tmp_path)}
             handles[name] = SidecarHandle(name, IPS[name], tmp_path, config).start()
         yield spec, handles
     finally:
