@@ -24,11 +24,14 @@ MAX_QUEUED = 1024
 
 
 class Staged:
-    """Blocks staged for a store: arena-like (`slot_array`), slot i is block i."""
+    """Blocks staged for a store: arena-like (`slot_array`, `slots`, `array`, what the
+    paged copies read of an arena), slot i is block i."""
 
     def __init__(self, n_blocks: int, block_bytes: int) -> None:
         self.block_bytes = block_bytes
+        self.slots = n_blocks
         self.buf = np.empty(n_blocks * block_bytes, np.uint8)
+        self.array = self.buf
 
     def slot_array(self, slot: int, count: int = 1) -> np.ndarray:
         return self.buf[slot * self.block_bytes : (slot + count) * self.block_bytes]
