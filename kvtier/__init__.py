@@ -5,4 +5,4 @@ from kvtier._compiled import use_fresh_sources as _use_fresh_sources
 
 __version__ = "0.1.0"
 
-_use_fresh_sources()  # before any compiled module is imported: see kvtier._compiled
+_use_fresh_sources()  # KVTIER_PURE_PYTHON, before any compiled module is imported

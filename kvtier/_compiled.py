@@ -9,9 +9,11 @@ they run as the Python they are.
 Python imports an extension module before a same-named `.py`, and an editable
 install builds the extensions beside their sources. So an edited source would go on
 being shadowed by the extension built from the version before it. The build records
-each source's SHA-256 (`_compiled.json`, beside the extensions); at import, a module
-whose source no longer matches runs from its source instead, with a warning that
-says how to rebuild. `KVTIER_PURE_PYTHON=1` runs every one of them from source.
+each source's SHA-256 (`_compiled.json`, beside the extensions); the set-up
+(`scripts/setup.sh`) rebuilds every module whose source no longer matches, and the test
+session runs any it finds stale from source (`run_stale_from_source`), so `import
+kvtier` itself hashes nothing. `KVTIER_PURE_PYTHON=1` runs every compiled module from
+source; a comma-separated list of module names runs just those.
 
 Nothing here may import more than the standard library: `setup.py` reads
 `COMPILED_MODULES` from this file before anything is installed.
@@ -112,16 +114,40 @@ def compiled_modules() -> list[str]:
                   if m in sys.modules and not str(getattr(sys.modules[m], "__file__", "")).endswith(".py"))
 
 
-def use_fresh_sources() -> None:
-    """Run stale compiled modules (or, with KVTIER_PURE_PYTHON=1, all of them) from
-    source. Called once, from the package's `__init__`, before any of them is imported."""
-    if os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0"):
-        chosen = list(COMPILED_MODULES)
+def modules_from_env(value: str | None = None) -> list[str]:
+    """The compiled modules `KVTIER_PURE_PYTHON` names: all for "1", a comma-separated
+    list of module names, none when unset, empty or "0"."""
+    value = os.environ.get(PURE_PYTHON_ENV, "") if value is None else value
+    if value in ("", "0"):
+        return []
+    if value == "1":
+        return list(COMPILED_MODULES)
+    return [m for m in (x.strip() for x in value.split(",")) if m in COMPILED_MODULES]
+
+
+def use_fresh_sources(modules: list[str] | None = None) -> None:
+    """Run the named compiled modules (by default those `KVTIER_PURE_PYTHON` names) from
+    source. Called from the package's `__init__`, before any of them is imported."""
+    chosen = {m: source_path(m) for m in (modules_from_env() if modules is None else modules)}
+    if not chosen:
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _SourceFinder)), None)
+    if finder is None:
+        sys.meta_path.insert(0, _SourceFinder(chosen))
     else:
-        chosen = stale_modules()
-        if chosen:
-            warnings.warn(f"kvtier: source changed since the extension was built, running from source: "
-                          f"{', '.join(chosen)} (scripts/setup.sh rebuilds the extensions)", RuntimeWarning,
-                          stacklevel=2)
-    if chosen and not any(isinstance(f, _SourceFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _SourceFinder({m: source_path(m) for m in chosen}))
+        finder.modules.update(chosen)
+
+
+def run_stale_from_source() -> list[str]:
+    """For a development loop (the test session): every compiled module whose source
+    changed since its build runs from source, here and in every child process (through
+    `KVTIER_PURE_PYTHON`), with a warning that says how to rebuild. Returns them."""
+    stale = stale_modules()
+    if stale:
+        warnings.warn(f"kvtier: source changed since the extension was built, running from source: "
+                      f"{', '.join(stale)} (scripts/setup.sh rebuilds the extensions)", RuntimeWarning,
+                      stacklevel=2)
+        already = modules_from_env()
+        os.environ[PURE_PYTHON_ENV] = ",".join(sorted(set(already) | set(stale)))
+        use_fresh_sources(stale)
+    return stale

@@ -29,8 +29,6 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
-_DROP_KEYS = {"title", "$defs", "additionalProperties_false"}
-
 
 def structural(schema: dict[str, Any], defs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rewrite one pydantic JSON Schema node (recursively) into structural OpenAPI v3."""

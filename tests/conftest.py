@@ -21,6 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from kvtier import _compiled
+
+# A source edited since the last build runs from source for the whole session, its
+# child processes included (scripts/setup.sh rebuilds it; the compiled tests flag it).
+_compiled.run_stale_from_source()
+
 _SHM = Path("/dev/shm")
 # What the suite's processes leave in /dev/shm when SIGKILLed, large enough to matter:
 # sidecar arenas (kvt-*), torch's shared-memory segments of vLLM engines (psm_*), and

@@ -14,8 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvtier.sim import engine, scenarios
+from kvtier.sim import scenarios
 from kvtier.sim.policies import POLICIES
+from kvtier_app.progress import terminal_progress
 
 SCENARIOS = ("design-notes", "compare", "capacity", "membership", "rollout", "thrash")
 # Requests per scenario when --requests is not given (the full-size runs).
@@ -73,9 +74,7 @@ def main(argv: list[str]) -> int:
         if any(x <= 0 for x in dram):
             return _fail("--dram-gib", "sizes must be > 0")
     names = SCENARIOS if args.scenario == "all" else (args.scenario,)
-    progress = not args.no_progress and sys.stderr.isatty()
-    if progress:
-        engine.progress_factory = _tqdm_progress
+    progress = terminal_progress(args.no_progress)
     reports = []
     from kvtier.sim.report import render, to_json
 
@@ -100,12 +99,6 @@ def main(argv: list[str]) -> int:
             for path in plot(rep, Path(args.plots)):
                 print(f"wrote {path}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
-
-
-def _tqdm_progress(total: int, label: str) -> engine.Progress:
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="req", mininterval=0.5, desc=label)
 
 
 def _run(name, n, policies, dram, seed, progress, cache="kvtier"):

@@ -31,6 +31,7 @@ from kvtier.sim.replay import (
     sweep,
 )
 from kvtier.sim.trace import DEFAULT_BLOCK_ELEMS, DEFAULT_TRACE_BLOCK_TOKENS, TraceError, load_trace
+from kvtier_app.progress import terminal_progress
 
 DEFAULT_FLEET_POLICIES = ("random", "round-robin", "chash-session", "precise-prefix", "sglang", "kvtier")
 
@@ -115,12 +116,7 @@ def _fleet(args, trace, caps, policies) -> int:
     from kvtier.sim.report import render as render_scenario
     from kvtier_app.plots import plot as plot_scenario
 
-    progress = not args.no_progress and sys.stderr.isatty()
-    if progress:
-        from kvtier.sim import engine
-        from kvtier_app.simulate import _tqdm_progress
-
-        engine.progress_factory = _tqdm_progress
+    progress = terminal_progress(args.no_progress)
     reports = [fleet(trace, args.fleet, blocks, policies, args.block_elems, progress) for blocks in caps]
     _emit(args, "\n\n".join(render_scenario(r) for r in reports), [r.as_dict() for r in reports],
           lambda out: [p for r in reports for p in plot_scenario(r, out)])

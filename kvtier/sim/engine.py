@@ -49,9 +49,9 @@ class _Silent:
         pass
 
 
-# Builds a progress sink from (total requests, label). The simulator itself does no
-# I/O: a front-end that wants a bar sets this (kvtier_app.simulate installs tqdm).
-progress_factory: Callable[[int, str], Progress] = lambda total, label: _Silent()
+ProgressFactory = Callable[[int, str], Progress]
+"""Builds a progress sink from (total requests, label). The simulator does no I/O: a
+front-end that wants a bar passes one in `SimConfig.progress`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +77,7 @@ class SimConfig:
     bucket_s: float = 30.0
     warm_moved_tenants: bool = True
     warm_before_ready_tokens: int = 0
-    progress: bool = False
+    progress: ProgressFactory | None = None
 
     def __post_init__(self) -> None:
         if self.cache not in CACHE_KINDS:
@@ -202,7 +202,7 @@ class Simulation:
         events = list(self.events)
         next_event_s = events[0].time_s if events else float("inf")
         version = fleet.version
-        bar = progress_factory(n, self.label) if cfg.progress else _Silent()
+        bar = cfg.progress(n, self.label) if cfg.progress else _Silent()
         reported = 0
         t0, c0 = time.perf_counter(), time.process_time()
         for i in range(n):

@@ -22,6 +22,7 @@ import re
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +30,9 @@ from kvtier.eviction import CAFFEINE_WINDOW_FRACTION, PolicyConfig
 from kvtier.keys import KeyRoot
 from kvtier.sim.caches import KvtierCache, LruCache, OracleCache, _hit_blocks
 from kvtier.sim.trace import DEFAULT_BLOCK_ELEMS, Trace, TraceError, TracePrompts
+
+if TYPE_CHECKING:
+    from kvtier.sim.engine import ProgressFactory
 
 ROOT = KeyRoot("trace", "model", "weights", "fp16", "rope", "attn")
 """Every request of a trace shares one key root: one model, one tenant."""
@@ -320,7 +324,7 @@ def _figures(rep: TraceReport, capacities: list[int]) -> None:
 # ---------------------------------------------------------------------- fleet
 
 def fleet(trace: Trace, replicas: int, blocks_per_replica: int, policies, block_elems: int = DEFAULT_BLOCK_ELEMS,
-          progress: bool = False):
+          progress: ProgressFactory | None = None):
     """The trace's arrivals across `replicas` replicas under each routing policy,
     kvtier's LocalCache on every replica; a `ScenarioReport`."""
     from dataclasses import replace

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvtier.affinity import DEFAULT_HOMES
-from kvtier.sim.engine import Event, SimConfig, SimResult, simulate
+from kvtier.sim.engine import Event, ProgressFactory, SimConfig, SimResult, simulate
 from kvtier.sim.fleet import FleetSpec
 from kvtier.sim.workload import WorkloadSpec, generate
 
@@ -120,7 +120,7 @@ def design_arithmetic(fleet: FleetSpec, spec: WorkloadSpec, homes: int = DEFAULT
 
 
 def design_notes(n_requests: int = 1_000_000, policies=("kvtier", "random", "oracle"), unit: int = COARSE_UNIT,
-                 block_tokens: int = COARSE_BLOCK, n_tenants: int = 2_000, progress: bool = False,
+                 block_tokens: int = COARSE_BLOCK, n_tenants: int = 2_000, progress: ProgressFactory | None = None,
                  seed: int = 0) -> ScenarioReport:
     """The design notes' case. With fewer tenants (quick runs), DRAM shrinks in
     proportion so one host still covers ~11% of the working set, and the fleet and
@@ -190,7 +190,7 @@ def small_fleet(n_replicas: int = 16, dram_gib: float = 40.0, **overrides) -> Fl
 
 
 def compare(spec: WorkloadSpec, fleet: FleetSpec, policies=COMPETITORS, block_tokens: int = COARSE_BLOCK,
-            cache: str = "kvtier", progress: bool = False) -> ScenarioReport:
+            cache: str = "kvtier", progress: ProgressFactory | None = None) -> ScenarioReport:
     rep = ScenarioReport("compare", "every routing policy on one workload and fleet (same cache on every replica)",
                          params={"n_requests": spec.n_requests, "replicas": fleet.n_replicas,
                                  "dram_gib": fleet.dram_bytes / GIB, "cache": cache,
@@ -204,7 +204,7 @@ def compare(spec: WorkloadSpec, fleet: FleetSpec, policies=COMPETITORS, block_to
 
 
 def capacity(spec: WorkloadSpec, fleet: FleetSpec, dram_gib=(5, 10, 20, 40, 80), policies=COMPETITORS,
-             block_tokens: int = COARSE_BLOCK, progress: bool = False) -> ScenarioReport:
+             block_tokens: int = COARSE_BLOCK, progress: ProgressFactory | None = None) -> ScenarioReport:
     rep = ScenarioReport("capacity", "hit rate vs DRAM capacity per replica, per routing policy",
                          params={"dram_gib": list(dram_gib), "n_requests": spec.n_requests,
                                  "replicas": fleet.n_replicas,
@@ -223,7 +223,7 @@ def capacity(spec: WorkloadSpec, fleet: FleetSpec, dram_gib=(5, 10, 20, 40, 80),
 # ---------------------------------------------------------------------- membership
 
 def membership(spec: WorkloadSpec, fleet: FleetSpec, join_at_s: float, leave_at_s: float,
-               block_tokens: int = COARSE_BLOCK, policy: str = "kvtier", progress: bool = False) -> ScenarioReport:
+               block_tokens: int = COARSE_BLOCK, policy: str = "kvtier", progress: ProgressFactory | None = None) -> ScenarioReport:
     """One replica joins at `join_at_s`; replica 0 leaves at `leave_at_s`."""
     rep = ScenarioReport("membership", f"a replica joins at {join_at_s:g} s and one leaves at {leave_at_s:g} s",
                          params={"join_at_s": join_at_s, "leave_at_s": leave_at_s, "policy": policy,
@@ -279,7 +279,7 @@ def rollout_events(n_replicas: int, start_s: float, gate_s: float, pod_s: float,
 
 
 def rollout(spec: WorkloadSpec, fleet: FleetSpec, start_s: float, gate_s: float, pod_s: float,
-            block_tokens: int = COARSE_BLOCK, bucket_s: float = 10.0, progress: bool = False,
+            block_tokens: int = COARSE_BLOCK, bucket_s: float = 10.0, progress: ProgressFactory | None = None,
             warm_tokens: int = WARM_BEFORE_READY_TOKENS) -> ScenarioReport:
     rep = ScenarioReport("rollout", "a weights change: all replicas at once vs the default steps "
                          "(1 canary pod, 10%, 50%, 100%), cold or warmed before ready",
@@ -374,7 +374,7 @@ def thrash_workload(n_requests: int, unit: int = COARSE_UNIT, seed: int = 0) -> 
 
 
 def thrash(spec: WorkloadSpec, fleet: FleetSpec, policy: str = "kvtier", block_tokens: int = COARSE_BLOCK,
-           progress: bool = False) -> ScenarioReport:
+           progress: ProgressFactory | None = None) -> ScenarioReport:
     workload = generate(spec)
     demand = int(workload.prompt_elems().sum()) * spec.token_unit * fleet.kv_bytes_per_token
     rep = ScenarioReport("thrash", "working set far above capacity: one-shot documents stream past a hot set",
@@ -409,7 +409,7 @@ def _truth_notes(rep: ScenarioReport) -> None:
 
 # ---------------------------------------------------------------------- default sizes
 
-def default_membership(n_requests: int = 90_000, progress: bool = False, seed: int = 0) -> ScenarioReport:
+def default_membership(n_requests: int = 90_000, progress: ProgressFactory | None = None, seed: int = 0) -> ScenarioReport:
     """16 replicas, 200 tenants x 5 templates x 1,500 tokens at 300 rps; a replica
     joins half-way through (once warm) and replica 0 leaves at three quarters."""
     spec = design_workload(n_requests, n_tenants=200, rate_rps=300.0, seed=seed)
@@ -417,7 +417,7 @@ def default_membership(n_requests: int = 90_000, progress: bool = False, seed: i
     return membership(spec, small_fleet(16, 40.0), duration / 2, 3 * duration / 4, progress=progress)
 
 
-def default_rollout(n_requests: int = 81_000, n_replicas: int = 8, progress: bool = False,
+def default_rollout(n_requests: int = 81_000, n_replicas: int = 8, progress: ProgressFactory | None = None,
                     seed: int = 0) -> ScenarioReport:
     """8 replicas, 100 tenants x 5 templates x 1,500 tokens at 150 rps (a cold fleet
     needs ~8.5 replicas of prefill). The rollout starts at 150 s, once warm; pods
@@ -429,12 +429,12 @@ def default_rollout(n_requests: int = 81_000, n_replicas: int = 8, progress: boo
                    progress=progress)
 
 
-def default_thrash(n_requests: int = 40_000, progress: bool = False, seed: int = 0) -> ScenarioReport:
+def default_thrash(n_requests: int = 40_000, progress: ProgressFactory | None = None, seed: int = 0) -> ScenarioReport:
     """4 replicas with 16 GiB each under the thrash workload."""
     return thrash(thrash_workload(n_requests, seed=seed), small_fleet(4, 16.0), progress=progress)
 
 
-def default_compare(n_requests: int = 100_000, policies=COMPETITORS, progress: bool = False,
+def default_compare(n_requests: int = 100_000, policies=COMPETITORS, progress: ProgressFactory | None = None,
                     seed: int = 0, cache: str = "kvtier") -> ScenarioReport:
     """16 replicas with 40 GiB each, the mixed workload (all four populations)."""
     return compare(mixed_workload(n_requests, unit=COARSE_UNIT, seed=seed), small_fleet(16, 40.0), policies,
@@ -442,6 +442,6 @@ def default_compare(n_requests: int = 100_000, policies=COMPETITORS, progress: b
 
 
 def default_capacity(n_requests: int = 50_000, policies=COMPETITORS, dram_gib=(5, 10, 20, 40, 80),
-                     progress: bool = False, seed: int = 0) -> ScenarioReport:
+                     progress: ProgressFactory | None = None, seed: int = 0) -> ScenarioReport:
     return capacity(mixed_workload(n_requests, unit=COARSE_UNIT, seed=seed), small_fleet(16, 40.0), dram_gib,
                     policies, progress=progress)

@@ -26,7 +26,6 @@ import numpy as np
 
 # Population codes, stored per request in `Workload.kind`.
 TEMPLATE, RAG, CONVERSATION, AGENT = 0, 1, 2, 3
-KIND_NAMES = ("template", "rag", "conversation", "agent")
 
 # Odd 32-bit multipliers: segment tokens are an affine walk mod 2**32, so distinct
 # segment ids start with distinct token ids and never share a first block.

@@ -35,8 +35,6 @@ Result = Literal["successful", "failed", "pending", "inconclusive", "error"]
 VerdictKind = Literal["continue", "pass", "fail", "inconclusive"]
 # Values in messages and status: four decimals, like the rollout's hit rates.
 VALUE_DIGITS = 4
-# Alert label names a kvtier alert carries (the chart's rules aggregate by them).
-ALERT_LABELS = ("namespace", "policy", "version")
 
 
 @dataclass(frozen=True, slots=True)

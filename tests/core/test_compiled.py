@@ -103,19 +103,42 @@ def test_a_source_edited_after_its_build_is_stale_and_not_built(tmp_path):
     assert "kvtier.radix" in _compiled.unbuilt_modules(pkg)
 
 
-def test_a_stale_module_runs_from_source_with_a_warning():
-    code = ("import warnings, sys\n"
+def test_a_stale_module_runs_from_source_with_a_warning_here_and_in_child_processes():
+    code = ("import os, subprocess, sys, warnings\n"
             "from kvtier import _compiled\n"
+            "os.environ.pop(_compiled.PURE_PYTHON_ENV, None)\n"
             "_compiled.stale_modules = lambda package_dir=None: ['kvtier.radix']\n"
             "sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _compiled._SourceFinder)]\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
-            "    _compiled.use_fresh_sources()\n"
+            "    assert _compiled.run_stale_from_source() == ['kvtier.radix']\n"
             "import kvtier.radix, kvtier.eviction\n"
-            "print(kvtier.radix.__file__, kvtier.eviction.__file__, "
+            "child = subprocess.run([sys.executable, '-c', 'import kvtier.radix, kvtier.eviction; "
+            "print(kvtier.radix.__file__, kvtier.eviction.__file__)'], capture_output=True, text=True, check=True)\n"
+            "print(kvtier.radix.__file__, kvtier.eviction.__file__, child.stdout.strip(), "
             "[str(x.message) for x in w])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    radix, eviction = out.stdout.split()[:2]
-    assert radix.endswith("kvtier/radix.py") and not eviction.endswith(".py")  # only the stale one
+    radix, eviction, child_radix, child_eviction = out.stdout.split()[:4]
+    for r, e in ((radix, eviction), (child_radix, child_eviction)):
+        assert r.endswith("kvtier/radix.py") and not e.endswith(".py")  # only the stale one
     assert "source changed since the extension was built, running from source: kvtier.radix (" in out.stdout
+
+
+def test_pure_python_names_all_or_some_compiled_modules():
+    assert _compiled.modules_from_env("1") == list(_compiled.COMPILED_MODULES)
+    assert _compiled.modules_from_env("0") == _compiled.modules_from_env("") == []
+    assert _compiled.modules_from_env("kvtier.radix, kvtier.nope,kvtier.cache") == ["kvtier.radix", "kvtier.cache"]
+
+
+def test_importing_kvtier_hashes_no_source():
+    code = ("import hashlib, sys\n"
+            "calls = []\n"
+            "real = hashlib.sha256\n"
+            "hashlib.sha256 = lambda *a, **k: calls.append(1) or real(*a, **k)\n"
+            "import kvtier, kvtier.radix, kvtier.cache\n"
+            "print(len(calls))\n")
+    env = {k: v for k, v in os.environ.items() if k != _compiled.PURE_PYTHON_ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"
