@@ -13,14 +13,12 @@
 * `StoreQueue` holds stores ordered by value (tokens x sightings); when full it
   drops its LEAST valuable entry, never simply the newest.
 
-The old thrash detector is retired: it raised a sightings bar when evictions
-outpaced stores, which also fired on a cache that was behaving (fresh conversation
-turns are stored and evicted unused by design when they lose the duel) and then
-refused stores into free space. "Thrashing" is now only reported, and measured
-against a shadow LRU (`THRASH_RATIO`). The W-TinyLFU duel covers the case
-it was for: under a one-shot stream the window's candidates lose their duels, so the
-stream never displaces the reused set, and the window's share is chosen by miniature
-simulations of the cache (`kvtier.eviction`), never by eviction counts.
+Thrash is only reported, never acted on: it is measured against a shadow LRU of the
+same size (`THRASH_RATIO`). Evictions outpacing stores are not thrash (fresh
+conversation turns that lose their duel are stored and evicted unused by design); under
+a one-shot stream the window's candidates lose their duels, so the stream never
+displaces the reused set, and the window's share is chosen by miniature simulations of
+the cache (`kvtier.eviction`), never by eviction counts.
 
 Everything here is pure bookkeeping over values.
 """
@@ -47,10 +45,9 @@ HOT_SIGHTINGS = 4
 transcript re-sent every step earns it by its fourth use)."""
 
 THRASH_RATIO = 0.9
-"""Thrash, redefined against a shadow LRU of the same size: over the last sample the
-cache matched fewer than this fraction of the blocks plain LRU would have. A cache
-that evicts a lot but matches what LRU would is behaving, and is not thrashing.
-It only reports (a gauge and an alert); it no longer moves any admission bar."""
+"""Thrash: over the last sample the cache matched fewer than this fraction of the
+blocks a shadow LRU of the same size would have. A cache that evicts a lot but matches
+what LRU would is behaving. Reported only (a gauge and an alert), never acted on."""
 
 SKETCH_WIDTH = 1 << 16
 SKETCH_DEPTH = 4

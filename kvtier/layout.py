@@ -1,4 +1,4 @@
-"""The canonical, TP-agnostic KV layout (design revision R5).
+"""The canonical, TP-agnostic KV layout (rule: key-root).
 
 Every cached block is stored as one C-contiguous array
 
