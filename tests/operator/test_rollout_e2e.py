@@ -11,6 +11,7 @@ import pytest
 from kvtier.keys import KeyRoot
 from kvtier_operator import names, rollout_handlers
 from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_testenv import engine_io
 from kvtier_testenv.synthetic import prefill_kv
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.ports import free_port
@@ -78,10 +79,10 @@ def serve(sidecar: PodSidecar, version: str, prompts: range, repeats: int) -> No
         for i in prompts:
             t = tokens(i)
             for _ in range(2):
-                client.release(client.lookup(root(version), t))
+                client.release(engine_io.request(client, root(version), t, BLOCK_BYTES)[0])
                 client.store(root(version), t, prefill_kv(root(version), t, BLOCK_SIZE, BLOCK_BYTES))
             for _ in range(repeats):
-                client.release(client.lookup(root(version), t))
+                client.release(engine_io.request(client, root(version), t, BLOCK_BYTES)[0])
     finally:
         client.close()
 
@@ -148,7 +149,7 @@ class Workload:
 
     def fleet_hit_rate(self, pods: list[str]) -> float:
         stats = [PodSidecar.of(self.agent, self.kubectl.namespace, p).get("/cache/stats") for p in pods]
-        return round(sum(s["hits"] for s in stats) / sum(s["lookups"] for s in stats), 4)
+        return engine_io.hit_rate(stats)
 
 
 def start_fleet(kubectl: Kubectl, agent, window: str) -> tuple[Workload, dict]:
@@ -207,8 +208,8 @@ def test_rollout_walks_canary_and_steps_to_the_whole_fleet_and_resumes_after_a_r
     serve(sidecars["llm-3"], NEW, range(1), repeats=0)
     wait_for("a hit on the canary", lambda: hits(sidecars["llm-3"], NEW, 0), timeout_s=10)
     canary = sidecars["llm-3"].get("/cache/stats")
-    assert 0 < canary["hits"] and canary["lookups"] < MIN_LOOKUPS  # a changed rate, still no recovery
-    seen = round(canary["hits"] / canary["lookups"], 4)
+    seen = engine_io.hit_rate([canary])
+    assert seen and canary["lookups"] < MIN_LOOKUPS  # a changed rate, still no recovery
     wait_for(f"the restarted operator's evaluation ({seen})", lambda: rollout_status(kubectl).get("currentHitRate") == seen)
     resumed = rollout_status(kubectl)
     assert resumed["step"] == 1 and resumed["stepStartedAt"] == status["stepStartedAt"]
