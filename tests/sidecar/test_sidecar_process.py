@@ -59,13 +59,15 @@ def test_a_store_of_blocks_already_cached_is_counted_as_cached_not_declined(spaw
     """Storing a prompt the cache holds has nothing to write: the engine is told so
     (`last_store_cached`), and the sidecar counts it under its own outcome; a store the
     admission refuses (one sighting, a full cache) is the only "declined"."""
-    sc = spawn(dram_capacity_bytes=8 * BB)
+    sc = spawn(dram_capacity_bytes=6 * BB)
     client = SidecarClient(sc.socket)
     root, tokens = oracle.root("acme"), prompt(100)
     assert client.store(root, tokens, oracle.kv(root, tokens)) is True
     assert client.store(root, tokens, oracle.kv(root, tokens)) is False and client.last_store_cached
-    other = prompt(100, seed=5)  # six more blocks do not fit beside the six held: admission decides
+    hit = client.lookup(root, tokens)  # pins all 6 slots: another prompt finds no room
+    other = prompt(100, seed=5)
     assert client.store(root, other, oracle.kv(root, other)) is False and not client.last_store_cached
+    client.release(hit)
     stats = sc.stats("acme")
     assert (stats["stores"], stats["stores_cached"], stats["stores_declined"]) == (1, 1, 1)
     text = sc.get("/metrics")[1].decode()
