@@ -172,7 +172,7 @@ def _ttft(quick: bool) -> list[Result]:
     with tempfile.TemporaryDirectory() as tmp:
         wd = Path(tmp)
         cfg = {"pod_name": "ttft", "pod_namespace": "bench", "pod_ip": "127.0.0.2", "http_port": 0,
-               "peer_port": 0, "engine_socket": str(wd / "ttft.sock"), "model": sidecar_model(shape),
+               "peer_port": 0, "engine_socket": str(wd / "ttft.sock"), "model": sidecar_model(shape, "sha256:bench"),
                "block_size": 32, "dram_capacity_bytes": 128 << 20, "min_sightings": 1, "log_level": "WARNING"}
         sc = SidecarHandle("ttft", "127.0.0.2", wd, cfg).start()
         eng = VllmEngine(wd, write_model(wd / "model"), connector_config(sc.socket, "sha256:bench",

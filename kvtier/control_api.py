@@ -142,6 +142,7 @@ class TenantStats(_Answer):
     peer_bytes_fetched: int = 0
     stores: int = 0
     stores_declined: int = 0
+    stores_cached: int = 0
     warmed_bytes: int = 0
     cache: CacheStats | None = None
 
@@ -187,8 +188,29 @@ class NvmeReport(_Answer):
     measured_at_s: float | None = None
 
 
+class EngineLoads(_Answer):
+    """What the engines of this sidecar reported loading (engine socket REPORT): the
+    hit figure the operator, the dashboard and the alerts read. `hit_rate` is loaded
+    over prompt tokens; the lookups' `hits`/`hit_tokens_by_tier` are what the sidecar
+    offered, which an engine may not take (its own prefix cache may hold it)."""
+
+    loaded_tokens_by_tier: dict[str, int] = Field(default_factory=dict)
+    local_hit_tokens: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def loaded_tokens(self) -> int:
+        return sum(self.loaded_tokens_by_tier.values())
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.loaded_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
 class SidecarStats(TenantStats):
     """`GET /cache/stats`: the whole sidecar, with the tenants holding the most bytes."""
+
+    engine: EngineLoads = Field(default_factory=EngineLoads)
 
     sidecar: dict[str, int] = Field(default_factory=dict)
     index: IndexState = Field(default_factory=lambda: IndexState(enabled=False))

@@ -65,10 +65,12 @@ DEFAULT_ANALYSIS_CONSECUTIVE_ERROR_LIMIT = 4
 # The alarm source's alert by default: the chart's hit-rate alert (charts/kvtier).
 DEFAULT_ALARM_ALERT = "KVTierHitRateDrop"
 # The hit rate of one weights version of one policy, as the chart's recording rules and
-# the sidecars' metrics name it; `{{minLookups}}` keeps a quiet version out (no data).
+# the sidecars' metrics name it: prompt tokens the engines loaded from kvtier over those
+# they looked up (never what the lookups offered); `{{minLookups}}` keeps a quiet version out (no data).
 DEFAULT_HIT_RATE_QUERY = (
-    'sum(rate(kvtier_hits_total{namespace="{{namespace}}", policy="{{policy}}", version="{{version}}"}[{{window}}]))'
-    ' / sum(rate(kvtier_lookups_total{namespace="{{namespace}}", policy="{{policy}}", version="{{version}}"}'
+    'sum(rate(kvtier_engine_loaded_tokens_total{namespace="{{namespace}}", policy="{{policy}}", version="{{version}}"}'
+    '[{{window}}]))'
+    ' / sum(rate(kvtier_engine_prompt_tokens_total{namespace="{{namespace}}", policy="{{policy}}", version="{{version}}"}'
     '[{{window}}]))'
     ' and sum(increase(kvtier_lookups_total{namespace="{{namespace}}", policy="{{policy}}", version="{{version}}"}'
     '[{{window}}])) >= {{minLookups}}'

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.control_api import pod_audience
-from kvtier_testenv import polling
+from kvtier_testenv import engine_io, polling
 from kvtier_testenv.binaries import REPO_ROOT
 
 CHART = REPO_ROOT / "charts" / "kvtier"
@@ -319,16 +319,16 @@ class ClusterDemo:
                      {m: len(r) for m, r in routed.items()})
 
     def wait_fleet_hit_rate(self) -> float:
-        """Wait until the operator's periodic refresh put the members' own hit rate
-        (their hits over their lookups) into status, so `kubectl get kvcp` shows it."""
+        """Wait until the operator's periodic refresh put the members' hit rate (prompt
+        tokens their engines loaded over those they looked up) into status, so
+        `kubectl get kvcp` shows it."""
         _, addresses = self.table()
 
         seen: dict[str, Any] = {}
 
         def shown() -> float | None:
             stats = [self.sidecar_stats(m, a["ip"]) for m, a in addresses.items()]
-            lookups = sum(s["lookups"] for s in stats)
-            expected = round(sum(s["hits"] for s in stats) / lookups, 4) if lookups else None
+            expected = engine_io.hit_rate(stats)
             rate = self.status().get("fleetHitRate")
             seen.update(expected=expected, status=rate)
             return rate if expected is not None and rate == expected else None

@@ -141,3 +141,14 @@ class EngineIdentity(BaseModel):
 def tenant_of(cache_salt: str | None, cfg: ConnectorConfig) -> str:
     """vLLM's per-request cache_salt names the tenant (the router sets it)."""
     return cache_salt if cache_salt else cfg.default_tenant
+
+
+def weights_mismatch(info: dict, engine_version: str, socket: str) -> str | None:
+    """Why a sidecar (its HELLO `info`) must not be used by an engine serving
+    `engine_version`; None when it may (or has not said: not connected yet)."""
+    theirs = info.get("weights_version")
+    if theirs is None or theirs == engine_version:
+        return None
+    return (f"this engine serves weights {engine_version} but its sidecar at {socket} is configured for {theirs}: "
+            "serving WITHOUT kvtier (no lookups, loads or stores) until they agree; set the sidecar's "
+            "model.weights_version (KVTIER_WEIGHTS_VERSION) and the connector's weights_version to the same digest")

@@ -42,6 +42,7 @@ from .config import (
     parse_config,
     rope_config_hash,
     tenant_of,
+    weights_mismatch,
 )
 from .layouts import LAYOUT_FORMATS, LayoutError, block_places, format_for_device, format_tag, kv_views, layout_for
 from .layer_loads import LayerJob, LayerLoads
@@ -129,7 +130,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self.book: SchedulerBook | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.breaker = Breaker(self.cfg.breaker_backoff_s, on_change=self._breaker_changed)
-            self.lookups = AsyncLookups(self.client, self.cfg.lookup_budget_ms / 1000, self.breaker)
+            self.lookups = AsyncLookups(self.client, self.cfg.lookup_budget_ms / 1000, self.breaker,
+                                        refuse=lambda info: weights_mismatch(info, self.identity.weights_version,
+                                                                             self.cfg.socket))
             self.book = SchedulerBook(self.lookups, self.block_size, self.vllm_block_size,
                                       self.cfg.verify_checksums)
         self._step_wait_s = self.cfg.lookup_wait_ms / 1000  # left for this scheduler step
@@ -148,6 +151,7 @@ class KvtierConnector(KVConnectorBase_V1):
         # (sidecar instance, its arena) the loads read; replaced whole by the calls thread
         self._mapped: tuple[str, Any] | None = None
         self._unmapped_logged = False
+        self._refused_instance: str | None = None  # the sidecar instance refused for its weights
         self._bg_lock = threading.Lock()
         self._bg_counts: dict[str, float] = {}  # stats the calls thread counts, merged at collection
         log.info("KvtierConnector %s: socket %s, block size %d (vLLM %d), identity %s", role.name,
@@ -268,8 +272,8 @@ class KvtierConnector(KVConnectorBase_V1):
             problem = self._arena_mismatch()
             if problem:
                 raise ConfigError(problem)
-            self._mapped = (str(self.client.info.get("instance", "")), self.client.arena)
-            self._check_weights_version()
+            if not self._weights_refused():
+                self._mapped = (str(self.client.info.get("instance", "")), self.client.arena)
         else:
             self._unmapped_logged = True
             log.error("kvtier: the sidecar's engine socket %s does not answer; this engine serves WITHOUT kvtier "
@@ -282,17 +286,20 @@ class KvtierConnector(KVConnectorBase_V1):
         log.info("KvtierConnector worker rank %d/%d: %d layers, backend %s (%s), layout %s, page %d tokens",
                  self.rank, self.tp, len(tensors), backend, kernel, layout.value, page_tokens)
 
-    def _check_weights_version(self) -> None:
-        """The sidecar labels its metrics with the weights version it was told; an engine
-        serving another one still never shares blocks (the digest is in the key root),
-        but its traffic would be counted under the wrong version: say so loudly."""
-        theirs = self.client.info.get("weights_version")
-        if theirs is not None and theirs != self.identity.weights_version:
-            log.error("kvtier: this engine serves weights %s but its sidecar at %s is configured for %s; blocks "
-                      "stay apart, but the sidecar's metrics label this engine's traffic with the wrong version "
-                      "(set the sidecar's model.weights_version / KVTIER_WEIGHTS_VERSION to the engine's)",
-                      self.identity.weights_version, self.cfg.socket, theirs)
-            self.stats.add("weights_version_mismatch", 1)
+    def _weights_refused(self) -> bool:
+        """True (logged once per sidecar instance, counted) when the sidecar serves other
+        weights than this engine: the engine then uses none of its blocks and stores
+        nothing in it (the digest in the key root keeps the blocks apart anyway, but the
+        sidecar would count this engine's traffic under the other version)."""
+        problem = weights_mismatch(self.client.info, self.identity.weights_version, self.cfg.socket)
+        if problem is None:
+            return False
+        instance = str(self.client.info.get("instance", ""))
+        if self._refused_instance != instance:
+            self._refused_instance = instance
+            log.error("kvtier: %s", problem)
+            self._bg_add("weights_version_mismatch", 1)
+        return True
 
     def _cpu_kernel(self, backend: str, tensor: torch.Tensor) -> str | None:
         """vLLM's CPU attention kernel for this cache (it decides how K is packed)."""
@@ -403,6 +410,9 @@ class KvtierConnector(KVConnectorBase_V1):
             log.error("kvtier: %s; serving without it", problem)
             self._mapped = None
             return
+        if self._weights_refused():
+            self._mapped = None
+            return
         if self._unmapped_logged:
             self._unmapped_logged = False
             log.warning("kvtier: the sidecar at %s answers again", self.cfg.socket)
@@ -421,7 +431,9 @@ class KvtierConnector(KVConnectorBase_V1):
         if loaded and mapped is not None:
             counts["loaded_bytes"] = loaded * mapped[1].block_bytes // self.tp
             if self.rank == 0:  # tokens once per engine, not once per TP rank
-                counts[f"loaded_tokens_{spec.tier}"] = loaded * self.block_size
+                for tier, blocks in spec.blocks_by_tier(loaded).items():
+                    if blocks:
+                        counts[f"loaded_tokens_{tier}"] = blocks * self.block_size
         if loaded < len(spec.slots):
             failed = block_places(spec.block_ids, spec.first_block + loaded, len(spec.slots) - loaded,
                                   self.block_size, self.vllm_block_size, self.vllm_block_size)
@@ -517,8 +529,8 @@ class KvtierConnector(KVConnectorBase_V1):
         from the staging buffer, commit."""
         res = self.client.begin_store(root_from_fields(spec.root), spec.token_ids, self.tp, self.rank)
         self._refresh_mapping_if_changed()
-        if res is None:
-            self._bg_add("store_declined", 1)
+        if res is None:  # nothing to write because the sidecar holds it all is no refusal
+            self._bg_add("store_cached" if getattr(self.client, "last_store_cached", False) else "store_declined", 1)
             return
         try:
             self.paged.copy_blocks(staged, res.arena, range(res.first_block, res.first_block + len(res.slots)),

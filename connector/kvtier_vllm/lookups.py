@@ -132,18 +132,24 @@ class AsyncLookups:
     first ask a request waits for its lookup before it proceeds with no external tokens."""
 
     def __init__(self, client, budget_s: float, breaker: Breaker,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 refuse: Callable[[dict], str | None] | None = None) -> None:
         self.client = client
         self.budget_s = budget_s
         self.breaker = breaker
         self.clock = clock
+        # refuse(client.info): why the connected sidecar must not be used (its weights
+        # version differs from the engine's); its lookups are then misses, unasked.
+        self.refuse = refuse
+        self._refused_instance: str | None = None
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(QUEUE_BOUND)
         self._thread = threading.Thread(target=self._run, name="kvtier-lookups", daemon=True)
         self._thread.start()
         # counts since take_counts (the connector's KVConnectorStats)
-        self.counts = {"lookup_timeouts": 0, "lookup_faults": 0, "lookups_skipped": 0}
+        self.counts = {"lookup_timeouts": 0, "lookup_faults": 0, "lookups_skipped": 0, "weights_version_mismatch": 0}
         self._reports_refused = False
+        self._unsent: dict[str, int] = {}  # reported counts not queued yet (scheduler thread)
 
     # -- scheduler thread ---------------------------------------------------------------
 
@@ -196,12 +202,17 @@ class AsyncLookups:
                 log.warning("kvtier: release queue full; the sidecar frees the pin when the engine reconnects")
 
     def report(self, counts: dict[str, int]) -> None:
-        """Send `counts` (EngineReport fields) to the sidecar, best effort."""
-        if counts and not self.breaker.is_open:
+        """Send `counts` (EngineReport fields) to the sidecar, best effort. While the
+        breaker is open they are kept and sent with the first report after it closes:
+        the prompts served without kvtier meanwhile belong in the hit rate's denominator."""
+        for name, value in counts.items():
+            self._unsent[name] = self._unsent.get(name, 0) + value
+        if self._unsent and not self.breaker.is_open:
             try:
-                self._queue.put_nowait(_Report(counts))
+                self._queue.put_nowait(_Report(self._unsent))
             except queue.Full:
-                pass  # reports are counts for /metrics; KVConnectorStats has them too
+                return  # kept for the next report
+            self._unsent = {}
 
     def take_counts(self) -> dict[str, int]:
         with self._lock:
@@ -232,8 +243,25 @@ class AsyncLookups:
             except Exception:  # the thread must outlive any one call
                 log.exception("kvtier: a sidecar call on the lookup thread failed")
 
+    def _refused(self) -> bool:
+        """True when the sidecar this thread talks to must not be used (logged and
+        counted once per sidecar instance)."""
+        if self.refuse is None:
+            return False
+        if not self.client.info:
+            self.client.connect()
+        problem = self.refuse(self.client.info)
+        if problem is None:
+            return False
+        instance = str(self.client.info.get("instance", ""))
+        if instance != self._refused_instance:
+            self._refused_instance = instance
+            log.error("kvtier: %s", problem)
+            self._count("weights_version_mismatch")
+        return True
+
     def _send_report(self, counts: dict[str, int]) -> None:
-        if self._reports_refused:
+        if self._reports_refused or self._refused():
             return
         try:
             self.client.report(**counts)
@@ -250,6 +278,11 @@ class AsyncLookups:
             if not judged:  # the thread was too far behind to ask in time
                 self.breaker.failure(f"lookups queued longer than their {self.budget_s * 1000:.0f} ms budget")
             return  # its request has already proceeded without it
+        if self._refused():
+            with self._lock:
+                p.judged = True  # the sidecar answers; it is only the wrong one
+                p.done.set()
+            return
         hit = self.client.lookup(p.root, p.prompt, digests=p.digests, local_tokens=p.local_tokens)
         faulted = not hit and getattr(hit, "reason", "") == UNAVAILABLE
         with self._lock:

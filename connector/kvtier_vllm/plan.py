@@ -53,6 +53,17 @@ class LoadSpec(BaseModel):
     block_ids: list[int]
     digests: list[int] | None = None
     tier: str = "dram"  # where the sidecar found the blocks: "dram" or "peer"
+    # A "peer" hit's blocks before this one were already in the sidecar's DRAM (a
+    # partly local hit): only the blocks from here on count as the peer's.
+    peer_from_block: int = 0
+
+    def blocks_by_tier(self, loaded: int) -> dict[str, int]:
+        """The first `loaded` blocks of this load by the tier they came from."""
+        if self.tier != "peer":
+            return {self.tier: loaded}
+        end = self.first_block + loaded
+        peer = max(0, end - max(self.first_block, self.peer_from_block))
+        return {"dram": loaded - peer, "peer": peer}
 
 
 class StoreSpec(BaseModel):
@@ -150,7 +161,8 @@ class SchedulerBook:
         digests = hit.digests[first : first + n] if hit.digests is not None else None
         self._pending_loads.append(LoadSpec(req_id=req_id, instance=hit.instance, first_block=first,
                                             slots=hit.blocks[first : first + n], block_ids=req.block_ids,
-                                            digests=digests, tier=hit.tier))
+                                            digests=digests, tier=hit.tier,
+                                            peer_from_block=(getattr(hit, "dram_tokens", None) or 0) // self.block_size))
         self.counts["hit_tokens"] += external_tokens
 
     # -- per step -----------------------------------------------------------------------

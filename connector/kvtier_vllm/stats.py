@@ -13,8 +13,8 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 COUNTERS = ("lookups", "prompt_tokens", "local_hit_tokens", "hit_tokens", "lookup_timeouts", "lookup_faults",
             "lookups_skipped", "breaker_trips", "breaker_recoveries",
             "loaded_blocks", "loaded_bytes", "loaded_tokens_dram", "loaded_tokens_peer", "load_seconds",
-            "load_errors", "saved_blocks", "saved_bytes", "store_declined", "stores_skipped", "sidecar_unreachable",
-            "weights_version_mismatch")
+            "load_errors", "saved_blocks", "saved_bytes", "store_declined", "store_cached", "stores_skipped",
+            "sidecar_unreachable", "weights_version_mismatch")
 """What the scheduler side counts (lookups through breaker_recoveries: `plan.COUNTS`,
 `lookups.AsyncLookups.counts`, the breaker's trips) and the workers (the rest).
 
@@ -66,6 +66,7 @@ PROM_HELP = {
     "saved_blocks": "Blocks stored into kvtier",
     "saved_bytes": "KV bytes stored into kvtier",
     "store_declined": "Stores the sidecar declined (admission, full arena)",
+    "store_cached": "Stores with nothing to write: the sidecar held every block already",
     "stores_skipped": "Stores skipped: no sidecar connection, or staging full behind a slow sidecar",
     "sidecar_unreachable": "Times a worker found the sidecar's engine socket not answering",
     "weights_version_mismatch": "Workers whose sidecar is configured for other weights than the engine serves",

@@ -54,14 +54,17 @@ ActionKind = Literal["idle", "start", "wait", "advance", "complete", "rollback",
 
 @dataclass(frozen=True, slots=True)
 class PodSample:
-    """One pod of the workload as the operator sees it now. `lookups`/`hits` are the
-    sidecar's counters since the pod (and so its cache) started; None: no answer."""
+    """One pod of the workload as the operator sees it now, from its sidecar's counters
+    since the pod (and so its cache) started; None: no answer. The hit rate is
+    `loaded_tokens` (prompt tokens the pod's engine loaded from kvtier, as it reported
+    them) over `prompt_tokens` (those it looked up); `lookups` is the sample size."""
 
     name: str
     version: str | None
     ready: bool
     lookups: int | None = None
-    hits: int | None = None
+    loaded_tokens: int | None = None
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,19 +119,36 @@ class Plan:
 
 
 @dataclass(frozen=True, slots=True)
+class Tally:
+    """Pods' counters summed: lookups (the sample size) and the hit figure's tokens."""
+
+    lookups: int
+    loaded_tokens: int
+    prompt_tokens: int
+
+    @property
+    def rate(self) -> float | None:
+        return round(self.loaded_tokens / self.prompt_tokens, RATE_DIGITS) if self.prompt_tokens else None
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecovery:
     """New-version pods' hit rate against the bar of one step."""
 
-    lookups: int
-    hits: int
+    tally: Tally
     needed: float
 
     @property
+    def lookups(self) -> int:
+        return self.tally.lookups
+
+    @property
     def hit_rate(self) -> float | None:
-        return round(self.hits / self.lookups, RATE_DIGITS) if self.lookups else None
+        return self.tally.rate
 
     def recovered(self, min_lookups: int) -> bool:
-        return self.lookups >= min_lookups and self.hits >= self.needed * self.lookups
+        t = self.tally
+        return t.lookups >= min_lookups and t.prompt_tokens > 0 and t.loaded_tokens >= self.needed * t.prompt_tokens
 
 
 @dataclass(slots=True)
@@ -154,10 +174,11 @@ def schedule(spec: Rollout, replicas: int) -> list[int]:
     return counts
 
 
-def hit_rate(pods: tuple[PodSample, ...] | list[PodSample]) -> tuple[int, int]:
-    """(lookups, hits) summed over the pods that answered."""
+def hit_rate(pods: tuple[PodSample, ...] | list[PodSample]) -> Tally:
+    """Lookups, loaded and prompt tokens summed over the pods that answered."""
     answered = [p for p in pods if p.lookups is not None]
-    return sum(p.lookups or 0 for p in answered), sum(p.hits or 0 for p in answered)
+    return Tally(sum(p.lookups or 0 for p in answered), sum(p.loaded_tokens or 0 for p in answered),
+                 sum(p.prompt_tokens or 0 for p in answered))
 
 
 def step_pods(new_pods: list[PodSample], counts: list[int], step: int, replicas: int) -> list[PodSample]:
@@ -315,8 +336,8 @@ def _start(ctx: _Ctx, superseding: str | None = None, retry: bool = False) -> Pl
     # The old version is what the fleet runs now (mid-rollout: what it ran before).
     old = ctx.serving if superseding else (w.template_version or ctx.serving)
     old_pods = [p for p in ctx.observed.pods if p.version != ctx.target]
-    lookups, hits = hit_rate(old_pods)
-    baseline = round(hits / lookups, RATE_DIGITS) if lookups else None
+    old_tally = hit_rate(old_pods)
+    lookups, baseline = old_tally.lookups, old_tally.rate
     probe = ctx.observed.baseline_probe
     if ctx.spec.recovery.source == "prometheus" and probe is not None and probe.value is not None:
         baseline = round(probe.value, RATE_DIGITS)  # the query's own view of the old version
@@ -344,8 +365,9 @@ def _evaluate(ctx: _Ctx) -> Plan:
     n = ctx.schedule[step - 1]
     new_pods = [p for p in ctx.observed.pods if p.version == ctx.target]
     ready = sum(p.ready for p in new_pods)
-    lookups, hits = hit_rate(step_pods(new_pods, ctx.schedule, step, ctx.observed.workload.replicas))
-    rec = StepRecovery(lookups, hits, ctx.spec.recovery.threshold * (status.baseline_hit_rate or 0.0))
+    rec = StepRecovery(hit_rate(step_pods(new_pods, ctx.schedule, step, ctx.observed.workload.replicas)),
+                       ctx.spec.recovery.threshold * (status.baseline_hit_rate or 0.0))
+    lookups = rec.lookups
     patch = _step_patch(ctx, step)
     if ready >= n and rec.recovered(ctx.spec.recovery.min_lookups):
         return _complete(ctx, rec) if step == len(ctx.schedule) else _advance(ctx, step, rec)
@@ -484,7 +506,7 @@ def _measurement(ctx: _Ctx, step: int) -> analysis.Measurement | None:
         return None
     if rec.source == "alarm":
         assert rec.alarm is not None
-        lookups, _ = hit_rate(_judged_pods(ctx, step))
+        lookups = hit_rate(_judged_pods(ctx, step)).lookups
         return analysis.measure_alarm(probe, rec.alarm.alert_name, ctx.target, lookups, rec.min_lookups)
     window_over = (ctx.observed.now - status.step_started_at).total_seconds() >= rec.window_s
     return analysis.measure_hit_rate(probe, rec.threshold * (status.baseline_hit_rate or 0.0), window_over)
@@ -502,8 +524,7 @@ def _analysis_rate(ctx: _Ctx, step: int, m: analysis.Measurement | None) -> floa
         return m.value
     if ctx.spec.recovery.source == "prometheus" and ctx.status is not None:
         return ctx.status.current_hit_rate
-    lookups, hits = hit_rate(_judged_pods(ctx, step))
-    return round(hits / lookups, RATE_DIGITS) if lookups else None
+    return hit_rate(_judged_pods(ctx, step)).rate
 
 
 def _source_text(ctx: _Ctx) -> str:

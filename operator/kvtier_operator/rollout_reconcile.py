@@ -184,7 +184,8 @@ async def _samples(kube, sidecars, namespace: str, workload: dict[str, Any],
         n = p["metadata"]["name"]
         s = stats.get(n)
         version = (p["metadata"].get("annotations") or {}).get(names.WEIGHTS_VERSION_ANNOTATION)
-        out.append(rollout.PodSample(n, version, ready[n], s.lookups if s else None, s.hits if s else None))
+        out.append(rollout.PodSample(n, version, ready[n], s.lookups, s.loaded_tokens, s.prompt_tokens) if s
+                   else rollout.PodSample(n, version, ready[n]))
     return tuple(out)
 
 

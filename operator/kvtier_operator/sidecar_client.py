@@ -40,7 +40,11 @@ class MemberStats:
 
     member: str
     lookups: int
-    hits: int
+    # The hit figure: prompt tokens the pod's engine loaded from kvtier, over the prompt
+    # tokens it looked up (both as the engine reported them; what lookups offered is
+    # not read: the engine may take less, or nothing, when its own cache holds it).
+    loaded_tokens: int
+    prompt_tokens: int
     tenants: tuple[str, ...]
     nvme_gbps: float | None = None  # shadow mode's measured read bandwidth of the pod's disk
     draining: bool = False  # the pod is leaving: its sidecar still serves peers
@@ -56,8 +60,8 @@ class FleetStats:
 
     @property
     def hit_rate(self) -> float | None:
-        lookups = sum(s.lookups for s in self.per_member)
-        return sum(s.hits for s in self.per_member) / lookups if lookups else None
+        prompt = sum(s.prompt_tokens for s in self.per_member)
+        return sum(s.loaded_tokens for s in self.per_member) / prompt if prompt else None
 
     @property
     def nvme_gbps(self) -> float | None:
@@ -82,7 +86,8 @@ def parse_stats(member: str, body: Mapping[str, Any]) -> MemberStats | None:
     return MemberStats(
         member=member,
         lookups=stats.lookups,
-        hits=stats.hits,
+        loaded_tokens=stats.engine.loaded_tokens,
+        prompt_tokens=stats.engine.prompt_tokens,
         tenants=tuple(sorted(stats.tenants)),
         nvme_gbps=measured if measured is not None and measured > 0 else None,
         draining=stats.draining,

@@ -63,9 +63,18 @@ class Hit:
     # xxh3-64 of each block as the sidecar stored it (lookup(..., digests=True)).
     digests: list[int] | None = None
     connection: int = 0  # the client's connection that holds the pins
+    # Leading tokens the sidecar held itself before the lookup: in a "peer" hit only
+    # the tokens past these came from a peer (None: all of them are `tier`'s).
+    dram_tokens: int | None = None
 
     def __bool__(self) -> bool:
         return True
+
+    def split(self, start: int, end: int) -> dict[str, int]:
+        """Tokens [start, end) of the hit by the tier they came from ("dram", "peer")."""
+        local = self.matched_tokens if self.tier == "dram" else (self.dram_tokens or 0)
+        dram = max(0, min(end, local) - start)
+        return {"dram": dram, "peer": max(0, end - start) - dram}
 
 
 @dataclass(slots=True)
@@ -111,6 +120,7 @@ class SidecarClient:
         self.generation = 0
         self.faults = 0
         self.connection = 0  # bumped on every (re)connect: pins and tickets are per connection
+        self.last_store_cached = False  # the last begin_store found every block cached
 
     # -- connection ---------------------------------------------------------------------
 
@@ -221,7 +231,8 @@ class SidecarClient:
         sums = answer.get("digests")
         return Hit(int(answer["matched_tokens"]), [int(s) for s in slots], answer["tier"],
                    int(answer["hit"]), self.arena, self.generation, str(self.info.get("instance", "")),
-                   [int(d) for d in sums] if sums is not None else None, self.connection)
+                   [int(d) for d in sums] if sums is not None else None, self.connection,
+                   int(answer["dram_tokens"]) if "dram_tokens" in answer else None)
 
     def report(self, loaded_bytes: int = 0, load_errors: int = 0, **counts: int) -> bool:
         """Tell the sidecar what only the engine knows since the last report (see
@@ -309,14 +320,17 @@ class SidecarClient:
     # the sidecar does not hold yet, the engine writes them, commit_store publishes.
 
     def begin_store(self, root: KeyRoot, token_ids, tp: int = 1, rank: int = 0) -> "StoreReservation | None":
-        """Slots for the prompt's uncached full blocks; None when declined or on a fault."""
+        """Slots for the prompt's uncached full blocks; None when declined, when every
+        block is cached already (then `last_store_cached` is True), or on a fault."""
         tokens = as_token_array(token_ids)
+        self.last_store_cached = False
         got = self._call(EngineOp.STORE_BEGIN, {"root": root_payload(root), "tp": tp, "rank": rank}, tokens)
         if got is None:
             return None
         answer, slots = got
         ticket = int(answer.get("ticket", 0))
         if not ticket:
+            self.last_store_cached = bool(answer.get("cached"))
             return None
         return StoreReservation(ticket, int(answer.get("first_block", 0)), [int(s) for s in slots],
                                 self.arena, rank, self.connection)

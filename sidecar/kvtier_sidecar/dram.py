@@ -114,6 +114,11 @@ class DramTier:
             return None
         return res
 
+    def holds_all(self, root: KeyRoot, tokens: np.ndarray) -> bool:
+        """Every full block of `tokens` is cached (a store of them has nothing to write)."""
+        n_full = len(tokens) // self.block_size
+        return self.cache.peek(root, tokens, allow_full=True) >= n_full * self.block_size
+
     def _stamp_places(self, first: int, count: int, tp: int) -> list[np.ndarray]:
         """Strided views of the stamped places of slots first..first+count-1: one view
         per stamped (head, token), each with one stamp per (slot, layer, plane) along

@@ -136,7 +136,8 @@ class EngineServer:
             if answer is None:
                 return {"hit": 0}, None
             hits.add(answer.hit_id)
-            reply = {"hit": answer.hit_id, "matched_tokens": answer.matched_tokens, "tier": answer.tier}
+            reply = {"hit": answer.hit_id, "matched_tokens": answer.matched_tokens, "tier": answer.tier,
+                     "dram_tokens": answer.dram_tokens}
             if payload.get("digests"):
                 reply["digests"] = [int(d) for d in svc.tier.block_digests(answer.slots)]
             return reply, np.asarray(answer.slots, dtype="<u4")
@@ -151,7 +152,10 @@ class EngineServer:
             ticket, first_block, slots = svc.store_begin(root, _tokens(tail), tp, rank, owner)
             if ticket:
                 tickets.add(ticket)
-            return {"ticket": ticket, "first_block": first_block}, np.asarray(slots, dtype="<u4")
+            answer = {"ticket": ticket, "first_block": first_block}
+            if not ticket and first_block:
+                answer["cached"] = True  # every full block is cached already: not a refusal
+            return answer, np.asarray(slots, dtype="<u4")
         if op == EngineOp.STORE_COMMIT:
             ticket = _int(payload, "ticket", 0, MAX_ID)
             rank = _int(payload, "rank", 0, MAX_TP - 1, default=0)

@@ -12,7 +12,9 @@ is summed into tenant="other": top_n + 1 series per metric.
 Names follow Prometheus conventions (`_total` counters, `_bytes` units) and vLLM's:
 `kvtier_prefix_cache_queries_total` / `kvtier_prefix_cache_hits_total` count tokens,
 as `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` do, while
-`kvtier_lookups_total` / `kvtier_hits_total` count requests (the rollout's hit rate).
+`kvtier_lookups_total` / `kvtier_hits_total` count requests. Both are what lookups
+offered; the hit figure is what the engine reported loading
+(`kvtier_engine_loaded_tokens_total` over `kvtier_engine_prompt_tokens_total`).
 Every series carries `version`, the weights version this sidecar serves; `namespace`,
 `pod` and `policy` are target labels Prometheus adds from the pod (see
 docs/OBSERVABILITY.md), so the label set per sidecar is bounded by top_n x tiers.
@@ -62,7 +64,8 @@ class TenantCounters:
     served_bytes: collections.Counter = field(default_factory=collections.Counter)  # tier -> KV bytes handed out
     peer_bytes: int = 0
     stores: int = 0
-    stores_declined: int = 0
+    stores_declined: int = 0  # refused by admission (or no slot could be freed)
+    stores_cached: int = 0  # nothing to write: every block was cached already
     warmed_bytes: int = 0  # pulled from a peer by a warm-up job (the operator's moves)
 
     def add(self, other: "TenantCounters") -> None:
@@ -76,6 +79,7 @@ class TenantCounters:
         self.peer_bytes += other.peer_bytes
         self.stores += other.stores
         self.stores_declined += other.stores_declined
+        self.stores_cached += other.stores_cached
         self.warmed_bytes += other.warmed_bytes
 
     def as_dict(self) -> dict:
@@ -92,6 +96,7 @@ class TenantCounters:
             "peer_bytes_fetched": self.peer_bytes,
             "stores": self.stores,
             "stores_declined": self.stores_declined,
+            "stores_cached": self.stores_cached,
             "warmed_bytes": self.warmed_bytes,
         }
 
@@ -138,20 +143,31 @@ class TenantMetrics:
         return weight
 
     def lookup(self, tenant: str, prompt_tokens: int, tier: str | None, matched_tokens: int, peer_bytes: int = 0,
-               served_bytes: int = 0) -> None:
+               served_bytes: int = 0, dram_tokens: int | None = None, token_bytes: int = 0) -> None:
+        """`tier`: where the hit's last block came from (the request's hit is counted
+        there); `dram_tokens`: its leading tokens this sidecar already held, counted
+        under "dram" even in a "peer" hit (None: all of them are `tier`'s);
+        `token_bytes`: KV bytes per token, to split `served_bytes` the same way."""
         c = self._counters(tenant)
         c.lookups += 1
         c.lookup_tokens += prompt_tokens
         if tier is not None:
             c.hits[tier] += 1
-            c.hit_tokens[tier] += matched_tokens
-            c.served_bytes[tier] += served_bytes
+            local = matched_tokens if dram_tokens is None or tier == "dram" else min(dram_tokens, matched_tokens)
+            local_bytes = local * token_bytes if dram_tokens is not None and tier != "dram" else served_bytes
+            for name, tokens, nbytes in (("dram", local, local_bytes),
+                                         (tier, matched_tokens - local, served_bytes - local_bytes)):
+                if tokens:
+                    c.hit_tokens[name] += tokens
+                    c.served_bytes[name] += nbytes
         c.peer_bytes += peer_bytes
 
-    def store(self, tenant: str, accepted: bool) -> None:
+    def store(self, tenant: str, accepted: bool, cached: bool = False) -> None:
         c = self._counters(tenant)
         if accepted:
             c.stores += 1
+        elif cached:
+            c.stores_cached += 1
         else:
             c.stores_declined += 1
 
@@ -224,7 +240,8 @@ def _tenant_families(buckets: dict[str, TenantCounters], version: str, tenant_la
     served = counter("kvtier_served_bytes", "KV bytes handed to the engine, by tier", "tier")
     peer_bytes = counter("kvtier_peer_fetched_bytes", "KV bytes fetched from peers for lookups")
     warmed = counter("kvtier_warmed_bytes", "KV bytes pulled from peers by warm-up jobs")
-    stores = counter("kvtier_stores", "Stores by outcome (accepted, or declined by admission)", "outcome")
+    stores = counter("kvtier_stores", "Stores by outcome: accepted, declined (by admission), cached (every block "
+                     "was cached already: nothing to write)", "outcome")
     for bucket, c in buckets.items():
         tenant = bucket if tenant_label is None else tenant_label(bucket)
         lookups.add_metric([tenant, version], c.lookups)
@@ -233,6 +250,7 @@ def _tenant_families(buckets: dict[str, TenantCounters], version: str, tenant_la
         warmed.add_metric([tenant, version], c.warmed_bytes)
         stores.add_metric([tenant, version, "accepted"], c.stores)
         stores.add_metric([tenant, version, "declined"], c.stores_declined)
+        stores.add_metric([tenant, version, "cached"], c.stores_cached)
         for tier in TIERS:
             hits.add_metric([tenant, version, tier], c.hits.get(tier, 0))
             hit_tokens.add_metric([tenant, version, tier], c.hit_tokens.get(tier, 0))

@@ -62,6 +62,9 @@ class LookupAnswer:
     matched_tokens: int
     slots: list[int]
     tier: str
+    # The leading tokens this sidecar held before the lookup: a "peer" hit's prefix
+    # up to here is a DRAM hit, only the rest came from the peer.
+    dram_tokens: int = 0
 
 
 class Sidecar:
@@ -115,6 +118,7 @@ class Sidecar:
                     self.tier.release(hit.handle)
                 hit, tier_name = platform, "dram"
                 have = hit.matched_tokens // self.block_size
+        dram_tokens = have * self.block_size
         local_blocks = local_tokens // self.block_size
         if max(have, local_blocks) < max_blocks and self.index is not None and self.transport is not None:
             fetched, peer_bytes = await self.fetcher.from_peers(root, tokens, have, max_blocks, beyond=local_blocks)
@@ -127,14 +131,17 @@ class Sidecar:
                 elif again:
                     self.tier.release(again.handle)
         matched = hit.matched_tokens if hit else 0
+        if tier_name == "dram":
+            dram_tokens = matched
         self.metrics.lookup(root.tenant, len(tokens), tier_name, matched, peer_bytes,
-                            served_bytes=matched // self.block_size * self.tier.block_bytes)
+                            served_bytes=matched // self.block_size * self.tier.block_bytes,
+                            dram_tokens=dram_tokens, token_bytes=self.tier.block_bytes // self.block_size)
         if not hit:
             return None
         hit_id = next(self._ids)
         self._hits[hit_id] = hit
         self._hit_owners[hit_id] = owner
-        return LookupAnswer(hit_id, hit.matched_tokens, hit.slots, tier_name or "dram")
+        return LookupAnswer(hit_id, hit.matched_tokens, hit.slots, tier_name or "dram", dram_tokens)
 
     def release(self, hit_id: int, owner: object = None) -> bool:
         """Unpin a hit; only the connection that looked it up may (OwnershipError)."""
@@ -224,7 +231,14 @@ class Sidecar:
             "tenants": listed, "tenants_total": total, "peer_enabled": self.transport is not None,
             "thrash_ratio": self.config.thrash_ratio, "draining": self.draining,
             "nvme": self.nvme.report() if self.nvme is not None else None,
+            "engine": self._engine_loads(),
         })
+
+    def _engine_loads(self) -> api.EngineLoads:
+        c = self.counters.snapshot()
+        return api.EngineLoads(
+            loaded_tokens_by_tier={t: c.get(f"engine_loaded_tokens_{t}", 0) for t in metrics_mod.TIERS},
+            local_hit_tokens=c.get(Count.ENGINE_LOCAL_HIT_TOKENS, 0), prompt_tokens=c.get(Count.ENGINE_PROMPT_TOKENS, 0))
 
     def _tenant_summary(self, limit: int) -> tuple[dict[str, api.TenantSummary], int]:
         """The `limit` tenants holding the most bytes (then the most looked-up), and how

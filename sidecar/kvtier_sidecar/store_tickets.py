@@ -78,7 +78,8 @@ class TicketBook:
 
     def begin(self, root: KeyRoot, tokens: np.ndarray, tp: int, rank: int,
               owner: object = None) -> tuple[TicketId, int, list[int]]:
-        """(ticket, first_block, slots) for the engine to write; DECLINED: nothing to write."""
+        """(ticket, first_block, slots) for the engine to write; DECLINED: nothing to write
+        (with first_block = the prompt's full blocks when they are all cached already)."""
         if tp < 1 or not (0 <= rank < tp) or self.tier.kv_heads % tp:
             raise ValueError(f"tp={tp} rank={rank} does not divide {self.tier.kv_heads} kv heads")
         key = (root, tokens.tobytes(), tp)
@@ -89,9 +90,12 @@ class TicketBook:
                 raise OwnershipError(f"rank {rank} of this store was begun by another engine connection")
             return ticket_id, t.reservation.first_block, t.reservation.slots
         reservation = self.tier.reserve(root, tokens, None, None, admit=True)
-        self.metrics.store(root.tenant, reservation is not None)
         if reservation is None:
-            return DECLINED, 0, []
+            # Nothing to write because every block is cached already is no refusal.
+            cached = self.tier.holds_all(root, tokens)
+            self.metrics.store(root.tenant, False, cached=cached)
+            return DECLINED, len(tokens) // self.tier.block_size if cached else 0, []
+        self.metrics.store(root.tenant, True)
         self.tier.stamp(reservation.slots, tp)
         ticket_id = TicketId(next(self._ids))
         self._tickets[ticket_id] = StoreTicket(root, tokens.copy(), reservation, tp, time.monotonic(), {rank: owner})

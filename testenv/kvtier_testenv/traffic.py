@@ -9,7 +9,8 @@ what the traffic looks like:
 - "misses": a new prompt every lookup (a version whose prompts share no prefix);
 - "off":    nothing.
 
-Every hit is read back and compared with the KV the version computes
+Each lookup is reported to the sidecar as an engine does (`engine_io`): the prompt's
+tokens and the hit's, all loaded. Every hit is read back and compared with the KV the version computes
 (`synthetic.prefill_kv`, a pure function of the key root and tokens): `wrong_kv`
 counts any difference, and must stay 0.
 """
@@ -25,6 +26,7 @@ import numpy as np
 from kvtier.keys import KeyRoot
 from kvtier.sidecar_config import SidecarConfig
 from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_testenv import engine_io
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.synthetic import prefill_kv
 
@@ -106,6 +108,8 @@ class Traffic:
                 try:
                     if isinstance(got, Hit):
                         self._check(client, got, root, t)
+                    # loaded (every hit is read back) and the prompt, like a serving engine
+                    engine_io.report(client, len(t), got, len(got.blocks) if got else 0, self.block_bytes)
                 finally:
                     client.release(got)
                 if mode == "hits" and not got:  # a miss: the engine prefilled; offer it

@@ -17,6 +17,7 @@ import numpy as np
 from kvtier.keys import KeyRoot
 
 from kvtier_sidecar.client import Hit, SidecarClient
+from . import engine_io
 from .synthetic import prefill_kv
 
 # Vocabulary for generated prompts (any uint32 works; small ids read well in logs).
@@ -208,7 +209,10 @@ def _one(client: SidecarClient, req: Request, oracle, stats: ReplayStats) -> Non
                 stats.wrong_kv += 1
             stats.hits[hit.tier] = stats.hits.get(hit.tier, 0) + 1
             stats.hit_tokens[hit.tier] = stats.hit_tokens.get(hit.tier, 0) + hit.matched_tokens
+            engine_io.report(client, len(tokens), hit, len(hit.blocks), block_bytes)
         finally:
             client.release(hit)
+    else:
+        engine_io.report(client, len(tokens))
     if len(expected) and client.store(root, tokens, expected):
         stats.stores += 1

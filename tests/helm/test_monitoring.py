@@ -71,9 +71,21 @@ def test_dashboard_configmap_has_grafana_label_and_a_query_per_panel():
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     dash = json.loads(cm["data"]["kvtier.json"])
     titles = [p["title"] for p in dash["panels"]]
-    assert {"Fleet hit rate (lookups)", "Hit rate per tenant", "KV bytes served by tier", "Rollout step",
+    assert {"Fleet hit rate (loaded)", "Offered hits per tenant", "Prompt tokens loaded by tier", "Rollout step",
             "Canary hit rate against baseline", "Evictions", "Admission"} <= set(titles)
     assert all(p["targets"] and all(t["expr"] for t in p["targets"]) for p in dash["panels"])
+    # The hit rate is what the engines loaded over their prompts; what lookups offered
+    # is drawn beside it, labelled so, never as the hit rate.
+    panels = {p["title"]: p for p in dash["panels"]}
+    fleet = panels["Fleet hit rate (loaded)"]["targets"]
+    assert fleet[0]["expr"].startswith("sum by (namespace, policy) (rate(kvtier_engine_loaded_tokens_total{")
+    assert "/ sum by (namespace, policy) (rate(kvtier_engine_prompt_tokens_total{" in fleet[0]["expr"]
+    assert [t["legendFormat"].rsplit(" ", 1)[1] for t in fleet] == ["loaded", "offered"]
+    assert panels["Canary hit rate against baseline"]["targets"][0]["expr"].startswith("kvtier:hit_rate:ratio{")
+    for title, panel in panels.items():
+        for t in panel["targets"]:
+            offered = any(m in t["expr"] for m in ("kvtier_hits_total", "kvtier_prefix_cache_hits_total"))
+            assert not offered or "offered" in t["legendFormat"] + title.lower(), (title, t["expr"])
     assert render({"monitoring": {"dashboard": {"enabled": False}}}).get(("ConfigMap", "kvtier-dashboard")) is None
 
 

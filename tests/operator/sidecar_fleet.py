@@ -14,6 +14,7 @@ import numpy as np
 from kvtier import sidecar_config
 from kvtier.keys import KeyRoot
 from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_testenv import engine_io
 from kvtier_testenv.synthetic import prefill_kv
 from kvtier_testenv.nodeagent import NodeAgent
 
@@ -87,8 +88,20 @@ class PodSidecar:
             for i in range(prompts):
                 tokens = prompt(tenant, i)
                 for _ in range(2):
-                    client.release(client.lookup(root(tenant), tokens))
+                    client.release(engine_io.request(client, root(tenant), tokens, BLOCK_BYTES)[0])
                     client.store(root(tenant), tokens, kv_of(tenant, tokens))
+        finally:
+            client.close()
+
+    def offer_only(self, tenant: str, prompts: int, rounds: int) -> None:
+        """Look the tenant's prompts up `rounds` times and load nothing (an engine whose
+        own prefix cache held them): the sidecar offers hits the engine never takes."""
+        client = SidecarClient(self.socket)
+        try:
+            for _ in range(rounds):
+                for i in range(prompts):
+                    client.release(engine_io.request(client, root(tenant), prompt(tenant, i), BLOCK_BYTES,
+                                                     load=False)[0])
         finally:
             client.close()
 
@@ -98,12 +111,10 @@ class PodSidecar:
         try:
             for i in range(prompts):
                 tokens = prompt(tenant, i)
-                hit = client.lookup(root(tenant), tokens)
+                hit, dst = engine_io.request(client, root(tenant), tokens, BLOCK_BYTES)
                 try:
                     if not isinstance(hit, Hit) or hit.matched_tokens != MATCHED_TOKENS:
                         return False
-                    dst = np.zeros(len(hit.blocks) * BLOCK_BYTES, np.uint8)
-                    client.materialize(hit, dst)
                     if not np.array_equal(dst, kv_of(tenant, tokens)[: len(dst)]):
                         raise AssertionError(f"wrong KV for {tenant} prompt {i} on {self.name}")
                 finally:

@@ -18,6 +18,7 @@ from kvtier import breakeven, policy, presets
 from kvtier import routing
 from kvtier.affinity import AffinityTable
 from kvtier_operator import names, sidecar_render
+from kvtier_testenv import engine_io
 from kvtier_testenv.kubectl import Kubectl
 from operator_cases import EXAMPLES_DIR
 from operator_harness import events, wait_for
@@ -406,8 +407,9 @@ NO_RESYNC = {"resync_interval_s": 3600.0}
 @pytest.mark.parametrize("operator", [NO_RESYNC], indirect=True)
 def test_fleet_hit_rate_follows_steady_traffic_without_membership_change(operator, kubectl, node_agent_factory):
     """Traffic through a member's real sidecar, with no pod event and no resync: the
-    operator's hit-rate timer writes the fleet's rate (the sidecar's own hits/lookups)
-    into status, and `kubectl get kvcp -o wide` shows it in the HitRate column."""
+    operator's hit-rate timer writes the fleet's rate (its engine's loaded tokens over its prompt tokens)
+    into status, and `kubectl get kvcp -o wide` shows it in the HitRate column: the
+    tokens the engine loaded over its prompts', not what the lookups offered."""
     fleet = Fleet(kubectl, node_agent_factory(workdir=short_workdir()), "steady", "steady")
     kubectl.apply(tiny_policy("steady", "steady"))
     wait_for("sidecar ConfigMap", lambda: kubectl.run(
@@ -421,9 +423,12 @@ def test_fleet_hit_rate_follows_steady_traffic_without_membership_change(operato
     sidecar = fleet.sidecar("s0")
     sidecar.seed("tenant-a", PROMPTS)
     assert sidecar.holds("tenant-a", PROMPTS)
+    # Lookups that hit but whose engine loads nothing (its own prefix cache held the
+    # prompts): offered, never loaded. The rate shown must not count them.
+    sidecar.offer_only("tenant-a", PROMPTS, rounds=3)
     stats = sidecar.get("/cache/stats")
-    expected = round(stats["hits"] / stats["lookups"], 4)
-    assert expected > 0
+    expected = engine_io.hit_rate([stats])
+    assert expected > 0 and engine_io.offered_rate([stats]) > expected + 0.2
 
     status = wait_for("the fleet hit rate in status", lambda: (s := status_of(kubectl, "steady"))
                       .get("fleetHitRate") == expected and s)

@@ -148,25 +148,40 @@ def test_conditions_keep_transition_time_unless_status_flips():
     assert [c.type for c in kept] == ["A", "B"] and kept[0].status == "False"
 
 
-def _stats_body(lookups: int = 0, hits: int = 0, tenants: tuple[str, ...] = (), **fields) -> dict:
-    """A `GET /cache/stats` answer as the sidecar sends it (the shared control-API model)."""
+def _stats_body(lookups: int = 0, hits: int = 0, tenants: tuple[str, ...] = (), loaded: int = 0, prompt: int = 0,
+                **fields) -> dict:
+    """A `GET /cache/stats` answer as the sidecar sends it (the shared control-API model):
+    `hits` of `lookups` offered, `loaded` of `prompt` tokens loaded by the engine."""
     row = control_api.TenantSummary(bytes=1, lookups=1, hits=0, warmed_bytes=0)
-    return control_api.dump(control_api.SidecarStats(lookups=lookups, hits=hits,
+    engine = control_api.EngineLoads(loaded_tokens_by_tier={"dram": loaded - loaded // 4, "peer": loaded // 4},
+                                     prompt_tokens=prompt)
+    return control_api.dump(control_api.SidecarStats(lookups=lookups, hits=hits, engine=engine,
                                                      tenants={t: row for t in tenants}, **fields))
 
 
-def test_fleet_stats_union_tenants_and_weight_hit_rate_by_lookups():
+def test_fleet_stats_union_tenants_and_weight_the_loaded_hit_rate_by_prompt_tokens():
     fleet = FleetStats((
-        parse_stats("a", _stats_body(100, 90, ("x", "y"))),
-        parse_stats("b", _stats_body(300, 30, ("y", "z"))),
+        parse_stats("a", _stats_body(100, 90, ("x", "y"), loaded=6000, prompt=10_000)),
+        parse_stats("b", _stats_body(300, 30, ("y", "z"), loaded=2000, prompt=30_000)),
         parse_stats("c", _stats_body()),
     ))
     assert fleet.tenants == ["x", "y", "z"]
-    assert fleet.hit_rate == pytest.approx(120 / 400)
+    assert fleet.hit_rate == pytest.approx(8000 / 40_000)
+
+
+def test_the_fleet_hit_rate_is_what_engines_loaded_never_what_lookups_offered():
+    """Every lookup hit (offered 100%), but the engines' own prefix caches held the
+    prompts and they loaded a tenth of their tokens: the rate is the tenth. A sidecar
+    whose engine reported nothing shows no rate, however many hits it offered."""
+    offered_all = FleetStats((parse_stats("a", _stats_body(500, 500, loaded=3000, prompt=30_000)),))
+    assert offered_all.hit_rate == pytest.approx(0.1)
+    assert hit_rate.changed_fields(policy.KVCachePolicyStatus(), offered_all) == {"fleetHitRate": 0.1}
+    silent = FleetStats((parse_stats("a", _stats_body(500, 500)),))
+    assert silent.hit_rate is None and hit_rate.changed_fields(policy.KVCachePolicyStatus(), silent) is None
 
 
 def test_hit_rate_refresh_writes_only_a_changed_rate():
-    fleet = FleetStats((parse_stats("a", _stats_body(300, 100, ("x",))),))
+    fleet = FleetStats((parse_stats("a", _stats_body(300, 290, ("x",), loaded=100, prompt=300)),))
     assert hit_rate.changed_fields(policy.KVCachePolicyStatus(), fleet) == {"fleetHitRate": 0.3333}
     same = policy.KVCachePolicyStatus(fleet_hit_rate=0.3333)
     assert hit_rate.changed_fields(same, fleet) is None

@@ -12,7 +12,7 @@ from kvtier.policy import AnalysisStatus, Recovery, Rollout, RolloutStatus
 from kvtier_operator import analysis, rollout
 from kvtier_operator.analysis import Probe
 from kvtier_operator.rollout import Observed, PodSample, Workload, WorkloadPatch
-from test_rollout_planner import NEW, OLD, REPLICA_TOKENS_S, T0
+from test_rollout_planner import NEW, OLD, REPLICA_TOKENS_S, T0, sample
 
 URL = "http://127.0.0.1:9090"
 
@@ -30,7 +30,7 @@ def alarm_spec(**kw) -> Rollout:
 
 
 def obs(seconds: float, probe: Probe | None, lookups: int = 50, hits: int = 40, baseline_probe=None) -> Observed:
-    pods = tuple(PodSample(f"llm-{i}", v, True, lookups, hits) for i, v in enumerate([OLD] * 3 + [NEW]))
+    pods = tuple(sample(f"llm-{i}", v, True, lookups, hits) for i, v in enumerate([OLD] * 3 + [NEW]))
     return Observed(Workload(4, NEW, 3), pods, T0 + timedelta(seconds=seconds), REPLICA_TOKENS_S,
                     probe=probe, baseline_probe=baseline_probe)
 
@@ -85,7 +85,7 @@ def test_measurement_is_due_once_per_interval():
 
 
 def test_prometheus_source_starts_from_the_querys_baseline_of_the_old_version():
-    o = Observed(Workload(4, OLD, 0), tuple(PodSample(f"llm-{i}", OLD, True, 100, 10) for i in range(4)), T0,
+    o = Observed(Workload(4, OLD, 0), tuple(sample(f"llm-{i}", OLD, True, 100, 10) for i in range(4)), T0,
                  REPLICA_TOKENS_S, baseline_probe=Probe(value=0.61234))
     p = rollout.plan(prom_spec(), NEW, OLD, None, "Ready", o)
     assert p.kind == "start" and p.rollout.baseline_hit_rate == 0.6123
@@ -261,7 +261,7 @@ def test_abort_rolls_back_now_and_retry_starts_over():
     p = requested("abort/1", rolling(), "RollingOut")
     assert p.kind == "rollback" and p.phase == "RolledBack" and p.workload == WorkloadPatch(OLD, 0)
     assert p.rollout.history[-1].outcome == "aborted" and p.conditions[1].reason == "Aborted"
-    o = Observed(Workload(4, OLD, 0), tuple(PodSample(f"llm-{i}", OLD, True, 100, 80) for i in range(4)), T0,
+    o = Observed(Workload(4, OLD, 0), tuple(sample(f"llm-{i}", OLD, True, 100, 80) for i in range(4)), T0,
                  REPLICA_TOKENS_S, request="retry/2")
     r = rollout.plan(prom_spec(), NEW, OLD, p.rollout, "RolledBack", o)
     assert r.kind == "start" and r.phase == "RollingOut" and r.workload == WorkloadPatch(NEW, 3)

@@ -11,6 +11,7 @@ import pytest
 from kvtier.keys import KeyRoot
 from kvtier_operator import names, rollout_handlers
 from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_testenv import engine_io
 from kvtier_testenv.synthetic import prefill_kv
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.ports import free_port
@@ -78,18 +79,19 @@ def serve(sidecar: PodSidecar, version: str, prompts: range, repeats: int) -> No
         for i in prompts:
             t = tokens(i)
             for _ in range(2):
-                client.release(client.lookup(root(version), t))
+                client.release(engine_io.request(client, root(version), t, BLOCK_BYTES)[0])
                 client.store(root(version), t, prefill_kv(root(version), t, BLOCK_SIZE, BLOCK_BYTES))
             for _ in range(repeats):
-                client.release(client.lookup(root(version), t))
+                client.release(engine_io.request(client, root(version), t, BLOCK_BYTES)[0])
     finally:
         client.close()
 
 
 def hits(sidecar: PodSidecar, version: str, i: int) -> bool:
+    """One engine request for prompt i (looked up, a hit loaded, reported)."""
     client = SidecarClient(sidecar.socket)
     try:
-        got = client.lookup(root(version), tokens(i))
+        got, _ = engine_io.request(client, root(version), tokens(i), BLOCK_BYTES)
         client.release(got)
         return isinstance(got, Hit)
     finally:
@@ -148,7 +150,7 @@ class Workload:
 
     def fleet_hit_rate(self, pods: list[str]) -> float:
         stats = [PodSidecar.of(self.agent, self.kubectl.namespace, p).get("/cache/stats") for p in pods]
-        return round(sum(s["hits"] for s in stats) / sum(s["lookups"] for s in stats), 4)
+        return engine_io.hit_rate(stats)
 
 
 def start_fleet(kubectl: Kubectl, agent, window: str) -> tuple[Workload, dict]:
@@ -207,8 +209,8 @@ def test_rollout_walks_canary_and_steps_to_the_whole_fleet_and_resumes_after_a_r
     serve(sidecars["llm-3"], NEW, range(1), repeats=0)
     wait_for("a hit on the canary", lambda: hits(sidecars["llm-3"], NEW, 0), timeout_s=10)
     canary = sidecars["llm-3"].get("/cache/stats")
-    assert 0 < canary["hits"] and canary["lookups"] < MIN_LOOKUPS  # a changed rate, still no recovery
-    seen = round(canary["hits"] / canary["lookups"], 4)
+    seen = engine_io.hit_rate([canary])
+    assert seen and canary["lookups"] < MIN_LOOKUPS  # a changed rate, still no recovery
     wait_for(f"the restarted operator's evaluation ({seen})", lambda: rollout_status(kubectl).get("currentHitRate") == seen)
     resumed = rollout_status(kubectl)
     assert resumed["step"] == 1 and resumed["stepStartedAt"] == status["stepStartedAt"]
@@ -245,20 +247,32 @@ def test_rollout_walks_canary_and_steps_to_the_whole_fleet_and_resumes_after_a_r
 
 
 def test_rollout_that_never_recovers_is_rolled_back_with_the_numbers(operator, kubectl, node_agent_factory):
-    """Traffic to the canary never repeats a prompt, so its hit rate stays at 0: after
-    the window the operator restores the old template with partition 0, every pod runs
-    the old version again, and the condition and Event say why with the numbers."""
+    """The canary's sidecar holds its prompts and offers a hit on every lookup, but its
+    engine loads none of them (its own prefix cache holds them): the hit rate the gate
+    reads stays at 0. After the window the operator restores the old template with
+    partition 0, every pod runs the old version again, and the condition and Event say
+    why with the numbers."""
     w, old_sidecars = start_fleet(kubectl, node_agent_factory(workdir=short_workdir()), FAIL_WINDOW)
     baseline = w.fleet_hit_rate(sorted(old_sidecars))
     kubectl.run("patch", "kvcp", "llm", "--type=merge", "-p",
                 f'{{"spec": {{"model": {{"weightsVersion": "{NEW}"}}}}}}')
     sidecars = w.on({"llm-3"})
     client = SidecarClient(sidecars["llm-3"].socket)
-    try:  # only new prompts: every lookup misses
-        for i in range(MIN_LOOKUPS + 4):
-            client.release(client.lookup(root(NEW), tokens(100 + i)))
+    try:
+        for i in range(3):  # the canary's sidecar holds the prompts (two sightings each)
+            for _ in range(2):
+                client.release(client.lookup(root(NEW), tokens(100 + i)))
+                client.store(root(NEW), tokens(100 + i), prefill_kv(root(NEW), tokens(100 + i), BLOCK_SIZE,
+                                                                     BLOCK_BYTES))
+        for i in range(MIN_LOOKUPS + 4):  # offered every time, never loaded
+            got, _ = engine_io.request(client, root(NEW), tokens(100 + i % 3), BLOCK_BYTES, load=False)
+            assert got
+            client.release(got)
     finally:
         client.close()
+    canary = sidecars["llm-3"].get("/cache/stats")
+    assert engine_io.offered_rate([canary]) > 0.5 and engine_io.hit_rate([canary]) == 0.0
+    lookups = canary["lookups"]
 
     status = wait_for("rolled back", lambda: (s := status_of(kubectl, "llm")).get("phase") == "RolledBack" and s,
                       timeout_s=ROLLOUT_TIMEOUT_S)
@@ -269,7 +283,7 @@ def test_rollout_that_never_recovers_is_rolled_back_with_the_numbers(operator, k
     assert status["version"] == OLD and status["rollout"]["baselineHitRate"] == baseline
     [record] = status["rollout"]["history"]
     assert (record["step"], record["outcome"], record["version"], record["hitRate"]) == (1, "rolledBack", NEW, 0.0)
-    expected = (f"hit rate 0.0000 over {MIN_LOOKUPS + 4} lookups did not reach 0.5 x baseline {baseline:.4f} = "
+    expected = (f"hit rate 0.0000 over {lookups} lookups did not reach 0.5 x baseline {baseline:.4f} = "
                 f"{0.5 * baseline:.4f} (min {MIN_LOOKUPS} lookups) within {FAIL_WINDOW}")
     conds = {c["type"]: c for c in status["conditions"]}
     assert conds["RolledBack"]["status"] == "True" and conds["RolledBack"]["reason"] == "HitRateNotRecovered"

@@ -25,8 +25,18 @@ def spec(**kw) -> Rollout:
     return Rollout(canary_pods=1, steps=[50, 100], recovery=recovery).model_copy(update=kw)
 
 
+PROMPT_TOKENS = 64  # each lookup's prompt tokens (the hit figure's denominator)
+
+
+def sample(name: str, version: str, ready: bool, lookups: int, hits: int) -> PodSample:
+    """A pod whose engine looked up `lookups` prompts of PROMPT_TOKENS and loaded the
+    equivalent of `hits` whole prompts from kvtier: its hit rate (loaded over prompt
+    tokens) is hits / lookups."""
+    return PodSample(name, version, ready, lookups, hits * PROMPT_TOKENS, lookups * PROMPT_TOKENS)
+
+
 def pods(versions: list[str], lookups: int = 0, hits: int = 0, ready: bool = True) -> tuple[PodSample, ...]:
-    return tuple(PodSample(f"llm-{i}", v, ready, lookups, hits) for i, v in enumerate(versions))
+    return tuple(sample(f"llm-{i}", v, ready, lookups, hits) for i, v in enumerate(versions))
 
 
 def observed(template: str, partition: int, versions: list[str], now: datetime = T0, replicas: int = 4,
@@ -91,8 +101,8 @@ def test_recovered_step_advances_to_the_next_partition_and_records_history():
 
 def test_a_step_is_judged_on_the_pods_it_restarted_not_on_earlier_recovered_ones():
     # Step 2 restarted llm-2; llm-3 (the canary) recovered long ago.
-    samples = (PodSample("llm-0", OLD, True, 0, 0), PodSample("llm-1", OLD, True, 0, 0),
-               PodSample("llm-2", NEW, True, 0, 0), PodSample("llm-3", NEW, True, 1000, 900))
+    samples = (sample("llm-0", OLD, True, 0, 0), sample("llm-1", OLD, True, 0, 0),
+               sample("llm-2", NEW, True, 0, 0), sample("llm-3", NEW, True, 1000, 900))
     obs = Observed(Workload(4, NEW, 2), samples, T0 + timedelta(seconds=3), REPLICA_TOKENS_S)
     p = rollout.plan(spec(), NEW, OLD, rolling(step=2), "RollingOut", obs)
     assert p.kind == "wait" and p.rollout is None  # llm-2: no lookups yet, so no hit rate
@@ -222,19 +232,20 @@ def test_never_advances_without_recovery_and_never_leaves_a_failed_fleet_half_ro
     status, phase, serving, now = None, "Ready", OLD, T0
     for i, (lookups, rate, dt_s) in enumerate(ticks):
         now += timedelta(seconds=dt_s)
-        sample = tuple(PodSample(f"llm-{j}", v, True, lookups if v == NEW or i == 0 else 0,
+        sampled = tuple(sample(f"llm-{j}", v, True, lookups if v == NEW or i == 0 else 0,
                                  int((rate if v == NEW else baseline_hits / 100) * (lookups if v == NEW or i == 0 else 0)))
-                       for j, v in enumerate(versions))
-        p = rollout.plan(rspec, NEW, serving, status, phase, Observed(workload, sample, now, REPLICA_TOKENS_S))
+                        for j, v in enumerate(versions))
+        p = rollout.plan(rspec, NEW, serving, status, phase, Observed(workload, sampled, now, REPLICA_TOKENS_S))
         if p.kind in ("advance", "complete"):
-            new = [s for s in sample if s.version == NEW]
+            new = [s for s in sampled if s.version == NEW]
             counts = rollout.schedule(rspec, replicas)
             low = replicas - counts[status.step - 1]
             high = replicas - (counts[status.step - 2] if status.step > 1 else 0)
             judged = [s for s in new if low <= int(s.name.split("-")[1]) < high] or new
-            lk, hits = sum(s.lookups for s in judged), sum(s.hits for s in judged)
+            lk, loaded = sum(s.lookups for s in judged), sum(s.loaded_tokens for s in judged)
+            prompt = sum(s.prompt_tokens for s in judged)
             needed = rspec.recovery.threshold * (status.baseline_hit_rate or 0.0)
-            assert lk >= rspec.recovery.min_lookups and hits >= needed * lk
+            assert lk >= rspec.recovery.min_lookups and prompt and loaded >= needed * prompt
             assert sum(s.ready for s in new) >= rollout.schedule(rspec, replicas)[status.step - 1]
         if p.workload is not None:
             assert 0 <= p.workload.partition <= replicas

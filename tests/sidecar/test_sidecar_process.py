@@ -1,6 +1,7 @@
 """One sidecar process: the engine client over shared memory, HTTP control, lifecycle."""
 import json
 import os
+import re
 import threading
 import time
 
@@ -52,6 +53,26 @@ def test_a_store_into_free_space_is_taken_and_hits_materialize_exact_bytes_from_
     exact = client.lookup(root, tokens[:96])
     assert exact.matched_tokens == 80
     client.release(exact)
+
+
+def test_a_store_of_blocks_already_cached_is_counted_as_cached_not_declined(spawn, oracle):
+    """Storing a prompt the cache holds has nothing to write: the engine is told so
+    (`last_store_cached`), and the sidecar counts it under its own outcome; a store the
+    admission refuses (one sighting, a full cache) is the only "declined"."""
+    sc = spawn(dram_capacity_bytes=6 * BB)
+    client = SidecarClient(sc.socket)
+    root, tokens = oracle.root("acme"), prompt(100)
+    assert client.store(root, tokens, oracle.kv(root, tokens)) is True
+    assert client.store(root, tokens, oracle.kv(root, tokens)) is False and client.last_store_cached
+    hit = client.lookup(root, tokens)  # pins all 6 slots: another prompt finds no room
+    other = prompt(100, seed=5)
+    assert client.store(root, other, oracle.kv(root, other)) is False and not client.last_store_cached
+    client.release(hit)
+    stats = sc.stats("acme")
+    assert (stats["stores"], stats["stores_cached"], stats["stores_declined"]) == (1, 1, 1)
+    text = sc.get("/metrics")[1].decode()
+    for outcome, n in (("accepted", 1), ("cached", 1), ("declined", 1)):
+        assert re.search(rf'^kvtier_stores_total\{{[^}}]*outcome="{outcome}"[^}}]*\}} {n}\.0$', text, re.M), outcome
 
 
 def test_tenants_never_hit_each_others_blocks(spawn, oracle):

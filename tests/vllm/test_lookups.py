@@ -4,6 +4,7 @@ the breaker trips, leaves the sidecar alone, probes it and recovers, and no pin
 outlives its request."""
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -13,6 +14,7 @@ import pytest
 from kvtier.keys import KeyRoot
 from kvtier_sidecar.client import SidecarClient
 from kvtier_testenv.polling import wait_for
+from kvtier_vllm.config import weights_mismatch
 from kvtier_vllm.lookups import PENDING, AsyncLookups, Breaker
 
 BLOCK = 16
@@ -162,3 +164,63 @@ def test_the_breaker_trips_on_the_second_failure_in_a_row_probes_once_per_backof
     assert (b.trips, b.recoveries) == (1, 1)
     b.failure("late")                   # one failure after recovery: still closed
     assert not b.is_open
+
+
+def _stats(sc) -> dict:
+    status, body = sc.get("/cache/stats")
+    assert status == 200
+    return json.loads(body)
+
+
+def test_a_sidecar_serving_other_weights_is_not_asked_and_says_so_once(sidecar, caplog):
+    """The engine serves other weights than its sidecar was configured for: no lookup
+    reaches the sidecar (so nothing is counted under the wrong version), each request is
+    a miss at once, and the mismatch is logged naming both digests and counted once."""
+    sc, prompt = sidecar
+    client = SidecarClient(sc.socket)
+    assert client.connect()
+    theirs = client.info["weights_version"]
+    mine = "sha256:" + "e" * 64
+    assert theirs != mine
+    lookups = AsyncLookups(client, BUDGET_S * 10, Breaker(BACKOFF_S),
+                           refuse=lambda info: weights_mismatch(info, mine, sc.socket))
+    before = _stats(sc)["lookups"]
+    with caplog.at_level("ERROR", logger="vllm.kvtier_vllm"):
+        for _ in range(3):
+            assert lookups.settle(lookups.start(ROOT, prompt, 0, False), BUDGET_S * 10) is None
+        lookups.report({"prompt_tokens": 999})
+        lookups.close()
+        lookups._thread.join(10)
+    assert _stats(sc)["lookups"] == before                       # never asked
+    assert _stats(sc)["engine"]["prompt_tokens"] == 0             # nor told anything
+    assert lookups.take_counts()["weights_version_mismatch"] == 1
+    errors = [r.getMessage() for r in caplog.records if "WITHOUT kvtier" in r.getMessage()]
+    assert len(errors) == 1 and mine in errors[0] and theirs in errors[0]
+    # Negative control: the same sidecar with the engine's own digest is asked.
+    same = AsyncLookups(SidecarClient(sc.socket), BUDGET_S * 10, Breaker(BACKOFF_S),
+                        refuse=lambda info: weights_mismatch(info, theirs, sc.socket))
+    hit = same.settle(same.start(ROOT, prompt, 0, False), BUDGET_S * 10)
+    assert hit is not None and hit.matched_tokens == 5 * BLOCK
+    same.release(hit)
+    same.close()
+
+
+def test_counts_reported_while_the_breaker_is_open_reach_the_sidecar_once_it_closes(sidecar):
+    """Prompts served without kvtier while the breaker was open still belong in the hit
+    rate's denominator: their counts are kept, and sent after the breaker closes."""
+    sc, prompt = sidecar
+    clock = Clock()
+    breaker = Breaker(BACKOFF_S, clock=clock)
+    lookups = AsyncLookups(SidecarClient(sc.socket), BUDGET_S * 10, breaker)
+    breaker.failure("late")
+    breaker.failure("late")
+    assert breaker.is_open
+    lookups.report({"prompt_tokens": 100})
+    lookups.report({"prompt_tokens": 50, "local_hit_tokens": 32})
+    clock.now += BACKOFF_S
+    assert breaker.allow()
+    breaker.success()
+    lookups.report({"prompt_tokens": 7})
+    wait_for("the kept counts reported", lambda: _stats(sc)["engine"]["prompt_tokens"] == 157, 10)
+    assert _stats(sc)["engine"]["local_hit_tokens"] == 32
+    lookups.close()

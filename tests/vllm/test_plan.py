@@ -9,7 +9,7 @@ from kvtier.keys import KeyRoot
 from kvtier_sidecar.client import SidecarClient
 from kvtier_testenv.polling import wait_for
 from kvtier_vllm.lookups import AsyncLookups, Breaker
-from kvtier_vllm.plan import PIN_STEPS, SchedulerBook
+from kvtier_vllm.plan import PIN_STEPS, LoadSpec, SchedulerBook
 
 BLOCK = 16
 # These tests pin the bookkeeping, not the deadline: every lookup is waited for.
@@ -150,3 +150,18 @@ def test_a_loads_pin_is_held_exactly_pin_steps_steps(stored):
     book.step_specs(prefill_done=[])
     assert book.pinned() == 0
     _released(client, 0)
+
+
+def test_a_loads_blocks_count_under_the_tier_each_came_from():
+    """A "peer" hit whose first blocks the sidecar already held (a partly local hit):
+    a load starting past vLLM's own blocks counts the sidecar's own blocks as dram and
+    only those from the peer as peer, however many of them it loaded."""
+    peer = LoadSpec(req_id="r", instance="i", first_block=2, slots=list(range(8)), block_ids=[0], tier="peer",
+                    peer_from_block=5)
+    assert peer.blocks_by_tier(8) == {"dram": 3, "peer": 5}
+    assert peer.blocks_by_tier(2) == {"dram": 2, "peer": 0}   # a load cut short by a load error
+    assert peer.blocks_by_tier(4) == {"dram": 3, "peer": 1}
+    whole = peer.model_copy(update={"peer_from_block": 0})
+    assert whole.blocks_by_tier(8) == {"dram": 0, "peer": 8}
+    dram = LoadSpec(req_id="r", instance="i", first_block=0, slots=[1, 2], block_ids=[0])
+    assert dram.blocks_by_tier(2) == {"dram": 2}

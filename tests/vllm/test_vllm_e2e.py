@@ -93,7 +93,7 @@ class World:
 
 def _sidecar(workdir: Path, name: str, ip: str, redis_url: str, secret: str) -> SidecarHandle:
     cfg = {"pod_name": name, "pod_namespace": "kvtier-vllm", "pod_ip": ip, "http_port": 0, "peer_port": 0,
-           "engine_socket": str(workdir / f"{name}.sock"), "model": sidecar_model(SHAPE), "block_size": BLOCK,
+           "engine_socket": str(workdir / f"{name}.sock"), "model": sidecar_model(SHAPE, WEIGHTS), "block_size": BLOCK,
            "dram_capacity_bytes": 64 << 20, "min_sightings": 1, "redis_url": redis_url,
            "peer_secret_file": secret, "peer_timeout_s": 15.0, "log_level": "WARNING",
            # No API server here to review tokens: the control API is open on loopback.
@@ -224,11 +224,19 @@ def test_tenants_never_share_blocks(world):
     c.close()
 
 
-def test_another_weights_version_never_hits(world):
+def test_an_engine_serving_other_weights_than_its_sidecar_is_refused_loudly_and_never_hits(world):
+    """D serves OTHER_WEIGHTS next to s1, configured for WEIGHTS: the connector uses
+    none of s1 (nothing would be counted under the wrong version), says so naming both
+    digests, and counts it; every answer is the recompute."""
+    s1 = world.sidecars["s1"]
+    lookups = s1.stats()["lookups"]
     d = world.engine("d", "s1", weights_version=OTHER_WEIGHTS)
     got = world.ask(d, ["P", "Q"])
     assert got["outputs"] == [world.reference["P"], world.reference["Q"]]
     assert got["cached"] == [0, 0]
+    assert s1.stats()["lookups"] == lookups  # never asked
+    log = d.log_text()
+    assert "serving WITHOUT kvtier" in log and OTHER_WEIGHTS in log and WEIGHTS in log
     d.close()
 
 

@@ -11,11 +11,16 @@ groups:
     rules:
       - record: kvtier:lookups:rate
         expr: sum by (namespace, policy, version) (rate(kvtier_lookups_total[{{ $r.window }}]))
+      # The hit rate: prompt tokens the engines loaded from kvtier over the prompt tokens
+      # they looked up, as the engines report them (what the operator's gate and
+      # `kubectl get kvcp` read too).
       - record: kvtier:hit_rate:ratio
         expr: |-
-          sum by (namespace, policy, version) (rate(kvtier_hits_total[{{ $r.window }}]))
-            / sum by (namespace, policy, version) (rate(kvtier_lookups_total[{{ $r.window }}]))
-      - record: kvtier:token_hit_rate:ratio
+          sum by (namespace, policy, version) (rate(kvtier_engine_loaded_tokens_total[{{ $r.window }}]))
+            / sum by (namespace, policy, version) (rate(kvtier_engine_prompt_tokens_total[{{ $r.window }}]))
+      # What the lookups offered (matched tokens over queried): an engine may take less,
+      # or nothing, when its own prefix cache holds the prompt. Not a hit rate.
+      - record: kvtier:offered_rate:ratio
         expr: |-
           sum by (namespace, policy, version) (rate(kvtier_prefix_cache_hits_total[{{ $r.window }}]))
             / sum by (namespace, policy, version) (rate(kvtier_prefix_cache_queries_total[{{ $r.window }}]))
@@ -35,7 +40,7 @@ groups:
           severity: warning
         annotations:
           summary: {{ `kvtier hit rate of {{ $labels.version }} dropped ({{ $labels.namespace }}/{{ $labels.policy }})` | quote }}
-          description: {{ printf "Version {{ $labels.version }} of policy {{ $labels.namespace }}/{{ $labels.policy }} hits {{ $value | humanizePercentage }} of its lookups, below %v x the policy's best version; a rollout gated on this alarm rolls it back." $r.hitRateDropRatio | quote }}
+          description: {{ printf "Version {{ $labels.version }} of policy {{ $labels.namespace }}/{{ $labels.policy }} loads {{ $value | humanizePercentage }} of its prompt tokens from kvtier, below %v x the policy's best version; a rollout gated on this alarm rolls it back." $r.hitRateDropRatio | quote }}
       - alert: KVTierRolloutStalled
         expr: time() - max by (namespace, policy, target_version) (kvtier_rollout_step_started_timestamp_seconds) > {{ $r.rolloutStalledAfterSeconds }}
         labels:
