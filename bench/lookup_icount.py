@@ -104,11 +104,12 @@ def _toggle(pids: list[int], state: str) -> None:
 
 def instructions(out: Path) -> int:
     """Total instructions (Ir) callgrind recorded in `out` (written when its process exits)."""
-    text = out.read_text()
-    m = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
-    if m is None:
+    # "totals:", not "summary:": a run whose instrumentation was switched off before
+    # its exit dump summarises 0 there, its totals are what was collected.
+    found = re.findall(r"^totals:\s+(\d+)", out.read_text(), re.M)
+    if not found:
         raise RuntimeError(f"no instruction total in {out}")
-    return int(m.group(1))
+    return int(found[-1])
 
 
 class _Engine:
@@ -193,6 +194,9 @@ def lookup_vs_bare(n: int = 2000, warmup: int = 300, prompt_tokens: int = 201) -
         echo.terminate()
         echo.wait(60)
     bare = Counted(engine_ir / n, instructions(work / "echo.cg") / n)
+    if min(lookup.client, lookup.server, bare.client, bare.server) <= 0:
+        raise RuntimeError(f"a process counted no instructions (lookup {lookup}, bare {bare}): "
+                           f"callgrind outputs kept in {work}")
     shutil.rmtree(work, ignore_errors=True)
     return lookup, bare
 
