@@ -11,7 +11,11 @@
   one HGETALL per block key on the same Redis, interleaved: p50 <= INDEX_VS_NAIVE x
 - engine lookup over the Unix socket vs a bare Unix-socket round trip of the same
   request and answer sizes to an asyncio echo process (the same transport, loop and
-  framing with no work behind it): p50 <= LOOKUP_VS_BARE_ROUND_TRIP x
+  framing with no work behind it): p50 <= LOOKUP_VS_BARE_ROUND_TRIP x. Both are timed
+  in alternating chunks of LOOKUP_CHUNK, so a busy machine slows both alike; and both
+  are counted in instructions per request (bench.lookup_icount: engine and server
+  process each under callgrind, switched on for the same N requests), which no other
+  job on the machine moves: <= LOOKUP_VS_BARE_ROUND_TRIP x as well
 - 1,000 concurrent engine lookups: no errors (p99 reported)
 """
 from __future__ import annotations
@@ -277,6 +281,22 @@ def _lookup_vs_bare(client, path: str, work: Path, root, tokens: np.ndarray, n: 
     return lat, bare
 
 
+def _lookup_instructions(n: int) -> Result:
+    from bench import lookup_icount
+
+    name = "engine lookup over the Unix socket, instructions per request"
+    if not lookup_icount.available():
+        return Result(name, float("nan"), "instructions", LOOKUP_VS_BARE_ROUND_TRIP, direction="lower",
+                      baseline=float("nan"), baseline_name="bare Unix-socket round trip, same sizes",
+                      note="valgrind is not installed (apt-get install valgrind): not measured")
+    lookup, bare = lookup_icount.lookup_vs_bare(n)
+    return Result(name, lookup.total, "instructions", LOOKUP_VS_BARE_ROUND_TRIP, direction="lower",
+                  baseline=bare.total, baseline_name="bare Unix-socket round trip, same sizes",
+                  note=f"callgrind, {n} requests, 200-token prompt, hit; engine process {lookup.client:,.0f} + "
+                       f"sidecar {lookup.server:,.0f}; bare client {bare.client:,.0f} + asyncio echo "
+                       f"{bare.server:,.0f}")
+
+
 def run(quick: bool = False) -> list[Result]:
     from kvtier_sidecar.client import SidecarClient
     from kvtier_testenv.fleet import SidecarHandle, sidecar_config
@@ -332,6 +352,9 @@ def run(quick: bool = False) -> list[Result]:
                                   baseline_name="bare Unix-socket round trip, same sizes",
                                   note=f"200-token prompt, hit; p99 {percentile(lat, 0.99) * 1e6:.0f} us, "
                                        f"bare p99 {percentile(bare, 0.99) * 1e6:.0f} us"))
+
+            # 4b. the same comparison in instructions, both processes of each side counted
+            results.append(_lookup_instructions(500 if quick else 2000))
 
             # 5. 1,000 concurrent engine lookups
             errors, lats = asyncio.run(_concurrent_lookups(a.socket, 1000, short))

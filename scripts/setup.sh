@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything kvtier's demo and tests need, idempotently:
-#   - Debian packages (redis-server, prometheus with promtool, prometheus-alertmanager)
+#   - Debian packages (redis-server, prometheus with promtool, prometheus-alertmanager,
+#     valgrind for the benchmarks' instruction counts)
 #     when missing,
 #   - a local venv (.venv) with kvtier and its dev dependencies plus the test
 #     environment (testenv/, its own project), re-installed only when either
@@ -23,6 +24,7 @@ need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v prometheus-alertmanager >/dev/null 2>&1 || need_apt+=(prometheus-alertmanager)
+command -v valgrind >/dev/null 2>&1 || need_apt+=(valgrind)  # the benchmarks' instruction counts
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "installing Debian packages: ${need_apt[*]}"
   if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi

@@ -25,7 +25,9 @@ the blocks once every rank has written its part.
 """
 from __future__ import annotations
 
+import json
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,8 +39,7 @@ from kvtier.keys import KeyRoot, as_token_array
 from kvtier.layout import shard_for_rank
 
 from .arena import Arena, ArenaError
-from .engine_proto import FRAME, EngineOp, FrameError, decode_header, encode, split_body
-from .sockio import recv_exact
+from .engine_proto import FRAME, EngineOp, FrameError, decode_header, encode, encode_json, split_body
 
 # How long a dead sidecar is left alone before the next reconnect attempt.
 RECONNECT_BACKOFF_S = 0.5
@@ -46,6 +47,11 @@ RECONNECT_BACKOFF_S = 0.5
 DEFAULT_TIMEOUT_S = 5.0
 # The Miss reason of a fault (no answer, connection lost), as opposed to a cache miss.
 UNAVAILABLE = "sidecar unavailable"
+# The receive buffer's starting size: a lookup's whole answer (header, JSON, slot ids
+# of a ~16k-token hit) arrives with one recv into it; a larger answer grows it.
+RECV_BUFFER_BYTES = 1 << 16
+# Key roots whose LOOKUP JSON is kept ready (an engine serves a handful).
+ROOT_JSON_CACHE = 256
 
 
 @dataclass(slots=True)
@@ -121,6 +127,8 @@ class SidecarClient:
         self.faults = 0
         self.connection = 0  # bumped on every (re)connect: pins and tickets are per connection
         self.last_store_cached = False  # the last begin_store found every block cached
+        self._rbuf = bytearray(RECV_BUFFER_BYTES)
+        self._lookup_json: dict[KeyRoot, bytes] = {}  # root -> the plain LOOKUP's JSON payload
 
     # -- connection ---------------------------------------------------------------------
 
@@ -131,6 +139,7 @@ class SidecarClient:
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.socket_path)
+            _kernel_timeouts(sock, self.timeout_s)
         except OSError:
             sock.close()
             self._retry_at = time.monotonic() + RECONNECT_BACKOFF_S
@@ -158,24 +167,54 @@ class SidecarClient:
         self._sock = None
         self._retry_at = time.monotonic() + RECONNECT_BACKOFF_S
 
-    def _call_locked(self, op: EngineOp, payload: dict, tail=None) -> tuple[dict, np.ndarray]:
+    def _call_locked(self, op: EngineOp, payload: dict | bytes, tail=None) -> tuple[dict, np.ndarray]:
+        """One request, one answer. `payload`: a dict, or its JSON already encoded."""
         if self._sock is None:
             self._connect()
         sock = self._sock
         rid = self._next_id
         self._next_id = (self._next_id + 1) & 0xFFFFFFFF
-        sock.sendall(encode(op, rid, payload, tail))
-        header = recv_exact(sock, FRAME.size)
-        body_len, rop, rrid, json_len = decode_header(header)
-        rest = recv_exact(sock, body_len - 4)
+        sock.sendall(encode_json(op, rid, payload, tail) if type(payload) is bytes else encode(op, rid, payload, tail))
+        # The answer usually arrives whole in one recv; the header says how much is left.
+        buf = self._rbuf
+        view = memoryview(buf)
+        got = sock.recv_into(view)
+        while got < FRAME.size:
+            got = self._recv_more(sock, view, got)
+        body_len, rop, rrid, json_len = decode_header(view[: FRAME.size])
+        total = FRAME.size + body_len - 4
+        if total > len(buf):
+            buf = self._rbuf = bytearray(max(total, 2 * len(buf)))
+            buf[:got] = view[:got]
+            view.release()
+            view = memoryview(buf)
+        while got < total:
+            got = self._recv_more(sock, view, got)
+        if got != total:
+            raise FrameError("the sidecar sent more than one answer")
         if rop != op or rrid != rid:
             raise FrameError("answer does not match the request")
-        answer, tail_out = split_body(rest, json_len)
+        answer, tail_out = split_body(bytes(view[FRAME.size : total]), json_len)
         if "error" in answer:
             raise ValueError(f"sidecar refused {op.name}: {answer['error']}")
         return answer, tail_out
 
-    def _call(self, op: EngineOp, payload: dict, tail=None) -> tuple[dict, np.ndarray] | None:
+    @staticmethod
+    def _recv_more(sock: socket.socket, view: memoryview, got: int) -> int:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("the sidecar closed the connection")
+        return got + k
+
+    def _lookup_payload(self, root: KeyRoot) -> bytes:
+        raw = self._lookup_json.get(root)
+        if raw is None:
+            if len(self._lookup_json) >= ROOT_JSON_CACHE:
+                self._lookup_json.clear()
+            raw = self._lookup_json[root] = json.dumps({"root": root_payload(root)}, separators=(",", ":")).encode()
+        return raw
+
+    def _call(self, op: EngineOp, payload: dict | bytes, tail=None) -> tuple[dict, np.ndarray] | None:
         """One request; None on any fault (the connection is dropped for a later retry)."""
         with self._lock:
             try:
@@ -217,11 +256,14 @@ class SidecarClient:
         the leading tokens the engine already holds itself; the sidecar fetches from
         peers only what lies beyond them."""
         tokens = as_token_array(token_ids)
-        payload = {"root": root_payload(root)}
-        if digests:
-            payload["digests"] = True
-        if local_tokens:
-            payload["local_tokens"] = int(local_tokens)
+        if digests or local_tokens:
+            payload = {"root": root_payload(root)}
+            if digests:
+                payload["digests"] = True
+            if local_tokens:
+                payload["local_tokens"] = int(local_tokens)
+        else:
+            payload = self._lookup_payload(root)  # the same bytes as the dict's JSON, kept
         got = self._call(EngineOp.LOOKUP, payload, tokens)
         if got is None:
             return Miss(UNAVAILABLE)
@@ -229,7 +271,7 @@ class SidecarClient:
         if not answer.get("hit"):
             return Miss(answer.get("reason", "miss"))
         sums = answer.get("digests")
-        return Hit(int(answer["matched_tokens"]), [int(s) for s in slots], answer["tier"],
+        return Hit(int(answer["matched_tokens"]), slots.tolist(), answer["tier"],
                    int(answer["hit"]), self.arena, self.generation, str(self.info.get("instance", "")),
                    [int(d) for d in sums] if sums is not None else None, self.connection,
                    int(answer["dram_tokens"]) if "dram_tokens" in answer else None)
@@ -395,6 +437,17 @@ class StoreReservation:
     arena: Arena = field(repr=False)
     rank: int = 0
     connection: int = 0  # the client's connection that holds the ticket
+
+
+def _kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking I/O whose every send and recv gives up after `timeout_s` in the kernel
+    (SO_SNDTIMEO / SO_RCVTIMEO; a timeout is an OSError, EAGAIN). A Python socket
+    timeout would poll() before each send and recv: a system call more per step."""
+    sec = int(timeout_s)
+    tv = struct.pack("@ll", sec, int((timeout_s - sec) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    sock.settimeout(None)
 
 
 def _as_bytes(a) -> np.ndarray:

@@ -92,7 +92,11 @@ class FrameError(ValueError):
 
 
 def encode(op: int, request_id: int, payload: dict, tail: np.ndarray | bytes | None = None) -> bytes:
-    head = json.dumps(payload, separators=(",", ":")).encode()
+    return encode_json(op, request_id, json.dumps(payload, separators=(",", ":")).encode(), tail)
+
+
+def encode_json(op: int, request_id: int, head: bytes, tail: np.ndarray | bytes | None = None) -> bytes:
+    """`encode` with the payload's JSON already encoded (`head`, a JSON object's bytes)."""
     tail_bytes = b"" if tail is None else (tail if isinstance(tail, bytes) else np.ascontiguousarray(tail, dtype="<u4").tobytes())
     return FRAME.pack(4 + len(head) + len(tail_bytes), op, request_id, len(head)) + head + tail_bytes
 
