@@ -24,8 +24,7 @@ pytestmark = pytest.mark.k8s
 
 def stats_from(sc, source_ip: str, token: str) -> int:
     """GET /cache/stats with `token`, sent from the loopback address `source_ip`."""
-    host, port = sc.ready["http"].rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=60, source_address=(source_ip, 0))
+    conn = sc.control.connection(60, source_address=(source_ip, 0))
     try:
         conn.request("GET", "/cache/stats", headers={"Authorization": f"Bearer {token}"})
         return conn.getresponse().status
