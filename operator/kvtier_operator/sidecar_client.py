@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import ssl
 
 import aiohttp
 from pydantic import ValidationError

@@ -302,6 +302,9 @@ class CertFileWatch:
             return False
         self._stamp = stamp
         try:
+            # Tried on a scratch context first: a pair that fails half-way through
+            # loading would leave the live one with a certificate and no key.
+            control_tls.server_context(self.cert_file, self.key_file)
             control_tls.load_chain(self.ctx, self.cert_file, self.key_file)
         except control_tls.ControlTlsError as exc:
             log.warning("control TLS certificate change rejected; serving the previous one", extra={"error": str(exc)})

@@ -246,3 +246,16 @@ def test_plain_http_is_an_explicit_choice_and_is_logged_loudly(spawn):
     assert sc.http.startswith("http://")
     assert sc.get("/healthz")[0] == 200
     wait_for("the plain-HTTP warning", lambda: "CONTROL API WITHOUT TLS" in sc.log_tail(200))
+
+
+def test_a_renewed_pair_that_does_not_load_leaves_the_running_certificate_served(spawn, tmp_path):
+    sc = spawn(log_level="INFO")
+    host, port = sc.ready["http"].rsplit(":", 1)
+    tls = fleet_tls(tmp_path)
+    before = _served_cert(host, int(port), tls.server_name, tls.ca_pem)
+    # A key that is not the certificate's: loading it half-way would strip the live key.
+    tmp = tls.key_file.with_suffix(".new")
+    tmp.write_bytes(control_ca.new_ca(_now()).key_pem)
+    tmp.replace(tls.key_file)
+    wait_for("the rejected change logged", lambda: "certificate change rejected" in sc.log_tail(200))
+    assert _served_cert(host, int(port), tls.server_name, tls.ca_pem) == before
