@@ -32,6 +32,7 @@ RENEW_AFTER_FRACTION = 2 / 3
 # Clocks across a cluster disagree by seconds: a certificate is valid from a little before it is made.
 CLOCK_SKEW = dt.timedelta(minutes=5)
 CA_COMMON_NAME = "kvtier control CA"
+SUBJECT_COMMON_NAME = "kvtier-sidecar"
 # Keys of the CA Secret (and of each policy's TLS Secret: kubernetes.io/tls plus ca.crt).
 CA_CERT_KEY, CA_KEY_KEY = "ca.crt", "ca.key"
 TLS_CERT_KEY, TLS_KEY_KEY = "tls.crt", "tls.key"
@@ -99,13 +100,15 @@ def ca_digest(ca_cert_pem: bytes) -> str:
 
 def issue(ca: KeyPair, names: tuple[str, ...], now: dt.datetime,
           lifetime: dt.timedelta = CERT_LIFETIME) -> tuple[KeyPair, Issued]:
-    """A serving certificate for DNS `names` (the first is its subject), signed by `ca`."""
+    """A serving certificate for DNS `names` (in its subjectAltName, which is what TLS
+    clients check), signed by `ca`. The subject is a fixed short name: a common name
+    holds 64 characters, a policy's full name may not fit."""
     ca_cert = x509.load_pem_x509_certificate(ca.cert_pem)
     ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
     key = _key()
     not_before, not_after = now - CLOCK_SKEW, now + lifetime
     cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SUBJECT_COMMON_NAME)]))
             .issuer_name(ca_cert.subject).public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(not_before).not_valid_after(not_after)

@@ -7,7 +7,7 @@ plain HTTP, and a client expecting another policy's name gets no connection."""
 from __future__ import annotations
 
 import base64
-import http.client
+from http.client import HTTPException
 import json
 import ssl
 
@@ -83,7 +83,7 @@ def test_injected_sidecars_accept_only_the_operators_token(authed_operator, kube
         kubectl.get_json("kvcp", "tiny")["metadata"]["annotations"][names.CONTROL_CERT_ANNOTATION])
     assert record is not None and record.names[0] == sidecar.control.server_name
     # HTTPS only: plain HTTP gets no HTTP answer; another policy's name does not verify.
-    with pytest.raises((OSError, http.client.HTTPException)):
+    with pytest.raises((OSError, HTTPException)):
         ControlEndpoint(sidecar.ip, 8081).get("/healthz")
     with pytest.raises(ssl.SSLCertVerificationError):
         ControlEndpoint(sidecar.ip, 8081, control_tls.server_name(kubectl.namespace, "other"),
