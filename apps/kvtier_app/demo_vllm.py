@@ -30,7 +30,6 @@ from kvtier_app.demo_cluster import (
     NAMESPACE,
     POLICY,
     SERVING_SERVICE_ACCOUNT,
-    SIDECAR_HTTP_PORT,
     WORKLOAD,
     ClusterDemo,
     DemoFailed,

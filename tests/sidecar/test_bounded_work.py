@@ -8,8 +8,6 @@ import json
 import socket
 import statistics
 import time
-import urllib.error
-import urllib.request
 
 import redis as redis_sync
 

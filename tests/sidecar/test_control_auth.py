@@ -4,8 +4,6 @@ audience-bound ServiceAccount token opens the mutating endpoints and per-tenant 
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import pytest
 

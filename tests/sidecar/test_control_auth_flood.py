@@ -5,7 +5,6 @@ re-review is not queued behind the garbage, while every queued review gives up (
 instead of holding its caller."""
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import threading

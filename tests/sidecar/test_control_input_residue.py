@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import urllib.error
 import urllib.parse
-import urllib.request
 
 import pytest
 

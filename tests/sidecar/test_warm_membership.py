@@ -1,8 +1,6 @@
 """`POST /cache/warm` dials only the sidecar's own fleet, never an address a caller names."""
 import json
 import socket
-import urllib.error
-import urllib.request
 
 from .test_sidecar_process import poll
 
