@@ -20,6 +20,7 @@ file. Example::
     peer_enabled: true
     redis_url: redis://kvtier-redis:6379/0
     peer_secret_file: /var/run/kvtier/peer-secret
+    control_tls: {cert_file: /etc/kvtier/tls/tls.crt, key_file: /etc/kvtier/tls/tls.key}
     platform_prefixes: [[128000, 882, 25]]
 
 The downward API supplies the pod's identity through the environment: POD_NAME,
@@ -216,6 +217,41 @@ class ControlAuthConfig(BaseModel):
     ca_file: str = f"{SERVICE_ACCOUNT_DIR}/ca.crt"
 
 
+class ControlTlsConfig(BaseModel):
+    """TLS of the HTTP control API (`kvtier.control_tls`). With `cert_file` and
+    `key_file` (PEM; the webhook mounts the policy's Secret issued by the operator's CA)
+    the port speaks HTTPS only: a plain HTTP request gets no answer. Neither set is
+    refused at start-up unless `plain_http` says so explicitly (loopback tests and a
+    single-host lab only; logged as a warning at start)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cert_file: str = ""
+    key_file: str = ""
+    plain_http: bool = False
+
+    @model_validator(mode="after")
+    def _one_protocol(self) -> "ControlTlsConfig":
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("control_tls: set both cert_file and key_file (PEM), or neither")
+        if self.plain_http and self.cert_file:
+            raise ValueError("control_tls: plain_http with a cert_file: choose one (the port speaks one protocol)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+    def require_choice(self) -> None:
+        """What `kvtier-sidecar` checks before it serves: TLS, or plain HTTP said out loud."""
+        if not self.plain_http and not self.cert_file:
+            raise ValueError(
+                "control_tls: the control API serves HTTPS only: set control_tls.cert_file and key_file "
+                "(env KVTIER_CONTROL_TLS_CERT_FILE / KVTIER_CONTROL_TLS_KEY_FILE; the operator's webhook "
+                "mounts the policy's certificate), or set control_tls.plain_http: true to serve it "
+                "unencrypted (a lab on loopback only)")
+
+
 class SidecarConfig(BaseModel):
     """Everything one sidecar needs; see the module docstring for the file format."""
 
@@ -258,6 +294,8 @@ class SidecarConfig(BaseModel):
     platform_prefixes: list[list[int]] = Field(default_factory=list)
 
     control_auth: ControlAuthConfig = ControlAuthConfig()
+    # A sidecar refuses to start with neither a certificate nor plain_http (`require_choice`).
+    control_tls: ControlTlsConfig = ControlTlsConfig()
 
     metrics_top_tenants: int = Field(DEFAULT_METRICS_TOP_TENANTS, ge=1, le=1000)
     stats_max_tenants: int = Field(DEFAULT_STATS_MAX_TENANTS, ge=1, le=100_000)
@@ -352,6 +390,9 @@ ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
     "KVTIER_CONTROL_AUTH_METRICS_USERS": ("control_auth", "metrics_users"),
     "KVTIER_CONTROL_AUTH_TOKEN_FILE": ("control_auth", "token_file"),
     "KVTIER_CONTROL_AUTH_CA_FILE": ("control_auth", "ca_file"),
+    "KVTIER_CONTROL_TLS_CERT_FILE": ("control_tls", "cert_file"),
+    "KVTIER_CONTROL_TLS_KEY_FILE": ("control_tls", "key_file"),
+    "KVTIER_CONTROL_TLS_PLAIN_HTTP": ("control_tls", "plain_http"),
 }
 # Environment variables holding a comma-separated list.
 LIST_ENV = frozenset({"KVTIER_CONTROL_AUTH_USERS", "KVTIER_CONTROL_AUTH_METRICS_USERS"})

@@ -36,7 +36,6 @@ import re
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,6 +166,7 @@ class ClusterDemo:
         from kvtier_testenv.ports import free_port
         from kvtier_testenv.kubectl import Helm, Kubectl
         from kvtier_testenv.nodeagent import NodeAgent
+        from kvtier_testenv import control_ca
         from kvtier_testenv.prometheus import (
             Alertmanager, Prometheus, chart_rules, grant_discovery, operator_pod_scrape_config, sidecar_scrape_config,
         )
@@ -185,8 +185,13 @@ class ClusterDemo:
         self.alertmanager = Alertmanager(self.workdir / "alertmanager").start()
         self.stack.callback(self.alertmanager.stop)
         discovery = grant_discovery(self.cp, Kubectl(self.cp.kubeconfig))
+        # The operator's control CA, brought ahead of it as a platform team would: the
+        # operator reuses it, Prometheus and the demo verify the sidecars against it.
+        self.control_ca_file = control_ca.provision_file(Kubectl(self.cp.kubeconfig), SYSTEM_NAMESPACE,
+                                                         self.workdir / "control-ca.crt", f"{RELEASE}-control-ca")
         self.prom = Prometheus(self.workdir / "prometheus").configure(
-            [sidecar_scrape_config(discovery, [NAMESPACE]), operator_pod_scrape_config(discovery, [SYSTEM_NAMESPACE])],
+            [sidecar_scrape_config(discovery, [NAMESPACE], self.control_ca_file),
+             operator_pod_scrape_config(discovery, [SYSTEM_NAMESPACE])],
             chart_rules(DEMO_RULES), self.alertmanager.address)
         self.stack.callback(self.prom.stop)
         self.prom.start()
@@ -344,11 +349,18 @@ class ClusterDemo:
                 "create", "token", f"{RELEASE}-operator", f"--audience={pod_audience(NAMESPACE, pod)}").stdout.strip()
         return self.control_tokens[pod]
 
+    def sidecar_control(self, ip: str):
+        """A sidecar's control API as the operator calls it: HTTPS to the pod IP, the
+        policy's certificate verified against the operator's CA."""
+        from kvtier import control_tls
+        from kvtier_testenv.control_client import ControlEndpoint
+
+        return ControlEndpoint(ip, SIDECAR_HTTP_PORT, control_tls.server_name(NAMESPACE, POLICY),
+                               self.control_ca_file.read_bytes())
+
     def sidecar_stats(self, pod: str, ip: str, tenant: str | None = None) -> dict[str, Any]:
-        url = f"http://{ip}:{SIDECAR_HTTP_PORT}/cache/stats" + (f"?tenant={tenant}" if tenant else "")
-        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.control_token(pod)}"})
-        with urllib.request.urlopen(request, timeout=5) as resp:
-            return json.loads(resp.read())
+        path = "/cache/stats" + (f"?tenant={tenant}" if tenant else "")
+        return self.sidecar_control(ip).get_json(path, headers={"Authorization": f"Bearer {self.control_token(pod)}"})
 
     # -- rollouts --
 

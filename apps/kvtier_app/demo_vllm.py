@@ -30,7 +30,6 @@ from kvtier_app.demo_cluster import (
     NAMESPACE,
     POLICY,
     SERVING_SERVICE_ACCOUNT,
-    SIDECAR_HTTP_PORT,
     WORKLOAD,
     ClusterDemo,
     DemoFailed,
@@ -115,9 +114,11 @@ def _complete(ip: str, prompt: list[int], salt: str) -> tuple[list[int], int]:
     return out["choices"][0]["token_ids"], int(details.get("cached_tokens") or 0)
 
 
-def _hit_tokens(ip: str) -> float:
-    with urllib.request.urlopen(f"http://{ip}:{SIDECAR_HTTP_PORT}/metrics", timeout=5) as r:
-        text = r.read().decode()
+def _hit_tokens(demo: ClusterDemo, ip: str) -> float:
+    status, raw = demo.sidecar_control(ip).get("/metrics")
+    if status != 200:
+        raise DemoFailed(f"sidecar {ip} /metrics answered {status}")
+    text = raw.decode()
     return sum(float(m.group(1)) for m in re.finditer(r'^kvtier_prefix_cache_hits_total\{[^}]*\} (\S+)$', text, re.M))
 
 
@@ -169,7 +170,7 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
             if tokens != recomputed:
                 wrong += 1
                 samples.append(f"{req.tenant}: {tokens} != recompute {recomputed}")
-        metrics = {m: _hit_tokens(addresses[m]["ip"]) for m in sorted(table.members)}
+        metrics = {m: _hit_tokens(demo, addresses[m]["ip"]) for m in sorted(table.members)}
         fleet_hit_rate = demo.wait_fleet_hit_rate()
         kvcp = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
     finally:

@@ -1,7 +1,7 @@
 """kopf handlers: thin. Parse, call `reconcile`/`injection`, write, raise kopf errors.
 
     startup              settings (finalizer, annotation storage, watch timeouts,
-                         webhook server), clients into memo
+                         webhook server), the control CA, clients into memo
     policies_by_namespace, pods_by_namespace
                          indexes: what the webhook and the membership loop read (the
                          webhook reads the apiserver until they are loaded:
@@ -13,6 +13,8 @@
     policy_deleted       finalizer: a rollout in flight rolled back (rollout_teardown.py), then
                          the Redis key and ConfigMaps
     hit_rate_tick        timer per policy: status.fleetHitRate under steady traffic
+    control_cert_tick    timer per policy: its control API certificate renewed when due
+                         (control_certs.py; issued first by spec_changed)
     rollout_tick         timer per policy with a workloadRef (rollout_handlers.py)
 """
 from __future__ import annotations
@@ -27,15 +29,15 @@ from kubernetes.client.rest import ApiException
 
 from kvtier import policy
 
-from kvtier_operator import (admission_policies, conflicts, hit_rate, injection, metrics, names, publish, reconcile,
-                             rollout_teardown, sidecar_render, webhook_gate)
+from kvtier_operator import (admission_policies, conflicts, control_certs, hit_rate, injection, metrics, names,
+                             publish, reconcile, rollout_teardown, sidecar_render, webhook_gate)
 from kvtier_operator.kube import Kube
 from kvtier_operator.membership import PodView, pod_view
 from kvtier_operator.options import (
     WATCH_CLIENT_TIMEOUT_S, WATCH_CONNECT_TIMEOUT_S, WATCH_SERVER_TIMEOUT_S, OperatorOptions,
 )
 from kvtier_operator.registry import PolicyKey, PolicyRegistry
-from kvtier_operator.sidecar_client import PodTokens, SidecarClient
+from kvtier_operator.sidecar_client import ControlTls, PodTokens, SidecarClient
 
 POLICY = (policy.GROUP, policy.VERSION, policy.PLURAL)
 # While Redis lags the published table: short enough that routers reading Redis catch
@@ -66,8 +68,11 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         )
     memo.options = options
     memo.kube = Kube.from_environment()
-    memo.sidecars = SidecarClient.create(options.warms_per_target, options.sidecar_token_file,
-                                         _pod_tokens(memo.kube, options.sidecar_token_service_account))
+    memo.control_certs = await _control_certs(memo.kube, options)
+    memo.sidecars = SidecarClient.create(
+        options.warms_per_target, options.sidecar_token_file,
+        _pod_tokens(memo.kube, options.sidecar_token_service_account),
+        ControlTls.from_ca(memo.control_certs.ca.cert_pem) if memo.control_certs else None)
     memo.policies = PolicyRegistry()
     memo.admission = admission_policies.AdmissionPolicies()
     memo.http = aiohttp.ClientSession()  # rollout analysis: Prometheus and Alertmanager
@@ -75,6 +80,24 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.metrics_runner = None
     if options.metrics_port:
         memo.metrics_runner = await metrics.serve(memo.rollout_metrics, options.metrics_host, options.metrics_port)
+
+
+async def _control_certs(kube: Kube, options: OperatorOptions) -> control_certs.PolicyCerts | None:
+    """The operator's CA (made once, kept in its Secret) and the issuer of policies'
+    control certificates; None when the sidecars are told to serve plain HTTP."""
+    if not options.sidecar_tls:
+        log.warning("SIDECAR CONTROL API WITHOUT TLS (sidecar_tls off): sidecars serve plain HTTP and the "
+                    "operator sends them no token")
+        return None
+    if not options.operator_namespace:
+        raise kopf.PermanentError("sidecar TLS needs the operator's namespace (KVTIER_OPERATOR_OPERATOR_NAMESPACE): "
+                                  "its CA Secret lives there")
+    try:
+        ca = await control_certs.ensure_ca(kube, options.operator_namespace, options.control_ca_secret)
+    except control_certs.ControlCaError as exc:
+        raise kopf.PermanentError(str(exc)) from None
+    await control_certs.publish_ca(kube, options.operator_namespace, options.control_ca_secret, ca)
+    return control_certs.PolicyCerts(ca)
 
 
 def _pod_tokens(kube: Kube, service_account: str) -> PodTokens | None:
@@ -139,6 +162,8 @@ async def spec_changed(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
         body = await memo.kube.read_policy(namespace, name)
         if body is None:
             return
+        if memo.control_certs is not None:  # before the sidecar config: pods mount both
+            await memo.control_certs.ensure(memo.kube, body)
         fields = await reconcile.reconcile_spec(memo.kube, body, _poster(body), memo.options.sidecar_access())
         await memo.kube.patch_status(namespace, name, fields)
     # Every policy of the namespace: a changed selector may start or end an overlap.
@@ -192,6 +217,17 @@ async def hit_rate_tick(name: str, namespace: str, memo: kopf.Memo, pods_by_name
                            memo.policies.entry(PolicyKey(namespace, name)))
 
 
+@kopf.timer(*POLICY, id="control-cert", interval=control_certs.RENEW_CHECK_INTERVAL_S)
+async def control_cert_tick(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """Renew the policy's control certificate when it is due (`control_ca.needs_renewal`)."""
+    if memo.control_certs is None:
+        return
+    async with memo.policies.lock(PolicyKey(namespace, name)):
+        body = await memo.kube.read_policy(namespace, name)
+        if body is not None:
+            await memo.control_certs.ensure(memo.kube, body)
+
+
 @kopf.on.event("", "v1", "pods")
 def pod_changed(namespace: str, memo: kopf.Memo, **_: Any) -> None:
     memo.admission.mark_loaded()  # kopf calls no such handler before its indexes are loaded
@@ -217,7 +253,7 @@ async def inject_sidecar(
         result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(
             image=options.sidecar_image, auth_mode=options.sidecar_auth, auth_users=options.sidecar_auth_users,
             protect_metrics=options.sidecar_protect_metrics, metrics_users=options.sidecar_metrics_users,
-            pod_audience=bool(options.sidecar_token_service_account)))
+            pod_audience=bool(options.sidecar_token_service_account), tls=options.sidecar_tls))
     except sidecar_render.BrokenPolicy as exc:
         # The owner's mistake is never the pod's: admit it without the sidecar, say why on
         # the pod, and let the policy's status name it (membership's SidecarsInjected).

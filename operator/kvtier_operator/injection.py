@@ -13,6 +13,9 @@ Added to the pod:
                 + kvtier-nvme      (hostPath spec.tiers.nvme.path, unless nvme mode is off)
                 + kvtier-peer-secret (the policy's Secret <policy>-kvtier-peer, when the peer
                                     tier is on: the key peers prove themselves with)
+                + kvtier-control-tls (the policy's Secret <policy>-kvtier-control-tls: the
+                                    control API's certificate from the operator's CA; the
+                                    HTTP port serves HTTPS only, its probe says so)
     every existing container mounts kvtier-shm at /dev/shm and kvtier-run at
     /var/run/kvtier, unless it already mounts something there, and gets the engine
     env (`engine_env`: the policy-rendered --kv-transfer-config, the weights digest,
@@ -74,6 +77,8 @@ class SidecarImage:
     metrics_users: str = ""
     # The operator mints a token per pod: the sidecar accepts its pod's own audience only.
     pod_audience: bool = False
+    # The control API over TLS (the policy's certificate Secret mounted); False: plain HTTP.
+    tls: bool = True
 
 
 def selecting_policy(pod: dict[str, Any], policies: list[conflicts.PolicyRef]) -> str | None:
@@ -115,7 +120,7 @@ def inject(
     ]
     volumes = list(pod_spec.get("volumes") or [])
     taken = {v.get("name") for v in volumes}
-    volumes += [v for v in _volumes(policy_name, spec) if v["name"] not in taken]
+    volumes += [v for v in _volumes(policy_name, spec, image) if v["name"] not in taken]
     patch_spec: dict[str, Any] = {"containers": new_containers, "volumes": volumes}
     grace = pod_spec.get("terminationGracePeriodSeconds")
     needed = sidecar_grace_s()
@@ -151,9 +156,10 @@ def _with_shared_mounts(container: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _volumes(policy_name: str, spec: policy.KVCachePolicySpec) -> list[dict[str, Any]]:
+def _volumes(policy_name: str, spec: policy.KVCachePolicySpec, image: SidecarImage) -> list[dict[str, Any]]:
     arena_bytes = policy.parse_quantity_bytes(spec.tiers.dram.capacity)
-    return [
+    tls = [{"name": names.CONTROL_TLS_VOLUME, "secret": {"secretName": names.control_tls_secret(policy_name)}}]
+    return tls * image.tls + [
         {"name": names.CONFIG_VOLUME, "configMap": {"name": names.sidecar_config_map(policy_name)}},
         {"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(arena_bytes + SHM_HEADROOM_BYTES)}},
         {"name": names.RUN_VOLUME, "emptyDir": {}},
@@ -227,7 +233,8 @@ def _sidecar_container(
             {"name": "kvtier-http", "containerPort": cfg.http_port, "protocol": "TCP"},
             {"name": "kvtier-peer", "containerPort": cfg.peer_port, "protocol": "TCP"},
         ],
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": cfg.http_port}, "periodSeconds": 5},
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": cfg.http_port,
+                                       "scheme": "HTTPS" if image.tls else "HTTP"}, "periodSeconds": 5},
         "volumeMounts": [
             {"name": names.CONFIG_VOLUME, "mountPath": names.CONFIG_MOUNT_PATH, "readOnly": True},
             {"name": names.SHM_VOLUME, "mountPath": names.SHM_MOUNT_PATH},
@@ -240,6 +247,13 @@ def _sidecar_container(
                                           "readOnly": True})
         container["env"].append({"name": "KVTIER_PEER_SECRET_FILE",
                                  "value": f"{names.PEER_SECRET_MOUNT_PATH}/{names.PEER_SECRET_KEY}"})
+    if image.tls:
+        container["volumeMounts"].append({"name": names.CONTROL_TLS_VOLUME, "mountPath": names.CONTROL_TLS_MOUNT_PATH,
+                                          "readOnly": True})
+        container["env"] += [{"name": "KVTIER_CONTROL_TLS_CERT_FILE", "value": f"{names.CONTROL_TLS_MOUNT_PATH}/tls.crt"},
+                             {"name": "KVTIER_CONTROL_TLS_KEY_FILE", "value": f"{names.CONTROL_TLS_MOUNT_PATH}/tls.key"}]
+    else:
+        container["env"].append({"name": "KVTIER_CONTROL_TLS_PLAIN_HTTP", "value": "true"})
     if spec.tiers.nvme.mode != "off":  # the shadow probe (and a future tier) uses the node's disk
         container["volumeMounts"].append({"name": names.NVME_VOLUME, "mountPath": spec.tiers.nvme.path})
     container["resources"] = _resources(spec, image)

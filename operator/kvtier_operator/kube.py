@@ -109,6 +109,31 @@ class Kube:
             raise
         return True
 
+    async def read_secret_data(self, namespace: str, name: str) -> dict[str, bytes] | None:
+        """A Secret's data, decoded; None when it does not exist. The chart grants `get`
+        on one Secret only: the operator's own control CA, by name."""
+        import base64
+
+        try:
+            secret = await asyncio.to_thread(self.core.read_namespaced_secret, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+
+    async def replace_secret(self, body: dict[str, Any]) -> None:
+        """Write the Secret whole: create it, or replace an existing one of that name
+        (`update`, whose answer holds what was written and nothing of the old data: the
+        operator never reads the Secrets it issues certificates into)."""
+        meta = body["metadata"]
+        try:
+            await asyncio.to_thread(self.core.create_namespaced_secret, meta["namespace"], body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            await asyncio.to_thread(self.core.replace_namespaced_secret, meta["name"], meta["namespace"], body)
+
     # --- NetworkPolicies -----------------------------------------------------------
 
     async def apply_network_policy(self, body: dict[str, Any]) -> None:

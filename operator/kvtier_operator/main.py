@@ -55,9 +55,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sidecar-token-service-account", default="", metavar="NAMESPACE/NAME",
                    help="this operator's ServiceAccount: mint a short-lived token per sidecar for that pod's "
                         "own audience (preferred to --sidecar-token-file)")
+    p.add_argument("--sidecar-plain-http", action="store_true",
+                   help="sidecars serve their control API without TLS and get no token (a loopback lab only; "
+                        "default: HTTPS with certificates from this operator's CA)")
+    p.add_argument("--control-ca-secret", default=_DEFAULTS.control_ca_secret, metavar="NAME",
+                   help="the Secret in --operator-namespace holding the control CA (made when absent)")
     p.add_argument("--network-policies", action="store_true",
                    help="write a NetworkPolicy per KVCachePolicy guarding the sidecars' ports")
-    p.add_argument("--operator-namespace", default="", help="this operator's namespace (NetworkPolicy peer)")
+    p.add_argument("--operator-namespace", default="",
+                   help="this operator's namespace (its control CA Secret; the NetworkPolicy peer)")
     p.add_argument("--operator-pod-labels", default="", help="k=v,k=v labels of this operator's pods")
     p.add_argument("--monitoring-namespace", default="", help="namespace allowed to scrape sidecar metrics")
     p.add_argument("--close-serving-ports", action="store_true",
@@ -85,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         print("kvtier-operator: --network-policies needs --operator-namespace and --operator-pod-labels",
               file=sys.stderr)
         return 2
+    if not args.sidecar_plain_http and not args.operator_namespace:
+        print("kvtier-operator: --operator-namespace is required: the sidecars' control CA Secret lives there "
+              "(or --sidecar-plain-http, a loopback lab only)", file=sys.stderr)
+        return 2
     if args.sidecar_token_service_account.count("/") != 1:
         if args.sidecar_token_service_account:
             print("kvtier-operator: --sidecar-token-service-account is NAMESPACE/NAME", file=sys.stderr)
@@ -106,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         sidecar_token_file=args.sidecar_token_file, sidecar_protect_metrics=args.sidecar_protect_metrics,
         sidecar_token_service_account=args.sidecar_token_service_account,
         sidecar_metrics_users=",".join(args.sidecar_metrics_user),
+        sidecar_tls=not args.sidecar_plain_http, control_ca_secret=args.control_ca_secret,
         network_policies=args.network_policies,
         operator_namespace=args.operator_namespace, operator_pod_labels=args.operator_pod_labels,
         monitoring_namespace=args.monitoring_namespace, serving_ports_open=not args.close_serving_ports,

@@ -56,9 +56,11 @@ class Member:
     ip: str
     weight: float
     namespace: str = ""  # the pod's: its sidecar's token audience names it
+    # The policy that injected the pod's sidecar: the name its control certificate carries.
+    policy: str = ""
 
-    def http_url(self, port: int = SidecarConfig.model_fields["http_port"].default) -> str:
-        return f"http://{self.ip}:{port}"
+    def http_url(self, port: int = SidecarConfig.model_fields["http_port"].default, tls: bool = True) -> str:
+        return f"{'https' if tls else 'http'}://{self.ip}:{port}"
 
     def peer_address(self, port: int = SidecarConfig.model_fields["peer_port"].default) -> str:
         return f"{self.ip}:{port}"
@@ -94,7 +96,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
 def members(views: Iterable[PodView], selector: policy.LabelSelector) -> dict[MemberName, Member]:
     """The serving members, by pod name (the affinity table's member names)."""
     out = {
-        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight, v.namespace)
+        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight, v.namespace, v.injected_by or "")
         for v in views
         if v.serving and v.selected_by(selector)
     }
@@ -107,7 +109,7 @@ def leaving(views: Iterable[PodView], selector: policy.LabelSelector,
     have an IP: candidates to warm from before they go (their sidecars decide)."""
     was = set(previous)
     out = {
-        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight, v.namespace)
+        MemberName(v.name): Member(MemberName(v.name), v.ip or "", v.weight, v.namespace, v.injected_by or "")
         for v in views
         if v.name in was and v.ip and not v.serving and v.selected_by(selector)
     }

@@ -31,6 +31,10 @@ PENDING_EPOCH_ANNOTATION = f"{PREFIX}/pending-epoch"
 # (kubectl kvtier rollout ...); acted on once, remembered in status.rollout.handledRequest.
 ROLLOUT_REQUEST_ANNOTATION = f"{PREFIX}/rollout-request"
 
+# On the policy: the control certificate last issued for it (control_ca.Issued.record),
+# what its renewal is decided from (the operator never reads that Secret back).
+CONTROL_CERT_ANNOTATION = f"{PREFIX}/control-cert"
+
 SIDECAR_CONTAINER = "kvtier-sidecar"
 CONFIG_VOLUME = "kvtier-config"
 SHM_VOLUME = "kvtier-shm"
@@ -39,6 +43,8 @@ NVME_VOLUME = "kvtier-nvme"
 PEER_SECRET_VOLUME = "kvtier-peer-secret"
 PEER_SECRET_MOUNT_PATH = "/var/run/secrets/kvtier-peer"
 PEER_SECRET_KEY = "secret"
+CONTROL_TLS_VOLUME = "kvtier-control-tls"
+CONTROL_TLS_MOUNT_PATH = "/var/run/secrets/kvtier-control-tls"
 CONFIG_MOUNT_PATH = "/etc/kvtier"
 CONFIG_KEY = "sidecar.yaml"
 SHM_MOUNT_PATH = "/dev/shm"
@@ -68,6 +74,12 @@ def sidecar_config_map(policy_name: str) -> str:
 def peer_secret(policy_name: str) -> str:
     """The Secret holding the policy's peer secret (created by the operator if absent)."""
     return f"{policy_name}-kvtier-peer"
+
+
+def control_tls_secret(policy_name: str) -> str:
+    """The Secret (kubernetes.io/tls, plus ca.crt) with the policy's control API
+    certificate, issued and renewed by the operator's CA."""
+    return f"{policy_name}-kvtier-control-tls"
 
 
 def affinity_config_map(policy_name: str) -> str:

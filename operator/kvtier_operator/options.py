@@ -22,6 +22,8 @@ DEBOUNCE_S = 0.3
 # Warm-ups in flight per target sidecar: a new home keeps most of its peer link and
 # CPU for live traffic while it is being warmed.
 WARMS_PER_TARGET = 2
+# The operator's CA Secret (and its public twin, a ConfigMap) in the operator's namespace.
+DEFAULT_CONTROL_CA_SECRET = "kvtier-control-ca"
 # The label the chart gives the operator's pods (charts/kvtier, kvtier.selectorLabels).
 DEFAULT_OPERATOR_POD_LABELS = "app.kubernetes.io/name=kvtier-operator"
 
@@ -50,6 +52,11 @@ class OperatorOptions:
     # ... or, preferred, "namespace/name" of this operator's ServiceAccount, whose tokens
     # it mints per sidecar for that pod's own audience (`control_api.pod_audience`).
     sidecar_token_service_account: str = ""
+    # The sidecars' control API over TLS, certificates from this operator's CA, kept in
+    # the Secret `control_ca_secret` of `operator_namespace` (made when absent). Off:
+    # sidecars serve plain HTTP and get no token (a loopback lab only).
+    sidecar_tls: bool = True
+    control_ca_secret: str = DEFAULT_CONTROL_CA_SECRET
     # A NetworkPolicy per KVCachePolicy guarding the sidecars' ports (see netpol).
     network_policies: bool = False
     operator_namespace: str = ""
@@ -88,6 +95,8 @@ class OperatorOptions:
             sidecar_metrics_users=get("SIDECAR_METRICS_USERS", ""),
             sidecar_token_file=get("SIDECAR_TOKEN_FILE"),
             sidecar_token_service_account=get("SIDECAR_TOKEN_SERVICE_ACCOUNT", ""),
+            sidecar_tls=get("SIDECAR_TLS", "true") == "true",
+            control_ca_secret=get("CONTROL_CA_SECRET", "") or DEFAULT_CONTROL_CA_SECRET,
             network_policies=get("NETWORK_POLICIES", "false") == "true",
             operator_namespace=get("OPERATOR_NAMESPACE", ""),
             operator_pod_labels=get("OPERATOR_POD_LABELS", "") or DEFAULT_OPERATOR_POD_LABELS,
@@ -106,6 +115,8 @@ class OperatorOptions:
             "WARMS_PER_TARGET": str(self.warms_per_target),
             "SIDECAR_AUTH": self.sidecar_auth,
             "SIDECAR_PROTECT_METRICS": str(self.sidecar_protect_metrics).lower(),
+            "SIDECAR_TLS": str(self.sidecar_tls).lower(),
+            "CONTROL_CA_SECRET": self.control_ca_secret,
             "NETWORK_POLICIES": str(self.network_policies).lower(),
             "SERVING_PORTS_OPEN": str(self.serving_ports_open).lower(),
             "METRICS_HOST": self.metrics_host,

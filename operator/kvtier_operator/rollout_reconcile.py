@@ -176,7 +176,8 @@ async def _samples(kube, sidecars, namespace: str, workload: dict[str, Any],
             if kind == "Deployment" or any(o.get("kind") == "StatefulSet" and o.get("name") == owner
                                            for o in p["metadata"].get("ownerReferences") or [])]
     ready = {p["metadata"]["name"]: pod_view(p).serving for p in pods}
-    members = {MemberName(n): Member(MemberName(n), p["status"]["podIP"], 1.0, namespace)
+    members = {MemberName(n): Member(MemberName(n), p["status"]["podIP"], 1.0, namespace,
+                                     (p["metadata"].get("annotations") or {}).get(names.INJECTED_ANNOTATION, ""))
                for p in pods if ready[(n := p["metadata"]["name"])]}
     stats = {s.member: s for s in (await sidecars.fleet_stats(members)).per_member}
     out = []

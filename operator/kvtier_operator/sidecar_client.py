@@ -1,11 +1,18 @@
 """The operator's calls to the sidecars' HTTP control API: stats (known tenants, hit
 rate) and warm-ups. Every fault — a sidecar down, slow, or answering garbage — is a
-missing answer, never an exception: it costs a cold tenant, not a stuck operator."""
+missing answer, never an exception: it costs a cold tenant, not a stuck operator.
+
+Over HTTPS (`ControlTls`): each call connects to the pod IP and verifies the sidecar's
+certificate against the operator's CA for the name of the policy that injected it
+(`control_tls.server_name`). A certificate that does not verify fails the handshake,
+before the request — and so the bearer token — is sent; that too is a missing answer.
+Without TLS (sidecars told to serve plain HTTP) no token is ever attached."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -16,6 +23,8 @@ import aiohttp
 from pydantic import ValidationError
 
 from kvtier import control_api as api
+from kvtier import control_tls
+from kvtier.sidecar_config import SidecarConfig
 
 from kvtier_operator.membership import Member
 from kvtier_operator.options import WARMS_PER_TARGET
@@ -23,6 +32,7 @@ from kvtier_operator.warmup import WarmTask
 
 log = logging.getLogger("kvtier.operator.sidecars")
 
+DEFAULT_HTTP_PORT = SidecarConfig.model_fields["http_port"].default
 # Stats are small and sidecars are local to the cluster: a slow answer is a sick sidecar.
 STATS_TIMEOUT_S = 3.0
 # Warm-ups in flight at once, fleet-wide (per target: OperatorOptions.warms_per_target):
@@ -152,27 +162,64 @@ class PodTokens:
         return {"Authorization": f"Bearer {cached[0]}"}
 
 
+@dataclass(frozen=True, slots=True)
+class ControlTls:
+    """How the operator reaches sidecars over TLS: a context trusting only its CA."""
+
+    context: ssl.SSLContext
+
+    @classmethod
+    def from_ca(cls, ca_pem: bytes) -> "ControlTls":
+        return cls(control_tls.client_context(ca_pem))
+
+
+class NotReachable(Exception):
+    """A member this client will not call: it names no injecting policy, so there is no
+    certificate name to verify."""
+
+
 class SidecarClient:
     """One aiohttp session for the operator's lifetime (created in `on.startup`). Its
     credentials: per-pod minted tokens (`PodTokens`), else a token file for the
-    sidecars' shared audience (`BearerToken`), else none (open sidecars)."""
+    sidecars' shared audience (`BearerToken`), else none (open sidecars); sent only over
+    TLS that verified (`tls`; None: plain HTTP and never a token)."""
 
     def __init__(self, session: aiohttp.ClientSession, warms_per_target: int = WARMS_PER_TARGET,
-                 token_file: str | None = None, pod_tokens: PodTokens | None = None):
+                 token_file: str | None = None, pod_tokens: PodTokens | None = None,
+                 tls: ControlTls | None = None, http_port: int = DEFAULT_HTTP_PORT):
         self._session = session
+        self.http_port = http_port  # the port the webhook injects (a test's sidecar may differ)
         self.warms_per_target = warms_per_target
         self._token = BearerToken(token_file)
         self._pod_tokens = pod_tokens
+        self.tls = tls
 
     @classmethod
     def create(cls, warms_per_target: int = WARMS_PER_TARGET, token_file: str | None = None,
-               pod_tokens: PodTokens | None = None) -> "SidecarClient":
-        return cls(aiohttp.ClientSession(), warms_per_target, token_file, pod_tokens)
+               pod_tokens: PodTokens | None = None, tls: ControlTls | None = None,
+               http_port: int = DEFAULT_HTTP_PORT) -> "SidecarClient":
+        return cls(aiohttp.ClientSession(), warms_per_target, token_file, pod_tokens, tls, http_port)
 
     async def _auth(self, member: Member) -> dict[str, str] | None:
+        if self.tls is None:  # a token over plain HTTP is a token for anyone on the path
+            return None
         if self._pod_tokens is not None:
             return await self._pod_tokens.headers(member)
         return self._token.headers()
+
+    async def _call(self, method: str, member: Member, path: str, timeout: aiohttp.ClientTimeout,
+                    json_body: Any = None) -> aiohttp.ClientResponse:
+        """The request, to be used as `async with`; over TLS, verified for the member's
+        policy. NotReachable, aiohttp.ClientError (a certificate that does not verify is
+        a ClientConnectorCertificateError) and timeouts are the caller's missing answer."""
+        kwargs: dict[str, Any] = {"timeout": timeout, "headers": await self._auth(member)}
+        if json_body is not None:
+            kwargs["json"] = json_body
+        if self.tls is not None:
+            if not member.policy or not member.namespace:
+                raise NotReachable(f"{member.name} names no injecting policy: no certificate name to verify")
+            kwargs.update(ssl=self.tls.context, server_hostname=control_tls.server_name(member.namespace, member.policy))
+        return self._session.request(method, f"{member.http_url(self.http_port, self.tls is not None)}{path}", **kwargs)
 
     async def close(self) -> None:
         await self._session.close()
@@ -189,15 +236,13 @@ class SidecarClient:
 
     async def _stats(self, member: Member) -> MemberStats | None:
         try:
-            async with self._session.get(
-                f"{member.http_url()}/cache/stats", timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S),
-                headers=await self._auth(member),
-            ) as resp:
+            async with await self._call("GET", member, "/cache/stats",
+                                        aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as resp:
                 if resp.status != 200:
                     log.info("no stats from %s: HTTP %s %s", member.name, resp.status, (await resp.text())[:200])
                     return None
                 return parse_stats(member.name, await resp.json())
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, NotReachable) as exc:
             log.info("no stats from %s: %s", member.name, exc)
             return None
 
@@ -213,11 +258,10 @@ class SidecarClient:
         that misses this exits when its drain goes idle or times out."""
         async def done(member: Member) -> None:
             try:
-                async with self._session.post(f"{member.http_url()}/cache/drain/done", json={},
-                                              timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S),
-                                              headers=await self._auth(member)) as resp:
+                async with await self._call("POST", member, "/cache/drain/done",
+                                            aiohttp.ClientTimeout(total=STATS_TIMEOUT_S), {}) as resp:
                     log.info("released leaving pod %s: %s", member.name, resp.status)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, NotReachable) as exc:
                 log.info("leaving pod %s not released: %s", member.name, exc)
         await asyncio.gather(*(done(m) for m in leavers.values()))
 
@@ -262,8 +306,7 @@ class SidecarClient:
         try:
             while True:
                 remaining = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
-                async with self._session.post(f"{target.http_url()}/cache/warm", json=api.dump(body),
-                                              timeout=remaining, headers=await self._auth(target)) as resp:
+                async with await self._call("POST", target, "/cache/warm", remaining, api.dump(body)) as resp:
                     if resp.status in ASK_AGAIN_STATUSES:  # ask again when told, within the deadline
                         wait_s = _retry_after_s(resp.headers.get("Retry-After"))
                         if time.monotonic() + wait_s >= deadline:
@@ -277,7 +320,7 @@ class SidecarClient:
                     accepted = api.WarmAccepted.model_validate(await resp.json())
                     break
             return await self._wait_job(target, accepted.job, deadline)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, NotReachable) as exc:
             log.info("warm %s on %s failed: %s", req.tenant, req.target, exc)
             return False
 
@@ -285,8 +328,7 @@ class SidecarClient:
         """Warm-ups run in the background on the sidecar: wait for the job to finish."""
         while time.monotonic() < deadline:
             timeout = aiohttp.ClientTimeout(total=max(0.1, min(STATS_TIMEOUT_S, deadline - time.monotonic())))
-            async with self._session.get(f"{target.http_url()}/cache/jobs", timeout=timeout,
-                                         headers=await self._auth(target)) as resp:
+            async with await self._call("GET", target, "/cache/jobs", timeout) as resp:
                 record = api.Jobs.model_validate(await resp.json()).root.get(job) if resp.status == 200 else None
             if record is not None and record.state == api.JobState.DONE:
                 return True

@@ -20,6 +20,8 @@ was wrong: a body that is not `application/json` is 415, one nested deeper than 
 parser goes is 400, a tenant outside `kvtier.tenants`' rule is
 400 (stats) or 422 (warm). Handlers are thin: the work is in `service.Sidecar`.
 
+The port serves HTTPS only (`control_tls`; main.py loads the certificate and reloads it
+when renewed), unless the config chose `control_tls.plain_http` explicitly.
 Everything under /cache/ (and /metrics when `control_auth.protect_metrics`) needs the
 operator's token (see `control_auth`): 401 without a valid one, 403 for someone else,
 and nothing changes. /healthz and /readyz are always open (the kubelet probes them).

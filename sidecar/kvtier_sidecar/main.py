@@ -10,7 +10,9 @@ server keep serving, so the operator can warm this pod's tenants on their new ho
 from it — until `POST /cache/drain/done`, `drain_timeout_s`, `drain_idle_s` without a
 peer connection, or a second signal; then stop taking requests, deregister from the
 global index, unlink the socket and the arena.
-Exit status 2 names the bad flag or config field.
+The HTTP control port serves HTTPS with `control_tls.cert_file`/`key_file` (re-read
+when either file changes), or plain HTTP only when `control_tls.plain_http` says so.
+Exit status 2 names the bad flag or config field (a missing or unusable certificate too).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from pathlib import Path
 from aiohttp import web
 from pydantic import ValidationError
 
+from kvtier import control_tls
 from kvtier import sidecar_config as cfgmod
 from kvtier.sidecar_config import PeerSecretError, SidecarConfig
 
@@ -141,7 +144,7 @@ class SidecarProcess:
         engine = EngineServer(self.service, socket_path, hello_for(c, self.arena))
         await engine.start()
         stack.push_async_callback(engine.close)  # the first to stop: no new engine requests
-        site = web.TCPSite(runner, c.pod_ip, c.http_port)
+        site = web.TCPSite(runner, c.pod_ip, c.http_port, ssl_context=self._control_tls(c.control_tls))
         await site.start()
         http_port = runner.addresses[0][1]
         background = [asyncio.create_task(self._watch_config()), asyncio.create_task(self._sweep())]
@@ -163,6 +166,18 @@ class SidecarProcess:
             tmp.write_text(json.dumps(ready))
             tmp.replace(ready_file)
         log.info("sidecar serving", extra=ready)
+
+    def _control_tls(self, tls: cfgmod.ControlTlsConfig):
+        """The control port's TLS context (None: plain HTTP, chosen explicitly). The
+        certificate files are watched: a renewed pair is loaded for new handshakes."""
+        self.tls_watch = None
+        if not tls.enabled:
+            log.warning("CONTROL API WITHOUT TLS: control_tls.plain_http is set, so requests, bearer tokens "
+                        "and answers cross the network in the clear; use it on loopback only")
+            return None
+        ctx = control_tls.server_context(tls.cert_file, tls.key_file)
+        self.tls_watch = CertFileWatch(ctx, tls.cert_file, tls.key_file)
+        return ctx
 
     @staticmethod
     async def _cancel(tasks: list[asyncio.Task]) -> None:
@@ -233,6 +248,8 @@ class SidecarProcess:
                 self.service.counters.add(Count.PEER_SECRET_ROTATIONS)
                 log.info("peer secret rotated; the previous one stays accepted for the overlap",
                          extra={"overlap_s": self.keyring.overlap_s})
+            if self.tls_watch is not None:
+                self.tls_watch.poll()
             stamp = self._stamp()
             if stamp == self._config_stamp:
                 continue
@@ -262,6 +279,40 @@ class SidecarProcess:
                         extra={"needs_restart": sorted(restart)})
 
 
+class CertFileWatch:
+    """The control port's certificate and key files, reloaded into the serving context
+    when either changes (the kubelet swaps a renewed Secret's files atomically). A pair
+    that does not load is logged and the running one kept; it is tried again on the
+    next change."""
+
+    def __init__(self, ctx, cert_file: str, key_file: str) -> None:
+        self.ctx, self.cert_file, self.key_file = ctx, cert_file, key_file
+        self._stamp = self._read_stamp()
+
+    def _read_stamp(self) -> tuple | None:
+        try:
+            return tuple((st.st_mtime_ns, st.st_size, st.st_ino) for st in map(os.stat, (self.cert_file, self.key_file)))
+        except OSError:
+            return None
+
+    def poll(self) -> bool:
+        """True when a changed pair was loaded."""
+        stamp = self._read_stamp()
+        if stamp == self._stamp or stamp is None:
+            return False
+        self._stamp = stamp
+        try:
+            # Tried on a scratch context first: a pair that fails half-way through
+            # loading would leave the live one with a certificate and no key.
+            control_tls.server_context(self.cert_file, self.key_file)
+            control_tls.load_chain(self.ctx, self.cert_file, self.key_file)
+        except control_tls.ControlTlsError as exc:
+            log.warning("control TLS certificate change rejected; serving the previous one", extra={"error": str(exc)})
+            return False
+        log.info("control TLS certificate reloaded", extra={"cert_file": self.cert_file})
+        return True
+
+
 def _shape(c: SidecarConfig) -> tuple:
     m = c.model
     return (m.layers, m.kv_heads, m.head_dim, m.dtype_bytes, m.kv_planes)
@@ -273,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         config = cfgmod.load(args.config)
         if config.peer_enabled:
             config.peer_secret()  # the peer tier never starts without a usable secret
-    except PeerSecretError as exc:
+        config.control_tls.require_choice()
+        if config.control_tls.enabled:  # a bad pair is named before anything is taken
+            control_tls.server_context(config.control_tls.cert_file, config.control_tls.key_file)
+    except (PeerSecretError, control_tls.ControlTlsError) as exc:
         print(f"kvtier-sidecar: {exc}", file=sys.stderr)
         return 2
     except FileNotFoundError as exc:
@@ -288,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     except ArenaError as exc:
         log.error(str(exc))
         return 1
-    except PeerSecretError as exc:  # the file changed to an unusable one since the check above
+    except (PeerSecretError, control_tls.ControlTlsError) as exc:  # a file changed since the check above
         log.error(str(exc))
         return 2
     except OSError as exc:

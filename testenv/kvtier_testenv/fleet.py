@@ -9,6 +9,7 @@ processes replaying a multi-tenant workload through them.
 """
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import multiprocessing
@@ -19,10 +20,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier import control_tls
+from kvtier_operator import control_ca
+
+from .control_client import ControlEndpoint
 from .workload import ReplayStats, Request, make_oracle, make_workload, replay
 
 READY_TIMEOUT_S = 30.0
@@ -50,8 +54,22 @@ class SidecarHandle:
         return self.config["engine_socket"]
 
     @property
+    def tls(self) -> FleetTls | None:
+        """The fleet's control TLS when this sidecar serves HTTPS (the default)."""
+        cert = (self.config.get("control_tls") or {}).get("cert_file")
+        return fleet_tls(self.workdir) if cert else None
+
+    @property
     def http(self) -> str:
-        return "http://" + self.ready["http"]
+        """The control API's base URL (https unless the config chose plain HTTP)."""
+        return ("https://" if self.tls else "http://") + self.ready["http"]
+
+    @property
+    def control(self) -> ControlEndpoint:
+        """The control API as the operator calls it (the fleet's CA and server name)."""
+        host, port = self.ready["http"].rsplit(":", 1)
+        tls = self.tls
+        return ControlEndpoint(host, int(port), tls.server_name if tls else "", tls.ca_pem if tls else None)
 
     @property
     def peer(self) -> str:
@@ -103,21 +121,10 @@ class SidecarHandle:
         return self.proc.returncode
 
     def get(self, path: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
-        try:
-            with urllib.request.urlopen(self.http + path, timeout=timeout_s) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
+        return self.control.get(path, timeout_s=timeout_s)
 
     def post(self, path: str, body: dict | bytes, timeout_s: float = 5.0) -> tuple[int, bytes]:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        req = urllib.request.Request(self.http + path, data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
+        return self.control.post(path, body, timeout_s=timeout_s)
 
     def stats(self, tenant: str | None = None) -> dict:
         status, body = self.get("/cache/stats" + (f"?tenant={tenant}" if tenant else ""))
@@ -143,6 +150,44 @@ def fleet_secret(workdir: Path) -> str:
     return str(path)
 
 
+@dataclass(frozen=True)
+class FleetTls:
+    """The fleet's control TLS: its own CA (as the operator's would be) and one serving
+    certificate for `server_name`, the name every sidecar of the fleet presents."""
+
+    ca_file: Path
+    cert_file: Path
+    key_file: Path
+    server_name: str
+
+    @property
+    def ca_pem(self) -> bytes:
+        return self.ca_file.read_bytes()
+
+    def config(self) -> dict:
+        return {"cert_file": str(self.cert_file), "key_file": str(self.key_file)}
+
+
+# Long enough for any test or demo run; the operator's certificates are the short ones.
+FLEET_CERT_LIFETIME = dt.timedelta(days=2)
+
+
+def fleet_tls(workdir: Path) -> FleetTls:
+    """The control TLS of the fleet in `workdir` (made once, shared by its sidecars)."""
+    workdir = Path(workdir)
+    name = control_tls.server_name(fleet_namespace(workdir), "fleet")
+    tls = FleetTls(workdir / "fleet-ca.crt", workdir / "fleet-tls.crt", workdir / "fleet-tls.key", name)
+    if not tls.key_file.exists():
+        now = dt.datetime.now(dt.timezone.utc)
+        ca = control_ca.new_ca(now)
+        pair, _ = control_ca.issue(ca, (name, control_tls.SCRAPE_SERVER_NAME), now, FLEET_CERT_LIFETIME)
+        for path, content in ((tls.ca_file, ca.cert_pem), (tls.cert_file, pair.cert_pem), (tls.key_file, pair.key_pem)):
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(content)
+            tmp.replace(path)  # the key last: its presence says the set is whole
+    return tls
+
+
 def sidecar_config(name: str, ip: str, workdir: Path, oracle, redis_url: str | None = None,
                    secret_file: str | None = None, **overrides) -> dict:
     """A loopback sidecar's config; without `secret_file` (and with the peer tier on) the
@@ -155,8 +200,10 @@ def sidecar_config(name: str, ip: str, workdir: Path, oracle, redis_url: str | N
         "model": dict(oracle.shape), "block_size": oracle.block_size,
         "dram_capacity_bytes": 64 << 20, "redis_url": redis_url, "peer_secret_file": secret_file,
         "peer_timeout_s": 1.0, "log_level": "WARNING",
-        # Loopback fleets have no API server to review tokens: the control API is open.
+        # Loopback fleets have no API server to review tokens: the control API is open
+        # (and still served over TLS, with the fleet's CA).
         "control_auth": {"mode": "open"},
+        "control_tls": fleet_tls(workdir).config(),
     }
     config.update(overrides)
     return config

@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from kvtier import control_tls
 from kvtier_testenv import binaries, processes
 from kvtier_testenv.ports import HOST, free_port
 from kvtier_testenv.polling import wait_for
@@ -92,15 +93,21 @@ def promtool_binary() -> str:
 # --- configuration (pure) -------------------------------------------------------------
 
 
-def sidecar_scrape_config(kubeconfig: Path | str, namespaces: list[str] | None = None) -> dict[str, Any]:
+def sidecar_scrape_config(kubeconfig: Path | str, namespaces: list[str] | None = None,
+                          ca_file: Path | str | None = None) -> dict[str, Any]:
     """The scrape job for injected sidecars: pod discovery, kept by the webhook's
     annotation and the sidecar's named port, labelled namespace/pod/policy (the same
-    relabelling as the chart's PodMonitor)."""
+    relabelling as the chart's PodMonitor). With `ca_file` (the operator's control CA),
+    over HTTPS verifying the name every sidecar certificate carries for scrapers, as
+    the PodMonitor does."""
     sd: dict[str, Any] = {"role": "pod", "kubeconfig_file": str(kubeconfig)}
     if namespaces:
         sd["namespaces"] = {"names": list(namespaces)}
+    tls: dict[str, Any] = {} if ca_file is None else {
+        "scheme": "https", "tls_config": {"ca_file": str(ca_file), "server_name": control_tls.SCRAPE_SERVER_NAME}}
     return {
         "job_name": "kvtier-sidecars",
+        **tls,
         "scrape_interval": SCRAPE_INTERVAL,
         "kubernetes_sd_configs": [sd],
         "relabel_configs": [

@@ -28,7 +28,11 @@ def test_default_render_has_every_object_least_privilege_and_hardening():
         ("MutatingWebhookConfiguration", "kvtier-sidecar-injector"), ("NetworkPolicy", "kvtier-operator"),
         ("ConfigMap", "kvtier-alert-rules"), ("ConfigMap", "kvtier-dashboard"),
         ("Role", "kvtier-operator-sidecar-tokens"), ("RoleBinding", "kvtier-operator-sidecar-tokens"),
+        ("Role", "kvtier-operator-control-ca"), ("RoleBinding", "kvtier-operator-control-ca"),
     }
+    # The control CA: read back by name, in the release namespace only.
+    assert objects[("Role", "kvtier-operator-control-ca")]["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["kvtier-control-ca"], "verbs": ["get"]}]
     # The sidecars' tokens: the operator mints its own, and nobody else's.
     assert objects[("Role", "kvtier-operator-sidecar-tokens")]["rules"] == [
         {"apiGroups": [""], "resources": ["serviceaccounts/token"], "resourceNames": ["kvtier-operator"],
@@ -36,9 +40,13 @@ def test_default_render_has_every_object_least_privilege_and_hardening():
     assert "--sidecar-token-service-account=kvtier-system/kvtier-operator" in operator_container(objects)["args"]
     rules = objects[("ClusterRole", "kvtier-operator")]["rules"]
     granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
-    assert not any(v in ("*", "update", "deletecollection") for _, r, v in granted)
-    # Secrets: create (the per-policy peer secret) and nothing else cluster-wide.
-    assert {v for _, r, v in granted if r == "secrets"} == {"create"}
+    assert not any(v in ("*", "deletecollection") for _, r, v in granted)
+    assert not any(v == "update" for _, r, v in granted if r != "secrets")
+    # Secrets, cluster-wide: create (the per-policy peer secret and control TLS Secret)
+    # and update (that certificate renewed, written whole); never read, listed or patched.
+    assert {v for _, r, v in granted if r == "secrets"} == {"create", "update"}
+    f = flags(operator_container(objects))
+    assert f["operator-namespace"] == "kvtier-system" and f["control-ca-secret"] == "kvtier-control-ca"
     assert ("", "pods", "watch") in granted and ("", "pods", "patch") not in granted
     assert ("kvtier.io", "kvcachepolicies/status", "patch") in granted
 

@@ -59,6 +59,13 @@ def test_rules_configmap_by_default_and_operator_objects_only_with_their_api_and
     assert rule["spec"] == yaml.safe_load(objects[("ConfigMap", "kvtier-alert-rules")]["data"][RULES_KEY])
     pm = objects[("PodMonitor", "kvtier-sidecars")]["spec"]
     assert pm["podMetricsEndpoints"][0]["port"] == "kvtier-http"
+    # Over the control port's TLS: the operator's CA (its public ConfigMap) and the name
+    # every sidecar certificate carries for scrapers.
+    assert pm["podMetricsEndpoints"][0]["scheme"] == "https"
+    assert pm["podMetricsEndpoints"][0]["tlsConfig"] == {
+        "ca": {"configMap": {"name": "kvtier-control-ca", "key": "ca.crt"}}, "serverName": "kvtier-sidecar"}
+    plain = render({**on, "controlTls": {"enabled": False}}, extra=MONITORING_APIS)
+    assert "scheme" not in plain[("PodMonitor", "kvtier-sidecars")]["spec"]["podMetricsEndpoints"][0]
     assert {r.get("targetLabel") for r in pm["podMetricsEndpoints"][0]["relabelings"]} >= {"policy", "namespace", "pod"}
     sm = objects[("ServiceMonitor", "kvtier-operator")]["spec"]
     assert sm["endpoints"][0]["honorLabels"] is True

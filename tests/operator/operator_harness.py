@@ -99,7 +99,10 @@ def operator_argv(namespace: str, options: OperatorOptions) -> list[str]:
     """`kvtier-operator`'s command line for `options`: the process builds its settings
     from its flags, so each option a test sets must travel as a flag, not as the env."""
     argv = [sys.executable, "-m", "kvtier_operator.main", "--namespace", namespace,
-            "--sidecar-auth", options.sidecar_auth, "--warms-per-target", str(options.warms_per_target)]
+            "--sidecar-auth", options.sidecar_auth, "--warms-per-target", str(options.warms_per_target),
+            "--operator-namespace", options.operator_namespace, "--control-ca-secret", options.control_ca_secret]
+    if not options.sidecar_tls:
+        argv.append("--sidecar-plain-http")
     if options.webhook_host:
         argv += ["--webhook-host", options.webhook_host, "--webhook-port", str(options.webhook_port),
                  "--webhook-cert", str(options.webhook_cert), "--webhook-key", str(options.webhook_key)]
@@ -156,6 +159,9 @@ def operator_options(tmp_path: Path, webhook_port: int | None = None, **override
     # The node agent's sidecars have no ServiceAccount token to call TokenReview with
     # unless a test sets that up (tests/operator/test_control_auth_e2e.py does).
     overrides.setdefault("sidecar_auth", "open")
+    # The control CA Secret lives in the operator's namespace (made by the first operator
+    # of the session, reused by every later one, as after a restart).
+    overrides.setdefault("operator_namespace", OPERATOR_NAMESPACE)
     knobs = {"debounce_s": 0.2, "resync_interval_s": 30, **overrides}
     if webhook_port is None:
         return OperatorOptions(**knobs)

@@ -4,8 +4,6 @@ engine client (`kvtier_sidecar.client`) over the pod's engine socket; warm-ups a
 read back from each sidecar's own `GET /cache/jobs`."""
 from __future__ import annotations
 
-import json
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from kvtier import sidecar_config
 from kvtier.keys import KeyRoot
 from kvtier_sidecar.client import Hit, SidecarClient
 from kvtier_testenv import engine_io
+from kvtier_testenv.control_client import ControlEndpoint
 from kvtier_testenv.synthetic import prefill_kv
 from kvtier_testenv.nodeagent import NodeAgent
 
@@ -26,6 +25,22 @@ BLOCK_BYTES = 2 * 2 * 2 * 16 * 2 * BLOCK_SIZE
 PROMPT_TOKENS = 72  # 4 full blocks are stored; a lookup of the prompt matches 64 tokens
 MATCHED_TOKENS = 64
 HTTP_TIMEOUT_S = 5.0
+
+
+def pod_control(env: dict[str, str], port: int = 8081) -> ControlEndpoint:
+    """The control endpoint of the injected sidecar whose environment is `env`: the CA
+    and the server name from the policy's mounted control TLS Secret (its certificate's
+    first name: `control_tls.server_name(namespace, policy)`)."""
+    from cryptography import x509
+
+    cert_file = env.get("KVTIER_CONTROL_TLS_CERT_FILE")
+    if not cert_file:  # an operator told to inject plain HTTP
+        return ControlEndpoint(env["POD_IP"], port)
+    tls_dir = Path(cert_file).parent
+    cert = x509.load_pem_x509_certificate(Path(cert_file).read_bytes())
+    name = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName)[0]
+    return ControlEndpoint(env["POD_IP"], port, name, (tls_dir / "ca.crt").read_bytes())
 
 
 def tiny_policy(name: str, app: str, **spec: object) -> dict:
@@ -62,21 +77,24 @@ def kv_of(tenant: str, tokens: np.ndarray) -> np.ndarray:
 
 @dataclass
 class PodSidecar:
-    """One pod's real sidecar as a test reaches it: HTTP on its IP, engine socket on disk."""
+    """One pod's real sidecar as a test reaches it: its control API as the operator
+    calls it (HTTPS to the pod IP, the policy's certificate verified against the CA the
+    pod's Secret carries), its engine socket on disk."""
 
     name: str
     ip: str
     socket: str
+    control: ControlEndpoint
 
     @classmethod
     def of(cls, agent: NodeAgent, namespace: str, pod: str) -> "PodSidecar":
         env = agent.process(namespace, pod).env
         cfg = sidecar_config.from_mapping({}, env)
-        return cls(pod, env["POD_IP"], str(Path(env["XDG_RUNTIME_DIR"]) / f"kvtier-{cfg.shm_name}.sock"))
+        return cls(pod, env["POD_IP"], str(Path(env["XDG_RUNTIME_DIR"]) / f"kvtier-{cfg.shm_name}.sock"),
+                   pod_control(env))
 
     def get(self, path: str) -> dict:
-        with urllib.request.urlopen(f"http://{self.ip}:8081{path}", timeout=HTTP_TIMEOUT_S) as r:
-            return json.loads(r.read())
+        return self.control.get_json(path, timeout_s=HTTP_TIMEOUT_S)
 
     def warm_jobs(self) -> list[dict]:
         return [j for j in self.get("/cache/jobs").values() if j.get("kind") == "warm"]

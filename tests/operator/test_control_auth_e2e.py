@@ -1,16 +1,21 @@
 """The operator's identity end to end: the webhook tells injected sidecars whom to
 accept, the sidecars check the operator's audience-bound token with TokenReview using
 their pod's own ServiceAccount, and the operator's stats calls get through while an
-anonymous caller gets 401."""
+anonymous caller gets 401. All of it over TLS: the operator issued the policy's
+certificate from its CA into the Secret the webhook mounts, the control port refuses
+plain HTTP, and a client expecting another policy's name gets no connection."""
 from __future__ import annotations
 
+import base64
+from http.client import HTTPException
 import json
-import urllib.error
-import urllib.request
+import ssl
 
 import pytest
 
-from kvtier_operator import names
+from kvtier import control_tls
+from kvtier_operator import control_ca, names
+from kvtier_testenv.control_client import ControlEndpoint
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.ports import free_port
 from operator_harness import OPERATOR_NAMESPACE, OPERATOR_SA, RunningOperator, operator_options, register_webhook, \
@@ -23,14 +28,9 @@ pytestmark = pytest.mark.k8s
 AUDIENCE = "kvtier-sidecar"
 
 
-def http(ip: str, method: str, path: str, token: str | None = None) -> int:
-    req = urllib.request.Request(f"http://{ip}:8081{path}", method=method, data=b"{}" if method == "POST" else None,
-                                 headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
+def http(sidecar: PodSidecar, method: str, path: str, token: str | None = None) -> int:
+    return sidecar.control.request(method, path, body={} if method == "POST" else None,
+                                   headers={"Authorization": f"Bearer {token}"} if token else {}, timeout_s=10)[0]
 
 
 @pytest.fixture
@@ -74,10 +74,24 @@ def test_injected_sidecars_accept_only_the_operators_token(authed_operator, kube
     except (TimeoutError, KeyError) as exc:
         raise AssertionError(f"{exc}\nsidecar log:\n{agent.log(kubectl.namespace, 'llm-0')}") from None
     sidecar.seed("tenant-a", 1)
+    # The policy's certificate, from the operator's CA, for the policy's name.
+    secret = kubectl.get_json("secret", names.control_tls_secret("tiny"))
+    assert secret["type"] == "kubernetes.io/tls"
+    assert base64.b64decode(secret["data"]["ca.crt"]) == sidecar.control.ca_pem
+    assert sidecar.control.server_name == control_tls.server_name(kubectl.namespace, "tiny")
+    record = control_ca.Issued.from_record(
+        kubectl.get_json("kvcp", "tiny")["metadata"]["annotations"][names.CONTROL_CERT_ANNOTATION])
+    assert record is not None and record.names[0] == sidecar.control.server_name
+    # HTTPS only: plain HTTP gets no HTTP answer; another policy's name does not verify.
+    with pytest.raises((OSError, HTTPException)):
+        ControlEndpoint(sidecar.ip, 8081).get("/healthz")
+    with pytest.raises(ssl.SSLCertVerificationError):
+        ControlEndpoint(sidecar.ip, 8081, control_tls.server_name(kubectl.namespace, "other"),
+                        sidecar.control.ca_pem).get("/healthz")
     # Nobody but the operator may read tenants or change the cache.
-    assert http(sidecar.ip, "GET", "/cache/stats") == 401
-    assert http(sidecar.ip, "POST", "/cache/invalidate") == 401
-    assert http(sidecar.ip, "GET", "/healthz") == 200
+    assert http(sidecar, "GET", "/cache/stats") == 401
+    assert http(sidecar, "POST", "/cache/invalidate") == 401
+    assert http(sidecar, "GET", "/healthz") == 200
     # A second pod joining makes the operator read every member's stats: with its token
     # it learns the tenant seeded above (only an authenticated stats call tells it).
     second = serving_pod("llm-1", "llm")
@@ -86,7 +100,5 @@ def test_injected_sidecars_accept_only_the_operators_token(authed_operator, kube
     agent.wait_ready(2, selector="app=llm", timeout_s=60)
     wait_for("the operator's authenticated stats", lambda: status_of(kubectl, "tiny").get("knownTenants") == 1,
              timeout_s=60)
-    stats = urllib.request.Request(f"http://{sidecar.ip}:8081/cache/stats",
-                                   headers={"Authorization": f"Bearer {operator_token}"})
-    with urllib.request.urlopen(stats, timeout=10) as resp:
-        assert json.loads(resp.read())["sidecar"]["token_reviews"] >= 1
+    status, body = sidecar.control.get("/cache/stats", headers={"Authorization": f"Bearer {operator_token}"})
+    assert status == 200 and json.loads(body)["sidecar"]["token_reviews"] >= 1

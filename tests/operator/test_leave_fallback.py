@@ -13,8 +13,8 @@ from kvtier import policy
 from kvtier import sidecar_config as cfgmod
 from kvtier.affinity import AffinityTable, TenantMove
 from kvtier_operator import membership, names, reconcile, sidecar_render
-from kvtier_operator.sidecar_client import SidecarClient
-from kvtier_testenv.fleet import SidecarHandle, fleet_secret
+from kvtier_operator.sidecar_client import ControlTls, SidecarClient
+from kvtier_testenv.fleet import SidecarHandle, fleet_namespace, fleet_secret, fleet_tls
 from sidecar_fleet import PodSidecar, tiny_policy
 
 # Loopback addresses no other test uses: the sidecars bind the pod ports 8081/8082.
@@ -51,27 +51,29 @@ def sidecars(tmp_path):
             # webhook makes it when the operator runs with --sidecar-auth=open.
             config = {**base, "pod_name": name, "pod_ip": IPS[name], "log_level": "WARNING",
                       "engine_socket": str(tmp_path / f"{name}.sock"), "control_auth": {"mode": "open"},
-                      "peer_secret_file": fleet_secret(tmp_path)}
+                      "peer_secret_file": fleet_secret(tmp_path), "control_tls": fleet_tls(tmp_path).config()}
             handles[name] = SidecarHandle(name, IPS[name], tmp_path, config).start()
-        yield spec, handles
+        yield spec, handles, tmp_path
     finally:
         for h in handles.values():
             h.kill()
 
 
 def test_warm_up_falls_back_to_a_surviving_old_home_when_the_leaver_does_not_answer(sidecars):
-    spec, handles = sidecars
-    keep, new = (PodSidecar(n, IPS[n], handles[n].socket) for n in ("keep", "new"))
+    spec, handles, workdir = sidecars
+    keep, new = (PodSidecar(n, IPS[n], handles[n].socket, handles[n].control) for n in ("keep", "new"))
     keep.seed("moved", 2)
-    members = {n: membership.Member(membership.MemberName(n), IPS[n], 1.0) for n in ("keep", "new")}
-    leavers = {"gone": membership.Member(membership.MemberName("gone"), IPS["gone"], 1.0)}
+    # The fleet's certificate names policy "fleet" of the fleet's namespace.
+    ns = fleet_namespace(workdir)
+    members = {n: membership.Member(membership.MemberName(n), IPS[n], 1.0, ns, "fleet") for n in ("keep", "new")}
+    leavers = {"gone": membership.Member(membership.MemberName("gone"), IPS["gone"], 1.0, ns, "fleet")}
     table = AffinityTable(epoch=8, members={"keep": 1.0, "new": 1.0}, homes=2)
     body = {"metadata": {"name": "fallback", "namespace": "ns", "uid": "u-1", "annotations": {}},
             "apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy"}
     kube = RecordingKube()
 
     async def run() -> None:
-        client = SidecarClient.create()
+        client = SidecarClient.create(tls=ControlTls.from_ca(fleet_tls(workdir).ca_pem))
         try:
             await reconcile._warm_then_publish(kube, client, body, spec, members,
                                                Plan([TenantMove("moved", ("gone", "keep"), ("keep", "new"))]),

@@ -3,6 +3,7 @@ and their journal, condition merging, stats parsing, the published table."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -44,6 +45,28 @@ def test_injection_adds_sidecar_volumes_env_and_mounts(spec):
     engine_mounts = {m["mountPath"] for m in containers["engine"]["volumeMounts"]}
     assert engine_mounts == {names.SHM_MOUNT_PATH, names.RUN_MOUNT_PATH}
     assert patch["metadata"]["annotations"] == {names.INJECTED_ANNOTATION: "chat"}
+
+
+def test_injection_mounts_the_policys_control_certificate_and_probes_over_https(spec):
+    patch = injection.inject(pod(), "chat", spec, IMAGE)
+    sidecar = {c["name"]: c for c in patch["spec"]["containers"]}[names.SIDECAR_CONTAINER]
+    volumes = {v["name"]: v for v in patch["spec"]["volumes"]}
+    assert volumes[names.CONTROL_TLS_VOLUME] == {"name": names.CONTROL_TLS_VOLUME,
+                                                 "secret": {"secretName": "chat-kvtier-control-tls"}}
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == names.CONTROL_TLS_VOLUME)
+    assert mount == {"name": names.CONTROL_TLS_VOLUME, "mountPath": names.CONTROL_TLS_MOUNT_PATH, "readOnly": True}
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env["KVTIER_CONTROL_TLS_CERT_FILE"] == f"{names.CONTROL_TLS_MOUNT_PATH}/tls.crt"
+    assert env["KVTIER_CONTROL_TLS_KEY_FILE"] == f"{names.CONTROL_TLS_MOUNT_PATH}/tls.key"
+    assert "KVTIER_CONTROL_TLS_PLAIN_HTTP" not in env
+    assert sidecar["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    # Told to serve plain HTTP: no certificate, the choice said out loud, probed over HTTP.
+    plain = injection.inject(pod(), "chat", spec, dataclasses.replace(IMAGE, tls=False))
+    sidecar = {c["name"]: c for c in plain["spec"]["containers"]}[names.SIDECAR_CONTAINER]
+    assert names.CONTROL_TLS_VOLUME not in {v["name"] for v in plain["spec"]["volumes"]}
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env["KVTIER_CONTROL_TLS_PLAIN_HTTP"] == "true" and "KVTIER_CONTROL_TLS_CERT_FILE" not in env
+    assert sidecar["readinessProbe"]["httpGet"]["scheme"] == "HTTP"
 
 
 def test_injection_is_idempotent_and_leaves_the_input_alone(spec):

@@ -4,9 +4,6 @@ sidecar to accept only its own. A token one sidecar received, replayed at anothe
 refused; so is a token for the sidecars' old shared audience."""
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
-
 import pytest
 
 from kvtier import control_api
@@ -22,13 +19,8 @@ from test_operator_e2e import short_workdir, status_of
 pytestmark = pytest.mark.k8s
 
 
-def stats_status(ip: str, token: str) -> int:
-    req = urllib.request.Request(f"http://{ip}:8081/cache/stats", headers={"Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
+def stats_status(sidecar: PodSidecar, token: str) -> int:
+    return sidecar.control.get("/cache/stats", headers={"Authorization": f"Bearer {token}"}, timeout_s=10)[0]
 
 
 @pytest.fixture
@@ -79,7 +71,7 @@ def test_a_token_for_one_sidecar_is_refused_by_another(minting_operator, kubectl
     for pod, sidecar in sidecars.items():
         other = next(p for p in sidecars if p != pod)
         own = token(control_api.pod_audience(kubectl.namespace, pod))
-        assert stats_status(sidecar.ip, own) == 200
-        assert stats_status(sidecars[other].ip, own) == 401  # replayed at another sidecar
+        assert stats_status(sidecar, own) == 200
+        assert stats_status(sidecars[other], own) == 401  # replayed at another sidecar
     shared = token(DEFAULT_CONTROL_AUDIENCE)  # what a leaked projected token used to open: every sidecar
-    assert {stats_status(s.ip, shared) for s in sidecars.values()} == {401}
+    assert {stats_status(s, shared) for s in sidecars.values()} == {401}

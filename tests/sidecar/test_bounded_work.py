@@ -8,8 +8,6 @@ import json
 import socket
 import statistics
 import time
-import urllib.error
-import urllib.request
 
 import redis as redis_sync
 
@@ -41,14 +39,9 @@ def peer_lookup_s(client: SidecarClient, root, tokens) -> float:
 
 
 def post_warm(side, ref: str, peer: str) -> tuple[int, dict[str, str]]:
-    body = json.dumps({"tenant": "t", "from_peer": peer, "max_bytes": 1 << 20, "ref": ref}).encode()
-    req = urllib.request.Request(side.http + "/cache/warm", data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status, dict(r.headers)
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers)
+    status, headers, _ = side.control.exchange(
+        "POST", "/cache/warm", {"tenant": "t", "from_peer": peer, "max_bytes": 1 << 20, "ref": ref})
+    return status, headers
 
 
 def test_warm_flood_toward_a_stalled_peer_is_bounded_and_engine_lookups_keep_their_latency(

@@ -4,8 +4,6 @@ audience-bound ServiceAccount token opens the mutating endpoints and per-tenant 
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -20,15 +18,10 @@ AUDIENCE = "kvtier-sidecar"
 
 
 def call(sc, method: str, path: str, token: str | None = None, body: dict | None = None) -> tuple[int, dict | str]:
-    req = urllib.request.Request(f"{sc.http}{path}", method=method,
-                                 data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {token}"} if token else {})})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
+    status, raw = sc.control.request(method, path, body,
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {token}"} if token else {})},
+                                     timeout_s=10)
     try:
         return status, json.loads(raw)
     except ValueError:

@@ -5,7 +5,6 @@ re-review is not queued behind the garbage, while every queued review gives up (
 instead of holding its caller."""
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import threading
@@ -24,8 +23,7 @@ pytestmark = pytest.mark.k8s
 
 def stats_from(sc, source_ip: str, token: str) -> int:
     """GET /cache/stats with `token`, sent from the loopback address `source_ip`."""
-    host, port = sc.ready["http"].rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=60, source_address=(source_ip, 0))
+    conn = sc.control.connection(60, source_address=(source_ip, 0))
     try:
         conn.request("GET", "/cache/stats", headers={"Authorization": f"Bearer {token}"})
         return conn.getresponse().status

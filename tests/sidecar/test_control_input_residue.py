@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import urllib.error
 import urllib.parse
-import urllib.request
 
 import pytest
 
@@ -23,13 +21,9 @@ GOOD_TENANTS = ["t", "acme", "org/team-1", "user@example.com", "c2FsdA==", "x..y
 
 
 def send(side, path: str, body: bytes, content_type: str | None = "application/json") -> tuple[int, dict]:
-    req = urllib.request.Request(side.http + path, data=body, method="POST",
-                                 headers={"Content-Type": content_type} if content_type else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    status, raw = side.control.post(path, body, headers={"Content-Type": content_type} if content_type else {},
+                                    timeout_s=10)
+    return status, json.loads(raw)
 
 
 def test_the_tenant_rule_is_one_pattern_that_refuses_nul_and_path_segments():

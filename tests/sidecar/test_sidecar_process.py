@@ -276,11 +276,10 @@ def test_http_fuzz_thousands_of_random_requests_server_keeps_serving(spawn):
     import random
 
     sc = spawn()
-    host, port = sc.ready["http"].split(":")
     rng = random.Random(1)
     paths = ["/cache/invalidate", "/cache/warm", "/cache/stats", "/metrics", "/readyz", "/x"]
     statuses = set()
-    conn = http.client.HTTPConnection(host, int(port), timeout=5)
+    conn = sc.control.connection(5)
     for i in range(2000):
         body = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))
         if i % 3 == 0:
@@ -293,7 +292,7 @@ def test_http_fuzz_thousands_of_random_requests_server_keeps_serving(spawn):
             statuses.add(resp.status)
         except (http.client.HTTPException, OSError):
             conn.close()
-            conn = http.client.HTTPConnection(host, int(port), timeout=5)
+            conn = sc.control.connection(5)
     assert not any(s >= 500 for s in statuses), statuses
     assert sc.get("/healthz")[0] == 200 and sc.proc.poll() is None
 

@@ -1,8 +1,6 @@
 """`POST /cache/warm` dials only the sidecar's own fleet, never an address a caller names."""
 import json
 import socket
-import urllib.error
-import urllib.request
 
 from .test_sidecar_process import poll
 
@@ -43,14 +41,9 @@ def test_warm_peers_from_config_are_the_only_sources_without_an_index(spawn, sec
 
 
 def warm_answer(side, peer: str, ref: str) -> tuple[int, dict[str, str], dict]:
-    body = json.dumps({"tenant": "t", "from_peer": peer, "max_bytes": 1 << 20, "ref": ref}).encode()
-    req = urllib.request.Request(side.http + "/cache/warm", data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status, dict(r.headers), json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), json.loads(e.read())
+    status, headers, raw = side.control.exchange(
+        "POST", "/cache/warm", {"tenant": "t", "from_peer": peer, "max_bytes": 1 << 20, "ref": ref})
+    return status, headers, json.loads(raw)
 
 
 def jobs(side) -> dict:

@@ -104,3 +104,8 @@ changes the caBundle under running pods. `helm template` has no cluster: it gene
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The operator's control CA Secret (and its public ConfigMap twin). */}}
+{{- define "kvtier.controlCaName" -}}
+{{- .Values.controlTls.caSecretName | default (printf "%s-control-ca" (include "kvtier.fullname" .)) -}}
+{{- end -}}
