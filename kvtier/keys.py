@@ -7,6 +7,11 @@ the block:
     block_hash[0] = H(root.digest() || tokens[0:B])
     block_hash[i] = H(block_hash[i-1] || tokens[iB:(i+1)B])
 
+The key root's fields are named here and nowhere else: every process boundary carries
+a root as `KeyRoot.to_wire()` (a JSON object of those fields) and reads it back with
+`KeyRoot.from_wire` (validated: `WireRoot`); `ModelIdentity` is the root minus the
+tenant, the one model identity the connector, the sidecar config and the policy use.
+
 H is xxh3-128 under a fixed, versioned seed over a canonical encoding (token ids as
 little-endian uint32), so the same prompt names the same blocks in every process, on
 every host and across releases. Python's `hash()` is never involved.
@@ -20,10 +25,14 @@ from __future__ import annotations
 import array
 import sys
 from dataclasses import dataclass, field
-from typing import Iterable, NewType
+from typing import Any, Iterable, Mapping, NewType
 
 import numpy as np
 import xxhash
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvtier.dtypes import DEFAULT_KV_DTYPE
+from kvtier.tenants import TenantName
 
 BlockHash = NewType("BlockHash", bytes)
 """16-byte xxh3-128 digest of one block, chained through every block before it."""
@@ -45,6 +54,9 @@ TOKEN_DTYPE = np.dtype("<u4")
 _UINT32_MAX = 0xFFFF_FFFF
 _ARRAY_OK = array.array("I").itemsize == 4 and sys.byteorder == "little"
 _ROOT_DOMAIN = b"kvtier/keyroot/v1"
+
+KEY_ROOT_FIELDS = ("tenant", "model_id", "weights_version", "kv_dtype", "rope_config_hash", "attn_impl_id")
+"""The key root's fields, in digest order (changing the order changes every hash)."""
 
 
 def _encode_field(name: str, value: object) -> bytes:
@@ -74,16 +86,82 @@ class KeyRoot:
     _digest: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        encoded = _ROOT_DOMAIN + b"".join(
-            _encode_field(name, getattr(self, name))
-            for name in ("tenant", "model_id", "weights_version", "kv_dtype",
-                         "rope_config_hash", "attn_impl_id")
-        )
+        encoded = _ROOT_DOMAIN + b"".join(_encode_field(name, getattr(self, name)) for name in KEY_ROOT_FIELDS)
         object.__setattr__(self, "_digest", xxhash.xxh3_128_digest(encoded, seed=HASH_SEED))
 
     def digest(self) -> bytes:
         """16-byte canonical digest; the parent of block 0 in every chain."""
         return self._digest
+
+    def to_wire(self) -> dict[str, str]:
+        """The root as it crosses a process boundary: a JSON object of its fields."""
+        return {name: getattr(self, name) for name in KEY_ROOT_FIELDS}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> "KeyRoot":
+        """A root another process sent: ValueError (a pydantic ValidationError) unless
+        `raw` is exactly the object `to_wire` makes, within `WireRoot`'s bounds."""
+        if isinstance(raw, WireRoot):
+            return raw.key_root()
+        if not isinstance(raw, Mapping):
+            raise ValueError("root must be an object with the key-root fields")
+        return WireRoot.model_validate(raw).key_root()
+
+    def with_tenant(self, tenant: str) -> "KeyRoot":
+        """The same model's root under another tenant."""
+        return KeyRoot(tenant, *(getattr(self, name) for name in KEY_ROOT_FIELDS[1:]))
+
+    def identity(self) -> "ModelIdentity":
+        """The root minus its tenant."""
+        return ModelIdentity(**{name: getattr(self, name) for name in KEY_ROOT_FIELDS[1:]})
+
+
+class WireRoot(BaseModel):
+    """A key root on a wire (the engine socket, the peer protocol): `KeyRoot`'s fields,
+    bounded so a hostile peer cannot make a root (a metric label, a log field) of any size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tenant: TenantName
+    model_id: str = Field(min_length=1, max_length=256)
+    weights_version: str = Field(min_length=1, max_length=256)
+    kv_dtype: str = Field(min_length=1, max_length=64)
+    rope_config_hash: str = Field(min_length=1, max_length=256)
+    attn_impl_id: str = Field(min_length=1, max_length=256)
+
+    @classmethod
+    def of(cls, root: KeyRoot) -> "WireRoot":
+        return cls(**root.to_wire())
+
+    def key_root(self) -> KeyRoot:
+        return KeyRoot(**self.model_dump())
+
+
+DEFAULT_MODEL_ID = "reference-tiny"
+DEFAULT_WEIGHTS_VERSION = "dev"
+DEFAULT_ROPE_CONFIG_HASH = "rope-default"
+DEFAULT_ATTN_IMPL_ID = "default"
+
+
+class ModelIdentity(BaseModel):
+    """Everything in a key root but the tenant: one served model, fixed for an engine's
+    lifetime. The connector's engine identity and the sidecar's served model are this;
+    a policy's `model` section yields it (`policy.ModelSpec.identity`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model_id: str = DEFAULT_MODEL_ID
+    weights_version: str = DEFAULT_WEIGHTS_VERSION
+    kv_dtype: str = DEFAULT_KV_DTYPE.value
+    rope_config_hash: str = DEFAULT_ROPE_CONFIG_HASH
+    attn_impl_id: str = DEFAULT_ATTN_IMPL_ID
+
+    def identity(self) -> "ModelIdentity":
+        """Just the identity (a subclass's other fields dropped)."""
+        return ModelIdentity(**{name: getattr(self, name) for name in KEY_ROOT_FIELDS[1:]})
+
+    def root(self, tenant: str) -> KeyRoot:
+        return KeyRoot(tenant, *(getattr(self, name) for name in KEY_ROOT_FIELDS[1:]))
 
 
 def _as_array(token_ids: Iterable[int]) -> np.ndarray:
