@@ -9,8 +9,9 @@ the block:
 
 The key root's fields are named here and nowhere else: every process boundary carries
 a root as `KeyRoot.to_wire()` (a JSON object of those fields) and reads it back with
-`KeyRoot.from_wire` (validated: `WireRoot`); `ModelIdentity` is the root minus the
-tenant, the one model identity the connector, the sidecar config and the policy use.
+`KeyRoot.from_wire` (validated: `kvtier.identity.WireRoot`); `kvtier.identity.ModelIdentity`
+is the root minus the tenant, the one model identity the connector, the sidecar config
+and the policy use. (Those are pydantic models, kept out of this compiled module.)
 
 H is xxh3-128 under a fixed, versioned seed over a canonical encoding (token ids as
 little-endian uint32), so the same prompt names the same blocks in every process, on
@@ -25,14 +26,13 @@ from __future__ import annotations
 import array
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, NewType
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NewType
 
 import numpy as np
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field
 
-from kvtier.dtypes import DEFAULT_KV_DTYPE
-from kvtier.tenants import TenantName
+if TYPE_CHECKING:
+    from kvtier.identity import ModelIdentity
 
 BlockHash = NewType("BlockHash", bytes)
 """16-byte xxh3-128 digest of one block, chained through every block before it."""
@@ -101,6 +101,8 @@ class KeyRoot:
     def from_wire(cls, raw: Any) -> "KeyRoot":
         """A root another process sent: ValueError (a pydantic ValidationError) unless
         `raw` is exactly the object `to_wire` makes, within `WireRoot`'s bounds."""
+        from kvtier.identity import WireRoot  # pydantic models stay out of this compiled module
+
         if isinstance(raw, WireRoot):
             return raw.key_root()
         if not isinstance(raw, Mapping):
@@ -113,55 +115,9 @@ class KeyRoot:
 
     def identity(self) -> "ModelIdentity":
         """The root minus its tenant."""
+        from kvtier.identity import ModelIdentity
+
         return ModelIdentity(**{name: getattr(self, name) for name in KEY_ROOT_FIELDS[1:]})
-
-
-class WireRoot(BaseModel):
-    """A key root on a wire (the engine socket, the peer protocol): `KeyRoot`'s fields,
-    bounded so a hostile peer cannot make a root (a metric label, a log field) of any size."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    tenant: TenantName
-    model_id: str = Field(min_length=1, max_length=256)
-    weights_version: str = Field(min_length=1, max_length=256)
-    kv_dtype: str = Field(min_length=1, max_length=64)
-    rope_config_hash: str = Field(min_length=1, max_length=256)
-    attn_impl_id: str = Field(min_length=1, max_length=256)
-
-    @classmethod
-    def of(cls, root: KeyRoot) -> "WireRoot":
-        return cls(**root.to_wire())
-
-    def key_root(self) -> KeyRoot:
-        return KeyRoot(**self.model_dump())
-
-
-DEFAULT_MODEL_ID = "reference-tiny"
-DEFAULT_WEIGHTS_VERSION = "dev"
-DEFAULT_ROPE_CONFIG_HASH = "rope-default"
-DEFAULT_ATTN_IMPL_ID = "default"
-
-
-class ModelIdentity(BaseModel):
-    """Everything in a key root but the tenant: one served model, fixed for an engine's
-    lifetime. The connector's engine identity and the sidecar's served model are this;
-    a policy's `model` section yields it (`policy.ModelSpec.identity`)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    model_id: str = DEFAULT_MODEL_ID
-    weights_version: str = DEFAULT_WEIGHTS_VERSION
-    kv_dtype: str = DEFAULT_KV_DTYPE.value
-    rope_config_hash: str = DEFAULT_ROPE_CONFIG_HASH
-    attn_impl_id: str = DEFAULT_ATTN_IMPL_ID
-
-    def identity(self) -> "ModelIdentity":
-        """Just the identity (a subclass's other fields dropped)."""
-        return ModelIdentity(**{name: getattr(self, name) for name in KEY_ROOT_FIELDS[1:]})
-
-    def root(self, tenant: str) -> KeyRoot:
-        return KeyRoot(tenant, *(getattr(self, name) for name in KEY_ROOT_FIELDS[1:]))
 
 
 def _as_array(token_ids: Iterable[int]) -> np.ndarray:

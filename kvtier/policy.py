@@ -26,7 +26,8 @@ from kvtier.admission import THRASH_RATIO as DEFAULT_THRASH_RATIO
 from kvtier.affinity import DEFAULT_BALANCE_FACTOR, DEFAULT_HOMES, DEFAULT_HYSTERESIS, DEFAULT_SPILL_OCCUPANCY
 from kvtier.breakeven import KV_DTYPE_BYTES
 from kvtier.dtypes import DEFAULT_KV_DTYPE, KvDtype, KvDtypeName
-from kvtier.keys import DEFAULT_ATTN_IMPL_ID, DEFAULT_BLOCK_SIZE, DEFAULT_ROPE_CONFIG_HASH, ModelIdentity
+from kvtier.identity import DEFAULT_ATTN_IMPL_ID, DEFAULT_ROPE_CONFIG_HASH, ModelIdentity
+from kvtier.keys import DEFAULT_BLOCK_SIZE
 
 GROUP = names.GROUP
 VERSION = "v1alpha1"

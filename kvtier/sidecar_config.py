@@ -44,7 +44,8 @@ from kvtier import names
 from kvtier.admission import DEFAULT_MIN_SIGHTINGS
 from kvtier.admission import THRASH_RATIO as DEFAULT_THRASH_RATIO
 from kvtier.dtypes import DEFAULT_KV_DTYPE
-from kvtier.keys import DEFAULT_BLOCK_SIZE, ModelIdentity
+from kvtier.identity import ModelIdentity
+from kvtier.keys import DEFAULT_BLOCK_SIZE
 from kvtier.presets import kv_bytes_per_token, kv_elements_fit, kv_plane_elements, kv_planes
 
 # 1 GiB of host DRAM: small enough for a laptop demo; production sets hundreds of GiB.
@@ -129,7 +130,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
 
 
 class ServedModel(ModelIdentity):
-    """The served model's identity (`keys.ModelIdentity`: the key root minus the tenant)
+    """The served model's identity (`identity.ModelIdentity`: the key root minus the tenant)
     and KV layout (the block size in bytes). Its dimensions are a `presets.ModelShape`'s,
     with the same override and the same bytes per token (`presets.kv_bytes_per_token`)."""
 

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvtier import names
-from kvtier.keys import ModelIdentity
+from kvtier.identity import ModelIdentity
 from kvtier.sidecar_config import SidecarConfig
 
 WEIGHTS_ENV = names.WEIGHTS_VERSION_ENV

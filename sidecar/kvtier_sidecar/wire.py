@@ -49,7 +49,7 @@ from enum import Enum, IntEnum
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from kvtier.keys import WireRoot  # a key root on this wire: KeyRoot's own wire form
+from kvtier.identity import WireRoot  # a key root on this wire: KeyRoot's own wire form
 from kvtier.tenants import TenantName
 
 HELLO_MAGIC = b"KVP3"
