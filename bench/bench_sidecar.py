@@ -85,10 +85,9 @@ class _Oracle:
 
 
 def _root(tenant: str = "bench"):
-    from kvtier.keys import KeyRoot
+    from kvtier.sidecar_config import ServedModel
 
-    s = _Oracle.shape
-    return KeyRoot(tenant, s["model_id"], s["weights_version"], s["kv_dtype"], s["rope_config_hash"], s["attn_impl_id"])
+    return ServedModel.model_validate(_Oracle.shape).root(tenant)
 
 
 def _seed(client, tokens: np.ndarray, kv: np.ndarray) -> None:

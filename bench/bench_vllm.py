@@ -49,6 +49,7 @@ PROMPT_TOKENS = 2000
 def _load(quick: bool) -> list[Result]:
     from kvtier_testenv.fleet import SidecarHandle, sidecar_config
     from kvtier_testenv.vllm_engine import vllm_env, vllm_python
+    from kvtier.sidecar_config import ServedModel
     from kvtier_testenv.workload import SyntheticOracle
 
     shapes = [("tiny Llama (4 layers, 2 kv heads, d64, fp32)",
@@ -63,9 +64,9 @@ def _load(quick: bool) -> list[Result]:
         spec = {**{k: v for k, v in shape.items() if k != "copy_only"}, "block_size": BLOCK, "tokens": LOAD_TOKENS,
                 "seed": random.randrange(1 << 30)}
         itemsize = 4 if shape["dtype"] == "float32" else 2
-        block_bytes = shape["layers"] * 2 * shape["kv_heads"] * BLOCK * shape["head_dim"] * itemsize
         model = {"model_id": "m", "weights_version": "w", "kv_dtype": shape["dtype"], "layers": shape["layers"],
                  "kv_heads": shape["kv_heads"], "head_dim": shape["head_dim"], "dtype_bytes": itemsize}
+        block_bytes = ServedModel(**model).kv_bytes_per_token() * BLOCK
         with tempfile.TemporaryDirectory() as tmp:
             # room for three hits: each rep stores a fresh prompt, evicting an old one
             capacity = 3 * (LOAD_TOKENS // BLOCK) * block_bytes + (4 << 20)

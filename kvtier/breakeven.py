@@ -22,10 +22,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from kvtier import presets
+from kvtier.dtypes import DEFAULT_KV_DTYPE, KvDtype
 from kvtier.presets import MEDIA, Medium, ModelShape
 
-# Bytes per KV element.
-KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+# Bytes per KV element, by `kvtier.dtypes.KvDtype` name.
+KV_DTYPE_BYTES: dict[str, int] = {d.value: d.itemsize for d in KvDtype}
 # Recompute is a forward pass: one multiply and one add per parameter per token.
 FLOPS_PER_PARAM_PER_TOKEN = 2
 # A fetch is a DMA by a copy engine: the SMs keep running, so it costs ~0 GPU-seconds.
@@ -39,7 +41,7 @@ Verdict = Literal["serve", "refused"]
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     _positive(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
+    return presets.kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes)
 
 
 def prefill_s_per_token(params: float, tflops_per_gpu: float, tp: int = 1) -> float:
@@ -101,7 +103,7 @@ def evaluate(
     *,
     tflops_per_gpu: float,
     tp: int = 1,
-    kv_dtype: str = "fp16",
+    kv_dtype: str = DEFAULT_KV_DTYPE.value,
     traffic: Traffic = "interactive",
     concurrency: int = 1,
     media: Iterable[Medium] | Mapping[str, float] | None = None,
@@ -115,7 +117,7 @@ def evaluate(
     if traffic not in ("interactive", "batch"):
         raise ValueError(f"traffic must be 'interactive' or 'batch', got {traffic!r}")
     _positive(concurrency=concurrency, prefix_tokens=prefix_tokens, tp=tp, tflops_per_gpu=tflops_per_gpu)
-    kv_bytes = kv_bytes_override if kv_bytes_override is not None else shape.kv_elements() * KV_DTYPE_BYTES[kv_dtype]
+    kv_bytes = kv_bytes_override if kv_bytes_override is not None else shape.kv_bytes_per_token(kv_dtype)
     _positive(kv_bytes_per_token=kv_bytes)
     params = shape.recompute_params
     prefill_s = prefill_s_per_token(params, tflops_per_gpu, tp)

@@ -23,13 +23,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.breakeven import FLOPS_PER_PARAM_PER_TOKEN
+from kvtier.dtypes import KvDtype
 from kvtier.keys import DEFAULT_BLOCK_SIZE, KeyRoot, as_token_array
 from kvtier.layout import KVShape, blocks_view, from_canonical_blocks, to_canonical_blocks
 
 # Names the weight generator, so a different generator is a different weights version.
 WEIGHTS_GENERATOR = "kvtier-ref/numpy-pcg64-normal/v1"
 ATTN_IMPL = "kvtier-ref/numpy-sdpa-causal/v1"
-ENGINE_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+# The KV dtypes numpy computes in (`kvtier.dtypes.KvDtype`; bf16 and fp8 it cannot).
+ENGINE_DTYPES = {d.value: d.storage.type for d in (KvDtype.FP32, KvDtype.FP16)}
 RMS_EPS = 1e-6
 
 

@@ -7,6 +7,12 @@ the block:
     block_hash[0] = H(root.digest() || tokens[0:B])
     block_hash[i] = H(block_hash[i-1] || tokens[iB:(i+1)B])
 
+The key root's fields are named here and nowhere else: every process boundary carries
+a root as `KeyRoot.to_wire()` (a JSON object of those fields) and reads it back with
+`KeyRoot.from_wire` (validated: `kvtier.identity.WireRoot`); `kvtier.identity.ModelIdentity`
+is the root minus the tenant, the one model identity the connector, the sidecar config
+and the policy use. (Those are pydantic models, kept out of this compiled module.)
+
 H is xxh3-128 under a fixed, versioned seed over a canonical encoding (token ids as
 little-endian uint32), so the same prompt names the same blocks in every process, on
 every host and across releases. Python's `hash()` is never involved.
@@ -20,10 +26,13 @@ from __future__ import annotations
 import array
 import sys
 from dataclasses import dataclass, field
-from typing import Iterable, NewType
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NewType
 
 import numpy as np
 import xxhash
+
+if TYPE_CHECKING:
+    from kvtier.identity import ModelIdentity
 
 BlockHash = NewType("BlockHash", bytes)
 """16-byte xxh3-128 digest of one block, chained through every block before it."""
@@ -45,6 +54,9 @@ TOKEN_DTYPE = np.dtype("<u4")
 _UINT32_MAX = 0xFFFF_FFFF
 _ARRAY_OK = array.array("I").itemsize == 4 and sys.byteorder == "little"
 _ROOT_DOMAIN = b"kvtier/keyroot/v1"
+
+KEY_ROOT_FIELDS = ("tenant", "model_id", "weights_version", "kv_dtype", "rope_config_hash", "attn_impl_id")
+"""The key root's fields, in digest order (changing the order changes every hash)."""
 
 
 def _encode_field(name: str, value: object) -> bytes:
@@ -74,16 +86,38 @@ class KeyRoot:
     _digest: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        encoded = _ROOT_DOMAIN + b"".join(
-            _encode_field(name, getattr(self, name))
-            for name in ("tenant", "model_id", "weights_version", "kv_dtype",
-                         "rope_config_hash", "attn_impl_id")
-        )
+        encoded = _ROOT_DOMAIN + b"".join(_encode_field(name, getattr(self, name)) for name in KEY_ROOT_FIELDS)
         object.__setattr__(self, "_digest", xxhash.xxh3_128_digest(encoded, seed=HASH_SEED))
 
     def digest(self) -> bytes:
         """16-byte canonical digest; the parent of block 0 in every chain."""
         return self._digest
+
+    def to_wire(self) -> dict[str, str]:
+        """The root as it crosses a process boundary: a JSON object of its fields."""
+        return {name: getattr(self, name) for name in KEY_ROOT_FIELDS}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> "KeyRoot":
+        """A root another process sent: ValueError (a pydantic ValidationError) unless
+        `raw` is exactly the object `to_wire` makes, within `WireRoot`'s bounds."""
+        from kvtier.identity import WireRoot  # pydantic models stay out of this compiled module
+
+        if isinstance(raw, WireRoot):
+            return raw.key_root()
+        if not isinstance(raw, Mapping):
+            raise ValueError("root must be an object with the key-root fields")
+        return WireRoot.model_validate(raw).key_root()
+
+    def with_tenant(self, tenant: str) -> "KeyRoot":
+        """The same model's root under another tenant."""
+        return KeyRoot(tenant, *(getattr(self, name) for name in KEY_ROOT_FIELDS[1:]))
+
+    def identity(self) -> "ModelIdentity":
+        """The root minus its tenant."""
+        from kvtier.identity import ModelIdentity
+
+        return ModelIdentity(**{name: getattr(self, name) for name in KEY_ROOT_FIELDS[1:]})
 
 
 def _as_array(token_ids: Iterable[int]) -> np.ndarray:

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier.dtypes import DEFAULT_KV_DTYPE, KvDtype
 from kvtier.keys import DEFAULT_BLOCK_SIZE, check_block_size
+from kvtier.presets import KV_PLANES, kv_bytes_per_token
 
-KV_PLANES = 2
-"""K and V."""
-
-KV_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16, "fp8": np.uint8}
-"""kv_dtype names to storage dtypes (bf16/fp8 carried as raw bits: numpy has neither)."""
+KV_DTYPES = {d.value: d.storage.type for d in KvDtype}
+"""kv_dtype names to storage dtypes (`kvtier.dtypes.KvDtype`)."""
 
 HEAD_AXIS = -3
 """The kv_head axis counted from the end, for one block or a stack of blocks."""
@@ -34,7 +33,7 @@ class KVShape:
     layers: int
     kv_heads: int
     head_dim: int
-    dtype: str = "fp16"
+    dtype: str = DEFAULT_KV_DTYPE.value
     block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
@@ -56,8 +55,9 @@ class KVShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """2 x layers x kv_heads x head_dim x dtype bytes (70B GQA-8 fp16: 327,680)."""
-        return KV_PLANES * self.layers * self.kv_heads * self.head_dim * self.np_dtype.itemsize
+        """2 x layers x kv_heads x head_dim x dtype bytes (70B GQA-8 fp16: 327,680): this
+        layout always holds K and V."""
+        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, self.np_dtype.itemsize)
 
     @property
     def block_bytes(self) -> int:

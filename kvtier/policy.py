@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from kvtier import presets
+from kvtier import names, presets
 from kvtier.presets import ModelShape
 from kvtier.wire_model import CelRule
 from kvtier.wire_model import WireModel as _Wire
@@ -25,10 +25,13 @@ from kvtier.admission import DEFAULT_MIN_SIGHTINGS
 from kvtier.admission import THRASH_RATIO as DEFAULT_THRASH_RATIO
 from kvtier.affinity import DEFAULT_BALANCE_FACTOR, DEFAULT_HOMES, DEFAULT_HYSTERESIS, DEFAULT_SPILL_OCCUPANCY
 from kvtier.breakeven import KV_DTYPE_BYTES
+from kvtier.dtypes import DEFAULT_KV_DTYPE, KvDtype, KvDtypeName
+from kvtier.identity import DEFAULT_ATTN_IMPL_ID, DEFAULT_ROPE_CONFIG_HASH, ModelIdentity
 from kvtier.keys import DEFAULT_BLOCK_SIZE
 
-GROUP = "kvtier.io"
+GROUP = names.GROUP
 VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "KVCachePolicy"
 PLURAL = "kvcachepolicies"
 SINGULAR = "kvcachepolicy"
@@ -192,9 +195,9 @@ class ModelSpec(_Wire):
         description="exact digest of the weights (sha256:<64 hex>); never a tag, "
         "because the cache key must change whenever the weights do",
     )
-    kv_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp16"
-    rope_config_hash: str = Field("rope-default", min_length=1, max_length=128)
-    attn_impl: str = Field("default", min_length=1, max_length=128)
+    kv_dtype: KvDtypeName = DEFAULT_KV_DTYPE.value
+    rope_config_hash: str = Field(DEFAULT_ROPE_CONFIG_HASH, min_length=1, max_length=128)
+    attn_impl: str = Field(DEFAULT_ATTN_IMPL_ID, min_length=1, max_length=128)
     preset: ModelPreset | None = Field(default=None, description="a named shape from kvtier.presets")
     shape: ModelShape | None = None
 
@@ -208,7 +211,20 @@ class ModelSpec(_Wire):
 
     @property
     def dtype_bytes(self) -> int:
-        return KV_DTYPE_BYTES[self.kv_dtype]
+        return KvDtype(self.kv_dtype).itemsize
+
+    # The CRD names two of the identity's fields its own way (`id`, `attnImpl`): these two
+    # are the one mapping between them.
+    def identity(self) -> ModelIdentity:
+        """The key root minus the tenant that the policy's engines and sidecars serve."""
+        return ModelIdentity(model_id=self.id, weights_version=self.weights_version, kv_dtype=self.kv_dtype,
+                             rope_config_hash=self.rope_config_hash, attn_impl_id=self.attn_impl)
+
+    @staticmethod
+    def identity_wire(identity: ModelIdentity) -> dict[str, str]:
+        """The `spec.model` fields that name `identity`, camelCase as applied."""
+        return {"id": identity.model_id, "weightsVersion": identity.weights_version, "kvDtype": identity.kv_dtype,
+                "ropeConfigHash": identity.rope_config_hash, "attnImpl": identity.attn_impl_id}
 
 
 class Media(_Wire):
@@ -470,7 +486,7 @@ def kv_token_bytes(spec: "KVCachePolicySpec") -> int:
     """KV bytes one token takes in the sidecar's arena (every layer, K and V or a latent)."""
     shape = presets.model_preset(spec.model.preset) if spec.model.preset is not None else spec.model.shape
     assert shape is not None  # the model's CEL rule: exactly one of preset or shape
-    return shape.kv_elements() * KV_DTYPE_BYTES[spec.model.kv_dtype]
+    return shape.kv_bytes_per_token(spec.model.kv_dtype)
 
 
 def kv_block_bytes(spec: "KVCachePolicySpec") -> int:
@@ -610,7 +626,7 @@ class RolloutStatus(_Wire):
     paused_reason: Literal["failure", "inconclusive", "manual"] | None = Field(
         default=None, description="why phase is Paused: an inconclusive pause resumes by itself")
     handled_request: str | None = Field(default=None, max_length=128,
-                                        description="the last kvtier.io/rollout-request acted on")
+                                        description=f"the last {names.ROLLOUT_REQUEST_ANNOTATION} acted on")
     history: list[RolloutRecord] = Field(default_factory=list, max_length=MAX_HISTORY)
 
 
@@ -651,7 +667,7 @@ class KVCachePolicy(_Wire):
 
     model_config = ConfigDict(extra="ignore")
 
-    api_version: str = f"{GROUP}/{VERSION}"
+    api_version: str = API_VERSION
     kind: Literal["KVCachePolicy"] = KIND
     metadata: dict[str, Any] = Field(default_factory=dict)
     spec: KVCachePolicySpec

@@ -12,18 +12,50 @@ from dataclasses import dataclass
 from pydantic import Field
 from pydantic.json_schema import SkipJsonSchema
 
+from kvtier.dtypes import KvDtype
 from kvtier.wire_model import CelRule, WireModel
+
+
+KV_PLANES = 2
+"""K and V: the planes of an ordinary attention cache."""
+
+
+def kv_plane_elements(layers: int, kv_heads: int, head_dim: int) -> int:
+    """Elements of one plane of one token's cache: layers x kv_heads x head_dim."""
+    return layers * kv_heads * head_dim
 
 
 def kv_elements_fit(layers: int, kv_heads: int, head_dim: int, kv_elements_per_token: int) -> bool:
     """An explicit per-token cache size is whole planes of layers x kv_heads x head_dim:
     one (a latent per layer, MLA) or two (K and V)."""
-    plane = layers * kv_heads * head_dim
-    return kv_elements_per_token in (plane, 2 * plane)
+    plane = kv_plane_elements(layers, kv_heads, head_dim)
+    return kv_elements_per_token in (plane, KV_PLANES * plane)
+
+
+# The one formula of KV size per token, for `ModelShape`, the sidecar's `ServedModel`,
+# the canonical layout's `KVShape` and the break-even calculator: planes (K and V, or
+# one latent when `kv_elements_per_token` says so) x layers x kv_heads x head_dim.
+
+def kv_elements_per_token(layers: int, kv_heads: int, head_dim: int,
+                          kv_elements_override: int | None = None) -> int:
+    if kv_elements_override is not None:
+        return kv_elements_override
+    return KV_PLANES * kv_plane_elements(layers, kv_heads, head_dim)
+
+
+def kv_planes(layers: int, kv_heads: int, head_dim: int, kv_elements_override: int | None = None) -> int:
+    """2 (K and V) for ordinary attention, 1 for a latent cache (MLA)."""
+    return kv_elements_per_token(layers, kv_heads, head_dim, kv_elements_override) \
+        // kv_plane_elements(layers, kv_heads, head_dim)
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int,
+                       kv_elements_override: int | None = None) -> int:
+    return kv_elements_per_token(layers, kv_heads, head_dim, kv_elements_override) * dtype_bytes
 
 
 # One shape for the presets below, the KVCachePolicy's `spec.model.shape` and the
-# break-even calculator. `active_params` is what a mixture-of-experts runs per token
+# break-even calculator; it owns KV bytes per token for a dtype. `active_params` is what a mixture-of-experts runs per token
 # (recompute uses it); `kv_elements_per_token` overrides 2 x layers x kv_heads x
 # head_dim for caches that are not plain K and V, e.g. multi-head latent attention.
 class ModelShape(WireModel):
@@ -64,9 +96,12 @@ class ModelShape(WireModel):
         return self.active_params if self.active_params is not None else self.params
 
     def kv_elements(self) -> int:
-        if self.kv_elements_per_token is not None:
-            return self.kv_elements_per_token
-        return 2 * self.layers * self.kv_heads * self.head_dim  # K and V
+        return kv_elements_per_token(self.layers, self.kv_heads, self.head_dim, self.kv_elements_per_token)
+
+    def kv_bytes_per_token(self, dtype: KvDtype | str) -> int:
+        """KV bytes one token takes in `dtype` (every layer, K and V or a latent)."""
+        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, KvDtype(dtype).itemsize,
+                                  self.kv_elements_per_token)
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,10 +41,13 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvtier import names
 from kvtier.admission import DEFAULT_MIN_SIGHTINGS
 from kvtier.admission import THRASH_RATIO as DEFAULT_THRASH_RATIO
+from kvtier.dtypes import DEFAULT_KV_DTYPE
+from kvtier.identity import ModelIdentity
 from kvtier.keys import DEFAULT_BLOCK_SIZE
-from kvtier.presets import kv_elements_fit
+from kvtier.presets import kv_bytes_per_token, kv_elements_fit, kv_plane_elements, kv_planes
 
 # 1 GiB of host DRAM: small enough for a laptop demo; production sets hundreds of GiB.
 DEFAULT_DRAM_CAPACITY_BYTES = 1 << 30
@@ -127,21 +130,18 @@ def check_peer_secret(secret: bytes, where: str) -> bytes:
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
 
 
-class ServedModel(BaseModel):
-    """The served model's identity (the key root) and KV layout (the block size in
-    bytes). Its dimensions are a `presets.ModelShape`'s, with the same override."""
+class ServedModel(ModelIdentity):
+    """The served model's identity (`identity.ModelIdentity`: the key root minus the tenant)
+    and KV layout (the block size in bytes). Its dimensions are a `presets.ModelShape`'s,
+    with the same override and the same bytes per token (`presets.kv_bytes_per_token`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model_id: str = "reference-tiny"
-    weights_version: str = "dev"
-    kv_dtype: str = "float32"
-    rope_config_hash: str = "rope-default"
-    attn_impl_id: str = "sdpa"
     layers: int = Field(2, ge=1, le=1024)
     kv_heads: int = Field(2, ge=1, le=1024)
     head_dim: int = Field(16, ge=1, le=4096)
-    dtype_bytes: int = Field(4, ge=1, le=8)
+    # The engine's kv_dtype is its own name (vLLM's "bfloat16"): its size is given here.
+    dtype_bytes: int = Field(DEFAULT_KV_DTYPE.itemsize, ge=1, le=8)
     # Caches that are not one K and one V per kv head set this: multi-head latent
     # attention (DeepSeek-V3) keeps ONE latent of head_dim per layer, i.e.
     # layers x kv_heads x head_dim elements; None means K and V (twice that).
@@ -160,17 +160,16 @@ class ServedModel(BaseModel):
         return self
 
     def _plane_elements(self) -> int:
-        return self.layers * self.kv_heads * self.head_dim
+        return kv_plane_elements(self.layers, self.kv_heads, self.head_dim)
 
     @property
     def kv_planes(self) -> int:
         """2 (K and V) for ordinary attention, 1 for a latent cache (MLA)."""
-        if self.kv_elements_per_token is None:
-            return 2
-        return self.kv_elements_per_token // self._plane_elements()
+        return kv_planes(self.layers, self.kv_heads, self.head_dim, self.kv_elements_per_token)
 
     def kv_bytes_per_token(self) -> int:
-        return self.kv_planes * self._plane_elements() * self.dtype_bytes
+        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, self.dtype_bytes,
+                                  self.kv_elements_per_token)
 
 
 class NvmeConfig(BaseModel):
@@ -353,7 +352,7 @@ class SidecarConfig(BaseModel):
         same identity and its own environment (`env`, default os.environ)."""
         if self.engine_socket:
             return self.engine_socket
-        runtime = (os.environ if env is None else env).get("XDG_RUNTIME_DIR") or "/tmp"
+        runtime = (os.environ if env is None else env).get(names.RUNTIME_DIR_ENV) or "/tmp"
         return str(Path(runtime) / f"kvtier-{self.shm_name}.sock")
 
     def peer_secret(self) -> bytes:
@@ -375,27 +374,27 @@ class SidecarConfig(BaseModel):
 
 
 ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
-    "POD_NAME": ("pod_name",),
-    "POD_NAMESPACE": ("pod_namespace",),
-    "POD_IP": ("pod_ip",),
-    "KVTIER_WEIGHTS_VERSION": ("model", "weights_version"),
-    "KVTIER_REDIS_URL": ("redis_url",),
+    names.POD_NAME_ENV: ("pod_name",),
+    names.POD_NAMESPACE_ENV: ("pod_namespace",),
+    names.POD_IP_ENV: ("pod_ip",),
+    names.WEIGHTS_VERSION_ENV: ("model", "weights_version"),
+    names.REDIS_URL_ENV: ("redis_url",),
     # The webhook injects the operator's identity: who may call the control API.
     # The mounted peer Secret's file (named in the pod, where a runtime maps its path).
-    "KVTIER_PEER_SECRET_FILE": ("peer_secret_file",),
-    "KVTIER_CONTROL_AUTH_MODE": ("control_auth", "mode"),
-    "KVTIER_CONTROL_AUTH_USERS": ("control_auth", "allowed_users"),
-    "KVTIER_CONTROL_AUTH_AUDIENCE": ("control_auth", "audience"),
-    "KVTIER_CONTROL_AUTH_PROTECT_METRICS": ("control_auth", "protect_metrics"),
-    "KVTIER_CONTROL_AUTH_METRICS_USERS": ("control_auth", "metrics_users"),
-    "KVTIER_CONTROL_AUTH_TOKEN_FILE": ("control_auth", "token_file"),
-    "KVTIER_CONTROL_AUTH_CA_FILE": ("control_auth", "ca_file"),
-    "KVTIER_CONTROL_TLS_CERT_FILE": ("control_tls", "cert_file"),
-    "KVTIER_CONTROL_TLS_KEY_FILE": ("control_tls", "key_file"),
-    "KVTIER_CONTROL_TLS_PLAIN_HTTP": ("control_tls", "plain_http"),
+    names.PEER_SECRET_FILE_ENV: ("peer_secret_file",),
+    names.CONTROL_AUTH_MODE_ENV: ("control_auth", "mode"),
+    names.CONTROL_AUTH_USERS_ENV: ("control_auth", "allowed_users"),
+    names.CONTROL_AUTH_AUDIENCE_ENV: ("control_auth", "audience"),
+    names.CONTROL_AUTH_PROTECT_METRICS_ENV: ("control_auth", "protect_metrics"),
+    names.CONTROL_AUTH_METRICS_USERS_ENV: ("control_auth", "metrics_users"),
+    names.CONTROL_AUTH_TOKEN_FILE_ENV: ("control_auth", "token_file"),
+    names.CONTROL_AUTH_CA_FILE_ENV: ("control_auth", "ca_file"),
+    names.CONTROL_TLS_CERT_FILE_ENV: ("control_tls", "cert_file"),
+    names.CONTROL_TLS_KEY_FILE_ENV: ("control_tls", "key_file"),
+    names.CONTROL_TLS_PLAIN_HTTP_ENV: ("control_tls", "plain_http"),
 }
 # Environment variables holding a comma-separated list.
-LIST_ENV = frozenset({"KVTIER_CONTROL_AUTH_USERS", "KVTIER_CONTROL_AUTH_METRICS_USERS"})
+LIST_ENV = frozenset({names.CONTROL_AUTH_USERS_ENV, names.CONTROL_AUTH_METRICS_USERS_ENV})
 
 
 def from_mapping(data: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> SidecarConfig:

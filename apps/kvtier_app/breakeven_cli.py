@@ -10,6 +10,7 @@ import math
 import sys
 
 from kvtier import breakeven, presets
+from kvtier.dtypes import DEFAULT_KV_DTYPE
 from kvtier.presets import Medium, ModelShape
 
 
@@ -51,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     shape.add_argument("--active-params", type=_pos_float("--active-params"), help="MoE: active per token")
     shape.add_argument("--kv-bytes-per-token", type=_pos_int("--kv-bytes-per-token"),
                        help="override the shape's KV bytes per token (e.g. MLA); ignores --kv-dtype")
-    shape.add_argument("--kv-dtype", choices=sorted(breakeven.KV_DTYPE_BYTES), default="fp16")
+    shape.add_argument("--kv-dtype", choices=sorted(breakeven.KV_DTYPE_BYTES), default=DEFAULT_KV_DTYPE.value)
     hw = p.add_argument_group("hardware")
     hw.add_argument("--gpu", help=f"preset: {', '.join(presets.GPUS)} (default h100 unless --tflops)")
     hw.add_argument("--tflops", type=_pos_float("--tflops"), help="dense TFLOP/s per GPU (never the sparsity figure)")

@@ -42,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.control_api import pod_audience
+from kvtier.names import WEIGHTS_VERSION_ANNOTATION
+from kvtier.policy import API_VERSION, ModelSpec
+from kvtier.sidecar_config import ServedModel
 from kvtier_testenv import engine_io, polling
 from kvtier_testenv.binaries import REPO_ROOT
 
@@ -106,12 +109,11 @@ def policy_manifest(oracle: Any, redis_url: str, prometheus_url: str) -> dict[st
     s = oracle.shape
     engine = oracle.engine
     return {
-        "apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy",
+        "apiVersion": API_VERSION, "kind": "KVCachePolicy",
         "metadata": {"name": POLICY, "namespace": NAMESPACE},
         "spec": {
             "selector": {"matchLabels": {"app": APP_LABEL}},
-            "model": {"id": s["model_id"], "weightsVersion": s["weights_version"], "kvDtype": s["kv_dtype"],
-                      "ropeConfigHash": s["rope_config_hash"], "attnImpl": s["attn_impl_id"],
+            "model": {**ModelSpec.identity_wire(ServedModel.model_validate(s)),
                       "shape": {"layers": s["layers"], "kvHeads": s["kv_heads"], "headDim": s["head_dim"],
                                 "params": float(engine.matmul_params)}},
             "hardware": {"denseTflopsPerGpu": 10},
@@ -135,7 +137,7 @@ def statefulset_manifest(replicas: int, version: str) -> dict[str, Any]:
             "replicas": replicas, "serviceName": WORKLOAD, "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": labels},
             "template": {"metadata": {"labels": labels,
-                                      "annotations": {"kvtier.io/weights-version": version}}, "spec": {
+                                      "annotations": {WEIGHTS_VERSION_ANNOTATION: version}}, "spec": {
                 "terminationGracePeriodSeconds": 5,
                 "serviceAccountName": SERVING_SERVICE_ACCOUNT,
                 # The serving engine's image: not runnable here, so the node agent
@@ -295,8 +297,7 @@ class ClusterDemo:
         out = {}
         for name in members:
             proc = self.agent.process(NAMESPACE, name, "kvtier-sidecar")
-            shm = SidecarConfig(pod_name=name, pod_namespace=NAMESPACE).shm_name
-            out[name] = str(Path(proc.env["XDG_RUNTIME_DIR"]) / f"kvtier-{shm}.sock")
+            out[name] = SidecarConfig(pod_name=name, pod_namespace=NAMESPACE).engine_socket_path(proc.env)
         return out
 
     def replay(self, requests: list[Any]) -> Phase:
@@ -365,10 +366,7 @@ class ClusterDemo:
     # -- rollouts --
 
     def root_of(self, version: str):
-        from kvtier.keys import KeyRoot
-
-        s = self.oracle.shape
-        return KeyRoot("demo-tenant", s["model_id"], version, s["kv_dtype"], s["rope_config_hash"], s["attn_impl_id"])
+        return ServedModel.model_validate({**self.oracle.shape, "weights_version": version}).root("demo-tenant")
 
     def start_traffic(self):
         """Steady engine traffic on every ready pod under the version it serves; v3's

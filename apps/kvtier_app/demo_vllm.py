@@ -25,6 +25,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+from kvtier import names
+from kvtier.policy import API_VERSION
 from kvtier_app.demo_cluster import (
     APP_LABEL,
     NAMESPACE,
@@ -50,7 +52,7 @@ REQUEST_TIMEOUT_S = 300.0
 
 def policy_manifest(shape: Any, redis_url: str) -> dict[str, Any]:
     return {
-        "apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy",
+        "apiVersion": API_VERSION, "kind": "KVCachePolicy",
         "metadata": {"name": POLICY, "namespace": NAMESPACE},
         "spec": {
             "selector": {"matchLabels": {"app": APP_LABEL}},
@@ -82,13 +84,13 @@ def statefulset_manifest(python: str, pythonpath: str, model: Path, cache_dir: P
             "replicas": REPLICAS, "serviceName": WORKLOAD, "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": labels},
             "template": {
-                "metadata": {"labels": labels, "annotations": {"kvtier.io/weights-version": WEIGHTS}},
+                "metadata": {"labels": labels, "annotations": {names.WEIGHTS_VERSION_ANNOTATION: WEIGHTS}},
                 "spec": {"terminationGracePeriodSeconds": 5,
                          # may create TokenReviews: the sidecar checks the operator's token
                          "serviceAccountName": SERVING_SERVICE_ACCOUNT,
                          "containers": [{
                     "name": "engine", "image": "vllm/vllm-openai", "command": command,
-                    "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                    "env": [names.field_env(names.POD_IP_ENV, names.POD_IP_FIELD),
                             {"name": "PYTHONPATH", "value": pythonpath},
                             {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
                             {"name": "VLLM_CACHE_ROOT", "value": str(cache_dir)}],

@@ -26,12 +26,13 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvtier.keys import KeyRoot
+from kvtier import names
+from kvtier.identity import ModelIdentity
 from kvtier.sidecar_config import SidecarConfig
 
-WEIGHTS_ENV = "KVTIER_WEIGHTS_VERSION"
+WEIGHTS_ENV = names.WEIGHTS_VERSION_ENV
 """The downward-API variable the webhook sets from the pod's weights annotation."""
-SOCKET_ENV = "KVTIER_ENGINE_SOCKET"
+SOCKET_ENV = names.ENGINE_SOCKET_ENV
 """Where the injected sidecar's engine socket is, when the config does not say."""
 DEFAULT_TENANT = "default"
 """Tenant of a request that carries no cache_salt: one shared namespace per model."""
@@ -102,7 +103,7 @@ def parse_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] = os.en
 
 def _pod_socket(env: Mapping[str, str]) -> str | None:
     """In an injected pod: the socket path the sidecar derives from the same pod identity."""
-    name, namespace = env.get("POD_NAME"), env.get("POD_NAMESPACE")
+    name, namespace = env.get(names.POD_NAME_ENV), env.get(names.POD_NAMESPACE_ENV)
     if not name or not namespace:
         return None
     return SidecarConfig(pod_name=name, pod_namespace=namespace).engine_socket_path(env)
@@ -122,20 +123,8 @@ def rope_config_hash(hf_config: Mapping[str, Any]) -> str:
     return "rope-" + hashlib.sha256(raw).hexdigest()[:16]
 
 
-class EngineIdentity(BaseModel):
-    """The key root minus the tenant: fixed for the engine's lifetime."""
-
-    model_config = ConfigDict(frozen=True)
-
-    model_id: str
-    weights_version: str
-    kv_dtype: str
-    rope_config_hash: str
-    attn_impl_id: str
-
-    def root(self, tenant: str) -> KeyRoot:
-        return KeyRoot(tenant, self.model_id, self.weights_version, self.kv_dtype,
-                       self.rope_config_hash, self.attn_impl_id)
+EngineIdentity = ModelIdentity
+"""The key root minus the tenant: fixed for the engine's lifetime (`connector.engine_identity`)."""
 
 
 def tenant_of(cache_salt: str | None, cfg: ConnectorConfig) -> str:

@@ -83,9 +83,7 @@ class StepSpecs(BaseModel):
 
 
 def root_fields(root: KeyRoot) -> dict[str, str]:
-    return {"tenant": root.tenant, "model_id": root.model_id, "weights_version": root.weights_version,
-            "kv_dtype": root.kv_dtype, "rope_config_hash": root.rope_config_hash,
-            "attn_impl_id": root.attn_impl_id}
+    return root.to_wire()
 
 
 def root_from_fields(fields: dict[str, str]) -> KeyRoot:

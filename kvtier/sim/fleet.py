@@ -20,14 +20,13 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from kvtier.breakeven import kv_bytes_per_token, prefill_s_per_token
-from kvtier.policy import KV_DTYPE_BYTES
+from kvtier.breakeven import prefill_s_per_token
 from kvtier.presets import gpu_preset, model_preset
 
 # The design notes' fleet: 70B GQA-8 fp16 (320 KiB/token) at TP4 on H100s.
 DEFAULT_MODEL, DEFAULT_GPU, DEFAULT_TP, DEFAULT_KV_DTYPE = "llama-3-70b", "h100", 4, "fp16"
 _SHAPE = model_preset(DEFAULT_MODEL)
-_DESIGN_KV_BYTES = kv_bytes_per_token(_SHAPE.layers, _SHAPE.kv_heads, _SHAPE.head_dim, KV_DTYPE_BYTES[DEFAULT_KV_DTYPE])
+_DESIGN_KV_BYTES = _SHAPE.kv_bytes_per_token(DEFAULT_KV_DTYPE)
 _DESIGN_PREFILL_TPS = 1.0 / prefill_s_per_token(_SHAPE.params, gpu_preset(DEFAULT_GPU).dense_tflops, DEFAULT_TP)
 # One host's DRAM tier in the design notes' fleet.
 DRAM_BYTES_PER_HOST = 500 * 2**30

@@ -23,7 +23,7 @@ VLLM_CONNECTOR = "KvtierConnector"
 VLLM_CONNECTOR_MODULE = "kvtier_vllm.connector"
 # A failed load must cost a recompute of its blocks, never the request.
 VLLM_LOAD_FAILURE_POLICY = "recompute"
-KV_TRANSFER_CONFIG_ENV = "KVTIER_KV_TRANSFER_CONFIG"
+KV_TRANSFER_CONFIG_ENV = names.KV_TRANSFER_CONFIG_ENV
 
 
 def vllm_kv_transfer_config(spec: policy.KVCachePolicySpec) -> dict[str, Any]:
@@ -34,16 +34,13 @@ def vllm_kv_transfer_config(spec: policy.KVCachePolicySpec) -> dict[str, Any]:
 
 
 def engine_env(spec: policy.KVCachePolicySpec) -> list[dict[str, Any]]:
-    def field(name: str, path: str) -> dict[str, Any]:
-        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-
     return [
         {"name": KV_TRANSFER_CONFIG_ENV,
          "value": json.dumps(vllm_kv_transfer_config(spec), separators=(",", ":"), sort_keys=True)},
-        field("KVTIER_WEIGHTS_VERSION", f"metadata.annotations['{names.WEIGHTS_VERSION_ANNOTATION}']"),
-        field("POD_NAME", "metadata.name"),
-        field("POD_NAMESPACE", "metadata.namespace"),
-        {"name": "XDG_RUNTIME_DIR", "value": names.RUN_MOUNT_PATH},
+        names.weights_version_env(),
+        names.field_env(names.POD_NAME_ENV, names.POD_NAME_FIELD),
+        names.field_env(names.POD_NAMESPACE_ENV, names.POD_NAMESPACE_FIELD),
+        {"name": names.RUNTIME_DIR_ENV, "value": names.RUN_MOUNT_PATH},
     ]
 
 

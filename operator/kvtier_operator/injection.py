@@ -181,41 +181,37 @@ def restricted_security_context() -> dict[str, Any]:
     }
 
 
-def _field_env(name: str, path: str) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-
-
 def _env(spec: policy.KVCachePolicySpec) -> list[dict[str, Any]]:
     env = [
-        _field_env("POD_NAME", "metadata.name"),
-        _field_env("POD_NAMESPACE", "metadata.namespace"),
-        _field_env("POD_IP", "status.podIP"),
-        _field_env("KVTIER_WEIGHTS_VERSION", f"metadata.annotations['{names.WEIGHTS_VERSION_ANNOTATION}']"),
-        {"name": "XDG_RUNTIME_DIR", "value": names.RUN_MOUNT_PATH},
+        names.field_env(names.POD_NAME_ENV, names.POD_NAME_FIELD),
+        names.field_env(names.POD_NAMESPACE_ENV, names.POD_NAMESPACE_FIELD),
+        names.field_env(names.POD_IP_ENV, names.POD_IP_FIELD),
+        names.weights_version_env(),
+        {"name": names.RUNTIME_DIR_ENV, "value": names.RUN_MOUNT_PATH},
         # The root filesystem is read-only: temporary files go to the writable volume.
         {"name": "TMPDIR", "value": names.RUN_MOUNT_PATH},
     ]
     if spec.redis and spec.redis.secret_ref:
         ref = spec.redis.secret_ref
-        env.append({"name": "KVTIER_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+        env.append({"name": names.REDIS_URL_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     return env
 
 
 def _auth_env(image: SidecarImage) -> list[dict[str, Any]]:
     """The operator's identity travels with the pod, not the policy's ConfigMap: it is
     the operator's deployment that decides who the operator is."""
-    env = [{"name": "KVTIER_CONTROL_AUTH_MODE", "value": image.auth_mode}]
+    env = [{"name": names.CONTROL_AUTH_MODE_ENV, "value": image.auth_mode}]
     if image.auth_mode == "tokenreview":
         # The pod's own ServiceAccount token calls TokenReview (named here, so a runtime
         # that maps mount paths sees them too).
-        env += [{"name": "KVTIER_CONTROL_AUTH_USERS", "value": image.auth_users},
-                {"name": "KVTIER_CONTROL_AUTH_TOKEN_FILE", "value": f"{SERVICE_ACCOUNT_DIR}/token"},
-                {"name": "KVTIER_CONTROL_AUTH_CA_FILE", "value": f"{SERVICE_ACCOUNT_DIR}/ca.crt"},
-                {"name": "KVTIER_CONTROL_AUTH_PROTECT_METRICS", "value": str(image.protect_metrics).lower()}]
+        env += [{"name": names.CONTROL_AUTH_USERS_ENV, "value": image.auth_users},
+                {"name": names.CONTROL_AUTH_TOKEN_FILE_ENV, "value": f"{SERVICE_ACCOUNT_DIR}/token"},
+                {"name": names.CONTROL_AUTH_CA_FILE_ENV, "value": f"{SERVICE_ACCOUNT_DIR}/ca.crt"},
+                {"name": names.CONTROL_AUTH_PROTECT_METRICS_ENV, "value": str(image.protect_metrics).lower()}]
         if image.metrics_users:
-            env.append({"name": "KVTIER_CONTROL_AUTH_METRICS_USERS", "value": image.metrics_users})
+            env.append({"name": names.CONTROL_AUTH_METRICS_USERS_ENV, "value": image.metrics_users})
         if image.pod_audience:  # POD_NAMESPACE and POD_NAME come first in the env: $(...) expands them
-            env.append({"name": "KVTIER_CONTROL_AUTH_AUDIENCE",
+            env.append({"name": names.CONTROL_AUTH_AUDIENCE_ENV,
                         "value": api.pod_audience("$(POD_NAMESPACE)", "$(POD_NAME)")})
     return env
 
@@ -245,15 +241,15 @@ def _sidecar_container(
     if spec.tiers.peer.enabled:
         container["volumeMounts"].append({"name": names.PEER_SECRET_VOLUME, "mountPath": names.PEER_SECRET_MOUNT_PATH,
                                           "readOnly": True})
-        container["env"].append({"name": "KVTIER_PEER_SECRET_FILE",
+        container["env"].append({"name": names.PEER_SECRET_FILE_ENV,
                                  "value": f"{names.PEER_SECRET_MOUNT_PATH}/{names.PEER_SECRET_KEY}"})
     if image.tls:
         container["volumeMounts"].append({"name": names.CONTROL_TLS_VOLUME, "mountPath": names.CONTROL_TLS_MOUNT_PATH,
                                           "readOnly": True})
-        container["env"] += [{"name": "KVTIER_CONTROL_TLS_CERT_FILE", "value": f"{names.CONTROL_TLS_MOUNT_PATH}/tls.crt"},
-                             {"name": "KVTIER_CONTROL_TLS_KEY_FILE", "value": f"{names.CONTROL_TLS_MOUNT_PATH}/tls.key"}]
+        container["env"] += [{"name": names.CONTROL_TLS_CERT_FILE_ENV, "value": f"{names.CONTROL_TLS_MOUNT_PATH}/tls.crt"},
+                             {"name": names.CONTROL_TLS_KEY_FILE_ENV, "value": f"{names.CONTROL_TLS_MOUNT_PATH}/tls.key"}]
     else:
-        container["env"].append({"name": "KVTIER_CONTROL_TLS_PLAIN_HTTP", "value": "true"})
+        container["env"].append({"name": names.CONTROL_TLS_PLAIN_HTTP_ENV, "value": "true"})
     if spec.tiers.nvme.mode != "off":  # the shadow probe (and a future tier) uses the node's disk
         container["volumeMounts"].append({"name": names.NVME_VOLUME, "mountPath": spec.tiers.nvme.path})
     container["resources"] = _resources(spec, image)

@@ -17,13 +17,12 @@ from typing import Any, NewType
 from kvtier import policy
 from kvtier.sidecar_config import SidecarConfig
 
-from kvtier_operator.names import INJECTED_ANNOTATION, INJECTION_SKIPPED_ANNOTATION, OPT_OUT_LABEL
+from kvtier_operator.names import INJECTED_ANNOTATION, INJECTION_SKIPPED_ANNOTATION, OPT_OUT_LABEL, WEIGHT_ANNOTATION
 
 MemberName = NewType("MemberName", str)
 
 # Default home weight: replicas are assumed equal unless a pod says otherwise.
 DEFAULT_WEIGHT = 1.0
-WEIGHT_ANNOTATION = "kvtier.io/weight"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,35 +1,44 @@
-"""Every name the operator puts on cluster objects: one place, one prefix (`kvtier.io/`)."""
+"""Every name the operator puts on cluster objects: one place, one prefix (`kvtier.names.PREFIX`)."""
 from __future__ import annotations
 
-from kvtier import policy
+# The names pods and their processes read too live in the core (the sidecar and the
+# connector cannot import the operator); re-exported here with the operator's own.
+from kvtier.names import (  # noqa: F401
+    CONTROL_AUTH_AUDIENCE_ENV,
+    CONTROL_AUTH_CA_FILE_ENV,
+    CONTROL_AUTH_METRICS_USERS_ENV,
+    CONTROL_AUTH_MODE_ENV,
+    CONTROL_AUTH_PROTECT_METRICS_ENV,
+    CONTROL_AUTH_TOKEN_FILE_ENV,
+    CONTROL_AUTH_USERS_ENV,
+    FINALIZER,
+    INJECTED_ANNOTATION,
+    INJECTED_LABEL,
+    INJECTION_SKIPPED_ANNOTATION,
+    KV_TRANSFER_CONFIG_ENV,
+    OPT_OUT_LABEL,
+    PEER_SECRET_FILE_ENV,
+    PENDING_EPOCH_ANNOTATION,
+    POD_IP_ENV,
+    POD_IP_FIELD,
+    POD_NAME_ENV,
+    POD_NAME_FIELD,
+    POD_NAMESPACE_ENV,
+    POD_NAMESPACE_FIELD,
+    POLICY_LABEL,
+    PREFIX,
+    REDIS_URL_ENV,
+    ROLLOUT_REQUEST_ANNOTATION,
+    RUNTIME_DIR_ENV,
+    WEIGHT_ANNOTATION,
+    WEIGHTS_VERSION_ANNOTATION,
+    WEIGHTS_VERSION_ENV,
+    field_env,
+    weights_version_env,
+)
 
-PREFIX = policy.GROUP  # "kvtier.io": our finalizer, annotations and labels
-FINALIZER = f"{PREFIX}/finalizer"
-
-# On pods the webhook injected into: which policy did it, so a second pass is a no-op.
-INJECTED_ANNOTATION = f"{PREFIX}/injected-by"
-# Its label twin (the webhook sets it, and removes it from pods it does not inject):
-# what the policy's NetworkPolicy admits to the peer port, since anyone who may label
-# a pod can give it the policy's selector labels. A label value holds 63 characters.
-INJECTED_LABEL = INJECTED_ANNOTATION
 MAX_LABEL_VALUE = 63
-# On pods a selecting policy could not inject into because its sidecar config is
-# invalid: "<policy>: <what to fix>". The pod is admitted without the sidecar (never
-# denied for its policy's mistake) and the policy's status names it.
-INJECTION_SKIPPED_ANNOTATION = f"{PREFIX}/injection-skipped"
-# Downward API source of the pod's weights version (set by the rollout on the template).
-WEIGHTS_VERSION_ANNOTATION = f"{PREFIX}/weights-version"
-# Pods opt out of injection with this label set to "true".
-OPT_OUT_LABEL = f"{PREFIX}/inject"
-# Owner-policy label on the ConfigMaps the operator renders.
-POLICY_LABEL = f"{PREFIX}/policy"
 COMPONENT_LABEL = "app.kubernetes.io/component"
-# Warm-up journal on the policy: the epoch being prepared and which warm-ups are done,
-# so a restarted operator neither repeats them nor skips them.
-PENDING_EPOCH_ANNOTATION = f"{PREFIX}/pending-epoch"
-# A person's rollout control on the policy: "<promote|abort|retry|pause|resume>/<id>"
-# (kubectl kvtier rollout ...); acted on once, remembered in status.rollout.handledRequest.
-ROLLOUT_REQUEST_ANNOTATION = f"{PREFIX}/rollout-request"
 
 # On the policy: the control certificate last issued for it (control_ca.Issued.record),
 # what its renewal is decided from (the operator never reads that Secret back).

@@ -36,7 +36,7 @@ from typing import Literal
 
 from kvtier.policy import MAX_HISTORY, KVCachePolicyStatus, Rollout, RolloutRecord, RolloutStatus
 
-from kvtier_operator import analysis
+from kvtier_operator import analysis, names
 from kvtier_operator.conditions import Observation
 
 PROGRESSING = "RolloutProgressing"
@@ -242,7 +242,7 @@ def plan(
     template = observed.workload.template_version
     if template is None:
         return _refuse(ctx, "WorkloadUnversioned",
-                       f"the workload's pod template has no kvtier.io/weights-version annotation; "
+                       f"the workload's pod template has no {names.WEIGHTS_VERSION_ANNOTATION} annotation; "
                        f"set it to the version its pods serve (e.g. {serving}) to enable rollouts")
     if template != target:
         return _start(ctx)

@@ -39,11 +39,7 @@ def sidecar_config(spec: policy.KVCachePolicySpec) -> SidecarConfig:
     nvme = spec.tiers.nvme
     return SidecarConfig(
         model=ServedModel(
-            model_id=spec.model.id,
-            weights_version=spec.model.weights_version,
-            kv_dtype=spec.model.kv_dtype,
-            rope_config_hash=spec.model.rope_config_hash,
-            attn_impl_id=spec.model.attn_impl,
+            **spec.model.identity().model_dump(),
             layers=shape.layers,
             kv_heads=shape.kv_heads,
             head_dim=shape.head_dim,

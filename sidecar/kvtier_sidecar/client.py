@@ -93,9 +93,7 @@ class Miss:
 
 
 def root_payload(root: KeyRoot) -> dict:
-    return {"tenant": root.tenant, "model_id": root.model_id, "weights_version": root.weights_version,
-            "kv_dtype": root.kv_dtype, "rope_config_hash": root.rope_config_hash,
-            "attn_impl_id": root.attn_impl_id}
+    return root.to_wire()
 
 
 class SidecarUnavailable(ConnectionError):

@@ -30,7 +30,6 @@ from pydantic import ValidationError
 from kvtier.keys import KeyRoot
 
 from .engine_proto import FRAME, EngineOp, EngineReport, FrameError, decode_header, encode, encode_json, split_body
-from .wire import WireRoot
 
 log = logging.getLogger("kvtier.sidecar.engine")
 
@@ -103,10 +102,7 @@ class EngineServer:
         key = repr(raw)
         root = self._roots.get(key)
         if root is None:
-            if not isinstance(raw, dict):
-                raise ValueError("root must be an object with the key-root fields")
-            w = WireRoot.model_validate(raw)
-            root = KeyRoot(w.tenant, w.model_id, w.weights_version, w.kv_dtype, w.rope_config_hash, w.attn_impl_id)
+            root = KeyRoot.from_wire(raw)
             if len(self._roots) >= ROOT_CACHE_SIZE:
                 self._roots.clear()
             self._roots[key] = root

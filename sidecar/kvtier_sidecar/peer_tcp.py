@@ -80,16 +80,6 @@ class PeerSource(Protocol):
     def hot_prefixes(self, tenant: str, max_bytes: int) -> list[tuple[KeyRoot, np.ndarray]]: ...
 
 
-def root_to_wire(root: KeyRoot) -> wire.WireRoot:
-    return wire.WireRoot(tenant=root.tenant, model_id=root.model_id, weights_version=root.weights_version,
-                         kv_dtype=root.kv_dtype, rope_config_hash=root.rope_config_hash,
-                         attn_impl_id=root.attn_impl_id)
-
-
-def root_from_wire(w: wire.WireRoot) -> KeyRoot:
-    return KeyRoot(w.tenant, w.model_id, w.weights_version, w.kv_dtype, w.rope_config_hash, w.attn_impl_id)
-
-
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -438,7 +428,7 @@ class PeerServer:
         if tokens.size == 0:
             raise wire.ProtocolError("fetch without token ids")
         conn.settimeout(_left(deadline))
-        pinned = src.pin_for_peer(root_from_wire(request.root), tokens, request.max_blocks)
+        pinned = src.pin_for_peer(request.root.key_root(), tokens, request.max_blocks)
         if pinned is None:
             conn.sendall(session.seal(wire.encode_response(wire.Status.MISS, wire.FetchHeader(
                 matched_tokens=0, n_blocks=0, block_bytes=src.block_bytes))))
@@ -493,7 +483,7 @@ class PeerServer:
             raise wire.ProtocolError("bad hot-prefixes request") from None
         found = self.source.hot_prefixes(request.tenant, request.max_bytes)
         response = wire.HotResponse(prefixes=[
-            wire.HotPrefix(root=root_to_wire(root), tokens=[int(t) for t in tokens]) for root, tokens in found
+            wire.HotPrefix(root=wire.WireRoot.of(root), tokens=[int(t) for t in tokens]) for root, tokens in found
         ])
         conn.settimeout(_left(deadline))
         conn.sendall(session.seal(wire.encode_response(wire.Status.OK, response)))
@@ -633,7 +623,7 @@ class TcpTransport:
             outcome.error = f"connect: {exc.__class__.__name__}"
             return outcome
         try:
-            request = wire.FetchRequest(root=root_to_wire(root), block_bytes=block_bytes,
+            request = wire.FetchRequest(root=wire.WireRoot.of(root), block_bytes=block_bytes,
                                         block_size=block_size, max_blocks=max_blocks,
                                         skip_blocks=skip_blocks)
             sock.settimeout(_left(deadline))
@@ -707,6 +697,6 @@ class TcpTransport:
             if status is not wire.Status.OK:
                 raise ConnectionError(f"peer answered {status.name}")
             response = wire.HotResponse.model_validate_json(body)
-            return HotPrefixes([(root_from_wire(p.root), np.asarray(p.tokens, dtype=np.uint32)) for p in response.prefixes])
+            return HotPrefixes([(p.root.key_root(), np.asarray(p.tokens, dtype=np.uint32)) for p in response.prefixes])
         finally:
             sock.close()

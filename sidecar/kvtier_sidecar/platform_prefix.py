@@ -43,8 +43,7 @@ class PlatformPrefixes:
         return best
 
     def root_for(self, root: KeyRoot) -> KeyRoot:
-        return KeyRoot(self.config().platform_tenant, root.model_id, root.weights_version, root.kv_dtype,
-                       root.rope_config_hash, root.attn_impl_id)
+        return root.with_tenant(self.config().platform_tenant)
 
     def mirror(self, root: KeyRoot, tokens: np.ndarray) -> None:
         """Copy a just-stored prompt's platform prefix under the platform root."""

@@ -49,6 +49,7 @@ from enum import Enum, IntEnum
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from kvtier.identity import WireRoot  # a key root on this wire: KeyRoot's own wire form
 from kvtier.tenants import TenantName
 
 HELLO_MAGIC = b"KVP3"
@@ -103,19 +104,6 @@ class ProtocolError(ValueError):
 
 class OldProtocolError(ProtocolError):
     """The other side speaks an earlier version of the peer protocol."""
-
-
-class WireRoot(BaseModel):
-    """A key root on the wire; the same fields as `kvtier.keys.KeyRoot`."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    tenant: TenantName
-    model_id: str = Field(min_length=1, max_length=256)
-    weights_version: str = Field(min_length=1, max_length=256)
-    kv_dtype: str = Field(min_length=1, max_length=64)
-    rope_config_hash: str = Field(min_length=1, max_length=256)
-    attn_impl_id: str = Field(min_length=1, max_length=256)
 
 
 class FetchRequest(BaseModel):

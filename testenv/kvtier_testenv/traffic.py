@@ -19,18 +19,17 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
 from kvtier.keys import KeyRoot
+from kvtier.names import WEIGHTS_VERSION_ANNOTATION
 from kvtier.sidecar_config import SidecarConfig
 from kvtier_sidecar.client import Hit, SidecarClient
 from kvtier_testenv import engine_io
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.synthetic import prefill_kv
 
-WEIGHTS_VERSION_ANNOTATION = "kvtier.io/weights-version"
 PROMPTS = 4
 PROMPT_TOKENS = 72
 # Lookups per pod per round: a few per second per pod keeps rates well above the
@@ -48,8 +47,7 @@ def tokens(i: int) -> np.ndarray:
 def engine_socket(agent, namespace: str, pod: str) -> str:
     """The pod's sidecar engine socket (inside its kvtier-run volume on this host)."""
     env = agent.process(namespace, pod, "kvtier-sidecar").env
-    shm = SidecarConfig(pod_name=pod, pod_namespace=namespace).shm_name
-    return str(Path(env["XDG_RUNTIME_DIR"]) / f"kvtier-{shm}.sock")
+    return SidecarConfig(pod_name=pod, pod_namespace=namespace).engine_socket_path(env)
 
 
 class Traffic:

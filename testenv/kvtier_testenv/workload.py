@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvtier.keys import KeyRoot
+from kvtier.sidecar_config import ServedModel
 
 from kvtier_sidecar.client import Hit, SidecarClient
 from . import engine_io
@@ -32,15 +33,15 @@ class SyntheticOracle:
     def __init__(self, block_size: int = 16, layers: int = 2, kv_heads: int = 2, head_dim: int = 16,
                  dtype_bytes: int = 4, weights_version: str = "dev") -> None:
         self.block_size = block_size
-        self.shape = {"model_id": "reference-tiny", "weights_version": weights_version, "layers": layers,
-                      "kv_heads": kv_heads, "head_dim": head_dim, "dtype_bytes": dtype_bytes,
-                      "kv_dtype": "float32", "rope_config_hash": "rope-default", "attn_impl_id": "sdpa"}
-        self.block_bytes = 2 * layers * kv_heads * head_dim * dtype_bytes * block_size
+        model = ServedModel(model_id="reference-tiny", weights_version=weights_version, layers=layers,
+                            kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
+                            kv_dtype="float32", rope_config_hash="rope-default", attn_impl_id="sdpa")
+        self.shape = model.model_dump(exclude_none=True)  # the sidecar config's `model`
+        self.block_bytes = model.kv_bytes_per_token() * block_size
         self.vocab = VOCAB
 
     def root(self, tenant: str) -> KeyRoot:
-        s = self.shape
-        return KeyRoot(tenant, s["model_id"], s["weights_version"], s["kv_dtype"], s["rope_config_hash"], s["attn_impl_id"])
+        return ServedModel.model_validate(self.shape).root(tenant)
 
     def kv(self, root: KeyRoot, tokens: np.ndarray) -> np.ndarray:
         return prefill_kv(root, tokens, self.block_size, self.block_bytes)
@@ -62,10 +63,9 @@ class ReferenceOracle:
         self.block_size = block_size
         kv_shape = c.kv_shape(block_size)
         probe = self.engine.key_root("probe")
-        self.shape = {"model_id": probe.model_id, "weights_version": probe.weights_version, "layers": c.layers,
-                      "kv_heads": c.kv_heads, "head_dim": c.head_dim, "dtype_bytes": kv_shape.np_dtype.itemsize,
-                      "kv_dtype": probe.kv_dtype, "rope_config_hash": probe.rope_config_hash,
-                      "attn_impl_id": probe.attn_impl_id}
+        self.shape = ServedModel(**probe.identity().model_dump(), layers=c.layers, kv_heads=c.kv_heads,
+                                 head_dim=c.head_dim, dtype_bytes=kv_shape.np_dtype.itemsize,
+                                 ).model_dump(exclude_none=True)
         self.block_bytes = kv_shape.block_bytes
         self.vocab = c.vocab
 

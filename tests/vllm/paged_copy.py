@@ -8,7 +8,7 @@ import os
 import numpy as np
 import torch
 
-from kvtier import memcopy
+from kvtier import memcopy, presets
 from kvtier_sidecar.arena import Arena
 from kvtier_vllm.layouts import PagedLayout
 from kvtier_vllm.paged import PagedKV
@@ -24,7 +24,7 @@ for dtype in (torch.float16, torch.bfloat16):
         memcopy._native = native
         memcopy.STREAM_MIN_TOTAL_BYTES = 0  # these few KB stream too, as a real model's hundreds of MB do
         paged = PagedKV.from_tensors(src, PagedLayout.CPU_VEC, heads, dim, block, block)
-        block_bytes = layers * 2 * heads * block * dim * 2
+        block_bytes = presets.kv_bytes_per_token(layers, heads, dim, dtype.itemsize) * block
         arena = Arena.create(f"kvtier-test-{os.getpid()}", 16, block_bytes)
         try:
             arena.array[:] = 0

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import redis
 
+from kvtier.sidecar_config import ServedModel
 from kvtier_sidecar.arena import Arena
 from kvtier_testenv.fleet import SidecarHandle
 from kvtier_testenv.polling import wait_for
@@ -162,7 +163,7 @@ def test_fresh_engine_serves_prefix_stored_by_another_with_identical_outputs(wor
 
 def _arena(sidecar: SidecarHandle) -> Arena:
     hello = sidecar.ready
-    block_bytes = SHAPE.layers * 2 * SHAPE.kv_heads * BLOCK * SHAPE.head_dim * 4
+    block_bytes = ServedModel(**sidecar_model(SHAPE)).kv_bytes_per_token() * BLOCK
     return Arena.attach(hello["shm_name"], sidecar.config["dram_capacity_bytes"] // block_bytes * block_bytes,
                         block_bytes)
 

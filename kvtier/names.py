@@ -1,0 +1,91 @@
+"""Every name that crosses into a pod: the `kvtier.io/` annotations and labels, and the
+environment the webhook injects and the sidecar and the connector read. One place, so
+the operator that writes a name and the process that reads it cannot disagree; the
+operator's `kvtier_operator.names` re-exports these next to its own object names.
+`tests/test_contracts.py` keeps `kvtier.io/` names and these env names out of every
+other module."""
+from __future__ import annotations
+
+from typing import Any
+
+GROUP = "kvtier.io"
+"""The API group; also the prefix of every annotation, label and finalizer of ours."""
+PREFIX = GROUP
+FINALIZER = f"{PREFIX}/finalizer"
+
+# On pods the webhook injected into: which policy did it, so a second pass is a no-op.
+INJECTED_ANNOTATION = f"{PREFIX}/injected-by"
+# Its label twin (the webhook sets it, and removes it from pods it does not inject):
+# what the policy's NetworkPolicy admits to the peer port, since anyone who may label
+# a pod can give it the policy's selector labels. A label value holds 63 characters.
+INJECTED_LABEL = INJECTED_ANNOTATION
+# On pods a selecting policy could not inject into because its sidecar config is
+# invalid: "<policy>: <what to fix>". The pod is admitted without the sidecar (never
+# denied for its policy's mistake) and the policy's status names it.
+INJECTION_SKIPPED_ANNOTATION = f"{PREFIX}/injection-skipped"
+# Downward API source of the pod's weights version (set by the rollout on the template).
+WEIGHTS_VERSION_ANNOTATION = f"{PREFIX}/weights-version"
+# Pods opt out of injection with this label set to "true".
+OPT_OUT_LABEL = f"{PREFIX}/inject"
+# A pod's home weight in the affinity table (default 1: replicas are equal).
+WEIGHT_ANNOTATION = f"{PREFIX}/weight"
+# Owner-policy label on the ConfigMaps the operator renders.
+POLICY_LABEL = f"{PREFIX}/policy"
+# Warm-up journal on the policy: the epoch being prepared and which warm-ups are done,
+# so a restarted operator neither repeats them nor skips them.
+PENDING_EPOCH_ANNOTATION = f"{PREFIX}/pending-epoch"
+# A person's rollout control on the policy: "<promote|abort|retry|pause|resume>/<id>"
+# (kubectl kvtier rollout ...); acted on once, remembered in status.rollout.handledRequest.
+ROLLOUT_REQUEST_ANNOTATION = f"{PREFIX}/rollout-request"
+
+# --- the pod's environment -------------------------------------------------------------
+# The downward API's pod identity: the sidecar names its arena and engine socket after
+# it, and an engine in the same pod derives the same socket path from it.
+POD_NAME_ENV = "POD_NAME"
+POD_NAMESPACE_ENV = "POD_NAMESPACE"
+POD_IP_ENV = "POD_IP"
+# Where the sidecar's engine socket lives (the pod's shared run volume).
+RUNTIME_DIR_ENV = "XDG_RUNTIME_DIR"
+# The exact weights digest, from the pod's WEIGHTS_VERSION_ANNOTATION.
+WEIGHTS_VERSION_ENV = "KVTIER_WEIGHTS_VERSION"
+# An engine socket path that overrides the one derived from the pod identity.
+ENGINE_SOCKET_ENV = "KVTIER_ENGINE_SOCKET"
+# The engine's connector config, rendered from the policy.
+KV_TRANSFER_CONFIG_ENV = "KVTIER_KV_TRANSFER_CONFIG"
+REDIS_URL_ENV = "KVTIER_REDIS_URL"
+PEER_SECRET_FILE_ENV = "KVTIER_PEER_SECRET_FILE"
+CONTROL_AUTH_MODE_ENV = "KVTIER_CONTROL_AUTH_MODE"
+CONTROL_AUTH_USERS_ENV = "KVTIER_CONTROL_AUTH_USERS"
+CONTROL_AUTH_AUDIENCE_ENV = "KVTIER_CONTROL_AUTH_AUDIENCE"
+CONTROL_AUTH_PROTECT_METRICS_ENV = "KVTIER_CONTROL_AUTH_PROTECT_METRICS"
+CONTROL_AUTH_METRICS_USERS_ENV = "KVTIER_CONTROL_AUTH_METRICS_USERS"
+CONTROL_AUTH_TOKEN_FILE_ENV = "KVTIER_CONTROL_AUTH_TOKEN_FILE"
+CONTROL_AUTH_CA_FILE_ENV = "KVTIER_CONTROL_AUTH_CA_FILE"
+CONTROL_TLS_CERT_FILE_ENV = "KVTIER_CONTROL_TLS_CERT_FILE"
+CONTROL_TLS_KEY_FILE_ENV = "KVTIER_CONTROL_TLS_KEY_FILE"
+CONTROL_TLS_PLAIN_HTTP_ENV = "KVTIER_CONTROL_TLS_PLAIN_HTTP"
+
+POD_ENV = frozenset({
+    POD_NAME_ENV, POD_NAMESPACE_ENV, POD_IP_ENV, WEIGHTS_VERSION_ENV, ENGINE_SOCKET_ENV, KV_TRANSFER_CONFIG_ENV,
+    REDIS_URL_ENV, PEER_SECRET_FILE_ENV, CONTROL_AUTH_MODE_ENV, CONTROL_AUTH_USERS_ENV, CONTROL_AUTH_AUDIENCE_ENV,
+    CONTROL_AUTH_PROTECT_METRICS_ENV, CONTROL_AUTH_METRICS_USERS_ENV, CONTROL_AUTH_TOKEN_FILE_ENV,
+    CONTROL_AUTH_CA_FILE_ENV, CONTROL_TLS_CERT_FILE_ENV, CONTROL_TLS_KEY_FILE_ENV, CONTROL_TLS_PLAIN_HTTP_ENV,
+})
+"""Every kvtier env name of the pod contract (RUNTIME_DIR_ENV is the platform's)."""
+
+# Downward API sources of the env above.
+POD_NAME_FIELD = "metadata.name"
+POD_NAMESPACE_FIELD = "metadata.namespace"
+POD_IP_FIELD = "status.podIP"
+WEIGHTS_VERSION_FIELD = f"metadata.annotations['{WEIGHTS_VERSION_ANNOTATION}']"
+
+
+def field_env(name: str, field_path: str) -> dict[str, Any]:
+    """A container env entry read from the pod's own fields (downward API)."""
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+
+
+def weights_version_env() -> dict[str, Any]:
+    """WEIGHTS_VERSION_ENV from the pod's weights annotation: the rollout sets the
+    annotation on the template, every container of the pod reads the same digest."""
+    return field_env(WEIGHTS_VERSION_ENV, WEIGHTS_VERSION_FIELD)

@@ -1,0 +1,206 @@
+"""Every contract that crosses a process boundary has one definition (docs/ARCHITECTURE.md
+"Where each contract lives"): the key root and the model identity (`kvtier.keys`), the
+KV dtypes and bytes per token (`kvtier.dtypes`, `kvtier.presets.ModelShape`), the pod's
+annotation and env names (`kvtier.names`). Each test reads the sources the way the
+layering linter does, and fails naming the file and line that spells a contract again."""
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import get_args
+
+import pytest
+
+from kvtier import breakeven, engine, layout, names, policy, presets
+from kvtier.dtypes import DEFAULT_KV_DTYPE, KvDtype
+from kvtier.identity import ModelIdentity, WireRoot
+from kvtier.keys import KEY_ROOT_FIELDS, KeyRoot
+from kvtier.sidecar_config import ServedModel
+
+ROOT = Path(__file__).resolve().parents[1]
+# Everything that ships or drives what ships; tests may spell contracts out (that is
+# how they check them).
+SOURCE_DIRS = ("kvtier", "sidecar/kvtier_sidecar", "connector/kvtier_vllm", "operator/kvtier_operator",
+               "apps/kvtier_app", "testenv/kvtier_testenv", "bench")
+# A node naming this many of the key root's fields is spelling it out.
+SPELLED_OUT = 4
+
+
+def _sources() -> Iterator[tuple[str, ast.Module]]:
+    for top in SOURCE_DIRS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            yield rel, ast.parse(path.read_text(), filename=rel)
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def _strings(tree: ast.Module) -> Iterator[ast.Constant]:
+    """String constants of the code (docstrings are prose, not names)."""
+    skip = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            yield node
+
+
+def _copied_root_fields(node: ast.AST) -> set[str]:
+    """Key-root fields a call or literal copies one by one: `x.field`, `x["field"]`,
+    `{"field": ...}` and `field=<attribute or item>`."""
+    fields = set(KEY_ROOT_FIELDS)
+    found = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and sub.attr in fields:
+            found.add(sub.attr)
+        elif isinstance(sub, ast.Subscript) and isinstance(sub.slice, ast.Constant) and sub.slice.value in fields:
+            found.add(sub.slice.value)
+        elif isinstance(sub, ast.Dict):
+            found |= {k.value for k in sub.keys if isinstance(k, ast.Constant) and k.value in fields}
+        elif isinstance(sub, ast.keyword) and sub.arg in fields and isinstance(sub.value, (ast.Attribute, ast.Subscript)):
+            found.add(sub.arg)
+    return found
+
+
+# The one translation between the CRD's names (`id`, `attnImpl`) and the identity's.
+CRD_MAPPING = ("kvtier/policy.py", {"identity", "identity_wire"})
+
+
+def test_the_key_root_is_spelled_out_in_keys_and_identity_only():
+    bad = []
+    for rel, tree in _sources():
+        if rel in ("kvtier/keys.py", "kvtier/identity.py"):
+            continue
+        allowed = set()
+        if rel == CRD_MAPPING[0]:
+            allowed = {id(n) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in CRD_MAPPING[1]}
+        for node in ast.walk(tree):
+            if id(node) in allowed:
+                allowed |= {id(n) for n in ast.walk(node)}
+                continue
+            if isinstance(node, (ast.Call, ast.Dict)) and len(_copied_root_fields(node)) >= SPELLED_OUT:
+                bad.append(f"{rel}:{node.lineno} copies {sorted(_copied_root_fields(node))}")
+            elif isinstance(node, ast.ClassDef):
+                declared = {s.target.id for s in node.body
+                            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+                if len(declared & set(KEY_ROOT_FIELDS)) >= SPELLED_OUT:
+                    bad.append(f"{rel}:{node.lineno} class {node.name} declares the key root's fields again")
+    assert not bad, "use KeyRoot.to_wire/from_wire, WireRoot or ModelIdentity (kvtier.keys, kvtier.identity):\n" + "\n".join(bad)
+
+
+def test_the_guard_sees_a_root_spelled_out():
+    spelled = ast.parse('{"tenant": r.tenant, "model_id": r.model_id, "kv_dtype": r.kv_dtype, "attn_impl_id": x}')
+    assert len(_copied_root_fields(spelled.body[0].value)) == SPELLED_OUT
+    copied = ast.parse("KeyRoot(w.tenant, w.model_id, w.weights_version, w.kv_dtype, w.rope_config_hash, w.attn_impl_id)")
+    assert _copied_root_fields(copied.body[0].value) == set(KEY_ROOT_FIELDS)
+
+
+def test_a_key_root_round_trips_its_wire_form_and_refuses_anything_else():
+    root = KeyRoot("t/a", "m", "sha256:1", "fp16", "rope-x", "sdpa")
+    assert list(root.to_wire()) == list(KEY_ROOT_FIELDS) == list(WireRoot.model_fields)
+    back = KeyRoot.from_wire(root.to_wire())
+    assert back == root and back.digest() == root.digest()
+    assert WireRoot.of(root).key_root() == root
+    assert root.identity().root("t/a") == root and root.with_tenant("u") == root.identity().root("u")
+    for bad in ([], "root", {**root.to_wire(), "extra": "x"}, {**root.to_wire(), "tenant": "a b"},
+                {k: v for k, v in root.to_wire().items() if k != "kv_dtype"}):
+        with pytest.raises(ValueError):
+            KeyRoot.from_wire(bad)
+
+
+def test_one_model_identity_with_one_set_of_defaults():
+    from kvtier_vllm.config import EngineIdentity
+
+    assert EngineIdentity is ModelIdentity and issubclass(ServedModel, ModelIdentity)
+    assert list(ModelIdentity.model_fields) == list(KEY_ROOT_FIELDS[1:])
+    spec = policy.ModelSpec(id="m", weights_version="sha256:" + "0" * 64, preset="llama-3-8b")
+    defaults, served = ModelIdentity(), ServedModel()
+    for name in ("kv_dtype", "rope_config_hash", "attn_impl_id"):
+        assert getattr(spec.identity(), name) == getattr(defaults, name) == getattr(served, name)
+    assert defaults.kv_dtype == DEFAULT_KV_DTYPE.value and served.dtype_bytes == DEFAULT_KV_DTYPE.itemsize
+    ident = spec.identity()
+    assert policy.ModelSpec.model_validate({**policy.ModelSpec.identity_wire(ident), "preset": "llama-3-8b"}) == spec
+
+
+def test_one_kv_dtype_vocabulary():
+    assert get_args(policy.ModelSpec.model_fields["kv_dtype"].annotation) == tuple(d.value for d in KvDtype)
+    assert set(layout.KV_DTYPES) == set(breakeven.KV_DTYPE_BYTES) == {d.value for d in KvDtype}
+    assert set(engine.ENGINE_DTYPES) < set(layout.KV_DTYPES)
+    dtype_names = {d.value for d in KvDtype}
+    tables = []
+    for rel, tree in _sources():
+        if rel == "kvtier/dtypes.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Dict):
+                keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                if len(keys & dtype_names) >= 2:
+                    tables.append(f"{rel}:{node.lineno}")
+    assert not tables, "a table of KV dtypes outside kvtier.dtypes (derive it from KvDtype): " + ", ".join(tables)
+
+
+@pytest.mark.parametrize("name", sorted(presets.MODELS))
+@pytest.mark.parametrize("dtype", list(KvDtype))
+def test_every_kv_size_is_the_model_shapes(name, dtype):
+    shape = presets.MODELS[name]
+    per_token = shape.kv_bytes_per_token(dtype)
+    served = ServedModel(layers=shape.layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                         dtype_bytes=dtype.itemsize, kv_elements_per_token=shape.kv_elements_per_token)
+    assert served.kv_bytes_per_token() == per_token
+    assert breakeven.evaluate(shape, tflops_per_gpu=100, kv_dtype=dtype.value).kv_bytes_per_token == per_token
+    if shape.kv_elements_per_token is None:  # the canonical layout holds K and V only
+        assert layout.KVShape(shape.layers, shape.kv_heads, shape.head_dim, dtype.value).kv_bytes_per_token == per_token
+        assert breakeven.kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, dtype.itemsize) == per_token
+
+
+_KV_FORMULA = re.compile(r"layers\b[^\n]*\*[^\n]*kv_heads\b[^\n]*\*[^\n]*head_dim|"
+                         r"kv_heads\b[^\n]*\*[^\n]*head_dim\b[^\n]*\*[^\n]*layers")
+
+
+def test_kv_bytes_per_token_has_one_formula():
+    found = [f"{rel}:{i}" for top in SOURCE_DIRS for path in sorted((ROOT / top).rglob("*.py"))
+             if (rel := path.relative_to(ROOT).as_posix()) != "kvtier/presets.py"
+             for i, line in enumerate(path.read_text().splitlines(), 1)
+             if _KV_FORMULA.search(line.split("#")[0])]
+    assert not found, "KV size computed by hand (use presets.ModelShape / kv_bytes_per_token): " + ", ".join(found)
+
+
+# A `kvtier.io/` name, not a URL under the domain (https://kvtier.io/schemas/...).
+_OUR_NAME = re.compile(r"(?<![/\w.-])kvtier\.io/")
+
+
+def test_pod_names_are_spelled_in_kvtier_names_only():
+    bad = []
+    for rel, tree in _sources():
+        if rel == "kvtier/names.py":
+            continue
+        for node in _strings(tree):
+            if _OUR_NAME.search(node.value):
+                bad.append(f"{rel}:{node.lineno} {node.value!r}")
+            elif node.value in names.POD_ENV:
+                bad.append(f"{rel}:{node.lineno} env {node.value!r}")
+        for node in ast.walk(tree):  # a downward-API env entry: names.field_env builds them
+            if isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "fieldRef"
+                                                  for k in node.keys):
+                parent_keys = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+                if "path" not in parent_keys:  # a downwardAPI volume item is not an env entry
+                    bad.append(f"{rel}:{node.lineno} a fieldRef env entry")
+    assert not bad, "use kvtier.names:\n" + "\n".join(bad)
+
+
+def test_the_operator_and_the_pod_read_the_same_names():
+    from kvtier_operator import names as operator_names
+
+    for name in ("PREFIX", "INJECTED_ANNOTATION", "WEIGHTS_VERSION_ANNOTATION", "WEIGHT_ANNOTATION"):
+        assert getattr(operator_names, name) == getattr(names, name)
+    assert names.weights_version_env() == {"name": names.WEIGHTS_VERSION_ENV, "valueFrom": {"fieldRef": {
+        "fieldPath": f"metadata.annotations['{names.WEIGHTS_VERSION_ANNOTATION}']"}}}
+    assert policy.GROUP == names.GROUP and names.WEIGHTS_VERSION_ANNOTATION.startswith(names.GROUP + "/")
