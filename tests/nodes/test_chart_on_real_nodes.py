@@ -2,7 +2,8 @@
 from the Dockerfile by hack/image.sh and imported into the node's containerd), the
 operator running as the chart's Deployment pod, the API server calling the webhook
 through its Service, and a StatefulSet pod in a namespace that enforces PodSecurity
-`restricted` getting the sidecar injected: the engine container (the project image,
+`restricted` getting the sidecar injected as a native sidecar (an init container with
+restartPolicy Always, started before the engine): the engine container (the project image,
 acting as an engine through the sidecar's client) reaches the sidecar over the shared
 socket volume and maps its arena in the shared memory emptyDir.
 
@@ -86,7 +87,8 @@ def test_helm_install_runs_the_operator_pod_whose_webhook_injects_a_restricted_s
     assert any(ref == image or ref.endswith(f"/{image}") for ref in node_cluster.images()), \
         f"{image} is not in the node's containerd: {node_cluster.images()}"
 
-    helm.install(RELEASE, CHART, "--create-namespace")
+    # The image stays the chart's default; the sidecar is a native one on this 1.33 API server.
+    helm.install(RELEASE, CHART, "--create-namespace", values={"sidecar": {"native": "auto"}})
     [operator] = wait_pods_ready(kubectl, OPERATOR_NS, "app.kubernetes.io/name=kvtier", 1, node_cluster)
     assert operator["spec"]["nodeName"] == node_cluster.node_name
     [op_container] = operator["spec"]["containers"]
@@ -136,13 +138,18 @@ def test_helm_install_runs_the_operator_pod_whose_webhook_injects_a_restricted_s
         },
     })
     [pod] = wait_pods_ready(kubectl, ns, "app=engine", 1, node_cluster)
-    names = [c["name"] for c in pod["spec"]["containers"]] + [
-        c["name"] for c in pod["spec"].get("initContainers", [])]
-    assert "kvtier-sidecar" in names, f"not injected: {names}; {pod['metadata'].get('annotations')}"
+    init = {c["name"]: c for c in pod["spec"].get("initContainers", [])}
+    assert names.SIDECAR_CONTAINER in init, \
+        f"no native sidecar: {pod['spec']['containers']}; {pod['metadata'].get('annotations')}"
+    assert init[names.SIDECAR_CONTAINER]["restartPolicy"] == "Always"
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["engine"]
     assert pod["metadata"]["annotations"].get("kvtier.io/injected-by") == policy["metadata"]["name"]
     statuses = {c["name"]: c for c in pod["status"].get("containerStatuses", []) +
                 pod["status"].get("initContainerStatuses", [])}
-    assert statuses["kvtier-sidecar"]["ready"] and statuses["engine"]["ready"], statuses
+    assert statuses[names.SIDECAR_CONTAINER]["ready"] and statuses["engine"]["ready"], statuses
+    # kubelet started the sidecar before the engine (its startupProbe gates the engine)
+    assert (statuses[names.SIDECAR_CONTAINER]["state"]["running"]["startedAt"]
+            <= statuses["engine"]["state"]["running"]["startedAt"])
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["kvtier-shm"]["emptyDir"]["medium"] == "Memory"
 
