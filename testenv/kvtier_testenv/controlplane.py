@@ -396,6 +396,9 @@ class ControlPlane:
                 "--enable-admission-plugins=NodeRestriction",
                 f"--kubelet-client-certificate={self.kubelet_client_cert}",
                 f"--kubelet-client-key={self.kubelet_client_key}",
+                # The node's address, never its name (which only an outside resolver
+                # would be asked for).
+                "--kubelet-preferred-address-types=InternalIP",
             ]
         else:
             node_args = [
@@ -434,7 +437,9 @@ class ControlPlane:
             f"--kubeconfig={self.kubeconfig}",
             "--secure-port=0",
             "--leader-elect=false",
-            f"--controllers={','.join(CONTROLLERS)}",
+            # Real nodes: the node lifecycle controller lifts kubelet's not-ready taint
+            # (and marks a node whose kubelet stopped).
+            f"--controllers={','.join(CONTROLLERS + (('node-lifecycle-controller',) if self.real_nodes else ()))}",
             f"--service-account-private-key-file={self.sa_key}",
             f"--root-ca-file={self.ca_cert}",
             "--use-service-account-credentials=false",

@@ -38,6 +38,7 @@ its own network namespace, which this module does not make yet.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ipaddress
 import json
@@ -246,14 +247,18 @@ class NodeCluster:
     def start(self) -> "NodeCluster":
         t0 = time.monotonic()
         self._check_free()
+        importing: concurrent.futures.Future | None = None
+        pool = concurrent.futures.ThreadPoolExecutor(1)
         try:
             self._host_network()
+            self._start_containerd()
+            # Importing (and unpacking) the images takes longest: meanwhile the control
+            # plane starts.
+            importing = pool.submit(self._import_images)
             self.control_plane.start()
             self.timings["control_plane_s"] = time.monotonic() - t0
-            self._start_containerd()
-            t1 = time.monotonic()
-            self._import_images()
-            self.timings["image_import_s"] = time.monotonic() - t1
+            importing.result()
+            self.timings["images_imported_after_s"] = time.monotonic() - t0
             t2 = time.monotonic()
             self._start_scheduler()
             self._start_kubelet()
@@ -261,8 +266,13 @@ class NodeCluster:
             self._wait_node_ready()
             self.timings["node_ready_s"] = time.monotonic() - t2
         except BaseException:
+            if importing is not None:
+                with contextlib.suppress(Exception):
+                    importing.result()
             self.stop()
             raise
+        finally:
+            pool.shutdown()
         self.timings["start_s"] = time.monotonic() - t0
         return self
 
@@ -286,25 +296,32 @@ class NodeCluster:
 
     def stop(self) -> None:
         errors: list[str] = []
+        t0 = time.monotonic()
         if self._procs:
             with contextlib.suppress(Exception):
                 self._delete_pods()
+        self.timings["stop_pods_deleted_s"] = time.monotonic() - t0
         for p in reversed(self._procs):
             self._terminate(p)
         self._procs.clear()
+        self.timings["stop_processes_s"] = time.monotonic() - t0
         # Whatever kubelet could not clean up (it was stopped, or a pod hung): the
         # containerd it used is gone now, so nothing holds these any more.
         self._kill_leftover_shims()
         self._unmount_under(self.dir)
         self._remove_netns()
+        self.timings["stop_unmounted_s"] = time.monotonic() - t0
         with contextlib.suppress(Exception):
             self.control_plane.stop()
+        self.timings["stop_control_plane_s"] = time.monotonic() - t0
         self._restore_network(errors)
         self._restore_sysctls()
         self._remove_cgroups()
         self._remove_cni_cache()
+        self.timings["stop_restored_s"] = time.monotonic() - t0
         if not errors:
             shutil.rmtree(self.dir, ignore_errors=True)
+        self.timings["stop_s"] = time.monotonic() - t0
         if errors:
             raise NodeError("; ".join(errors))
 
@@ -564,8 +581,11 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             out = self.kubectl("get", "node", self.node_name, "-o", "json", check=False)
             if out.returncode != 0:
                 return False
-            conds = json.loads(out.stdout).get("status", {}).get("conditions", [])
-            return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+            node = json.loads(out.stdout)
+            conds = node.get("status", {}).get("conditions", [])
+            # Schedulable too: the node lifecycle controller lifted the not-ready taint.
+            return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds) and not any(
+                t.get("key") == "node.kubernetes.io/not-ready" for t in node.get("spec", {}).get("taints") or [])
         try:
             wait_for(f"node {self.node_name} Ready", ready, NODE_READY_TIMEOUT_S, 0.5)
         except WaitTimeout as e:
@@ -577,11 +597,11 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         """Every pod's deletion through kubelet (it unmounts volumes and frees addresses)."""
         if not any(p.name == "kubelet" and p.proc.poll() is None for p in self._procs):
             return
-        self.kubectl("delete", "pods", "--all", "--all-namespaces", "--wait=false",
-                     "--grace-period=1", check=False)
-        # Controllers would recreate them; the workloads go first.
+        # The workloads first: their controllers would recreate the pods.
         self.kubectl("delete", "statefulsets,deployments,replicasets,daemonsets,jobs", "--all",
                      "--all-namespaces", "--wait=false", check=False)
+        self.kubectl("delete", "pods", "--all", "--all-namespaces", "--wait=false",
+                     "--grace-period=1", check=False)
 
         def none_left() -> bool:
             out = self.kubectl("get", "pods", "--all-namespaces", "-o", "name", check=False)
