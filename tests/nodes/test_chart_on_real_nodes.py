@@ -59,8 +59,17 @@ while True:
 
 
 def pod_story(kubectl: Kubectl, namespace: str) -> str:
+    """The namespace's pods and events, and every container's last log lines (the
+    previous run's too: a crash-looping container's cause)."""
     out = kubectl.run("-n", namespace, "get", "pods,events", "-o", "wide", check=False)
-    return out.stdout + out.stderr
+    story = out.stdout + out.stderr
+    for previous in ("--previous", ""):
+        logs = kubectl.run("-n", namespace, "logs", "--all-containers", "--prefix", "--tail=30",
+                           "-l", "app.kubernetes.io/name", *( [previous] if previous else []), check=False)
+        logs2 = kubectl.run("-n", namespace, "logs", "--all-containers", "--prefix", "--tail=30",
+                            "-l", "app", *([previous] if previous else []), check=False)
+        story += f"\n--- logs {previous or '(current)'} ---\n{logs.stdout}{logs.stderr}{logs2.stdout}{logs2.stderr}"
+    return story
 
 
 def wait_pods_ready(kubectl: Kubectl, namespace: str, selector: str, count: int,
