@@ -9,6 +9,11 @@
 #   - the real Kubernetes control plane (kube-apiserver, kube-controller-manager,
 #     etcd, kubectl, helm), built or unpacked once into a versioned cache outside git,
 #   - Prometheus with Kubernetes service discovery (hack/prometheus.sh), likewise,
+#   - with KVTIER_REAL_NODES=1, what real nodes need (hack/nodes.sh): containerd, runc, CNI plugins, iptables,
+#     buildah, mmdebstrap from Debian; kubelet, kube-proxy, kube-scheduler from the same
+#     Kubernetes module; the pause image and a Debian base image, likewise cached,
+#   - the project's image built from the Dockerfile (hack/image.sh), rebuilt when its
+#     sources change,
 #   - vLLM's CPU build in its own venv, cached the same way (hack/vllm.sh),
 #   - the Go modules of the router package (router/), in Go's module cache.
 # A second run is a no-op that takes a few seconds.
@@ -68,6 +73,11 @@ bash hack/checkov.sh
 if [ "${KVTIER_SKIP_CONTROLPLANE:-0}" != 1 ]; then
   bash hack/controlplane.sh
   bash hack/prometheus.sh
+fi
+# Real nodes are not yet part of the suite (tests/nodes, collected with KVTIER_REAL_NODES=1).
+if [ "${KVTIER_REAL_NODES:-0}" = 1 ]; then
+  bash hack/nodes.sh >/dev/null
+  bash hack/image.sh >/dev/null
 fi
 
 # --- vLLM (CPU build) for the connector's tests, in its own cached venv --------------

@@ -69,6 +69,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.options = options
     memo.kube = Kube.from_environment()
     memo.control_certs = await _control_certs(memo.kube, options)
+    memo.native_sidecars = options.native_sidecars == "auto" and await _native_sidecars(memo.kube)
     memo.sidecars = SidecarClient.create(
         options.warms_per_target, options.sidecar_token_file,
         _pod_tokens(memo.kube, options.sidecar_token_service_account),
@@ -98,6 +99,20 @@ async def _control_certs(kube: Kube, options: OperatorOptions) -> control_certs.
         raise kopf.PermanentError(str(exc)) from None
     await control_certs.publish_ca(kube, options.operator_namespace, options.control_ca_secret, ca)
     return control_certs.PolicyCerts(ca)
+
+
+async def _native_sidecars(kube: Kube) -> bool:
+    """Whether injected sidecars are native ones (Kubernetes >= 1.29); an API server
+    whose version cannot be read gets the plain container every version runs."""
+    try:
+        major, minor = await kube.server_version()
+    except Exception as exc:  # noqa: BLE001 - any failure means: the portable form
+        log.warning("API server version unreadable (%s): injecting the sidecar as a plain container", exc)
+        return False
+    native = injection.supports_native_sidecars(major, minor)
+    log.info("API server %s.%s: injecting the sidecar as a %s", major, minor,
+             "native sidecar (init container, restartPolicy Always)" if native else "plain container")
+    return native
 
 
 def _pod_tokens(kube: Kube, service_account: str) -> PodTokens | None:
@@ -253,7 +268,8 @@ async def inject_sidecar(
         result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(
             image=options.sidecar_image, auth_mode=options.sidecar_auth, auth_users=options.sidecar_auth_users,
             protect_metrics=options.sidecar_protect_metrics, metrics_users=options.sidecar_metrics_users,
-            pod_audience=bool(options.sidecar_token_service_account), tls=options.sidecar_tls))
+            pod_audience=bool(options.sidecar_token_service_account), tls=options.sidecar_tls,
+            native=memo.get("native_sidecars", False)))
     except sidecar_render.BrokenPolicy as exc:
         # The owner's mistake is never the pod's: admit it without the sidecar, say why on
         # the pod, and let the policy's status name it (membership's SidecarsInjected).

@@ -5,7 +5,11 @@ do (not selected, opted out, or already injected).
 Added to the pod:
 
     containers  + kvtier-sidecar   (`kvtier-sidecar --config /etc/kvtier/sidecar.yaml`,
-                                    downward-API env, HTTP/peer ports, /readyz probe)
+                                    downward-API env, HTTP/peer ports, /readyz probe);
+                                    on Kubernetes >= 1.29 (`SidecarImage.native`) it is a
+                                    native sidecar instead: the last of initContainers,
+                                    restartPolicy Always, a /healthz startupProbe, so
+                                    kubelet starts it before the engine and stops it after
     volumes     + kvtier-config    (the policy's sidecar ConfigMap)
                 + kvtier-shm       (memory-backed emptyDir: the DRAM arena, mapped by the
                                     engine, so a local hit is a copy with no socket)
@@ -79,6 +83,25 @@ class SidecarImage:
     pod_audience: bool = False
     # The control API over TLS (the policy's certificate Secret mounted); False: plain HTTP.
     tls: bool = True
+    # A native sidecar (an init container with restartPolicy Always): what the API
+    # server's version allows (`supports_native_sidecars`).
+    native: bool = False
+
+
+# Sidecar containers (restartable init containers) are on by default from 1.29.
+NATIVE_SIDECARS_SINCE = (1, 29)
+# A native sidecar's start gates the engine's: /healthz (the process serves) within
+# this, else kubelet restarts it; /readyz (which needs Redis and peers) never gates it.
+SIDECAR_STARTUP_PROBE = {"periodSeconds": 1, "failureThreshold": 120}
+
+
+def supports_native_sidecars(major: str, minor: str) -> bool:
+    """From the API server's /version (`minor` may carry a suffix: "29+")."""
+    digits = "".join(c for c in minor if c.isdigit())
+    try:
+        return (int(major), int(digits)) >= NATIVE_SIDECARS_SINCE
+    except ValueError:
+        return False
 
 
 def selecting_policy(pod: dict[str, Any], policies: list[conflicts.PolicyRef]) -> str | None:
@@ -110,18 +133,26 @@ def inject(
     meta = pod.get("metadata") or {}
     pod_spec = pod.get("spec") or {}
     containers = pod_spec.get("containers") or []
+    init_containers = pod_spec.get("initContainers") or []
     if (meta.get("annotations") or {}).get(names.INJECTED_ANNOTATION) or any(
-        c.get("name") == names.SIDECAR_CONTAINER for c in containers
+        c.get("name") == names.SIDECAR_CONTAINER for c in (*containers, *init_containers)
     ):
         return None
     sidecar_cfg = SidecarConfig()  # ports only; the real config is in the ConfigMap
-    new_containers = [with_engine_env(_with_shared_mounts(c), spec) for c in containers] + [
-        _sidecar_container(policy_name, spec, image, sidecar_cfg)
-    ]
+    sidecar = _sidecar_container(policy_name, spec, image, sidecar_cfg)
+    new_containers = [with_engine_env(_with_shared_mounts(c), spec) for c in containers]
     volumes = list(pod_spec.get("volumes") or [])
     taken = {v.get("name") for v in volumes}
     volumes += [v for v in _volumes(policy_name, spec, image) if v["name"] not in taken]
     patch_spec: dict[str, Any] = {"containers": new_containers, "volumes": volumes}
+    if image.native:
+        sidecar["restartPolicy"] = "Always"
+        sidecar["startupProbe"] = {"httpGet": {"path": "/healthz", "port": sidecar_cfg.http_port,
+                                               "scheme": "HTTPS" if image.tls else "HTTP"},
+                                   **SIDECAR_STARTUP_PROBE}
+        patch_spec["initContainers"] = [*init_containers, sidecar]
+    else:
+        new_containers.append(sidecar)
     grace = pod_spec.get("terminationGracePeriodSeconds")
     needed = sidecar_grace_s()
     if (KUBERNETES_DEFAULT_GRACE_S if grace is None else grace) < needed:

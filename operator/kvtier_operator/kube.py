@@ -40,6 +40,11 @@ class Kube:
     def close(self) -> None:
         self.core.api_client.close()
 
+    async def server_version(self) -> tuple[str, str]:
+        """The API server's (major, minor) from /version."""
+        info = await asyncio.to_thread(kubernetes.client.VersionApi(self.core.api_client).get_code)
+        return info.major, info.minor
+
     # --- ConfigMaps ---------------------------------------------------------------
 
     async def read_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:

@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtier-operator", description=__doc__.split("\n\n")[0])
     p.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable)")
     p.add_argument("--sidecar-image", default=_DEFAULTS.sidecar_image, help="image of the injected sidecar")
+    p.add_argument("--native-sidecars", choices=("auto", "never"), default=_DEFAULTS.native_sidecars,
+                   help="auto: inject a native sidecar (init container, restartPolicy Always) where the "
+                        "API server is >= 1.29; never: a plain container")
     p.add_argument("--webhook-host", help="address the webhook listens on and the apiserver reaches it by")
     p.add_argument("--webhook-port", type=int, default=_DEFAULTS.webhook_port)
     p.add_argument("--webhook-cert", help="PEM serving certificate (e.g. mounted from a Secret)")
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         made = certs.self_signed(args.webhook_self_signed, [args.webhook_host])
         cert, key = str(made.cert), str(made.key)
     options = OperatorOptions(
-        sidecar_image=args.sidecar_image, webhook_host=args.webhook_host, webhook_port=args.webhook_port,
+        sidecar_image=args.sidecar_image, native_sidecars=args.native_sidecars,
+        webhook_host=args.webhook_host, webhook_port=args.webhook_port,
         webhook_cert=cert, webhook_key=key, warms_per_target=args.warms_per_target, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         sidecar_auth=args.sidecar_auth, sidecar_auth_users=",".join(args.sidecar_auth_user),
@@ -132,9 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     kopf.configure(verbose=args.verbose)
     kopf.run(
         clusterwide=not args.namespace, namespaces=args.namespace, standalone=True,
-        liveness_endpoint=args.liveness,
+        liveness_endpoint=args.liveness, identity=operator_identity(),
     )
     return 0
+
+
+def operator_identity() -> str:
+    """kopf's identity for this process, without the user database: kopf's default asks
+    getpwuid, which fails under an arbitrary uid with no passwd entry (the chart's
+    non-root uid in an image that does not name it)."""
+    import socket
+
+    return f"kvtier-operator@{os.environ.get('POD_NAME') or socket.gethostname()}/{os.getpid()}"
 
 
 # Above kopf's own service-account (20) and kubeconfig (10) logins: an explicit flag wins.

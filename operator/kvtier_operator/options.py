@@ -65,6 +65,9 @@ class OperatorOptions:
     operator_pod_labels: str = DEFAULT_OPERATOR_POD_LABELS
     monitoring_namespace: str = ""  # allowed to the HTTP port (metrics); empty: none
     serving_ports_open: bool = True
+    # "auto": a native sidecar (restartable init container) where the API server is
+    # >= 1.29, else a plain container; "never": always the plain container.
+    native_sidecars: str = "never"
 
     def sidecar_access(self) -> "SidecarAccess | None":
         """What the per-policy NetworkPolicy allows; None when they are off."""
@@ -104,6 +107,7 @@ class OperatorOptions:
             serving_ports_open=get("SERVING_PORTS_OPEN", "true") == "true",
             metrics_host=get("METRICS_HOST", cls.metrics_host),
             metrics_port=int(get("METRICS_PORT", cls.metrics_port)),
+            native_sidecars=get("NATIVE_SIDECARS", cls.native_sidecars),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -121,6 +125,7 @@ class OperatorOptions:
             "SERVING_PORTS_OPEN": str(self.serving_ports_open).lower(),
             "METRICS_HOST": self.metrics_host,
             "METRICS_PORT": str(self.metrics_port),
+            "NATIVE_SIDECARS": self.native_sidecars,
         }
         for key, value in (("WEBHOOK_HOST", self.webhook_host), ("WEBHOOK_CERT", self.webhook_cert),
                            ("WEBHOOK_KEY", self.webhook_key), ("SIDECAR_AUTH_USERS", self.sidecar_auth_users),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ipaddress
 import json
 import os
 import shutil
@@ -140,13 +141,15 @@ class CertificateAuthority:
             "-subj", "/CN=kvtier-testenv-ca", cwd=self.directory,
         )
 
-    def issue(self, name: str, subject: str, *, server: bool = False) -> tuple[Path, Path]:
-        """Signs a new key pair; `server=True` adds loopback SANs and serverAuth."""
+    def issue(self, name: str, subject: str, *, server: bool = False,
+              ips: tuple[str, ...] = ("10.0.0.1",)) -> tuple[Path, Path]:
+        """Signs a new key pair; `server=True` adds loopback SANs, the Service names of
+        the API server, `ips`, and serverAuth."""
         key, csr, crt, ext = (self.directory / f"{name}.{s}" for s in ("key", "csr", "crt", "ext"))
         if server:
             ext.write_text(
                 "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
-                "DNS:kubernetes.default.svc,IP:10.0.0.1\n"
+                "DNS:kubernetes.default.svc" + "".join(f",IP:{ip}" for ip in ips if ip != "127.0.0.1") + "\n"
                 "extendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n"
             )
         else:
@@ -203,6 +206,7 @@ class _Component:
     proc: subprocess.Popen
     log: Path
     ports: tuple[int, ...]
+    host: str = HOST
 
 
 class ControlPlane:
@@ -214,9 +218,18 @@ class ControlPlane:
     """
 
     def __init__(self, *, controller_manager: bool = True, log_dir: Path | None = None,
-                 keep_dir: bool = False) -> None:
+                 keep_dir: bool = False, host: str = HOST,
+                 service_cidr: str = SERVICE_CLUSTER_IP_RANGE, real_nodes: bool = False) -> None:
+        """`real_nodes=True` is for a cluster with kubelets (`kvtier_testenv.nodes`): the
+        API server listens on `host` (an address pods reach), publishes it as the
+        `kubernetes` Service's endpoint, runs the ServiceAccount admission plugin and the
+        Node authorizer with NodeRestriction, and can call kubelets with its own client
+        certificate."""
         self.bins = binaries.find()
         self.controller_manager = controller_manager
+        self.host = host
+        self.service_cidr = service_cidr
+        self.real_nodes = real_nodes
         self.dir = Path(tempfile.mkdtemp(prefix="kvtier-controlplane-"))
         self.log_dir = Path(log_dir) if log_dir else self.dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -233,7 +246,7 @@ class ControlPlane:
 
     @property
     def url(self) -> str:
-        return f"https://{HOST}:{self.apiserver_port}"
+        return f"https://{self.host}:{self.apiserver_port}"
 
     @property
     def ca_cert(self) -> Path:
@@ -259,7 +272,7 @@ class ControlPlane:
             _terminate(comp.proc)
         for comp in reversed(self._components):
             for port in comp.ports:
-                if not _wait_port_free(port):
+                if not _wait_port_free(port, comp.host):
                     errors.append(f"{comp.name} port {port} still bound after stop")
         self._components.clear()
         if self.etcd_data is not None:
@@ -278,7 +291,7 @@ class ControlPlane:
         comp.proc.wait(STOP_TIMEOUT_S)
         self._components.remove(comp)
         for port in comp.ports:
-            if not _wait_port_free(port):
+            if not _wait_port_free(port, comp.host):
                 raise ControlPlaneError(f"{name} port {port} still bound after SIGKILL")
         if name == "etcd":
             self._start_etcd(comp.ports)
@@ -331,7 +344,11 @@ class ControlPlane:
 
     def _make_pki(self) -> None:
         self.ca = CertificateAuthority(self.pki)
-        self.serving_cert, self.serving_key = self.ca.issue("apiserver", "/CN=kube-apiserver", server=True)
+        service_ip = str(ipaddress.ip_network(self.service_cidr)[1])
+        self.serving_cert, self.serving_key = self.ca.issue(
+            "apiserver", "/CN=kube-apiserver", server=True, ips=(self.host, service_ip))
+        self.kubelet_client_cert, self.kubelet_client_key = self.ca.issue(
+            "apiserver-kubelet-client", _subject("kube-apiserver-kubelet-client", ("system:masters",)))
         self.admin_cert, self.admin_key = self.ca.issue("admin", _subject(ADMIN_USER, ("system:masters",)))
         self.sa_key = self.pki / "sa.key"
         self.sa_pub = self.pki / "sa.pub"
@@ -339,14 +356,14 @@ class ControlPlane:
                  "-out", self.sa_key.name, cwd=self.pki)
         _openssl("pkey", "-in", self.sa_key.name, "-pubout", "-out", self.sa_pub.name, cwd=self.pki)
 
-    def _spawn(self, name: str, args: list[str], ports: tuple[int, ...]) -> _Component:
+    def _spawn(self, name: str, args: list[str], ports: tuple[int, ...], host: str = HOST) -> _Component:
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 cwd=self.dir, start_new_session=True, preexec_fn=_die_with_parent,
             )
-        comp = _Component(name, proc, log, ports)
+        comp = _Component(name, proc, log, ports, host)
         self._components.append(comp)
         return comp
 
@@ -372,12 +389,30 @@ class ControlPlane:
         self._wait(comp, ETCD_READY_TIMEOUT_S, lambda: _http_ok(f"{self.etcd_url}/health"))
 
     def _start_apiserver(self, port: int = 0) -> None:
-        self.apiserver_port = port or free_port()
+        self.apiserver_port = port or free_port(self.host)
+        if self.real_nodes:
+            node_args = [
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
+                f"--kubelet-client-certificate={self.kubelet_client_cert}",
+                f"--kubelet-client-key={self.kubelet_client_key}",
+                # The node's address, never its name (which only an outside resolver
+                # would be asked for).
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
+        else:
+            node_args = [
+                "--authorization-mode=RBAC",
+                # envtest's choice: without it every pod needs a token volume and the
+                # namespace's default ServiceAccount to exist before it can be created.
+                "--disable-admission-plugins=ServiceAccount",
+                "--endpoint-reconciler-type=none",
+            ]
         comp = self._spawn("kube-apiserver", [
             str(self.bins.kube_apiserver),
             f"--etcd-servers={self.etcd_url}",
-            f"--bind-address={HOST}",
-            f"--advertise-address={HOST}",
+            f"--bind-address={self.host}",
+            f"--advertise-address={self.host}",
             f"--secure-port={self.apiserver_port}",
             f"--tls-cert-file={self.serving_cert}",
             f"--tls-private-key-file={self.serving_key}",
@@ -385,17 +420,13 @@ class ControlPlane:
             f"--service-account-key-file={self.sa_pub}",
             f"--service-account-signing-key-file={self.sa_key}",
             f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
-            f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
-            "--authorization-mode=RBAC",
+            f"--service-cluster-ip-range={self.service_cidr}",
+            *node_args,
             "--allow-privileged=true",
-            # envtest's choice: without it every pod needs a token volume and the
-            # namespace's default ServiceAccount to exist before it can be created.
-            "--disable-admission-plugins=ServiceAccount",
-            "--endpoint-reconciler-type=none",
             "--profiling=false",
             f"--cert-dir={self.dir / 'apiserver-certs'}",
             "--v=1",
-        ], (self.apiserver_port,))
+        ], (self.apiserver_port,), self.host)
         write_kubeconfig(self.kubeconfig, self.url, self.ca_cert, cert=self.admin_cert, key=self.admin_key)
         ctx = self.ssl_context()
         self._wait(comp, APISERVER_READY_TIMEOUT_S, lambda: _http_ok(f"{self.url}/readyz", ctx))
@@ -406,7 +437,9 @@ class ControlPlane:
             f"--kubeconfig={self.kubeconfig}",
             "--secure-port=0",
             "--leader-elect=false",
-            f"--controllers={','.join(CONTROLLERS)}",
+            # Real nodes: the node lifecycle controller lifts kubelet's not-ready taint
+            # (and marks a node whose kubelet stopped).
+            f"--controllers={','.join(CONTROLLERS + (('node-lifecycle-controller',) if self.real_nodes else ()))}",
             f"--service-account-private-key-file={self.sa_key}",
             f"--root-ca-file={self.ca_cert}",
             "--use-service-account-credentials=false",
@@ -461,10 +494,10 @@ def _terminate(proc: subprocess.Popen) -> None:
         proc.wait(timeout=STOP_TIMEOUT_S)
 
 
-def _wait_port_free(port: int, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+def _wait_port_free(port: int, host: str = HOST, timeout_s: float = STOP_TIMEOUT_S) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if port_is_free(port):
+        if port_is_free(port, host):
             return True
         time.sleep(POLL_INTERVAL_S)
     return False

@@ -1,0 +1,688 @@
+"""A real Kubernetes cluster on this machine: the control plane of `controlplane` plus a
+node that runs pods in containers (kubelet, containerd + runc, kube-proxy, kube-scheduler).
+
+    with NodeCluster(log_dir=...) as cluster:
+        subprocess.run([kubectl, "--kubeconfig", cluster.kubeconfig, "get", "nodes"])
+
+What it sets up, and takes down again (`stop()`), leaving nothing behind:
+
+- a Linux bridge `BRIDGE` holding the node's address (the first of `POD_CIDR`), which
+  is also where the API server listens, so pods reach it through the `kubernetes`
+  Service; a route sends `SERVICE_CIDR` to the bridge too (never to the default route);
+- pod addresses from `POD_CIDR` and Service addresses from `SERVICE_CIDR`, both in
+  198.18.0.0/15, which RFC 2544 reserves for benchmarking networks: nothing outside the
+  machine uses it. The network rule: an iptables chain `GUARD_CHAIN`, first in OUTPUT
+  and FORWARD, drops every packet to or from `GUARDED_RANGE` that would leave through
+  any interface but the bridge and loopback; `guard_drops()` reads its counters, which
+  a test checks stay 0;
+- containerd with its own root, state, socket and CNI config under the cluster's temp
+  dir (`restrict_oom_score_adj`, since this VM cannot lower oom_score_adj; runc with
+  cgroupfs), the pause image and the project's image imported into it (no registry is
+  reachable: pods name them with pullPolicy IfNotPresent/Never);
+- the bridge + host-local CNI plugins (addresses kept under the temp dir);
+- kubelet (cgroupfs, swap allowed, webhook authentication and authorization against the
+  API server, its client certificate system:node:<name> for the Node authorizer, root,
+  pod logs and volume plugins under the temp dir), kube-proxy in iptables mode,
+  kube-scheduler.
+
+`stop()` deletes the pods (kubelet unmounts their volumes, CNI frees their addresses,
+containerd removes their network namespaces), stops every process by its pid, then
+removes what is left: mounts under the temp dir, network namespaces and shim sockets
+this containerd made, the iptables chains that were not there before (kubelet's and
+kube-proxy's, and the guard), the bridge and its route, the host-sysctls kubelet and
+the bridge change (put back to the values they had), kubelet's cgroups.
+
+One node: a second kubelet on this host would share its iptables with the first
+kube-proxy (two kube-proxies rewrite the same KUBE-SERVICES chains); a second node needs
+its own network namespace, which this module does not make yet.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier_testenv import binaries
+from kvtier_testenv.controlplane import (
+    ControlPlane,
+    ControlPlaneError,
+    _die_with_parent,
+    _subject,
+    log_tail,
+    write_kubeconfig,
+)
+from kvtier_testenv.polling import WaitTimeout, wait_for
+from kvtier_testenv.ports import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NODES_SCRIPT = REPO_ROOT / "hack" / "nodes.sh"
+IMAGE_SCRIPT = REPO_ROOT / "hack" / "image.sh"
+
+BRIDGE = "kvtier0"
+GUARDED_RANGE = "198.18.0.0/15"
+POD_CIDR = "198.18.0.0/24"
+SERVICE_CIDR = "198.19.0.0/24"
+NODE_IP = "198.18.0.1"
+GUARD_CHAIN = "KVTIER-GUARD"
+NODE_NAME = "kvtier-node-0"
+CNI_NETWORK = "kvtier"
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
+CONTAINERD = "/usr/bin/containerd"
+CTR = "/usr/bin/ctr"
+RUNC = "/usr/sbin/runc"
+CNI_BIN_DIR = "/usr/lib/cni"
+# Host settings kubelet (protectKernelDefaults off) and the bridge plugin change; put
+# back on stop.
+SYSCTLS = (
+    "net/ipv4/ip_forward",
+    "vm/overcommit_memory",
+    "vm/panic_on_oom",
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "kernel/keys/root_maxkeys",
+    "kernel/keys/root_maxbytes",
+)
+IPTABLES = ("iptables", "ip6tables")
+TABLES = ("filter", "nat", "mangle")
+# Cold containerd + kubelet registration on a loaded 2-core machine: seconds; beyond
+# these, fail with the logs.
+CONTAINERD_READY_TIMEOUT_S = 30.0
+NODE_READY_TIMEOUT_S = 120.0
+IMAGE_IMPORT_TIMEOUT_S = 300.0
+POD_DELETION_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 20.0
+# Where containerd 1.6 puts its shims' sockets whatever its state dir.
+SHIM_SOCKET_DIR = Path("/run/containerd/s")
+NETNS_DIR = Path("/run/netns")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+class NodeError(ControlPlaneError):
+    """A node component failed to start or stop; carries its log tail."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeArtifacts:
+    """What hack/nodes.sh and hack/image.sh made: binaries and image archives."""
+
+    kubelet: Path
+    kube_proxy: Path
+    kube_scheduler: Path
+    pause_tar: Path
+    project_image_tar: Path
+
+
+def _script_output(script: Path, flag: str) -> Path:
+    out = subprocess.run(["bash", str(script), flag], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise binaries.ControlPlaneBinariesMissing(f"{script} {flag} failed: {out.stderr.strip()}")
+    return Path(out.stdout.strip())
+
+
+def find_artifacts() -> NodeArtifacts:
+    """The node binaries and images; raises naming the fix when any is missing."""
+    bin_dir = _script_output(NODES_SCRIPT, "--print-bin-dir")
+    images = _script_output(NODES_SCRIPT, "--print-images-dir")
+    image = _script_output(IMAGE_SCRIPT, "--print-path")
+    found = NodeArtifacts(bin_dir / "kubelet", bin_dir / "kube-proxy", bin_dir / "kube-scheduler",
+                          images / "pause.tar", image)
+    missing = [str(p) for p in (found.kubelet, found.kube_proxy, found.kube_scheduler) if not os.access(p, os.X_OK)]
+    missing += [str(p) for p in (found.pause_tar, found.project_image_tar) if not p.is_file()]
+    for tool in (CONTAINERD, CTR, RUNC, f"{CNI_BIN_DIR}/bridge", f"{CNI_BIN_DIR}/host-local"):
+        if not os.access(tool, os.X_OK):
+            missing.append(tool)
+    if missing:
+        raise binaries.ControlPlaneBinariesMissing(
+            f"real-node pieces missing: {', '.join(missing)}. Run scripts/setup.sh "
+            "(hack/nodes.sh and hack/image.sh) to make them; the project image is rebuilt "
+            "whenever its sources change.")
+    return found
+
+
+def _run(*args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    out = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode != 0:
+        raise NodeError(f"{' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
+    return out
+
+
+def _read_sysctl(name: str) -> str:
+    return Path("/proc/sys", name).read_text().strip()
+
+
+def _write_sysctl(name: str, value: str) -> None:
+    Path("/proc/sys", name).write_text(value)
+
+
+# --- iptables bookkeeping ---------------------------------------------------------------
+
+
+def _chains(tool: str, table: str) -> set[str]:
+    out = _run(f"{tool}-save", "-t", table, check=False)
+    return {line[1:].split()[0] for line in out.stdout.splitlines() if line.startswith(":")}
+
+
+def _remove_chains(tool: str, table: str, keep: set[str]) -> None:
+    """Deletes every chain of `table` not in `keep`, and the rules jumping to them."""
+    out = _run(f"{tool}-save", "-t", table, check=False)
+    if out.returncode != 0:
+        return
+    lines = out.stdout.splitlines()
+    new = {line[1:].split()[0] for line in lines if line.startswith(":")} - keep
+    if not new:
+        return
+    for line in lines:
+        if not line.startswith("-A "):
+            continue
+        parts = line.split()
+        chain = parts[1]
+        target = parts[parts.index("-j") + 1] if "-j" in parts else None
+        if chain not in new and target in new:
+            # iptables-save prints rules in the syntax -D accepts (quotes included).
+            subprocess.run(f"{tool} -t {table} -D {line[3:]}", shell=True, capture_output=True)
+    for chain in new:
+        _run(tool, "-t", table, "-F", chain, check=False)
+    for chain in new:
+        _run(tool, "-t", table, "-X", chain, check=False)
+
+
+# --- the cluster --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Proc:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+
+class NodeCluster:
+    """A control plane on the bridge address and one real node (see the module doc).
+
+    Invariant: after `stop()` none of its processes is alive, and the host's mounts,
+    network namespaces, iptables chains, routes, links and sysctls are as before start.
+    """
+
+    def __init__(self, *, log_dir: Path | None = None, node_name: str = NODE_NAME) -> None:
+        self.artifacts = find_artifacts()
+        self.bins = binaries.find()
+        self.node_name = node_name
+        # Short: containerd's socket path must stay under 108 bytes.
+        self.dir = Path(tempfile.mkdtemp(prefix="kvtier-nodes-"))
+        self.log_dir = Path(log_dir) if log_dir else self.dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.control_plane = ControlPlane(controller_manager=True, log_dir=self.log_dir, host=NODE_IP,
+                                          service_cidr=SERVICE_CIDR, real_nodes=True)
+        self.socket = self.dir / "containerd.sock"
+        self._procs: list[_Proc] = []
+        self._sysctls: dict[str, str] = {}
+        self._chains_before: dict[tuple[str, str], set[str]] = {}
+        self._netns_before: set[str] = set()
+        self._shims_before: set[str] = set()
+        self._made_bridge = False
+        self.timings: dict[str, float] = {}
+
+    # -- public --
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.control_plane.kubeconfig
+
+    def __enter__(self) -> "NodeCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> "NodeCluster":
+        t0 = time.monotonic()
+        self._check_free()
+        importing: concurrent.futures.Future | None = None
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            self._host_network()
+            self._start_containerd()
+            # Importing (and unpacking) the images takes longest: meanwhile the control
+            # plane starts.
+            importing = pool.submit(self._import_images)
+            self.control_plane.start()
+            self.timings["control_plane_s"] = time.monotonic() - t0
+            importing.result()
+            self.timings["images_imported_after_s"] = time.monotonic() - t0
+            t2 = time.monotonic()
+            self._start_scheduler()
+            self._start_kubelet()
+            self._start_kube_proxy()
+            self._wait_node_ready()
+            self.timings["node_ready_s"] = time.monotonic() - t2
+        except BaseException:
+            if importing is not None:
+                with contextlib.suppress(Exception):
+                    importing.result()
+            self.stop()
+            raise
+        finally:
+            pool.shutdown()
+        self.timings["start_s"] = time.monotonic() - t0
+        return self
+
+    def guard_drops(self) -> dict[str, int]:
+        """Packets the network rule dropped, per iptables tool and rule (0 is the rule
+        holding: nothing for the cluster's ranges tried to leave through another link)."""
+        counts: dict[str, int] = {}
+        out = _run("iptables", "-t", "filter", "-L", GUARD_CHAIN, "-v", "-x", "-n")
+        for line in out.stdout.splitlines()[2:]:
+            fields = line.split()
+            if len(fields) >= 3 and fields[2] == "DROP":
+                counts[" ".join(fields[2:])] = int(fields[0])
+        return counts
+
+    def describe_logs(self, lines: int = 40) -> str:
+        return "\n".join(f"--- {p.stem} ({p}) ---\n{log_tail(p, lines)}" for p in sorted(self.log_dir.glob("*.log")))
+
+    def kubectl(self, *args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess:
+        return _run(str(self.bins.kubectl), "--kubeconfig", str(self.kubeconfig), *args,
+                    timeout=timeout, check=check)
+
+    def stop(self) -> None:
+        errors: list[str] = []
+        t0 = time.monotonic()
+        if self._procs:
+            with contextlib.suppress(Exception):
+                self._delete_pods()
+        self.timings["stop_pods_deleted_s"] = time.monotonic() - t0
+        for p in reversed(self._procs):
+            self._terminate(p)
+        self._procs.clear()
+        self.timings["stop_processes_s"] = time.monotonic() - t0
+        # Whatever kubelet could not clean up (it was stopped, or a pod hung): the
+        # containerd it used is gone now, so nothing holds these any more.
+        self._kill_leftover_shims()
+        self._unmount_under(self.dir)
+        self._remove_netns()
+        self.timings["stop_unmounted_s"] = time.monotonic() - t0
+        with contextlib.suppress(Exception):
+            self.control_plane.stop()
+        self.timings["stop_control_plane_s"] = time.monotonic() - t0
+        self._restore_network(errors)
+        self._restore_sysctls()
+        self._remove_cgroups()
+        self._remove_cni_cache()
+        self.timings["stop_restored_s"] = time.monotonic() - t0
+        if not errors:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.timings["stop_s"] = time.monotonic() - t0
+        if errors:
+            raise NodeError("; ".join(errors))
+
+    # -- host network: bridge, route, the guard ------------------------------------------
+
+    def _check_free(self) -> None:
+        if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
+            raise NodeError(f"link {BRIDGE} exists already: another cluster runs here, or a "
+                            "killed run left it (ip link del kvtier0 after checking nothing uses it)")
+        if GUARD_CHAIN in _chains("iptables", "filter"):
+            raise NodeError(f"iptables chain {GUARD_CHAIN} exists already: another cluster runs here")
+
+    def _host_network(self) -> None:
+        for tool in IPTABLES:
+            for table in TABLES:
+                self._chains_before[(tool, table)] = _chains(tool, table)
+        self._netns_before = set(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else set()
+        self._shims_before = set(os.listdir(SHIM_SOCKET_DIR)) if SHIM_SOCKET_DIR.is_dir() else set()
+        for name in SYSCTLS:
+            with contextlib.suppress(OSError):
+                self._sysctls[name] = _read_sysctl(name)
+        # The guard first, before any address of the ranges exists.
+        _run("iptables", "-t", "filter", "-N", GUARD_CHAIN)
+        for rule in (["-o", BRIDGE, "-j", "RETURN"], ["-o", "lo", "-j", "RETURN"],
+                     ["-d", GUARDED_RANGE, "-j", "DROP"], ["-s", GUARDED_RANGE, "-j", "DROP"]):
+            _run("iptables", "-t", "filter", "-A", GUARD_CHAIN, *rule)
+        for chain in ("OUTPUT", "FORWARD"):
+            _run("iptables", "-t", "filter", "-I", chain, "1", "-j", GUARD_CHAIN)
+        _run("ip", "link", "add", BRIDGE, "type", "bridge")
+        self._made_bridge = True
+        prefix = ipaddress.ip_network(POD_CIDR).prefixlen
+        _run("ip", "addr", "add", f"{NODE_IP}/{prefix}", "dev", BRIDGE)
+        _run("ip", "link", "set", BRIDGE, "up")
+        # Service addresses not rewritten by kube-proxy go to the bridge, never to the
+        # default route.
+        _run("ip", "route", "add", SERVICE_CIDR, "dev", BRIDGE)
+        # Pods reach the API server and each other's Services through the host.
+        _write_sysctl("net/ipv4/ip_forward", "1")
+
+    def _restore_network(self, errors: list[str]) -> None:
+        if self._made_bridge:
+            _run("ip", "route", "del", SERVICE_CIDR, "dev", BRIDGE, check=False)
+            _run("ip", "link", "del", BRIDGE, check=False)
+            self._made_bridge = False
+        for (tool, table), before in self._chains_before.items():
+            _remove_chains(tool, table, before)
+        self._chains_before.clear()
+        if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
+            errors.append(f"link {BRIDGE} still exists after stop")
+
+    def _restore_sysctls(self) -> None:
+        for name, value in self._sysctls.items():
+            with contextlib.suppress(OSError):
+                if _read_sysctl(name) != value:
+                    _write_sysctl(name, value)
+        self._sysctls.clear()
+
+    # -- processes -------------------------------------------------------------------------
+
+    def _spawn(self, name: str, args: list[str]) -> _Proc:
+        log = self.log_dir / f"{name}.log"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    cwd=self.dir, start_new_session=True, preexec_fn=_die_with_parent)
+        p = _Proc(name, proc, log)
+        self._procs.append(p)
+        return p
+
+    def _check_alive(self) -> None:
+        for p in self._procs:
+            if p.proc.poll() is not None:
+                raise NodeError(f"{p.name} exited with {p.proc.returncode}; log {p.log}:\n{log_tail(p.log)}")
+
+    def _terminate(self, p: _Proc) -> None:
+        if p.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.proc.pid, signal.SIGTERM)
+        try:
+            p.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.proc.pid, signal.SIGKILL)
+            p.proc.wait(timeout=STOP_TIMEOUT_S)
+
+    # -- containerd --------------------------------------------------------------------------
+
+    def _start_containerd(self) -> None:
+        cdir = self.dir / "containerd"
+        cni_conf = self.dir / "cni" / "net.d"
+        cni_conf.mkdir(parents=True)
+        (cni_conf / "10-kvtier.conflist").write_text(json.dumps({
+            "cniVersion": "0.4.0",
+            "name": CNI_NETWORK,
+            "plugins": [
+                {"type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False,
+                 "hairpinMode": True,
+                 "ipam": {"type": "host-local", "dataDir": str(self.dir / "cni" / "ipam"),
+                          "ranges": [[{"subnet": POD_CIDR, "gateway": NODE_IP}]],
+                          "routes": [{"dst": "0.0.0.0/0"}]}},
+                {"type": "loopback"},
+            ],
+        }, indent=2))
+        config = self.dir / "containerd.toml"
+        config.write_text(f"""version = 2
+root = "{cdir / 'root'}"
+state = "{cdir / 'state'}"
+plugin_dir = ""
+disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.v1.aufs",
+  "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.devmapper", "io.containerd.tracing.processor.v1.otlp"]
+[grpc]
+  address = "{self.socket}"
+[ttrpc]
+  address = "{self.dir / 'containerd.ttrpc.sock'}"
+[debug]
+  address = ""
+[metrics]
+  address = ""
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE_IMAGE}"
+  # This VM's capability bounding set lacks CAP_SYS_RESOURCE: without it runc fails
+  # every sandbox (oom_score_adj cannot be lowered).
+  restrict_oom_score_adj = true
+  enable_selinux = false
+  disable_apparmor = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        BinaryName = "{RUNC}"
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{CNI_BIN_DIR}"
+    conf_dir = "{cni_conf}"
+    max_conf_num = 1
+""")
+        p = self._spawn("containerd", [CONTAINERD, "--config", str(config), "--log-level", "warn"])
+        deadline = time.monotonic() + CONTAINERD_READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if p.proc.poll() is not None:
+                break
+            if self.socket.exists() and self._ctr("version", check=False).returncode == 0:
+                return
+            time.sleep(0.1)
+        raise NodeError(f"containerd not ready within {CONTAINERD_READY_TIMEOUT_S:.0f}s; log {p.log}:\n{log_tail(p.log)}")
+
+    def _ctr(self, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        return _run(CTR, "--address", str(self.socket), "--namespace", "k8s.io", *args, check=check, timeout=timeout)
+
+    def _import_images(self) -> None:
+        for tar in (self.artifacts.pause_tar, self.artifacts.project_image_tar):
+            self._ctr("images", "import", str(tar),
+                      timeout=IMAGE_IMPORT_TIMEOUT_S)
+
+    def images(self) -> list[str]:
+        out = self._ctr("images", "list", "--quiet")
+        return out.stdout.split()
+
+    # -- kubelet, kube-proxy, kube-scheduler --------------------------------------------------
+
+    def _node_kubeconfig(self, name: str, user: str, groups: tuple[str, ...]) -> Path:
+        ca = self.control_plane.ca
+        assert ca is not None
+        crt, key = ca.issue(name, _subject(user, groups))
+        return write_kubeconfig(self.dir / f"{name}.kubeconfig", self.control_plane.url, ca.cert,
+                                cert=crt, key=key, user=user)
+
+    def _start_scheduler(self) -> None:
+        kubeconfig = self._node_kubeconfig("scheduler", "system:kube-scheduler", ())
+        self._spawn("kube-scheduler", [
+            str(self.artifacts.kube_scheduler),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--leader-elect=false",
+            f"--secure-port={free_port()}",
+            "--bind-address=127.0.0.1",
+            "--v=1",
+        ])
+
+    def _start_kubelet(self) -> None:
+        kubeconfig = self._node_kubeconfig("kubelet", f"system:node:{self.node_name}", ("system:nodes",))
+        kdir = self.dir / "kubelet"
+        kdir.mkdir()
+        config = self.dir / "kubelet.yaml"
+        config.write_text(json.dumps({
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "cgroupDriver": "cgroupfs",
+            "failSwapOn": False,
+            "address": NODE_IP,
+            "port": free_port(),
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": free_port(),
+            "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": True},
+                               "x509": {"clientCAFile": str(self.control_plane.ca_cert)}},
+            "authorization": {"mode": "Webhook"},
+            "containerRuntimeEndpoint": f"unix://{self.socket}",
+            "podLogsDir": str(self.dir / "pod-logs"),
+            "volumePluginDir": str(self.dir / "volume-plugins"),
+            # No host resolver in pods: a lookup would leave the machine (and hit the guard).
+            "resolvConf": "",
+            # A shared test machine: never evict or collect images because the disk or
+            # memory of the whole machine runs low.
+            "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%",
+                             "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "serializeImagePulls": False,
+            "registerNode": True,
+            "nodeStatusUpdateFrequency": "4s",
+            "syncFrequency": "5s",
+            "fileCheckFrequency": "5s",
+            "shutdownGracePeriod": "0s",
+            "localStorageCapacityIsolation": True,
+        }, indent=2))
+        self._spawn("kubelet", [
+            str(self.artifacts.kubelet),
+            f"--config={config}",
+            f"--kubeconfig={kubeconfig}",
+            f"--root-dir={kdir}",
+            f"--cert-dir={self.dir / 'kubelet-pki'}",
+            f"--hostname-override={self.node_name}",
+            f"--node-ip={NODE_IP}",
+            "--v=1",
+        ])
+
+    def _start_kube_proxy(self) -> None:
+        kubeconfig = self._node_kubeconfig("kube-proxy", "system:kube-proxy", ())
+        config = self.dir / "kube-proxy.yaml"
+        config.write_text(json.dumps({
+            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+            "kind": "KubeProxyConfiguration",
+            "mode": "iptables",
+            "clientConnection": {"kubeconfig": str(kubeconfig)},
+            "hostnameOverride": self.node_name,
+            "bindAddress": NODE_IP,
+            "clusterCIDR": POD_CIDR,
+            "healthzBindAddress": f"127.0.0.1:{free_port()}",
+            "metricsBindAddress": f"127.0.0.1:{free_port()}",
+            "nodePortAddresses": [POD_CIDR],
+            "iptables": {"localhostNodePorts": False, "masqueradeAll": False, "syncPeriod": "5s",
+                         "minSyncPeriod": "0s"},
+            # The host's conntrack sysctls stay as they are.
+            "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
+                          "tcpCloseWaitTimeout": "0s"},
+        }, indent=2))
+        self._spawn("kube-proxy", [str(self.artifacts.kube_proxy), f"--config={config}", "--v=1"])
+
+    def _wait_node_ready(self) -> None:
+        def ready() -> bool:
+            self._check_alive()
+            out = self.kubectl("get", "node", self.node_name, "-o", "json", check=False)
+            if out.returncode != 0:
+                return False
+            node = json.loads(out.stdout)
+            conds = node.get("status", {}).get("conditions", [])
+            # Schedulable too: the node lifecycle controller lifted the not-ready taint.
+            return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds) and not any(
+                t.get("key") == "node.kubernetes.io/not-ready" for t in node.get("spec", {}).get("taints") or [])
+        try:
+            wait_for(f"node {self.node_name} Ready", ready, NODE_READY_TIMEOUT_S, 0.5)
+        except WaitTimeout as e:
+            raise NodeError(f"{e}\n{self.describe_logs()}") from None
+
+    # -- teardown helpers ------------------------------------------------------------------------
+
+    def _delete_pods(self) -> None:
+        """Every pod's deletion through kubelet (it unmounts volumes and frees addresses)."""
+        if not any(p.name == "kubelet" and p.proc.poll() is None for p in self._procs):
+            return
+        # The workloads first: their controllers would recreate the pods.
+        self.kubectl("delete", "statefulsets,deployments,replicasets,daemonsets,jobs", "--all",
+                     "--all-namespaces", "--wait=false", check=False)
+        self.kubectl("delete", "pods", "--all", "--all-namespaces", "--wait=false",
+                     "--grace-period=1", check=False)
+
+        def none_left() -> bool:
+            out = self.kubectl("get", "pods", "--all-namespaces", "-o", "name", check=False)
+            return out.returncode == 0 and not out.stdout.strip()
+        with contextlib.suppress(WaitTimeout):
+            wait_for("all pods deleted", none_left, POD_DELETION_TIMEOUT_S, 0.5)
+
+    def _kill_leftover_shims(self) -> None:
+        """containerd-shim processes of this containerd (their -address names its socket)."""
+        for pid in _pids_with_arg(str(self.socket)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if SHIM_SOCKET_DIR.is_dir():
+            for name in set(os.listdir(SHIM_SOCKET_DIR)) - self._shims_before:
+                with contextlib.suppress(OSError):
+                    (SHIM_SOCKET_DIR / name).unlink()
+
+    def _remove_netns(self) -> None:
+        if not NETNS_DIR.is_dir():
+            return
+        for name in set(os.listdir(NETNS_DIR)) - self._netns_before:
+            if name.startswith("cni-"):
+                _run("umount", "-l", str(NETNS_DIR / name), check=False)
+                with contextlib.suppress(OSError):
+                    (NETNS_DIR / name).unlink()
+
+    @staticmethod
+    def _unmount_under(root: Path) -> None:
+        prefix = str(root) + "/"
+        mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+        for target in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
+            _run("umount", "-l", target, check=False)
+
+    def _remove_cgroups(self) -> None:
+        """kubelet's `kubepods` hierarchy, once no process is left in it."""
+        for controller in CGROUP_ROOT.iterdir():
+            top = controller / "kubepods"
+            if not top.is_dir():
+                continue
+            for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            with contextlib.suppress(OSError):
+                top.rmdir()
+
+    @staticmethod
+    def _remove_cni_cache() -> None:
+        """libcni's result cache (always /var/lib/cni/results) for this network."""
+        results = Path("/var/lib/cni/results")
+        if results.is_dir():
+            for f in results.glob(f"{CNI_NETWORK}-*"):
+                with contextlib.suppress(OSError):
+                    f.unlink()
+
+
+def _pids_with_arg(arg: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if arg in (d / "cmdline").read_bytes().decode(errors="replace").split("\0"):
+                pids.append(int(d.name))
+    return pids
+
+
+def leftovers() -> list[str]:
+    """What a stopped cluster must not leave: the bridge, the guard chain, kubelet's
+    cgroups, processes of the node binaries, mounts of a kvtier-nodes dir."""
+    found = []
+    if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
+        found.append(f"link {BRIDGE}")
+    if GUARD_CHAIN in _chains("iptables", "filter"):
+        found.append(f"chain {GUARD_CHAIN}")
+    for tool in IPTABLES:
+        for table in TABLES:
+            found += [f"{tool} {table} {c}" for c in _chains(tool, table) if re.match(r"KUBE-", c)]
+    for controller in CGROUP_ROOT.iterdir():
+        if (controller / "kubepods").is_dir():
+            found.append(f"cgroup {controller / 'kubepods'}")
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        if "/kvtier-nodes-" in line.split()[1]:
+            found.append(f"mount {line.split()[1]}")
+    return found
