@@ -26,7 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .fleet import SidecarHandle
+from .fleet import SidecarHandle, fleet_tls
 from .polling import wait_for
 from .vllm_engine import KV_CACHE_SPACE_GIB, START_TIMEOUT_S, VLLM_BLOCK_SIZE, sidecar_model, vllm_env, vllm_python
 
@@ -174,7 +174,7 @@ def peer_sidecar(workdir: Path, name: str, ip: str, shape, weights: str, redis_u
            "block_size": VLLM_BLOCK_SIZE, "dram_capacity_bytes": 64 << 20, "min_sightings": 1,
            "redis_url": redis_url, "peer_secret_file": secret_file, "log_level": "WARNING",
            # no API server on loopback to review tokens: the control API is open
-           "control_auth": {"mode": "open"}, **overrides}
+           "control_auth": {"mode": "open"}, "control_tls": fleet_tls(workdir).config(), **overrides}
     return SidecarHandle(name, ip, workdir, cfg).start()
 
 

@@ -23,7 +23,7 @@ import redis
 
 from kvtier.sidecar_config import ServedModel
 from kvtier_sidecar.arena import Arena
-from kvtier_testenv.fleet import SidecarHandle
+from kvtier_testenv.fleet import SidecarHandle, fleet_tls
 from kvtier_testenv.polling import wait_for
 from kvtier_testenv.tiny_llama import TinyLlama, write_model
 from kvtier_testenv.vllm_engine import VllmEngine, connector_config, sidecar_model
@@ -98,7 +98,7 @@ def _sidecar(workdir: Path, name: str, ip: str, redis_url: str, secret: str) -> 
            "dram_capacity_bytes": 64 << 20, "min_sightings": 1, "redis_url": redis_url,
            "peer_secret_file": secret, "peer_timeout_s": 15.0, "log_level": "WARNING",
            # No API server here to review tokens: the control API is open on loopback.
-           "control_auth": {"mode": "open"}}
+           "control_auth": {"mode": "open"}, "control_tls": fleet_tls(workdir).config()}
     return SidecarHandle(name, ip, workdir, cfg).start()
 
 

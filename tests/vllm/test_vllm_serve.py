@@ -26,7 +26,7 @@ from kvtier import policy
 from kvtier.sidecar_config import ControlAuthConfig
 from kvtier_operator import injection, names, sidecar_render
 from kvtier_operator.engine_env import KV_TRANSFER_CONFIG_ENV
-from kvtier_testenv.fleet import SidecarHandle
+from kvtier_testenv.fleet import SidecarHandle, fleet_tls
 from kvtier_testenv.polling import wait_for
 from kvtier_testenv.tiny_llama import TinyLlama, write_model
 from kvtier_testenv.vllm_engine import (
@@ -95,7 +95,8 @@ def test_vllm_serve_with_the_webhooks_env_serves_each_tenant_from_its_own_blocks
                 "peer_enabled": False,
                 # no API server here to review tokens: the test reads stats without one
                 "control_auth": ControlAuthConfig(mode="open")})
-    sidecar = SidecarHandle("sidecar", "127.0.0.2", tmp_path, cfg.model_dump(mode="json")).start()
+    sidecar = SidecarHandle("sidecar", "127.0.0.2", tmp_path,
+                            {**cfg.model_dump(mode="json"), "control_tls": fleet_tls(tmp_path).config()}).start()
 
     model = write_model(tmp_path / "model", seed=0)
     port = _free_port()
@@ -206,7 +207,8 @@ def served(tmp_path_factory):
         "pod_name": "serve-sc", "pod_namespace": "kvtier-serve", "pod_ip": "127.0.0.2", "http_port": 0,
         "peer_port": 0, "peer_enabled": False, "engine_socket": socket_path,
         "model": sidecar_model(SHAPE, SERVE_WEIGHTS), "block_size": 32, "dram_capacity_bytes": 64 << 20,
-        "min_sightings": 1, "log_level": "WARNING", "control_auth": {"mode": "open"}}).start()
+        "min_sightings": 1, "log_level": "WARNING", "control_auth": {"mode": "open"},
+        "control_tls": fleet_tls(workdir).config()}).start()
     model = write_model(workdir / "model", seed=0)
     port = _free_port()
     ktc = connector_config(socket_path, SERVE_WEIGHTS, model_id="tiny-llama", block_size=32,
