@@ -21,6 +21,7 @@ so the figure is the lookup alone, as the wall-time figure is.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -36,14 +37,14 @@ STEP_TIMEOUT_S = 600.0
 
 # The engine side, driven over stdin: "go N" runs N requests, answered "done".
 _CLIENT = r"""
-import socket, sys
+import json, socket, sys
 import numpy as np
 mode, path = sys.argv[1], sys.argv[2]
 tokens = np.random.default_rng(0).integers(0, 30_000, int(sys.argv[3])).astype(np.uint32)
 if mode == "lookup":
     from kvtier.keys import KeyRoot
     from kvtier_sidecar.client import SidecarClient
-    root = KeyRoot(*sys.argv[4].split("|"))
+    root = KeyRoot.from_wire(json.loads(sys.argv[4]))
     client = SidecarClient(path)
     def run(n):
         hits = [client.lookup(root, tokens) for _ in range(n)]
@@ -162,8 +163,7 @@ def lookup_vs_bare(n: int = 2000, warmup: int = 300, prompt_tokens: int = 201) -
     tokens = np.random.default_rng(0).integers(0, 30_000, prompt_tokens).astype(np.uint32)
     kv = np.random.default_rng(1).integers(0, 256, (prompt_tokens // 16) * bs.BLOCK_BYTES, dtype=np.uint8)
     root = bs._root()
-    root_arg = "|".join([root.tenant, root.model_id, root.weights_version, root.kv_dtype, root.rope_config_hash,
-                         root.attn_impl_id])
+    root_arg = json.dumps(root.to_wire())
     with RedisServer() as redis_server:
         cfg = sidecar_config("icount", "127.0.0.3", work, bs._Oracle, redis_server.url, str(work / "secret"),
                              dram_capacity_bytes=64 * bs.BLOCK_BYTES, peer_timeout_s=30.0)

@@ -147,7 +147,9 @@ def operator_identity() -> str:
     non-root uid in an image that does not name it)."""
     import socket
 
-    return f"kvtier-operator@{os.environ.get('POD_NAME') or socket.gethostname()}/{os.getpid()}"
+    from kvtier_operator import names
+
+    return f"kvtier-operator@{os.environ.get(names.POD_NAME_ENV) or socket.gethostname()}/{os.getpid()}"
 
 
 # Above kopf's own service-account (20) and kubeconfig (10) logins: an explicit flag wins.
