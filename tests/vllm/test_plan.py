@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from kvtier.keys import KeyRoot
 from kvtier_sidecar.client import SidecarClient
 from kvtier_testenv.polling import wait_for
 from kvtier_vllm.lookups import AsyncLookups, Breaker
-from kvtier_vllm.plan import PIN_STEPS, LoadSpec, SchedulerBook
+from kvtier_vllm.plan import PIN_STEPS, LoadSpec, SchedulerBook, StoreSpec, root_fields
 
 BLOCK = 16
 # These tests pin the bookkeeping, not the deadline: every lookup is waited for.
@@ -275,3 +276,11 @@ def test_a_peer_hits_load_counts_from_the_first_block_the_sidecar_did_not_hold(s
 def test_a_peer_load_built_without_its_dram_blocks_counts_every_block_as_the_peers():
     load = LoadSpec(req_id="r", instance="i", first_block=0, slots=[1, 2, 3], block_ids=[0], tier="peer")
     assert load.blocks_by_tier(3) == {"dram": 0, "peer": 3}
+
+
+def test_the_specs_sent_to_the_workers_cannot_be_changed():
+    load = LoadSpec(req_id="r", instance="i", first_block=0, slots=[1], block_ids=[0])
+    store = StoreSpec(req_id="r", root=root_fields(ROOT), token_ids=list(range(BLOCK)), block_ids=[0])
+    for spec, name, value in ((load, "first_block", 1), (store, "token_ids", [])):
+        with pytest.raises(ValidationError):
+            setattr(spec, name, value)
