@@ -162,3 +162,9 @@ def test_a_strided_view_comes_back_contiguous():
 def test_a_key_root_cannot_be_changed_after_its_digest_was_taken():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ROOT.tenant = "other"  # type: ignore[misc]
+
+
+def test_a_zero_dimensional_uint32_array_is_refused_not_taken_for_a_prompt():
+    scalar = np.array(7, dtype=np.uint32)  # contiguous, one element, but no sequence of tokens
+    with pytest.raises(ValueError, match="one-dimensional"):
+        as_token_array(scalar)

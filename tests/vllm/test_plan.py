@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from kvtier.keys import KeyRoot
 from kvtier_sidecar.client import SidecarClient
 from kvtier_testenv.polling import wait_for
 from kvtier_vllm.lookups import AsyncLookups, Breaker
-from kvtier_vllm.plan import PIN_STEPS, LoadSpec, SchedulerBook
+from kvtier_vllm.plan import PIN_STEPS, LoadSpec, SchedulerBook, StoreSpec, root_fields
 
 BLOCK = 16
 # These tests pin the bookkeeping, not the deadline: every lookup is waited for.
@@ -165,3 +166,121 @@ def test_a_loads_blocks_count_under_the_tier_each_came_from():
     assert whole.blocks_by_tier(8) == {"dram": 0, "peer": 8}
     dram = LoadSpec(req_id="r", instance="i", first_block=0, slots=[1, 2], block_ids=[0])
     assert dram.blocks_by_tier(2) == {"dram": 2}
+
+
+def test_a_re_ask_before_allocation_reuses_the_pinned_hit_without_a_second_lookup(stored):
+    sc, prompt = stored
+    client = CountingClient(sc.socket)
+    book = PatientBook(client, BLOCK, BLOCK, verify_checksums=False)
+    assert book.matched("r", ROOT, prompt, 0) == 5 * BLOCK
+    pins = set(client.held)
+    assert book.matched("r", ROOT, prompt, BLOCK) == 4 * BLOCK   # vLLM asks again, its local hit grown
+    assert client.held == pins and book.take_counts()["lookups"] == 1
+    book.finished("r")
+    _released(client, 0)
+
+
+def test_a_local_hit_as_long_as_kvtiers_or_longer_offers_nothing(stored):
+    sc, prompt = stored
+    client = CountingClient(sc.socket)
+    book = PatientBook(client, BLOCK, BLOCK, verify_checksums=False)
+    longer = prompt + list(range(1000, 1000 + 5 * BLOCK))          # kvtier holds its first 5 blocks
+    assert book.matched("same", ROOT, longer, 5 * BLOCK) == 0      # vLLM holds those 5 too
+    assert book.matched("more", ROOT, longer, 6 * BLOCK) == 0      # vLLM holds 6
+    for req_id in ("same", "more"):
+        book.allocated(req_id, [1, 2, 3, 4, 5, 6], 0)
+    _released(client, 0)
+
+
+def test_a_load_stays_pinned_through_the_step_vllm_schedules_ahead(stored):
+    """Its own step and the one vLLM may schedule while that one runs: released at the third."""
+    sc, prompt = stored
+    client = CountingClient(sc.socket)
+    book = PatientBook(client, BLOCK, BLOCK, verify_checksums=False)
+    book.matched("r", ROOT, prompt, 0)
+    book.allocated("r", [1, 2, 3, 4, 5], 5 * BLOCK)
+    book.step_specs(prefill_done=[])   # the step that loads it
+    book.step_specs(prefill_done=[])   # scheduled while the load runs
+    assert book.pinned() == 1
+    book.step_specs(prefill_done=[])
+    assert book.pinned() == 0
+    _released(client, 0)
+
+
+def test_a_load_pinned_for_its_steps_ends_cleanly_when_finished_or_asked_again_meanwhile(stored):
+    sc, prompt = stored
+    client = CountingClient(sc.socket)
+    book = PatientBook(client, BLOCK, BLOCK, verify_checksums=False)
+    for req_id in ("done", "preempted"):
+        book.matched(req_id, ROOT, prompt, 0)
+        book.allocated(req_id, [1, 2, 3, 4, 5], 5 * BLOCK)
+    assert len(book.step_specs(prefill_done=[]).loads) == 2
+    book.finished("done")                                          # before its load's pin was due
+    assert book.matched("preempted", ROOT, prompt, 0) == 5 * BLOCK  # preempted, asked again: a new pin
+    _released(client, 1)
+    for _ in range(PIN_STEPS):
+        book.step_specs(prefill_done=[])
+    # the old load's steps are over; the new lookup, not allocated yet, keeps its pin
+    assert book.pinned() == 1 and len(client.held) == 1
+    book.finished("preempted")
+    _released(client, 0)
+
+
+def test_a_step_stores_each_prompt_with_a_full_block_once_whatever_comes_before_it(stored):
+    sc, prompt = stored
+    client = CountingClient(sc.socket)
+    book = PatientBook(client, BLOCK, BLOCK, verify_checksums=False)
+    prompts = {"done": prompt, "short": prompt[: BLOCK - 1], "one": prompt[:BLOCK], "full": prompt}
+    for req_id, p in prompts.items():
+        book.matched(req_id, ROOT, p, 0)
+        book.allocated(req_id, [], 0)
+    assert [s.req_id for s in book.step_specs(prefill_done=["done"]).stores] == ["done"]
+    stores = book.step_specs(prefill_done=["absent", "done", "short", "one", "full"]).stores
+    assert [(s.req_id, len(s.token_ids)) for s in stores] == [("one", BLOCK), ("full", 5 * BLOCK)]
+    for req_id in prompts:
+        book.finished(req_id)
+    _released(client, 0)
+
+
+class PeerRelabellingClient(CountingClient):
+    """The real sidecar's hit, answered as a peer's would be: the sidecar held the first
+    `dram_tokens` itself and fetched the rest from a peer."""
+
+    def __init__(self, path: str, dram_tokens: int | None) -> None:
+        super().__init__(path)
+        self.dram_tokens = dram_tokens
+
+    def lookup(self, root, token_ids, digests=False, local_tokens=0):
+        hit = super().lookup(root, token_ids, digests, local_tokens)
+        if hit:
+            hit.tier, hit.dram_tokens = "peer", self.dram_tokens
+        return hit
+
+
+@pytest.mark.parametrize(("dram_tokens", "peer_from_block", "by_tier"),
+                         [(3 * BLOCK, 3, {"dram": 2, "peer": 2}), (None, 0, {"dram": 0, "peer": 4})])
+def test_a_peer_hits_load_counts_from_the_first_block_the_sidecar_did_not_hold(stored, dram_tokens,
+                                                                                 peer_from_block, by_tier):
+    sc, prompt = stored
+    client = PeerRelabellingClient(sc.socket, dram_tokens)
+    book = PatientBook(client, BLOCK, BLOCK, verify_checksums=False)
+    assert book.matched("r", ROOT, prompt, BLOCK) == 4 * BLOCK
+    book.allocated("r", [1, 2, 3, 4, 5], 4 * BLOCK)
+    (load,) = book.step_specs(prefill_done=[]).loads
+    assert (load.tier, load.first_block, load.peer_from_block) == ("peer", 1, peer_from_block)
+    assert load.blocks_by_tier(4) == by_tier
+    book.finished("r")
+    _released(client, 0)
+
+
+def test_a_peer_load_built_without_its_dram_blocks_counts_every_block_as_the_peers():
+    load = LoadSpec(req_id="r", instance="i", first_block=0, slots=[1, 2, 3], block_ids=[0], tier="peer")
+    assert load.blocks_by_tier(3) == {"dram": 0, "peer": 3}
+
+
+def test_the_specs_sent_to_the_workers_cannot_be_changed():
+    load = LoadSpec(req_id="r", instance="i", first_block=0, slots=[1], block_ids=[0])
+    store = StoreSpec(req_id="r", root=root_fields(ROOT), token_ids=list(range(BLOCK)), block_ids=[0])
+    for spec, name, value in ((load, "first_block", 1), (store, "token_ids", [])):
+        with pytest.raises(ValidationError):
+            setattr(spec, name, value)
