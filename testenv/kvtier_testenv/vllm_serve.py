@@ -136,15 +136,7 @@ class VllmServer:
                 out["tokens"].extend(ids)
 
     def metrics(self) -> dict[str, float]:
-        """vLLM's /metrics, each family summed over its label sets."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)$", line)
-            if m:
-                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-        return out
+        return vllm_metrics(self.port)
 
     def reset_prefix_cache(self) -> None:
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/reset_prefix_cache", data=b"", method="POST")
@@ -164,6 +156,18 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def vllm_metrics(port: int) -> dict[str, float]:
+    """A `vllm serve` server's /metrics, each family summed over its label sets."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
 
 
 def peer_sidecar(workdir: Path, name: str, ip: str, shape, weights: str, redis_url: str, secret_file: str,

@@ -29,6 +29,7 @@ from kvtier_operator.engine_env import KV_TRANSFER_CONFIG_ENV
 from kvtier_testenv.fleet import SidecarHandle, fleet_tls
 from kvtier_testenv.polling import wait_for
 from kvtier_testenv.tiny_llama import TinyLlama, write_model
+from kvtier_testenv.vllm_serve import vllm_metrics
 from kvtier_testenv.vllm_engine import (
     KV_CACHE_SPACE_GIB, START_TIMEOUT_S, connector_config, sidecar_model, vllm_env, vllm_python,
 )
@@ -170,14 +171,7 @@ class Served:
         return [self.rng.randrange(3, SHAPE.vocab) for _ in range(n)]
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)$", line)
-            if m:
-                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-        return out
+        return vllm_metrics(self.port)
 
     def log(self) -> str:
         return self.log_path.read_text()
