@@ -19,6 +19,7 @@ Layout of the file:
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from kvtier import rendezvous, routing
@@ -203,6 +204,24 @@ def build() -> dict[str, Any]:
 def render() -> str:
     return json.dumps(build(), indent=1, ensure_ascii=False) + "\n"
 
+
+
+SCORE_REL_TOL = 1e-12
+"""Scores are computed floats (a log per candidate): the last bit may differ between
+machines' math libraries, so committed vectors match the code within this tolerance;
+every other value (tenants, picks, orders, weights) must be equal."""
+
+
+def same_vectors(a: Any, b: Any) -> bool:
+    """Whether two vector files' contents say the same, floats within SCORE_REL_TOL."""
+    if isinstance(a, float) or isinstance(b, float):
+        return (isinstance(a, (int, float)) and isinstance(b, (int, float))
+                and math.isclose(a, b, rel_tol=SCORE_REL_TOL, abs_tol=0.0))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_vectors(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_vectors(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 def _order_vector(name: str, table: AffinityTable, tenant: str) -> dict[str, Any]:
     order = table.order_for(tenant)

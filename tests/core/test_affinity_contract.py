@@ -31,9 +31,24 @@ def test_committed_schema_is_the_models():
 
 
 def test_committed_vectors_are_what_routing_decides_now():
-    assert VECTORS_PATH.read_text(encoding="utf-8") == pick_vectors.render(), (
+    committed, now = json.loads(VECTORS_PATH.read_text(encoding="utf-8")), json.loads(pick_vectors.render())
+    assert pick_vectors.same_vectors(committed, now), (
         "router/testdata is stale (routing, rendezvous or the table changed): run `kvtier contract`, "
         "check the Go package still passes, and commit both")
+
+
+def test_vectors_compare_scores_within_a_tolerance_and_everything_else_exactly():
+    now = json.loads(pick_vectors.render())
+    assert pick_vectors.same_vectors(now, json.loads(pick_vectors.render()))
+    nudged = json.loads(pick_vectors.render())
+    scores = next(o["scores"] for o in nudged["orders"] if o.get("scores"))
+    first = scores[0]
+    scores[0] = first * (1 + 1e-15)
+    assert pick_vectors.same_vectors(now, nudged)  # a last-bit difference is the same vector
+    scores[0] = first * (1 + 1e-6)
+    assert not pick_vectors.same_vectors(now, nudged)
+    scores[0] = str(first)
+    assert not pick_vectors.same_vectors(now, nudged)
 
 
 def test_check_flag_fails_on_stale_files_and_passes_on_fresh_ones(tmp_path, capsys):
