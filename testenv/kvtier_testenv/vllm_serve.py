@@ -125,15 +125,7 @@ class VllmServer:
         token's arrival (monotonic), out["tokens"] the ids, as they come."""
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "cache_salt": salt, "stream": True, "return_token_ids": True, "ignore_eos": True}
-        out["times"], out["tokens"] = [], []
-        for raw in self._post(body):
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            ids = json.loads(line[5:])["choices"][0].get("token_ids") or []
-            if ids:
-                out["times"].extend([time.monotonic()] * len(ids))
-                out["tokens"].extend(ids)
+        read_token_stream(self._post(body), out)
 
     def metrics(self) -> dict[str, float]:
         return vllm_metrics(self.port)
@@ -156,6 +148,20 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def read_token_stream(lines, out: dict) -> None:
+    """A streamed completion's server-sent events into out["times"] (each token's
+    arrival, monotonic) and out["tokens"] (the ids), as they come."""
+    out["times"], out["tokens"] = [], []
+    for raw in lines:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        ids = json.loads(line[5:])["choices"][0].get("token_ids") or []
+        if ids:
+            out["times"].extend([time.monotonic()] * len(ids))
+            out["tokens"].extend(ids)
 
 
 def vllm_metrics(port: int) -> dict[str, float]:

@@ -29,7 +29,7 @@ from kvtier_operator.engine_env import KV_TRANSFER_CONFIG_ENV
 from kvtier_testenv.fleet import SidecarHandle, fleet_tls
 from kvtier_testenv.polling import wait_for
 from kvtier_testenv.tiny_llama import TinyLlama, write_model
-from kvtier_testenv.vllm_serve import vllm_metrics
+from kvtier_testenv.vllm_serve import read_token_stream, vllm_metrics
 from kvtier_testenv.vllm_engine import (
     KV_CACHE_SPACE_GIB, START_TIMEOUT_S, connector_config, sidecar_model, vllm_env, vllm_python,
 )
@@ -267,16 +267,8 @@ def _stream(port: int, prompt: list[int], salt: str, out: dict) -> None:
             "cache_salt": salt, "stream": True, "return_token_ids": True, "ignore_eos": True}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    out["times"], out["tokens"] = [], []
     with urllib.request.urlopen(req, timeout=300) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            ids = json.loads(line[5:])["choices"][0].get("token_ids") or []
-            if ids:
-                out["times"].extend([time.monotonic()] * len(ids))
-                out["tokens"].extend(ids)
+        read_token_stream(r, out)
 
 
 def _round(served: Served, salt: str, hang: bool) -> dict:
