@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -95,10 +96,15 @@ class RunningOperator:
         return runner.output
 
 
+# The operator's console script, installed beside this interpreter.
+OPERATOR_SCRIPT = os.path.join(os.path.dirname(sys.executable), "kvtier-operator")
+
+
 def operator_argv(namespace: str, options: OperatorOptions) -> list[str]:
-    """`kvtier-operator`'s command line for `options`: the process builds its settings
-    from its flags, so each option a test sets must travel as a flag, not as the env."""
-    argv = [sys.executable, "-m", "kvtier_operator.main", "--namespace", namespace,
+    """`kvtier-operator`'s command line for `options` (the console script the chart's
+    image runs): the process builds its settings from its flags, so each option a test
+    sets must travel as a flag, not as the env."""
+    argv = [OPERATOR_SCRIPT, "--namespace", namespace,
             "--sidecar-auth", options.sidecar_auth, "--warms-per-target", str(options.warms_per_target),
             "--operator-namespace", options.operator_namespace, "--control-ca-secret", options.control_ca_secret]
     if not options.sidecar_tls:
@@ -136,6 +142,15 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def tail(self) -> str:
+        return self.log()[-3000:]
+
+    def sigkill(self) -> None:
+        """Kill the process with no chance to clean up (no kopf shutdown, no lease release)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(STOP_TIMEOUT_S)
 
     def exit_code(self) -> int:
         """Wait for the process to end (a crash point reached) and return its status."""

@@ -1,6 +1,7 @@
 """A person's rollout controls through the real `kubectl-kvtier` plugin, against the real
 apiserver and controller-manager, with the operator running as its own process (the
-`kvtier-operator` console script) so it can be SIGKILLed mid-step:
+`kvtier-operator` console script, the conftest's `operator_process`) so it can be
+SIGKILLed mid-step:
 
 - pause / resume / promote / abort / retry, each acted on once and told back by the
   plugin; a request that does not apply is rejected with a reason and exit status 1;
@@ -12,67 +13,21 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
-import pytest
-
 from kvtier.affinity import AffinityTable
-from kvtier_operator import certs, names
-from kvtier_testenv import binaries, processes
+from kvtier_operator import names
+from kvtier_testenv import binaries
 from kvtier_testenv.kubectl import Kubectl
-from kvtier_testenv.ports import free_port
-from operator_harness import events, register_webhook, wait_for
+from operator_harness import events, wait_for
 from sidecar_fleet import DIGEST as OLD, tiny_policy
 from test_operator_e2e import short_workdir, status_of
 from test_rollout_e2e import APP, NEW, Workload, stateful_set
 
 PLUGIN = os.path.join(os.path.dirname(sys.executable), "kubectl-kvtier")
-OPERATOR = os.path.join(os.path.dirname(sys.executable), "kvtier-operator")
 # The rollout never recovers by itself here (no traffic): only the controls move it.
 WINDOW = "30m"
-
-
-class OperatorProcess:
-    """`kvtier-operator` as a child process with the operator ServiceAccount's kubeconfig."""
-
-    def __init__(self, namespace: str, kubeconfig, tmp_path, webhook_port: int) -> None:
-        self.cert = certs.self_signed(tmp_path / "tls", ["127.0.0.1"])
-        self.argv = [OPERATOR, "--namespace", namespace, "--webhook-host", "127.0.0.1",
-                     "--webhook-port", str(webhook_port), "--webhook-cert", str(self.cert.cert),
-                     "--webhook-key", str(self.cert.key)]
-        self.env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-        self.log = tmp_path / "operator.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "OperatorProcess":
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        return self
-
-    def sigkill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(15)
-
-    def stop(self) -> None:
-        processes.stop(self.proc, 30)
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-
-@pytest.fixture
-def operator(namespace, operator_kubeconfig, control_plane, tmp_path):
-    admin = Kubectl(control_plane.kubeconfig)
-    port = free_port()
-    op = OperatorProcess(namespace, operator_kubeconfig, tmp_path, port)
-    hook = register_webhook(admin, namespace, op.cert.cert.read_bytes(), port)
-    op.start()
-    yield op
-    op.stop()
-    admin.delete("mutatingwebhookconfiguration", hook)
 
 
 def plugin(kubectl: Kubectl, *args: str) -> subprocess.CompletedProcess[str]:
@@ -89,7 +44,8 @@ def partition(w: Workload) -> int:
     return w.sts()["spec"]["updateStrategy"]["rollingUpdate"]["partition"]
 
 
-def test_plugin_controls_and_sigkilled_operator_resumes_mid_step(operator, kubectl, node_agent_factory):
+def test_plugin_controls_and_sigkilled_operator_resumes_mid_step(operator_process, kubectl, node_agent_factory):
+    operator = operator_process.start()
     kubectl.apply(tiny_policy("llm", APP, workloadRef={"kind": "StatefulSet", "name": APP}, rollout={
         "canaryPods": 1, "steps": [50, 100], "recovery": {"window": WINDOW, "minLookups": 10}}))
     wait_for("sidecar ConfigMap", lambda: kubectl.run(
