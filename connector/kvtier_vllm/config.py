@@ -10,6 +10,7 @@
      "lookup_wait_ms": 5,                     # a scheduler step waits at most this for lookups
      "breaker_backoff_s": 5.0,                # an unresponsive sidecar is left alone this long
      "store_staging_mb": 1024,                # stores waiting for a slow sidecar, at most
+     "kv_events_medium": "KVTIER",            # the medium of kvtier's vLLM KV events
      "lookup_timeout_s": 2.0}                 # the lookup thread's socket timeout
 
 The key root is everything besides the tokens that decides what prefill produces:
@@ -52,6 +53,8 @@ DEFAULT_BREAKER_BACKOFF_S = 5.0
 DEFAULT_STORE_STAGING_MB = 1024
 """Stores copied out of vLLM's pages and not yet in the sidecar, at most (per worker):
 a healthy sidecar drains them within the step; past it a store is skipped."""
+DEFAULT_KV_EVENTS_MEDIUM = "KVTIER"
+"""Not vLLM's GPU or CPU: a router weighs kvtier's tier by a medium of its own."""
 ROPE_KEY_MARKERS = ("rope", "rotary")
 """HF config keys that shape positional encoding (rope_theta, rope_scaling, ...)."""
 
@@ -75,6 +78,9 @@ class ConnectorConfig(BaseModel):
     lookup_wait_ms: float = Field(DEFAULT_LOOKUP_WAIT_MS, ge=0)
     breaker_backoff_s: float = Field(DEFAULT_BREAKER_BACKOFF_S, gt=0)
     store_staging_mb: int = Field(DEFAULT_STORE_STAGING_MB, ge=1)
+    # The `medium` of the BlockStored events kvtier adds to vLLM's KV event stream
+    # (published only where `--kv-events-config` enables events).
+    kv_events_medium: str = Field(DEFAULT_KV_EVENTS_MEDIUM, min_length=1, max_length=64)
 
 
 def parse_config(extra: Mapping[str, Any] | None, env: Mapping[str, str] = os.environ) -> ConnectorConfig:

@@ -44,6 +44,7 @@ from .config import (
     tenant_of,
     weights_mismatch,
 )
+from . import events
 from .layouts import LAYOUT_FORMATS, LayoutError, block_places, format_for_device, format_tag, kv_views, layout_for
 from .layer_loads import LayerJob, LayerLoads
 from .lookups import AsyncLookups, Breaker
@@ -136,6 +137,10 @@ class KvtierConnector(KVConnectorBase_V1):
             self.book = SchedulerBook(self.lookups, self.block_size, self.vllm_block_size,
                                       self.cfg.verify_checksums)
         self._step_wait_s = self.cfg.lookup_wait_ms / 1000  # left for this scheduler step
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        self._events_on = bool(kv_events is not None and getattr(kv_events, "enable_kv_cache_events", False))
+        self._outbox = events.Outbox()  # worker side: events the calls thread emitted
+        self._gathered: events.KvtierKVEvents | None = None  # scheduler side: the workers' events
         self._breaker_seen = (0, 0)  # (trips, recoveries) already in the stats
         # worker side, set by register_kv_caches
         self.rank = 0
@@ -173,10 +178,34 @@ class KvtierConnector(KVConnectorBase_V1):
             started = time.perf_counter()
             n = self.book.matched(request.request_id, root, prompt, num_computed_tokens, self._step_wait_s)
             self._step_wait_s = max(0.0, self._step_wait_s - (time.perf_counter() - started))
+            if self._events_on and not self.book.described(request.request_id):
+                self._describe(request, len(prompt))
             return n, False
         except Exception:  # never on the request path: a fault is a miss
             log.exception("kvtier lookup failed; serving without it")
             return 0, False
+
+    def _describe(self, request: "Request", prompt_len: int) -> None:
+        """vLLM's hashes of the blocks a store of this prompt would commit, for its event."""
+        try:
+            stored_tokens = prompt_len // self.block_size * self.block_size
+            self.book.describe(request.request_id,
+                               events.describe(request, stored_tokens // self.vllm_block_size, self.vllm_block_size))
+        except Exception:  # an event is a hint: never a fault on the request path
+            log.exception("kvtier: describing a request's blocks for its KV event failed")
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        got = getattr(connector_output, "kv_cache_events", None)
+        if not isinstance(got, events.KvtierKVEvents):
+            return
+        if self._gathered is None:
+            self._gathered = events.KvtierKVEvents()
+        self._gathered.add_events(got.get_all_events())
+
+    def take_events(self):
+        gathered, self._gathered = self._gathered, None
+        if gathered is not None:
+            yield from gathered.get_all_events()
 
     def _breaker_changed(self, tripped: bool, why: str) -> None:
         if tripped:
@@ -530,7 +559,10 @@ class KvtierConnector(KVConnectorBase_V1):
         res = self.client.begin_store(root_from_fields(spec.root), spec.token_ids, self.tp, self.rank)
         self._refresh_mapping_if_changed()
         if res is None:  # nothing to write because the sidecar holds it all is no refusal
-            self._bg_add("store_cached" if getattr(self.client, "last_store_cached", False) else "store_declined", 1)
+            cached = getattr(self.client, "last_store_cached", False)
+            self._bg_add("store_cached" if cached else "store_declined", 1)
+            if cached:
+                self._announce(spec)
             return
         try:
             self.paged.copy_blocks(staged, res.arena, range(res.first_block, res.first_block + len(res.slots)),
@@ -541,6 +573,16 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.client.commit_store(res):
             self._bg_add("saved_blocks", len(res.slots))
             self._bg_add("saved_bytes", len(res.slots) * res.arena.block_bytes // self.tp)
+            self._announce(spec)
+
+    def _announce(self, spec: StoreSpec) -> None:
+        """A BlockStored for the prompt's blocks the sidecar now holds (rank 0 speaks for all)."""
+        if spec.event is not None and self.rank == 0:
+            self._outbox.put(events.stored(spec.event, spec.token_ids, self.vllm_block_size,
+                                           self.cfg.kv_events_medium))
+
+    def get_kv_connector_kv_cache_events(self) -> events.KvtierKVEvents | None:
+        return self._outbox.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_layer_loads()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvtier.keys import KeyRoot
 from pydantic import BaseModel, ConfigDict
@@ -75,6 +75,9 @@ class StoreSpec(BaseModel):
     root: dict[str, str]
     token_ids: list[int]
     block_ids: list[int]
+    # vLLM's description of the stored blocks for a KV event (events.describe), where
+    # vLLM publishes events: the worker emits it once the sidecar committed the store.
+    event: dict[str, Any] | None = None
 
 
 class StepSpecs(BaseModel):
@@ -100,6 +103,7 @@ class _Request:
     asked: bool = True          # looked up, not allocated yet: a re-ask reuses the hit
     block_ids: list[int] = field(default_factory=list)
     stored: bool = False
+    event: dict[str, Any] | None = None  # events.describe of the prompt's full blocks
 
 
 class SchedulerBook:
@@ -191,13 +195,24 @@ class SchedulerBook:
             if n == 0:
                 continue
             specs.stores.append(StoreSpec(req_id=req_id, root=root_fields(req.root),
-                                          token_ids=req.prompt[: n * self.block_size], block_ids=req.block_ids))
+                                          token_ids=req.prompt[: n * self.block_size], block_ids=req.block_ids,
+                                          event=req.event))
         return specs
 
     def take_counts(self) -> dict[str, int]:
         """`COUNTS` since the last call."""
         counts, self.counts = self.counts, dict.fromkeys(COUNTS, 0)
         return counts
+
+    def describe(self, req_id: str, event: dict[str, Any] | None) -> None:
+        """Keep vLLM's description of the request's stored blocks for its store's event."""
+        req = self._requests.get(req_id)
+        if req is not None:
+            req.event = event
+
+    def described(self, req_id: str) -> bool:
+        req = self._requests.get(req_id)
+        return req is not None and req.event is not None
 
     def prompt_len(self, req_id: str) -> int | None:
         req = self._requests.get(req_id)
