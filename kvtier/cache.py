@@ -33,9 +33,10 @@ Queued stores are applied in small time-bounded slices by whoever calls `store` 
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -96,6 +97,9 @@ plain LRU the pinned tier shrinks with main (a prefix hot once must not hold slo
 against recency when the traffic asks for LRU)."""
 
 PIN_MAX_FRACTION = 0.02
+REMOVAL_LOG_BLOCKS = 1 << 16
+"""The newest block removals the cache can name (`removed_since`); a reader further
+behind is told the log cannot say."""
 """One prefix may be pinned only if it is small: at most 2% of the capacity."""
 
 
@@ -278,8 +282,12 @@ class LocalCache:
                                                 symmetric=self.policy.adapt == "symmetric")
         self._ghost = GhostTuner(self.num_slots, self.policy.window_fraction) \
             if self.policy.adapt == "ghost" else None
-        if self._ghost is not None:
-            self._index.on_evict = self._ghost.evicted
+        # Every block eviction takes from the tree, named in a bounded log for readers
+        # that announced the blocks elsewhere (the connector's KV events).
+        self._removed: deque[BlockHash] = deque(maxlen=REMOVAL_LOG_BLOCKS)
+        self._removed_seq = 0  # removals ever logged (an invalidation counts one)
+        self._removal_reset = 0  # the seq of the last removal the log cannot name
+        self._index.on_evict = self._evicted
         # The miniatures' bookkeeping, done off the lookup path (see `MiniatureTuner`).
         self._catch_up = self._reference.catch_up if isinstance(self._reference, MiniatureTuner) else None
         self._duel = self._duel_tails if self.policy.duel else None
@@ -510,6 +518,30 @@ class LocalCache:
 
     # ------------------------------------------------------------------ control
 
+    def _evicted(self, region: int, hashes: list[BlockHash]) -> None:
+        self._removed.extend(hashes)
+        self._removed_seq += len(hashes)
+        if self._ghost is not None:
+            self._ghost.evicted(region, hashes)
+
+    @property
+    def removal_seq(self) -> int:
+        """The removal log's position now: a block stored after it is removed at a later one."""
+        return self._removed_seq
+
+    def removed_since(self, seq: int, limit: int = 4096) -> tuple[int, list[BlockHash] | None]:
+        """(the next position to ask from, up to `limit` blocks removed since position
+        `seq`, oldest first), or (the position now, None) when the log cannot name them
+        all (it wrapped, an invalidation dropped whole trees since, or `seq` is from
+        another cache): then a reader must treat every block it knew of as removed."""
+        with self._lock:
+            now, log = self._removed_seq, self._removed
+            if not self._removal_reset <= seq <= now or now - seq > len(log):
+                return now, None
+            start = len(log) - (now - seq)
+            out = list(itertools.islice(log, start, start + limit))
+            return seq + len(out), out
+
     def invalidate(self, predicate: Callable[[KeyRoot], bool]) -> int:
         """Drop every tree whose key root satisfies `predicate`; returns blocks dropped.
 
@@ -518,6 +550,9 @@ class LocalCache:
         """
         with self._lock:
             dropped, freed = self._index.drop_roots(predicate)
+            if dropped:
+                self._removed_seq += 1
+                self._removal_reset = self._removed_seq
             self._pool.give_back(freed)
             self._queue.remove_if(lambda p: predicate(p.root))
             for res in self._reservations.values():

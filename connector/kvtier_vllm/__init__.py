@@ -12,7 +12,8 @@ Modules: `config` (the extra-config model and the key root), `layouts` (vLLM's p
 tensors <-> kvtier's canonical blocks, pure), `plan` (scheduler-side bookkeeping, pure),
 `lookups` (the scheduler's sidecar calls on a thread, under a budget and a circuit
 breaker), `worker_calls` (the workers' sidecar calls, off the forward pass), `stats`
-(connector stats), `connector` (the vLLM glue; the only module importing vLLM).
-Only `connector` and `stats` import vllm or torch, so the pure parts are testable
-without them. See docs/VLLM.md.
+(connector stats), `events` (kvtier's blocks on vLLM's KV event stream), `announced`
+(which announced blocks to withdraw, pure), `connector` (the vLLM glue).
+Only `connector`, `events` and `stats` import vllm or torch, so the pure parts are
+testable without them. See docs/VLLM.md.
 """

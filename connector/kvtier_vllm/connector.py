@@ -32,7 +32,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvtier.keys import block_hashes
 from kvtier_sidecar.client import SidecarClient
+from kvtier_sidecar.engine_proto import MAX_REMOVED_PER_ANSWER
 
 from .config import (
     SOCKET_ENV,
@@ -45,6 +47,7 @@ from .config import (
     weights_mismatch,
 )
 from . import events
+from .announced import Announced
 from .layouts import LAYOUT_FORMATS, LayoutError, block_places, format_for_device, format_tag, kv_views, layout_for
 from .layer_loads import LayerJob, LayerLoads
 from .lookups import AsyncLookups, Breaker
@@ -69,6 +72,11 @@ log = logging.getLogger("vllm.kvtier_vllm")
 SCHEDULER_REPORTED = ("prompt_tokens", "local_hit_tokens", "lookup_timeouts", "breaker_trips")
 """Scheduler-side counts the sidecar's /metrics gets too (`engine_proto.EngineReport`)."""
 RECOMPUTE_POLICY = "recompute"
+REMOVAL_POLL_S = 0.5
+"""How often rank 0 reads the sidecar's removal log while it has announced blocks: a
+router believes in an evicted block at most about this long (plus its own delay)."""
+REMOVAL_READS_PER_POLL = 8
+"""Answers of MAX_REMOVED_PER_ANSWER hashes one poll reads at most before the next step."""
 """The only kv_load_failure_policy under which a failed load costs a recompute, not the request."""
 
 
@@ -140,6 +148,9 @@ class KvtierConnector(KVConnectorBase_V1):
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self._events_on = bool(kv_events is not None and getattr(kv_events, "enable_kv_cache_events", False))
         self._outbox = events.Outbox()  # worker side: events the calls thread emitted
+        self._announced = Announced()  # worker side (rank 0): blocks announced, to withdraw
+        self._removals_read_at = 0.0  # when the calls thread last read the sidecar's removal log
+        self._removals_queued = False
         self._gathered: events.KvtierKVEvents | None = None  # scheduler side: the workers' events
         self._breaker_seen = (0, 0)  # (trips, recoveries) already in the stats
         # worker side, set by register_kv_caches
@@ -576,12 +587,56 @@ class KvtierConnector(KVConnectorBase_V1):
             self._announce(spec)
 
     def _announce(self, spec: StoreSpec) -> None:
-        """A BlockStored for the prompt's blocks the sidecar now holds (rank 0 speaks for all)."""
-        if spec.event is not None and self.rank == 0:
-            self._outbox.put(events.stored(spec.event, spec.token_ids, self.vllm_block_size,
-                                           self.cfg.kv_events_medium))
+        """On the calls thread: a BlockStored for the prompt's blocks the sidecar now
+        holds (rank 0 speaks for all), tracked so that their removal is told too."""
+        if spec.event is None or self.rank != 0:
+            return
+        medium = self.cfg.kv_events_medium
+        self._outbox.put(events.stored(spec.event, spec.token_ids, self.vllm_block_size, medium))
+        position = self.client.last_store_removals
+        if position is None:  # a sidecar without a removal log: nothing to read removals from
+            return
+        kv_hashes = block_hashes(root_from_fields(spec.root), spec.token_ids, self.block_size)
+        self._withdraw(self._announced.add(str(self.client.info.get("instance", "")), position, kv_hashes,
+                                           spec.event["block_hashes"], self.vllm_block_size // self.block_size))
+
+    def _withdraw(self, vllm_hashes: list[Any]) -> None:
+        if vllm_hashes:
+            self._outbox.put(events.removed(list(dict.fromkeys(vllm_hashes)), self.cfg.kv_events_medium))
+
+    def _read_removals(self) -> None:
+        """On the calls thread: the sidecar's block removals since the last read, as
+        BlockRemoved for those announced; every announced block when the sidecar is
+        another process now or its log cannot name them all."""
+        self._removals_read_at, self._removals_queued = time.monotonic(), False
+        ann = self._announced
+        for _ in range(REMOVAL_READS_PER_POLL):
+            if not len(ann) or ann.cursor is None:
+                return
+            try:
+                got = self.client.removed_since(ann.cursor)
+            except ValueError:  # refused (a sidecar without the log): read nothing, withdraw nothing
+                log.debug("kvtier: the sidecar's removal log cannot be read", exc_info=True)
+                return
+            if str(self.client.info.get("instance", "")) != ann.instance:
+                self._withdraw(ann.clear())  # restarted: its DRAM tier holds none of them
+                return
+            if got is None:
+                return
+            nxt, hashes = got
+            if hashes is None:
+                self._withdraw(ann.clear())
+                ann.cursor = nxt
+                return
+            self._withdraw(ann.removed(ann.cursor, hashes))
+            ann.cursor = nxt
+            if len(hashes) < MAX_REMOVED_PER_ANSWER:
+                return
 
     def get_kv_connector_kv_cache_events(self) -> events.KvtierKVEvents | None:
+        if (len(self._announced) and not self._removals_queued and self._calls is not None
+                and time.monotonic() - self._removals_read_at >= REMOVAL_POLL_S):
+            self._removals_queued = self._calls.submit(self._read_removals)
         return self._outbox.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

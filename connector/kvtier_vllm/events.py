@@ -12,13 +12,20 @@ kvtier (`describe`); the worker that committed the store emits the event (rank 0
 every rank stores its own shard of the same blocks); the scheduler side gathers the
 workers' events (`update_connector_output`) and hands them to vLLM's publisher
 (`take_events`).
+
+What leaves the tier is withdrawn the same way: a `BlockRemoved` (same medium, vLLM's
+hash) for each announced block the sidecar's DRAM tier evicted (read from its removal
+log over the engine socket, off the request path), for all of them when the sidecar
+restarted or its log cannot say, and for the oldest when more are announced than
+`Announced` keeps track of. A router may so forget a block kvtier still holds; it is
+never left believing in one kvtier removed for longer than a poll (`announced`).
 """
 from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_events import BlockStored, KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -78,6 +85,10 @@ def stored(described: dict[str, Any], token_ids: list[int], block_size: int, med
                        token_ids=list(token_ids[: n * block_size]), block_size=block_size,
                        lora_id=described["lora_id"], medium=medium, lora_name=described["lora_name"],
                        extra_keys=described["extra_keys"])
+
+
+def removed(vllm_hashes: list[Any], medium: str) -> BlockRemoved:
+    return BlockRemoved(block_hashes=list(vllm_hashes), medium=medium)
 
 
 class Outbox:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.blockpool import slot_runs
-from kvtier.keys import KeyRoot, as_token_array
+from kvtier.keys import BLOCK_HASH_BYTES, KeyRoot, as_token_array
 from kvtier.layout import shard_for_rank
 
 from .arena import Arena, ArenaError
@@ -125,6 +125,7 @@ class SidecarClient:
         self.faults = 0
         self.connection = 0  # bumped on every (re)connect: pins and tickets are per connection
         self.last_store_cached = False  # the last begin_store found every block cached
+        self.last_store_removals: int | None = None  # its answer's removal-log position
         self._rbuf = bytearray(RECV_BUFFER_BYTES)
         self._lookup_json: dict[KeyRoot, bytes] = {}  # root -> the plain LOOKUP's JSON payload
 
@@ -364,10 +365,13 @@ class SidecarClient:
         block is cached already (then `last_store_cached` is True), or on a fault."""
         tokens = as_token_array(token_ids)
         self.last_store_cached = False
+        self.last_store_removals = None
         got = self._call(EngineOp.STORE_BEGIN, {"root": root_payload(root), "tp": tp, "rank": rank}, tokens)
         if got is None:
             return None
         answer, slots = got
+        removals = answer.get("removals")
+        self.last_store_removals = removals if type(removals) is int else None
         ticket = int(answer.get("ticket", 0))
         if not ticket:
             self.last_store_cached = bool(answer.get("cached"))
@@ -383,6 +387,26 @@ class SidecarClient:
         got = self._call(EngineOp.STORE_COMMIT, {"ticket": reservation.ticket, "rank": reservation.rank,
                                                  **self._instance()})
         return bool(got and got[0].get("committed"))
+
+    def removed_since(self, since: int) -> tuple[int, list[bytes] | None] | None:
+        """The DRAM tier's block removals since position `since` of its removal log:
+        (the position to ask from next, their hashes oldest first), (position now, None)
+        when the log cannot name them all (treat every block as removed), None on a
+        fault or from a sidecar without the log. Hashes are the key chain's
+        (`kvtier.keys.block_hashes`). Off the request path only."""
+        got = self._call(EngineOp.REMOVED, {"since": int(since)})
+        if got is None:
+            return None
+        answer, tail = got
+        nxt = answer.get("next")
+        if type(nxt) is not int:
+            return None
+        if not answer.get("complete"):
+            return nxt, None
+        raw = tail.tobytes()
+        if len(raw) % BLOCK_HASH_BYTES:
+            return None
+        return nxt, [raw[i:i + BLOCK_HASH_BYTES] for i in range(0, len(raw), BLOCK_HASH_BYTES)]
 
     def abort_store(self, reservation: "StoreReservation") -> None:
         if reservation.connection != self.connection:

@@ -68,6 +68,12 @@ class EngineOp(IntEnum):
     STORE_COMMIT = 5
     STORE_ABORT = 6
     REPORT = 7
+    REMOVED = 8  # the blocks the DRAM tier removed since a position of its removal log
+
+
+MAX_REMOVED_PER_ANSWER = 4096
+"""Block hashes one REMOVED answer names at most (16 bytes each in the tail); the
+engine asks again from the answer's `next`."""
 
 
 class EngineReport(BaseModel):

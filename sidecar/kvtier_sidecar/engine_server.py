@@ -29,7 +29,9 @@ from pydantic import ValidationError
 
 from kvtier.keys import KeyRoot
 
-from .engine_proto import FRAME, EngineOp, EngineReport, FrameError, decode_header, encode, encode_json, split_body
+from .engine_proto import (
+    FRAME, MAX_REMOVED_PER_ANSWER, EngineOp, EngineReport, FrameError, decode_header, encode, encode_json, split_body,
+)
 
 log = logging.getLogger("kvtier.sidecar.engine")
 
@@ -202,7 +204,8 @@ class EngineServer:
             ticket, first_block, slots = svc.store_begin(root, _tokens(tail), tp, rank, owner)
             if ticket:
                 tickets.add(ticket)
-            answer = {"ticket": ticket, "first_block": first_block}
+            # The removal log's position: a removal of these blocks comes after it.
+            answer = {"ticket": ticket, "first_block": first_block, "removals": svc.tier.cache.removal_seq}
             if not ticket and first_block:
                 answer["cached"] = True  # every full block is cached already: not a refusal
             return answer, np.asarray(slots, dtype="<u4")
@@ -225,6 +228,12 @@ class EngineServer:
                     f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))) from None
             svc.engine_report(report)
             return {}, None
+        if op == EngineOp.REMOVED:
+            since = _int(payload, "since", 0, MAX_ID)
+            nxt, removed = svc.tier.cache.removed_since(since, MAX_REMOVED_PER_ANSWER)
+            if removed is None:
+                return {"next": nxt, "complete": False}, None
+            return {"next": nxt, "complete": True}, b"".join(removed)
         if op == EngineOp.HELLO:
             return {**self.hello, "instance": svc.instance}, None
         raise ValueError(f"unknown op {op}")

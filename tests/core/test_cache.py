@@ -586,3 +586,47 @@ def test_per_tenant_state_stays_bounded_under_many_one_off_tenants_and_totals_ar
     assert first.lookups == 0 and first.blocks_used == 0 and first.evictions == 0
     last = c.stats(f"t{n - 1}")                                        # recent and holding its block: exact
     assert last.lookups == 1 and last.stored_blocks == 1 and last.blocks_used == 1
+
+
+def test_the_removal_log_names_each_evicted_block_once_in_order_and_says_when_it_cannot():
+    """What eviction takes is named, by block hash, from a position taken before it
+    (the position a store's reservation carries); a reader too far behind, one from
+    before an invalidation, or one with another cache's position is told the log
+    cannot say (None), never given a partial list."""
+    from kvtier.keys import block_hashes
+
+    clock = Clock()
+    c = make(blocks=4, clock=clock)
+    a = np.arange(64, dtype=np.uint32)
+    start = c.removal_seq
+    warm(c, ROOT, a)
+    assert c.removed_since(start) == (start, [])      # nothing evicted yet
+    clock.t += 3600
+    b = np.arange(5000, 5064, dtype=np.uint32)
+    warm(c, ROOT, b)                                   # takes A's four slots
+    assert c.peek(ROOT, a) == 0
+    nxt, removed = c.removed_since(start)
+    assert nxt == start + 4 and c.removal_seq == nxt
+    assert len(removed) == 4 and set(removed) == set(block_hashes(ROOT, a, B))
+    assert c.removed_since(start, limit=3) == (start + 3, removed[:3])
+    assert c.removed_since(start + 3) == (nxt, removed[3:])
+    assert c.removed_since(nxt) == (nxt, [])
+    assert c.removed_since(nxt + 1) == (nxt, None)     # a position this cache never had
+    # Dropped trees are not named one by one: a reader from before it must assume all gone.
+    c.invalidate(lambda root: True)
+    assert c.removed_since(nxt) == (nxt + 1, None)
+    assert c.removed_since(c.removal_seq) == (c.removal_seq, [])
+
+
+def test_the_removal_log_keeps_only_its_newest_entries(monkeypatch):
+    monkeypatch.setattr(cache_mod, "REMOVAL_LOG_BLOCKS", 2)
+    c = make(blocks=2)
+    a, b = np.arange(32, dtype=np.uint32), np.arange(7000, 7032, dtype=np.uint32)
+    warm(c, ROOT, a)
+    start = c.removal_seq
+    c.evict(2)
+    assert c.removed_since(start)[1] is not None       # two removals: within the log
+    warm(c, ROOT, b)
+    c.evict(2)
+    assert c.removed_since(start) == (start + 4, None)  # four since: the first two are gone
+    assert len(c.removed_since(start + 2)[1]) == 2

@@ -393,3 +393,37 @@ def test_thousand_concurrent_lookups_have_no_errors(spawn, oracle):
     for t in threads:
         t.join()
     assert not errors and len(hits) == 1000 and set(hits) == {192}
+
+
+def test_the_engine_socket_names_the_blocks_eviction_took_from_the_removal_log(spawn, oracle):
+    """REMOVED: the blocks the DRAM tier removed since a position (the one a store's
+    reservation answer carries), by their key-chain hash; every block named no longer
+    hits, a position the sidecar never had gets "cannot say", a bad one a refusal and
+    the sidecar goes on serving."""
+    from kvtier.keys import block_hashes
+
+    sc = spawn(dram_capacity_bytes=8 * BB)
+    client = SidecarClient(sc.socket)
+    root, tokens = oracle.root("t"), prompt(100)
+    seed_cache(client, oracle, "t", tokens)
+    start = client.last_store_removals
+    assert isinstance(start, int)
+    assert client.removed_since(start) == (start, [])
+    for seed in range(1, 6):
+        seed_cache(client, oracle, "t", prompt(100, seed=seed))
+    assert sc.stats()["cache"]["evictions"] > 0
+    nxt, removed = client.removed_since(start)
+    assert nxt == start + len(removed) and len(set(removed)) == len(removed)
+    chain = block_hashes(root, tokens, 16)
+    gone = [i for i, h in enumerate(chain) if h in set(removed)]
+    assert gone, "filling the arena evicted none of the first prompt's blocks"
+    hit = client.lookup(root, tokens)
+    assert (hit.matched_tokens if isinstance(hit, Hit) else 0) <= gone[0] * 16
+    client.release(hit)
+    assert client.removed_since(nxt + 1_000_000)[1] is None
+    try:
+        client.removed_since(-1)
+        raise AssertionError("a negative position was taken")
+    except ValueError as exc:
+        assert "since" in str(exc)
+    assert client.removed_since(nxt) is not None and isinstance(client.lookup(root, prompt(100, seed=5)), Hit)

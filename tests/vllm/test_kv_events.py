@@ -2,7 +2,9 @@
 holds: `vllm serve` with the connector publishes, next to vLLM's own events, a
 `BlockStored` of medium "KVTIER" for each prompt its sidecar committed — vLLM's block
 hashes, token ids, block size and cache_salt, so a consumer keys it as it keys vLLM's —
-and only once the sidecar holds the blocks. Decoded by vLLM's own `KVEventBatch`
+and only once the sidecar holds the blocks; and a `BlockRemoved` of the same medium
+when they leave (here: the sidecar restarted with an empty DRAM tier; eviction itself
+is pinned by the sidecar's removal-log tests). Decoded by vLLM's own `KVEventBatch`
 decoder, as an events-driven router does."""
 from __future__ import annotations
 
@@ -89,6 +91,20 @@ def test_kvtier_block_stored_events_on_vllms_stream(tmp_path, redis_url):
         again = server.complete(prompt, "tenant-a")
         assert again["tokens"] == first["tokens"]
         assert again["cached"] >= STORED_TOKENS - BLOCK
+
+        # The sidecar restarts with an empty DRAM tier: what was announced is withdrawn
+        # (BlockRemoved, medium KVTIER, vLLM's hashes), found when rank 0 next reads the
+        # sidecar, which a step of any request gives it.
+        announced = {h for e in _kvtier_events(sub, prompt[:STORED_TOKENS]) for h in e["block_hashes"]}
+        sidecar.kill()
+        sidecar.start()
+
+        def withdrawn() -> set:
+            server.complete(_prompt(rng)[:BLOCK - 1], "poke", max_tokens=1)  # a step; stores nothing
+            return {h for e in sub.events() if e["type"] == "BlockRemoved" and e.get("medium") == MEDIUM
+                    for h in e["block_hashes"]} & announced
+        assert wait_for("kvtier's BlockRemoved for the restarted sidecar's blocks",
+                        lambda: withdrawn() == announced, 120, 0.5)
 
     finally:
         if server is not None:
