@@ -9,11 +9,13 @@ import ast
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from dataclasses import fields
 from typing import get_args
 
 import pytest
 
-from kvtier import breakeven, engine, layout, names, policy, presets
+from kvtier import breakeven, control_api, engine, layout, names, policy, presets
+from kvtier.cache import CacheStats
 from kvtier.dtypes import DEFAULT_KV_DTYPE, KvDtype
 from kvtier.identity import ModelIdentity, WireRoot
 from kvtier.keys import KEY_ROOT_FIELDS, KeyRoot
@@ -204,3 +206,58 @@ def test_the_operator_and_the_pod_read_the_same_names():
     assert names.weights_version_env() == {"name": names.WEIGHTS_VERSION_ENV, "valueFrom": {"fieldRef": {
         "fieldPath": f"metadata.annotations['{names.WEIGHTS_VERSION_ANNOTATION}']"}}}
     assert policy.GROUP == names.GROUP and names.WEIGHTS_VERSION_ANNOTATION.startswith(names.GROUP + "/")
+
+
+# Paths other servers serve, which only share a name with a control API route.
+OTHER_SERVERS = {
+    ("operator/kvtier_operator/metrics.py", "/metrics"),  # the operator's own Prometheus endpoint
+    ("testenv/kvtier_testenv/controlplane.py", "/readyz"),  # kube-apiserver's
+    ("testenv/kvtier_testenv/vllm_serve.py", "/metrics"),  # vllm serve's
+}
+
+
+def _control_path(value: str) -> bool:
+    """A control API path, with or without a query, or anything under /cache/."""
+    return value.startswith(control_api.PROTECTED_PREFIX) or any(
+        value == r.path or value.startswith(r.path + "?") for r in control_api.ROUTES)
+
+
+def test_control_api_paths_are_spelled_in_the_route_table_only():
+    bad = [f"{rel}:{node.lineno} {node.value!r}" for rel, tree in _sources() if rel != "kvtier/control_api.py"
+           for node in _strings(tree) if _control_path(node.value) and (rel, node.value) not in OTHER_SERVERS]
+    assert not bad, "build the URL from kvtier.control_api.ROUTES (STATS.url(...), HEALTHZ.path):\n" + "\n".join(bad)
+
+
+def test_the_route_guard_sees_a_path_spelled_out():
+    tree = ast.parse('get("/cache/stats?tenant=" + t); post(f"{base}/cache/warm"); probe("/healthz")')
+    assert {n.value for n in _strings(tree) if _control_path(n.value)} == {"/cache/stats?tenant=", "/cache/warm",
+                                                                           "/healthz"}
+
+
+def test_the_route_table_is_whole_and_the_sidecar_serves_exactly_it():
+    from kvtier_sidecar import http_api
+
+    routes = control_api.ROUTES
+    assert len({r.name for r in routes}) == len({(r.method, r.path) for r in routes}) == len(routes)
+    app = http_api.make_app(service=None)
+    served = {(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
+    assert served == {(r.method, r.path) for r in routes}
+    assert {r.path for r in routes if r.protected} == {"/cache/stats", "/cache/invalidate", "/cache/warm",
+                                                       "/cache/drain/done", "/cache/jobs"}
+    assert control_api.STATS.url("https://h:1", tenant="t/a") == "https://h:1/cache/stats?tenant=t%2Fa"
+    assert control_api.STATS.url(tenant=None) == "/cache/stats"
+
+
+def test_the_wire_cache_report_carries_every_figure_of_the_cache_snapshot():
+    """`CacheReport` is the wire's, `CacheStats` the core's: each figure of one is a
+    field of the other, so none is computed and dropped (nor invented)."""
+    assert list(control_api.CacheReport.model_fields) == [f.name for f in fields(CacheStats)]
+    assert not hasattr(control_api, "CacheStats")  # the internal snapshot is not on the wire
+
+
+def test_every_figure_the_sidecar_counts_has_a_field_in_the_stats_answer():
+    from kvtier_sidecar.metrics import TenantCounters
+
+    assert set(TenantCounters().as_dict()) <= set(control_api.TenantStats.model_fields)
+    with pytest.raises(ValueError, match="computed_and_dropped"):
+        control_api.TenantStats(**TenantCounters().as_dict(), computed_and_dropped=1)

@@ -147,7 +147,7 @@ def inject(
     patch_spec: dict[str, Any] = {"containers": new_containers, "volumes": volumes}
     if image.native:
         sidecar["restartPolicy"] = "Always"
-        sidecar["startupProbe"] = {"httpGet": {"path": "/healthz", "port": sidecar_cfg.http_port,
+        sidecar["startupProbe"] = {"httpGet": {"path": api.HEALTHZ.path, "port": sidecar_cfg.http_port,
                                                "scheme": "HTTPS" if image.tls else "HTTP"},
                                    **SIDECAR_STARTUP_PROBE}
         patch_spec["initContainers"] = [*init_containers, sidecar]
@@ -260,7 +260,7 @@ def _sidecar_container(
             {"name": "kvtier-http", "containerPort": cfg.http_port, "protocol": "TCP"},
             {"name": "kvtier-peer", "containerPort": cfg.peer_port, "protocol": "TCP"},
         ],
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": cfg.http_port,
+        "readinessProbe": {"httpGet": {"path": api.READYZ.path, "port": cfg.http_port,
                                        "scheme": "HTTPS" if image.tls else "HTTP"}, "periodSeconds": 5},
         "volumeMounts": [
             {"name": names.CONFIG_VOLUME, "mountPath": names.CONFIG_MOUNT_PATH, "readOnly": True},
