@@ -16,10 +16,10 @@ routes are `kvtier.control_api.ROUTES`, one handler registered for each:
     GET  /healthz, /readyz
 
 Bodies and answers are the pydantic models of `kvtier.control_api` (the operator's
-client reads the same ones), built as models and serialised here; anything malformed is a 4xx with a message saying what
-was wrong: a body that is not `application/json` is 415, one nested deeper than the
-parser goes is 400, a tenant outside `kvtier.tenants`' rule is
-400 (stats) or 422 (warm). Handlers are thin: the work is in `service.Sidecar`.
+client reads the same ones), built as models and serialised here; anything malformed
+is a 4xx with a message saying what was wrong: a body that is not `application/json`
+is 415, one nested deeper than the parser goes is 400, a tenant outside
+`kvtier.tenants`' rule is 400 (stats) or 422 (warm). Handlers are thin: the work is in `service.Sidecar`.
 
 The port serves HTTPS only (`control_tls`; main.py loads the certificate and reloads it
 when renewed), unless the config chose `control_tls.plain_http` explicitly.
