@@ -115,14 +115,14 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
         return _answer(await off_loop(service.stats, tenant))
 
     async def invalidate(request: web.Request) -> web.Response:
-        body = await _body(request, api.InvalidateRequest)
+        body = await _body(request, api.INVALIDATE.request)
         if isinstance(body, web.Response):
             return body
         job = service.invalidate_version(body.model_version)
         return _answer(api.InvalidateAccepted(model_version=body.model_version, job=job), api.INVALIDATE.status)
 
     async def warm(request: web.Request) -> web.Response:
-        body = await _body(request, api.WarmRequest)
+        body = await _body(request, api.WARM.request)
         if isinstance(body, web.Response):
             return body
         try:
