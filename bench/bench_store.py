@@ -26,6 +26,7 @@ import numpy as np
 
 from bench.bench_sidecar import BLOCK_BYTES, _Oracle, _root
 from bench.common import Result, best_of, machine
+from kvtier import control_api
 
 # A store is one copy of the bytes plus two round trips and the proof.
 STORE_VS_MEMCPY = 0.7
@@ -97,7 +98,7 @@ def run(quick: bool = False) -> list[Result]:
             hit = client.lookup(root, tokens)
             assert hit and len(hit.blocks) == n_blocks, "the store was not published whole"
             client.release(hit)
-            status, body = sc.post("/cache/invalidate", {"model_version": SHAPE["weights_version"]})
+            status, body = sc.post(control_api.INVALIDATE.path, {"model_version": SHAPE["weights_version"]})
             assert status == 202, body
             _until(lambda: sc.stats()["cache"]["blocks_used"] == 0)
         client.close()

@@ -1,24 +1,33 @@
 """The sidecar's HTTP control API as types: what the sidecar serves and the operator
-reads, defined once so the two cannot drift apart.
+reads, defined once so the two cannot drift apart. `ROUTES` is the one table of it (the
+sidecar registers its handlers from it; the operator, testenv and the demos build their
+URLs from it; no path is spelled anywhere else):
 
     GET  /cache/stats?tenant=T   -> TenantStats (a tenant) | SidecarStats (no tenant)
     POST /cache/invalidate       InvalidateRequest -> 202 InvalidateAccepted
     POST /cache/warm             WarmRequest       -> 202 WarmAccepted (409 ErrorBody: peer tier off)
     POST /cache/drain/done       -> 202 DrainDone (409 ErrorBody: not draining)
     GET  /cache/jobs             -> Jobs: {job id: Job}
+    GET  /metrics                -> Prometheus text
+    GET  /healthz                -> Health
+    GET  /readyz                 -> Readiness (503 when not ready)
     any 4xx/5xx                  -> ErrorBody
 
-Requests are strict (an unknown field is a 422 naming it). Answers ignore fields they do
-not know: during an upgrade an older operator reads a newer sidecar's stats.
+Requests are strict (an unknown field is a 422 naming it). Answers are built strictly
+and read tolerantly: the constructor refuses a field the model lacks (so nothing the
+sidecar computes is dropped on the way out), `model_validate` ignores one (during an
+upgrade an older operator reads a newer sidecar's stats).
 """
 from __future__ import annotations
 
+import urllib.parse
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal, NewType
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictInt, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, RootModel, StrictInt, ValidationInfo, field_validator,
+                      model_validator)
 
-from kvtier.cache import CacheStats
 from kvtier.peer_address import parse_peer
 from kvtier.sidecar_config import DEFAULT_CONTROL_AUDIENCE
 from kvtier.tenants import TenantName
@@ -46,8 +55,42 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class _Answer(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# Validation context of an answer being read (`model_validate`): fields this version
+# does not know are left out, in nested answers too.
+_READING = {"control_api": "read"}
+
+
+def _reading(info: ValidationInfo) -> bool:
+    return isinstance(info.context, dict) and info.context.get("control_api") == _READING["control_api"]
+
+
+class _ReadTolerantly:
+    """`model_validate`/`model_validate_json` read in the `_READING` context unless
+    given another."""
+
+    @classmethod
+    def model_validate(cls, obj: Any, *, context: Any = None, **kw: Any):
+        return super().model_validate(obj, context=_READING if context is None else context, **kw)  # type: ignore[misc]
+
+    @classmethod
+    def model_validate_json(cls, json_data: Any, *, context: Any = None, **kw: Any):
+        return super().model_validate_json(  # type: ignore[misc]
+            json_data, context=_READING if context is None else context, **kw)
+
+
+class _Answer(_ReadTolerantly, BaseModel):
+    """An answer: `Answer(**fields)` refuses a field the model lacks (the sender's side:
+    nothing computed is dropped), `Answer.model_validate(data)` ignores one (the
+    reader's: a newer sender)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_when_reading(cls, data: Any, info: ValidationInfo) -> Any:
+        if _reading(info) and isinstance(data, dict):
+            return {k: v for k, v in data.items() if k in cls.model_fields}
+        return data
 
 
 class InvalidateRequest(_Request):
@@ -124,7 +167,46 @@ class Job(_Answer):
     asks: int = 0  # how many requests named this job (a remembered ref counts again)
 
 
-Jobs = RootModel[dict[JobId, Job]]
+class Jobs(_ReadTolerantly, RootModel[dict[JobId, Job]]):
+    """`GET /cache/jobs`: every job kept, by id."""
+
+
+class CacheReport(_Answer):
+    """The core cache's figures on the wire (`kvtier.cache.CacheStats`, the internal
+    snapshot, may change without changing this). Every field is required: the sidecar
+    builds it from the snapshot, and a figure either side lacks is an error there."""
+
+    tenant: str | None
+    lookups: int
+    hits: int
+    misses: int
+    hit_rate: float
+    prompt_tokens: int
+    matched_tokens: int
+    token_hit_rate: float
+    stored_blocks: int
+    blocks_used: int
+    bytes_used: int
+    capacity_bytes: int
+    evictions: int
+    tier_hits: dict[str, int]
+    pinned_bytes: int
+    admission_bar: int
+    min_sightings: int
+    admission_admits: int
+    admission_rejects: int
+    window_blocks: int
+    window_target_blocks: int
+    main_blocks: int
+    thrashing: bool
+    thrash_events: int
+    queue_depth: int
+    queue_capacity: int
+    queue_drops: int
+    stores_enqueued: int
+    stores_applied: int
+    invalidated_blocks: int
+    reserved_blocks: int
 
 
 class TenantStats(_Answer):
@@ -144,7 +226,8 @@ class TenantStats(_Answer):
     stores_declined: int = 0
     stores_cached: int = 0
     warmed_bytes: int = 0
-    cache: CacheStats | None = None
+    served_bytes_by_tier: dict[str, int] = Field(default_factory=dict)
+    cache: CacheReport | None = None
 
 
 class TenantSummary(_Answer):
@@ -222,6 +305,56 @@ class SidecarStats(TenantStats):
     nvme: NvmeReport | None = None
 
 
+class Health(_Answer):
+    ok: Literal[True] = True
+
+
+class Readiness(_Answer):
+    ready: bool
+    detail: str
+
+
 def dump(answer: BaseModel) -> dict[str, Any]:
     """An answer as the JSON object the API sends."""
     return answer.model_dump(mode="json")
+
+
+# -- the route table --------------------------------------------------------------------
+
+# Under this prefix every path needs the operator's token (unknown ones too: a 401
+# before a 404); /metrics does when the config protects it; the probes never do.
+PROTECTED_PREFIX = "/cache/"
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One endpoint: `request` the body model (None: no body read), `response` the
+    answer on `status` (None: not JSON: /metrics is Prometheus text)."""
+
+    name: str
+    method: Literal["GET", "POST"]
+    path: str
+    request: type[BaseModel] | None
+    response: type[BaseModel] | None
+    status: int = 200
+
+    @property
+    def protected(self) -> bool:
+        return self.path.startswith(PROTECTED_PREFIX)
+
+    def url(self, base: str = "", **query: str | None) -> str:
+        """`base` + the path, with the query parameters that are not None."""
+        given = {k: v for k, v in query.items() if v is not None}
+        return base + self.path + (f"?{urllib.parse.urlencode(given)}" if given else "")
+
+
+STATS = Route("stats", "GET", "/cache/stats", None, SidecarStats)  # ?tenant=T: TenantStats
+INVALIDATE = Route("invalidate", "POST", "/cache/invalidate", InvalidateRequest, InvalidateAccepted, 202)
+WARM = Route("warm", "POST", "/cache/warm", WarmRequest, WarmAccepted, 202)
+DRAIN_DONE = Route("drain_done", "POST", "/cache/drain/done", None, DrainDone, 202)
+JOBS = Route("jobs", "GET", "/cache/jobs", None, Jobs)
+METRICS = Route("metrics", "GET", "/metrics", None, None)
+HEALTHZ = Route("healthz", "GET", "/healthz", None, Health)
+READYZ = Route("readyz", "GET", "/readyz", None, Readiness)
+
+ROUTES: tuple[Route, ...] = (STATS, INVALIDATE, WARM, DRAIN_DONE, JOBS, METRICS, HEALTHZ, READYZ)

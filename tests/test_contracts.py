@@ -1,19 +1,23 @@
 """Every contract that crosses a process boundary has one definition (docs/ARCHITECTURE.md
 "Where each contract lives"): the key root and the model identity (`kvtier.keys`), the
 KV dtypes and bytes per token (`kvtier.dtypes`, `kvtier.presets.ModelShape`), the pod's
-annotation and env names (`kvtier.names`). Each test reads the sources the way the
-layering linter does, and fails naming the file and line that spells a contract again."""
+annotation and env names (`kvtier.names`), the control API's routes and answers
+(`kvtier.control_api`), the operator's flags and env (`kvtier_operator.options`). Each
+test reads the sources the way the layering linter does, or the model the others are
+generated from, and fails naming what spells a contract again."""
 from __future__ import annotations
 
 import ast
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from dataclasses import fields
 from typing import get_args
 
 import pytest
 
-from kvtier import breakeven, engine, layout, names, policy, presets
+from kvtier import breakeven, control_api, engine, layout, names, policy, presets
+from kvtier.cache import CacheStats
 from kvtier.dtypes import DEFAULT_KV_DTYPE, KvDtype
 from kvtier.identity import ModelIdentity, WireRoot
 from kvtier.keys import KEY_ROOT_FIELDS, KeyRoot
@@ -204,3 +208,139 @@ def test_the_operator_and_the_pod_read_the_same_names():
     assert names.weights_version_env() == {"name": names.WEIGHTS_VERSION_ENV, "valueFrom": {"fieldRef": {
         "fieldPath": f"metadata.annotations['{names.WEIGHTS_VERSION_ANNOTATION}']"}}}
     assert policy.GROUP == names.GROUP and names.WEIGHTS_VERSION_ANNOTATION.startswith(names.GROUP + "/")
+
+
+# Paths other servers serve, which only share a name with a control API route.
+OTHER_SERVERS = {
+    ("operator/kvtier_operator/metrics.py", "/metrics"),  # the operator's own Prometheus endpoint
+    ("testenv/kvtier_testenv/controlplane.py", "/readyz"),  # kube-apiserver's
+    ("testenv/kvtier_testenv/vllm_serve.py", "/metrics"),  # vllm serve's
+}
+
+
+def _control_path(value: str) -> bool:
+    """A control API path, with or without a query, or anything under /cache/."""
+    return value.startswith(control_api.PROTECTED_PREFIX) or any(
+        value == r.path or value.startswith(r.path + "?") for r in control_api.ROUTES)
+
+
+def test_control_api_paths_are_spelled_in_the_route_table_only():
+    bad = [f"{rel}:{node.lineno} {node.value!r}" for rel, tree in _sources() if rel != "kvtier/control_api.py"
+           for node in _strings(tree) if _control_path(node.value) and (rel, node.value) not in OTHER_SERVERS]
+    assert not bad, "build the URL from kvtier.control_api.ROUTES (STATS.url(...), HEALTHZ.path):\n" + "\n".join(bad)
+
+
+def test_the_route_guard_sees_a_path_spelled_out():
+    tree = ast.parse('get("/cache/stats?tenant=" + t); post(f"{base}/cache/warm"); probe("/healthz")')
+    assert {n.value for n in _strings(tree) if _control_path(n.value)} == {"/cache/stats?tenant=", "/cache/warm",
+                                                                           "/healthz"}
+
+
+def test_the_route_table_is_whole_and_the_sidecar_serves_exactly_it():
+    from kvtier_sidecar import http_api
+
+    routes = control_api.ROUTES
+    assert len({r.name for r in routes}) == len({(r.method, r.path) for r in routes}) == len(routes)
+    app = http_api.make_app(service=None)
+    served = {(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
+    assert served == {(r.method, r.path) for r in routes}
+    assert {r.path for r in routes if r.protected} == {"/cache/stats", "/cache/invalidate", "/cache/warm",
+                                                       "/cache/drain/done", "/cache/jobs"}
+    assert control_api.STATS.url("https://h:1", tenant="t/a") == "https://h:1/cache/stats?tenant=t%2Fa"
+    assert control_api.STATS.url(tenant=None) == "/cache/stats"
+
+
+def test_the_wire_cache_report_carries_every_figure_of_the_cache_snapshot():
+    """`CacheReport` is the wire's, `CacheStats` the core's: each figure of one is a
+    field of the other, so none is computed and dropped (nor invented)."""
+    assert list(control_api.CacheReport.model_fields) == [f.name for f in fields(CacheStats)]
+    assert not hasattr(control_api, "CacheStats")  # the internal snapshot is not on the wire
+
+
+def test_every_figure_the_sidecar_counts_has_a_field_in_the_stats_answer():
+    from kvtier_sidecar.metrics import TenantCounters
+
+    assert set(TenantCounters().as_dict()) <= set(control_api.TenantStats.model_fields)
+    with pytest.raises(ValueError, match="computed_and_dropped"):
+        control_api.TenantStats(**TenantCounters().as_dict(), computed_and_dropped=1)
+
+
+# The operator's flags and env names as the chart, operator/deploy/ and the tests pass
+# them: each must keep working.
+OPERATOR_FLAGS = {
+    "--sidecar-image", "--native-sidecars", "--webhook-host", "--webhook-port", "--webhook-cert", "--webhook-key",
+    "--warms-per-target", "--sidecar-auth", "--sidecar-auth-user", "--sidecar-protect-metrics",
+    "--sidecar-metrics-user", "--sidecar-token-file", "--sidecar-token-service-account", "--sidecar-plain-http",
+    "--control-ca-secret", "--network-policies", "--operator-namespace", "--operator-pod-labels",
+    "--monitoring-namespace", "--close-serving-ports", "--metrics-port", "--metrics-host"}
+OPERATOR_ENV = {"KVTIER_OPERATOR_" + n for n in (
+    "SIDECAR_IMAGE", "WEBHOOK_HOST", "WEBHOOK_PORT", "WEBHOOK_CERT", "WEBHOOK_KEY", "RESYNC_INTERVAL_S", "DEBOUNCE_S",
+    "WARMS_PER_TARGET", "SIDECAR_AUTH", "SIDECAR_AUTH_USERS", "SIDECAR_PROTECT_METRICS", "SIDECAR_METRICS_USERS",
+    "SIDECAR_TOKEN_FILE", "SIDECAR_TOKEN_SERVICE_ACCOUNT", "SIDECAR_TLS", "CONTROL_CA_SECRET", "NETWORK_POLICIES",
+    "OPERATOR_NAMESPACE", "OPERATOR_POD_LABELS", "MONITORING_NAMESPACE", "SERVING_PORTS_OPEN", "METRICS_HOST",
+    "METRICS_PORT", "NATIVE_SIDECARS")}
+
+
+def _options_unlike_the_defaults():
+    from kvtier_operator.options import OperatorOptions
+
+    options = OperatorOptions(
+        sidecar_image="registry.example/kvtier:x", native_sidecars="auto", webhook_host="10.0.0.1", webhook_port=1,
+        webhook_cert="/c.pem", webhook_key="/k.pem", resync_interval_s=1.5, debounce_s=0.05, warms_per_target=3,
+        metrics_host="10.0.0.2", metrics_port=9, sidecar_auth="open", sidecar_auth_users=["a:b", "c"],
+        sidecar_protect_metrics=True, sidecar_metrics_users=["m"], sidecar_token_file="/t",
+        sidecar_token_service_account="ns/sa", sidecar_tls=False, control_ca_secret="ca", network_policies=True,
+        operator_namespace="ns", operator_pod_labels={"a": "1", "b.io/c": "2"}, monitoring_namespace="mon",
+        serving_ports_open=False)
+    same = [n for n, f in OperatorOptions.model_fields.items() if getattr(options, n) == f.get_default(
+        call_default_factory=True)]
+    assert not same, f"give these a value unlike the default here: {same}"
+    return options
+
+
+def test_every_operator_setting_has_one_flag_and_one_env_name_generated_from_the_model():
+    from kvtier_operator.main import _parser
+    from kvtier_operator.options import OperatorOptions
+
+    parser = _parser()
+    by_dest = {a.dest: a.option_strings for a in parser._actions}
+    for name in OperatorOptions.model_fields:
+        assert by_dest.get(name) == [OperatorOptions.flag_name(name)], name
+        assert OperatorOptions.model_fields[name].description, f"{name}: its flag's help is the description"
+    options = _options_unlike_the_defaults()
+    assert set(options.to_env()) == {OperatorOptions.env_name(n) for n in OperatorOptions.model_fields} == OPERATOR_ENV
+    assert OPERATOR_FLAGS <= {OperatorOptions.flag_name(n) for n in OperatorOptions.model_fields}
+
+
+def test_the_flags_and_the_env_read_back_as_the_model():
+    from kvtier_operator.main import _parser
+    from kvtier_operator.options import OperatorOptions
+
+    parser = _parser()
+    for options in (_options_unlike_the_defaults(), OperatorOptions()):
+        assert OperatorOptions.from_args(parser.parse_args(options.to_argv())) == options
+        assert OperatorOptions.from_env(options.to_env()) == options
+    assert OperatorOptions.from_args(parser.parse_args([])) == OperatorOptions() == OperatorOptions.from_env({})
+    given = parser.parse_args(["--sidecar-auth-user=a", "--sidecar-auth-user=b", "--close-serving-ports",
+                               "--operator-pod-labels=x=1,y=2", "--sidecar-plain-http"])
+    read = OperatorOptions.from_args(given)
+    assert (read.sidecar_auth_users, read.serving_ports_open, read.sidecar_tls) == (["a", "b"], False, False)
+    assert read.operator_pod_labels == {"x": "1", "y": "2"}
+    assert OperatorOptions.from_env({"KVTIER_OPERATOR_SIDECAR_AUTH_USERS": "a,b"}).sidecar_auth_users == ["a", "b"]
+    with pytest.raises(ValueError, match="sidecar_auth"):
+        OperatorOptions.from_env({"KVTIER_OPERATOR_SIDECAR_AUTH": "none"})
+
+
+def test_the_deployed_operators_flags_parse_as_settings():
+    import yaml
+
+    from kvtier_operator.main import _parser
+    from kvtier_operator.options import OperatorOptions
+
+    docs = list(yaml.safe_load_all((ROOT / "operator" / "deploy" / "operator.yaml").read_text()))
+    deploy = next(d for d in docs if d and d["kind"] == "Deployment")
+    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    options = OperatorOptions.from_args(_parser().parse_args(args))
+    assert options.sidecar_auth_users == ["system:serviceaccount:kvtier-system:kvtier-operator"]
+    assert options.operator_pod_labels == {"app.kubernetes.io/name": "kvtier-operator",
+                                           "app.kubernetes.io/instance": "kvtier"}

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier import control_api
 from kvtier.control_api import pod_audience
 from kvtier.names import WEIGHTS_VERSION_ANNOTATION
 from kvtier.policy import API_VERSION, ModelSpec
@@ -360,7 +361,7 @@ class ClusterDemo:
                                self.control_ca_file.read_bytes())
 
     def sidecar_stats(self, pod: str, ip: str, tenant: str | None = None) -> dict[str, Any]:
-        path = "/cache/stats" + (f"?tenant={tenant}" if tenant else "")
+        path = control_api.STATS.url(tenant=tenant or None)
         return self.sidecar_control(ip).get_json(path, headers={"Authorization": f"Bearer {self.control_token(pod)}"})
 
     # -- rollouts --

@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
-from kvtier import names
+from kvtier import control_api, names
 from kvtier.policy import API_VERSION
 from kvtier_app.demo_cluster import (
     APP_LABEL,
@@ -117,7 +117,7 @@ def _complete(ip: str, prompt: list[int], salt: str) -> tuple[list[int], int]:
 
 
 def _hit_tokens(demo: ClusterDemo, ip: str) -> float:
-    status, raw = demo.sidecar_control(ip).get("/metrics")
+    status, raw = demo.sidecar_control(ip).get(control_api.METRICS.path)
     if status != 200:
         raise DemoFailed(f"sidecar {ip} /metrics answered {status}")
     text = raw.decode()

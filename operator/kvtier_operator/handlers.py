@@ -266,10 +266,7 @@ async def inject_sidecar(
     try:
         chosen_spec = sidecar_render.carried_out(spec)
         result = injection.inject(dict(body), chosen, chosen_spec, injection.SidecarImage(
-            image=options.sidecar_image, auth_mode=options.sidecar_auth, auth_users=options.sidecar_auth_users,
-            protect_metrics=options.sidecar_protect_metrics, metrics_users=options.sidecar_metrics_users,
-            pod_audience=bool(options.sidecar_token_service_account), tls=options.sidecar_tls,
-            native=memo.get("native_sidecars", False)))
+            options, native=memo.get("native_sidecars", False)))
     except sidecar_render.BrokenPolicy as exc:
         # The owner's mistake is never the pod's: admit it without the sidecar, say why on
         # the pod, and let the policy's status name it (membership's SidecarsInjected).

@@ -47,7 +47,7 @@ are private to it). `kvtier-nvme` is a hostPath volume, which `restricted` (and
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from kvtier import control_api as api
@@ -56,6 +56,7 @@ from kvtier.sidecar_config import DEFAULT_DRAIN_TIMEOUT_S, SERVICE_ACCOUNT_DIR, 
 
 from kvtier_operator import arena_memory, conflicts, names
 from kvtier_operator.engine_env import with_engine_env
+from kvtier_operator.options import OperatorOptions
 
 # Memory-backed volume headroom over the arena: the allocator's and Python's own pages.
 SHM_HEADROOM_BYTES = 64 << 20
@@ -68,24 +69,24 @@ SIDECAR_SHUTDOWN_HEADROOM_S = 10
 
 @dataclass(frozen=True, slots=True)
 class SidecarImage:
-    """How to run the sidecar: the operator's flags, not the policy's business."""
+    """How to run the sidecar: the operator's settings (`options`: the image, who may
+    call the control API, TLS), not the policy's business. `image` and `tls`, when
+    given, replace the options' `sidecar_image` and `sidecar_tls`."""
 
-    image: str = "ghcr.io/kvtier/kvtier:0.1.0"
-    command: tuple[str, ...] = ("kvtier-sidecar",)
-    pull_policy: str = "IfNotPresent"
-    resources: dict[str, Any] = field(default_factory=dict)
-    # Who may call the sidecar's control API (the operator's identity, checked by TokenReview).
-    auth_mode: str = "tokenreview"
-    auth_users: str = ""
-    protect_metrics: bool = False
-    metrics_users: str = ""
-    # The operator mints a token per pod: the sidecar accepts its pod's own audience only.
-    pod_audience: bool = False
-    # The control API over TLS (the policy's certificate Secret mounted); False: plain HTTP.
-    tls: bool = True
+    options: OperatorOptions = field(default_factory=OperatorOptions)
     # A native sidecar (an init container with restartPolicy Always): what the API
     # server's version allows (`supports_native_sidecars`).
     native: bool = False
+    command: tuple[str, ...] = ("kvtier-sidecar",)
+    pull_policy: str = "IfNotPresent"
+    resources: dict[str, Any] = field(default_factory=dict)
+    image: InitVar[str | None] = None
+    tls: InitVar[bool | None] = None
+
+    def __post_init__(self, image: str | None, tls: bool | None) -> None:
+        given = {k: v for k, v in (("sidecar_image", image), ("sidecar_tls", tls)) if v is not None}
+        if given:
+            object.__setattr__(self, "options", self.options.model_copy(update=given))
 
 
 # Sidecar containers (restartable init containers) are on by default from 1.29.
@@ -147,8 +148,8 @@ def inject(
     patch_spec: dict[str, Any] = {"containers": new_containers, "volumes": volumes}
     if image.native:
         sidecar["restartPolicy"] = "Always"
-        sidecar["startupProbe"] = {"httpGet": {"path": "/healthz", "port": sidecar_cfg.http_port,
-                                               "scheme": "HTTPS" if image.tls else "HTTP"},
+        sidecar["startupProbe"] = {"httpGet": {"path": api.HEALTHZ.path, "port": sidecar_cfg.http_port,
+                                               "scheme": "HTTPS" if image.options.sidecar_tls else "HTTP"},
                                    **SIDECAR_STARTUP_PROBE}
         patch_spec["initContainers"] = [*init_containers, sidecar]
     else:
@@ -190,7 +191,7 @@ def _with_shared_mounts(container: dict[str, Any]) -> dict[str, Any]:
 def _volumes(policy_name: str, spec: policy.KVCachePolicySpec, image: SidecarImage) -> list[dict[str, Any]]:
     arena_bytes = policy.parse_quantity_bytes(spec.tiers.dram.capacity)
     tls = [{"name": names.CONTROL_TLS_VOLUME, "secret": {"secretName": names.control_tls_secret(policy_name)}}]
-    return tls * image.tls + [
+    return tls * image.options.sidecar_tls + [
         {"name": names.CONFIG_VOLUME, "configMap": {"name": names.sidecar_config_map(policy_name)}},
         {"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(arena_bytes + SHM_HEADROOM_BYTES)}},
         {"name": names.RUN_VOLUME, "emptyDir": {}},
@@ -231,17 +232,21 @@ def _env(spec: policy.KVCachePolicySpec) -> list[dict[str, Any]]:
 def _auth_env(image: SidecarImage) -> list[dict[str, Any]]:
     """The operator's identity travels with the pod, not the policy's ConfigMap: it is
     the operator's deployment that decides who the operator is."""
-    env = [{"name": names.CONTROL_AUTH_MODE_ENV, "value": image.auth_mode}]
-    if image.auth_mode == "tokenreview":
+    options = image.options
+    env = [{"name": names.CONTROL_AUTH_MODE_ENV, "value": options.sidecar_auth}]
+    if options.sidecar_auth == "tokenreview":
         # The pod's own ServiceAccount token calls TokenReview (named here, so a runtime
         # that maps mount paths sees them too).
-        env += [{"name": names.CONTROL_AUTH_USERS_ENV, "value": image.auth_users},
+        env += [{"name": names.CONTROL_AUTH_USERS_ENV, "value": ",".join(options.sidecar_auth_users)},
                 {"name": names.CONTROL_AUTH_TOKEN_FILE_ENV, "value": f"{SERVICE_ACCOUNT_DIR}/token"},
                 {"name": names.CONTROL_AUTH_CA_FILE_ENV, "value": f"{SERVICE_ACCOUNT_DIR}/ca.crt"},
-                {"name": names.CONTROL_AUTH_PROTECT_METRICS_ENV, "value": str(image.protect_metrics).lower()}]
-        if image.metrics_users:
-            env.append({"name": names.CONTROL_AUTH_METRICS_USERS_ENV, "value": image.metrics_users})
-        if image.pod_audience:  # POD_NAMESPACE and POD_NAME come first in the env: $(...) expands them
+                {"name": names.CONTROL_AUTH_PROTECT_METRICS_ENV,
+                 "value": str(options.sidecar_protect_metrics).lower()}]
+        if options.sidecar_metrics_users:
+            env.append({"name": names.CONTROL_AUTH_METRICS_USERS_ENV, "value": ",".join(options.sidecar_metrics_users)})
+        # The operator mints a token per pod: the sidecar accepts its pod's own audience only.
+        # POD_NAMESPACE and POD_NAME come first in the env: $(...) expands them.
+        if options.sidecar_token_service_account:
             env.append({"name": names.CONTROL_AUTH_AUDIENCE_ENV,
                         "value": api.pod_audience("$(POD_NAMESPACE)", "$(POD_NAME)")})
     return env
@@ -252,7 +257,7 @@ def _sidecar_container(
 ) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": names.SIDECAR_CONTAINER,
-        "image": image.image,
+        "image": image.options.sidecar_image,
         "imagePullPolicy": image.pull_policy,
         "command": [*image.command, "--config", f"{names.CONFIG_MOUNT_PATH}/{names.CONFIG_KEY}"],
         "env": _env(spec) + _auth_env(image),
@@ -260,8 +265,8 @@ def _sidecar_container(
             {"name": "kvtier-http", "containerPort": cfg.http_port, "protocol": "TCP"},
             {"name": "kvtier-peer", "containerPort": cfg.peer_port, "protocol": "TCP"},
         ],
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": cfg.http_port,
-                                       "scheme": "HTTPS" if image.tls else "HTTP"}, "periodSeconds": 5},
+        "readinessProbe": {"httpGet": {"path": api.READYZ.path, "port": cfg.http_port,
+                                       "scheme": "HTTPS" if image.options.sidecar_tls else "HTTP"}, "periodSeconds": 5},
         "volumeMounts": [
             {"name": names.CONFIG_VOLUME, "mountPath": names.CONFIG_MOUNT_PATH, "readOnly": True},
             {"name": names.SHM_VOLUME, "mountPath": names.SHM_MOUNT_PATH},
@@ -274,7 +279,7 @@ def _sidecar_container(
                                           "readOnly": True})
         container["env"].append({"name": names.PEER_SECRET_FILE_ENV,
                                  "value": f"{names.PEER_SECRET_MOUNT_PATH}/{names.PEER_SECRET_KEY}"})
-    if image.tls:
+    if image.options.sidecar_tls:
         container["volumeMounts"].append({"name": names.CONTROL_TLS_VOLUME, "mountPath": names.CONTROL_TLS_MOUNT_PATH,
                                           "readOnly": True})
         container["env"] += [{"name": names.CONTROL_TLS_CERT_FILE_ENV, "value": f"{names.CONTROL_TLS_MOUNT_PATH}/tls.crt"},

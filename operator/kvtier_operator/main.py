@@ -3,7 +3,10 @@
     kvtier-operator [--namespace NS ...] [--sidecar-image IMG]
                     [--webhook-host HOST --webhook-port PORT (--webhook-cert F --webhook-key F
                      | --webhook-self-signed DIR)] [--warms-per-target N] [--liveness URL]
-                    [--service-account-dir DIR] [--verbose]
+                    [--service-account-dir DIR] [--verbose] [one flag per setting ...]
+
+The settings' flags (and the env they travel in to the kopf handlers) are generated
+from `options.OperatorOptions`: `kvtier-operator --help` lists them.
 
 Without --namespace it watches all namespaces. Without --webhook-host it serves no
 admission webhook (sidecar injection off). One replica only (Recreate): the operator
@@ -23,108 +26,60 @@ import os
 import sys
 from pathlib import Path
 
-from kvtier_operator.options import OperatorOptions
+from pydantic import ValidationError
 
-# Flag defaults from an instance: on a slots dataclass the class attribute is a
-# member descriptor, not the default value.
-_DEFAULTS = OperatorOptions()
+from kvtier_operator.options import OperatorOptions
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The run's own flags, then one per setting (`OperatorOptions.add_flags`)."""
     p = argparse.ArgumentParser(prog="kvtier-operator", description=__doc__.split("\n\n")[0])
     p.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable)")
-    p.add_argument("--sidecar-image", default=_DEFAULTS.sidecar_image, help="image of the injected sidecar")
-    p.add_argument("--native-sidecars", choices=("auto", "never"), default=_DEFAULTS.native_sidecars,
-                   help="auto: inject a native sidecar (init container, restartPolicy Always) where the "
-                        "API server is >= 1.29; never: a plain container")
-    p.add_argument("--webhook-host", help="address the webhook listens on and the apiserver reaches it by")
-    p.add_argument("--webhook-port", type=int, default=_DEFAULTS.webhook_port)
-    p.add_argument("--webhook-cert", help="PEM serving certificate (e.g. mounted from a Secret)")
-    p.add_argument("--webhook-key", help="PEM private key of --webhook-cert")
     p.add_argument("--webhook-self-signed", type=Path, metavar="DIR",
                    help="make a self-signed certificate in DIR (its cert.pem is the webhook's caBundle)")
-    p.add_argument("--warms-per-target", type=int, default=_DEFAULTS.warms_per_target,
-                   help="warm-ups in flight per new home when tenants move")
-    p.add_argument("--sidecar-auth", choices=("tokenreview", "open"), default=_DEFAULTS.sidecar_auth,
-                   help="the injected sidecars' control API: TokenReview-checked (default) or open")
-    p.add_argument("--sidecar-auth-user", action="append", default=[],
-                   help="identity the sidecars accept (repeatable), e.g. system:serviceaccount:NS:NAME")
-    p.add_argument("--sidecar-protect-metrics", action="store_true",
-                   help="the sidecars' /metrics needs the operator's token too")
-    p.add_argument("--sidecar-metrics-user", action="append", default=[],
-                   help="identity allowed the sidecars' protected /metrics only (repeatable)")
-    p.add_argument("--sidecar-token-file",
-                   help="this operator's projected ServiceAccount token for the sidecars' shared audience")
-    p.add_argument("--sidecar-token-service-account", default="", metavar="NAMESPACE/NAME",
-                   help="this operator's ServiceAccount: mint a short-lived token per sidecar for that pod's "
-                        "own audience (preferred to --sidecar-token-file)")
-    p.add_argument("--sidecar-plain-http", action="store_true",
-                   help="sidecars serve their control API without TLS and get no token (a loopback lab only; "
-                        "default: HTTPS with certificates from this operator's CA)")
-    p.add_argument("--control-ca-secret", default=_DEFAULTS.control_ca_secret, metavar="NAME",
-                   help="the Secret in --operator-namespace holding the control CA (made when absent)")
-    p.add_argument("--network-policies", action="store_true",
-                   help="write a NetworkPolicy per KVCachePolicy guarding the sidecars' ports")
-    p.add_argument("--operator-namespace", default="",
-                   help="this operator's namespace (its control CA Secret; the NetworkPolicy peer)")
-    p.add_argument("--operator-pod-labels", default="", help="k=v,k=v labels of this operator's pods")
-    p.add_argument("--monitoring-namespace", default="", help="namespace allowed to scrape sidecar metrics")
-    p.add_argument("--close-serving-ports", action="store_true",
-                   help="the per-policy NetworkPolicy leaves the pods' other ports to other policies")
     p.add_argument("--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--service-account-dir", type=Path, metavar="DIR",
                    help="in-cluster credentials (token, ca.crt, namespace) mounted here")
-    p.add_argument("--metrics-port", type=int, default=_DEFAULTS.metrics_port,
-                   help="serve the rollout metrics on this port (0: off)")
-    p.add_argument("--metrics-host", default=_DEFAULTS.metrics_host,
-                   help="address the metrics server listens on (e.g. the pod IP)")
     p.add_argument("--verbose", action="store_true")
+    OperatorOptions.add_flags(p)
     return p
+
+
+def _refusal(args: argparse.Namespace, options: OperatorOptions) -> str | None:
+    """What is wrong with the flags taken together; None when nothing is."""
+    if (options.webhook_cert is None) != (options.webhook_key is None):
+        return "--webhook-cert and --webhook-key go together"
+    if (options.webhook_cert or args.webhook_self_signed) and not options.webhook_host:
+        return "--webhook-host is required with a webhook certificate"
+    labels_given = hasattr(args, "operator_pod_labels") and options.operator_pod_labels
+    if options.network_policies and not (options.operator_namespace and labels_given):
+        return "--network-policies needs --operator-namespace and --operator-pod-labels"
+    if options.sidecar_tls and not options.operator_namespace:
+        return ("--operator-namespace is required: the sidecars' control CA Secret lives there "
+                "(or --sidecar-plain-http, a loopback lab only)")
+    if options.sidecar_token_service_account and options.sidecar_token_service_account.count("/") != 1:
+        return "--sidecar-token-service-account is NAMESPACE/NAME"
+    if options.warms_per_target < 1:
+        return "--warms-per-target must be at least 1"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if (args.webhook_cert is None) != (args.webhook_key is None):
-        print("kvtier-operator: --webhook-cert and --webhook-key go together", file=sys.stderr)
+    try:
+        options = OperatorOptions.from_args(args)
+    except ValidationError as exc:
+        print(f"kvtier-operator: {exc}", file=sys.stderr)
         return 2
-    if (args.webhook_cert or args.webhook_self_signed) and not args.webhook_host:
-        print("kvtier-operator: --webhook-host is required with a webhook certificate", file=sys.stderr)
+    refusal = _refusal(args, options)
+    if refusal:
+        print(f"kvtier-operator: {refusal}", file=sys.stderr)
         return 2
-    if args.network_policies and not (args.operator_namespace and args.operator_pod_labels):
-        print("kvtier-operator: --network-policies needs --operator-namespace and --operator-pod-labels",
-              file=sys.stderr)
-        return 2
-    if not args.sidecar_plain_http and not args.operator_namespace:
-        print("kvtier-operator: --operator-namespace is required: the sidecars' control CA Secret lives there "
-              "(or --sidecar-plain-http, a loopback lab only)", file=sys.stderr)
-        return 2
-    if args.sidecar_token_service_account.count("/") != 1:
-        if args.sidecar_token_service_account:
-            print("kvtier-operator: --sidecar-token-service-account is NAMESPACE/NAME", file=sys.stderr)
-            return 2
-    if args.warms_per_target < 1:
-        print("kvtier-operator: --warms-per-target must be at least 1", file=sys.stderr)
-        return 2
-    cert, key = args.webhook_cert, args.webhook_key
     if args.webhook_self_signed:
         from kvtier_operator import certs
 
-        made = certs.self_signed(args.webhook_self_signed, [args.webhook_host])
-        cert, key = str(made.cert), str(made.key)
-    options = OperatorOptions(
-        sidecar_image=args.sidecar_image, native_sidecars=args.native_sidecars,
-        webhook_host=args.webhook_host, webhook_port=args.webhook_port,
-        webhook_cert=cert, webhook_key=key, warms_per_target=args.warms_per_target, metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        sidecar_auth=args.sidecar_auth, sidecar_auth_users=",".join(args.sidecar_auth_user),
-        sidecar_token_file=args.sidecar_token_file, sidecar_protect_metrics=args.sidecar_protect_metrics,
-        sidecar_token_service_account=args.sidecar_token_service_account,
-        sidecar_metrics_users=",".join(args.sidecar_metrics_user),
-        sidecar_tls=not args.sidecar_plain_http, control_ca_secret=args.control_ca_secret,
-        network_policies=args.network_policies,
-        operator_namespace=args.operator_namespace, operator_pod_labels=args.operator_pod_labels,
-        monitoring_namespace=args.monitoring_namespace, serving_ports_open=not args.close_serving_ports,
-    )
+        made = certs.self_signed(args.webhook_self_signed, [options.webhook_host])
+        options = OperatorOptions.from_args(args, webhook_cert=str(made.cert), webhook_key=str(made.key))
     os.environ.update(options.to_env())
 
     import kopf

@@ -207,9 +207,9 @@ class SidecarClient:
             return await self._pod_tokens.headers(member)
         return self._token.headers()
 
-    async def _call(self, method: str, member: Member, path: str, timeout: aiohttp.ClientTimeout,
+    async def _call(self, route: api.Route, member: Member, timeout: aiohttp.ClientTimeout,
                     json_body: Any = None) -> aiohttp.ClientResponse:
-        """The request, to be used as `async with`; over TLS, verified for the member's
+        """The request for `route`, to be used as `async with`; over TLS, verified for the member's
         policy. NotReachable, aiohttp.ClientError (a certificate that does not verify is
         a ClientConnectorCertificateError) and timeouts are the caller's missing answer."""
         kwargs: dict[str, Any] = {"timeout": timeout, "headers": await self._auth(member)}
@@ -219,7 +219,8 @@ class SidecarClient:
             if not member.policy or not member.namespace:
                 raise NotReachable(f"{member.name} names no injecting policy: no certificate name to verify")
             kwargs.update(ssl=self.tls.context, server_hostname=control_tls.server_name(member.namespace, member.policy))
-        return self._session.request(method, f"{member.http_url(self.http_port, self.tls is not None)}{path}", **kwargs)
+        return self._session.request(route.method, route.url(member.http_url(self.http_port, self.tls is not None)),
+                                     **kwargs)
 
     async def close(self) -> None:
         await self._session.close()
@@ -236,8 +237,7 @@ class SidecarClient:
 
     async def _stats(self, member: Member) -> MemberStats | None:
         try:
-            async with await self._call("GET", member, "/cache/stats",
-                                        aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as resp:
+            async with await self._call(api.STATS, member, aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as resp:
                 if resp.status != 200:
                     log.info("no stats from %s: HTTP %s %s", member.name, resp.status, (await resp.text())[:200])
                     return None
@@ -258,8 +258,8 @@ class SidecarClient:
         that misses this exits when its drain goes idle or times out."""
         async def done(member: Member) -> None:
             try:
-                async with await self._call("POST", member, "/cache/drain/done",
-                                            aiohttp.ClientTimeout(total=STATS_TIMEOUT_S), {}) as resp:
+                async with await self._call(api.DRAIN_DONE, member, aiohttp.ClientTimeout(total=STATS_TIMEOUT_S),
+                                            {}) as resp:
                     log.info("released leaving pod %s: %s", member.name, resp.status)
             except (aiohttp.ClientError, asyncio.TimeoutError, NotReachable) as exc:
                 log.info("leaving pod %s not released: %s", member.name, exc)
@@ -306,14 +306,14 @@ class SidecarClient:
         try:
             while True:
                 remaining = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
-                async with await self._call("POST", target, "/cache/warm", remaining, api.dump(body)) as resp:
+                async with await self._call(api.WARM, target, remaining, api.dump(body)) as resp:
                     if resp.status in ASK_AGAIN_STATUSES:  # ask again when told, within the deadline
                         wait_s = _retry_after_s(resp.headers.get("Retry-After"))
                         if time.monotonic() + wait_s >= deadline:
                             return False
                         await asyncio.sleep(wait_s)
                         continue
-                    if resp.status != 202:
+                    if resp.status != api.WARM.status:
                         log.warning("warm %s on %s refused: %s %s", req.tenant, req.target, resp.status,
                                     await resp.text())
                         return False
@@ -328,7 +328,7 @@ class SidecarClient:
         """Warm-ups run in the background on the sidecar: wait for the job to finish."""
         while time.monotonic() < deadline:
             timeout = aiohttp.ClientTimeout(total=max(0.1, min(STATS_TIMEOUT_S, deadline - time.monotonic())))
-            async with await self._call("GET", target, "/cache/jobs", timeout) as resp:
+            async with await self._call(api.JOBS, target, timeout) as resp:
                 record = api.Jobs.model_validate(await resp.json()).root.get(job) if resp.status == 200 else None
             if record is not None and record.state == api.JobState.DONE:
                 return True

@@ -1,4 +1,5 @@
-"""The HTTP control API (aiohttp): stats, invalidation, warm-up, metrics, probes.
+"""The HTTP control API (aiohttp): stats, invalidation, warm-up, metrics, probes. Its
+routes are `kvtier.control_api.ROUTES`, one handler registered for each:
 
     GET  /cache/stats?tenant=T   per-tenant (or whole-cache) hit rates, tiers, bytes
     POST /cache/invalidate       {"model_version": V}            -> 202, dropped in background
@@ -15,10 +16,10 @@
     GET  /healthz, /readyz
 
 Bodies and answers are the pydantic models of `kvtier.control_api` (the operator's
-client reads the same ones); anything malformed is a 4xx with a message saying what
-was wrong: a body that is not `application/json` is 415, one nested deeper than the
-parser goes is 400, a tenant outside `kvtier.tenants`' rule is
-400 (stats) or 422 (warm). Handlers are thin: the work is in `service.Sidecar`.
+client reads the same ones), built as models and serialised here; anything malformed
+is a 4xx with a message saying what was wrong: a body that is not `application/json`
+is 415, one nested deeper than the parser goes is 400, a tenant outside
+`kvtier.tenants`' rule is 400 (stats) or 422 (warm). Handlers are thin: the work is in `service.Sidecar`.
 
 The port serves HTTPS only (`control_tls`; main.py loads the certificate and reloads it
 when renewed), unless the config chose `control_tls.plain_http` explicitly.
@@ -50,8 +51,12 @@ MAX_BODY_BYTES = 64 << 10
 JSON_TYPE = "application/json"
 
 
+def _answer(answer: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(api.dump(answer), status=status, headers=headers)
+
+
 def _bad(message: str, status: int = 400) -> web.Response:
-    return web.json_response(api.dump(api.ErrorBody(error=message)), status=status)
+    return _answer(api.ErrorBody(error=message), status)
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel | web.Response:
@@ -78,7 +83,6 @@ async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel | web
         return _bad(f"invalid request: {fields}", 422)
 
 
-PROTECTED_PREFIX = "/cache/"
 # Keys the hashed tenant labels when no peer secret is configured: the digests are then
 # the same everywhere, which hides names but not a guess of one (set a peer secret).
 UNKEYED_LABELS = b"kvtier-tenant-label"
@@ -108,18 +112,17 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
         tenant = request.query.get("tenant")
         if tenant is not None and not tenants.is_tenant(tenant):
             return _bad(f"tenant is not a tenant name ({tenants.TENANT_RULE})")
-        return web.json_response(api.dump(await off_loop(service.stats, tenant)))
+        return _answer(await off_loop(service.stats, tenant))
 
     async def invalidate(request: web.Request) -> web.Response:
-        body = await _body(request, api.InvalidateRequest)
+        body = await _body(request, api.INVALIDATE.request)
         if isinstance(body, web.Response):
             return body
         job = service.invalidate_version(body.model_version)
-        return web.json_response(api.dump(api.InvalidateAccepted(model_version=body.model_version, job=job)),
-                                 status=202)
+        return _answer(api.InvalidateAccepted(model_version=body.model_version, job=job), api.INVALIDATE.status)
 
     async def warm(request: web.Request) -> web.Response:
-        body = await _body(request, api.WarmRequest)
+        body = await _body(request, api.WARM.request)
         if isinstance(body, web.Response):
             return body
         try:
@@ -139,15 +142,15 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
             response = _bad(str(exc), 429)
             response.headers["Retry-After"] = str(exc.retry_after_s)
             return response
-        return web.json_response(api.dump(api.WarmAccepted(job=job, started=started)), status=202)
+        return _answer(api.WarmAccepted(job=job, started=started), api.WARM.status)
 
     async def drain_done(request: web.Request) -> web.Response:
         if not service.finish_drain():
             return _bad("not draining: this sidecar has not been asked to stop", 409)
-        return web.json_response(api.dump(api.DrainDone()), status=202)
+        return _answer(api.DrainDone(), api.DRAIN_DONE.status)
 
     async def jobs(request: web.Request) -> web.Response:
-        return web.json_response(api.dump(api.Jobs(service.jobs())))
+        return _answer(api.Jobs(service.jobs()))
 
     # /metrics open while the control API is not: tenants appear as keyed digests only.
     tenant_label = None if auth is None or protect_metrics else metrics_mod.hashed_tenants(_label_key(service))
@@ -158,11 +161,11 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
                             headers={"X-Prometheus-Format": "0.0.4"})
 
     async def healthz(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
+        return _answer(api.Health())
 
     async def readyz(request: web.Request) -> web.Response:
         ready, why = service.readiness()
-        return web.json_response({"ready": ready, "detail": why}, status=200 if ready else 503)
+        return _answer(api.Readiness(ready=ready, detail=why), 200 if ready else 503)
 
     @web.middleware
     async def never_crash(request: web.Request, handler):
@@ -176,29 +179,27 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
 
     @web.middleware
     async def authenticated(request: web.Request, handler):
-        if auth is None or not (request.path.startswith(PROTECTED_PREFIX)
-                                or (protect_metrics and request.path == "/metrics")):
+        is_metrics = request.path == api.METRICS.path
+        if auth is None or not (request.path.startswith(api.PROTECTED_PREFIX) or (protect_metrics and is_metrics)):
             return await handler(request)
-        decision = await auth.check(request.headers.get("Authorization"), metrics=request.path == "/metrics",
+        decision = await auth.check(request.headers.get("Authorization"), metrics=is_metrics,
                                     source=request.remote or "")
         if decision.allowed:
             return await handler(request)
         headers = {"WWW-Authenticate": 'Bearer realm="kvtier-sidecar"'} if decision.status == 401 else None
         if decision.status == 429:
             headers = {"Retry-After": str(RATE_LIMIT_RETRY_AFTER_S)}
-        return web.json_response({"error": decision.reason}, status=decision.status, headers=headers)
+        return _answer(api.ErrorBody(error=decision.reason), decision.status, headers)
 
     app = web.Application(middlewares=[never_crash, authenticated], client_max_size=MAX_BODY_BYTES)
 
     async def stop_reports(app: web.Application) -> None:
         reports.shutdown(wait=False, cancel_futures=True)
     app.on_cleanup.append(stop_reports)
-    app.router.add_get("/cache/stats", stats)
-    app.router.add_post("/cache/invalidate", invalidate)
-    app.router.add_post("/cache/warm", warm)
-    app.router.add_post("/cache/drain/done", drain_done)
-    app.router.add_get("/cache/jobs", jobs)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
+    handlers = {"stats": stats, "invalidate": invalidate, "warm": warm, "drain_done": drain_done, "jobs": jobs,
+                "metrics": metrics, "healthz": healthz, "readyz": readyz}
+    if set(handlers) != {route.name for route in api.ROUTES}:
+        raise RuntimeError(f"handlers {sorted(handlers)} are not the routes of control_api.ROUTES")
+    for route in api.ROUTES:
+        app.router.add_route(route.method, route.path, handlers[route.name])
     return app

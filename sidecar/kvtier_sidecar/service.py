@@ -219,20 +219,22 @@ class Sidecar:
     # -- control ------------------------------------------------------------------------
 
     def stats(self, tenant: str | None) -> api.TenantStats:
+        """Built with the answers' constructors: a figure computed here that the model
+        has no field for is an error, never silently left out."""
         self.last_control_s = time.monotonic()
         counters = self.metrics.tenants.get(tenant) if tenant else self.metrics.total()
         own = {**(counters or metrics_mod.TenantCounters()).as_dict(), "tenant": tenant,
-               "cache": self.tier.stats(tenant)}
+               "cache": api.CacheReport(**self.tier.stats(tenant))}
         if tenant is not None:
-            return api.TenantStats.model_validate(own)
+            return api.TenantStats(**own)
         listed, total = self._tenant_summary(self.config.stats_max_tenants)
-        return api.SidecarStats.model_validate({
-            **own, "sidecar": self.counters.snapshot(), "index": self._index_state(),
-            "tenants": listed, "tenants_total": total, "peer_enabled": self.transport is not None,
-            "thrash_ratio": self.config.thrash_ratio, "draining": self.draining,
-            "nvme": self.nvme.report() if self.nvme is not None else None,
-            "engine": self._engine_loads(),
-        })
+        return api.SidecarStats(
+            **own, sidecar=self.counters.snapshot(), index=self._index_state(),
+            tenants=listed, tenants_total=total, peer_enabled=self.transport is not None,
+            thrash_ratio=self.config.thrash_ratio, draining=self.draining,
+            nvme=api.NvmeReport(**self.nvme.report()) if self.nvme is not None else None,
+            engine=self._engine_loads(),
+        )
 
     def _engine_loads(self) -> api.EngineLoads:
         c = self.counters.snapshot()

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier import control_tls
+from kvtier import control_api, control_tls
 from kvtier_operator import control_ca
 
 from .control_client import ControlEndpoint
@@ -127,7 +127,7 @@ class SidecarHandle:
         return self.control.post(path, body, timeout_s=timeout_s)
 
     def stats(self, tenant: str | None = None) -> dict:
-        status, body = self.get("/cache/stats" + (f"?tenant={tenant}" if tenant else ""))
+        status, body = self.get(control_api.STATS.url(tenant=tenant or None))
         assert status == 200, body
         return json.loads(body)
 

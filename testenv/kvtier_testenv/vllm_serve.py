@@ -26,6 +26,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier import control_api
+
 from .fleet import SidecarHandle, fleet_tls
 from .polling import wait_for
 from .vllm_engine import KV_CACHE_SPACE_GIB, START_TIMEOUT_S, VLLM_BLOCK_SIZE, sidecar_model, vllm_env, vllm_python
@@ -190,7 +192,7 @@ def peer_sidecar(workdir: Path, name: str, ip: str, shape, weights: str, redis_u
 
 def sidecar_metric(sidecar: SidecarHandle, name: str, **labels) -> float:
     """A sidecar /metrics family summed over the series with `labels`."""
-    status, body = sidecar.get("/metrics")
+    status, body = sidecar.get(control_api.METRICS.path)
     if status != 200:
         raise RuntimeError(f"sidecar {sidecar.name}: /metrics answered {status}")
     total = 0.0
