@@ -2,12 +2,15 @@
 queue, placement."""
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.admission import (
+    THRASH_RATIO,
     Admission,
     CountMinSketch,
     Placement,
@@ -141,3 +144,168 @@ def test_short_input_and_typed_paths_count_exactly_like_the_vectorised_path(batc
     for hashes in batches:
         sketch.add(hashes)
     assert sketch.additions <= 50
+
+
+def _hash(lo: int, hi: int) -> bytes:
+    """A block hash with the given little-endian 64-bit halves (the sketch's h1, h2)."""
+    return struct.pack("<QQ", lo, hi)
+
+
+def test_the_default_sketch_is_a_mebibyte_of_four_rows_halving_after_ten_times_its_width():
+    sk = CountMinSketch()
+    assert (sk.width, sk.depth, sk.table.nbytes, sk.door) == (1 << 16, 4, 1 << 20, None)
+    small = CountMinSketch(width=16)
+    h = hashes(0, 160)
+    small.add(h[:100])
+    small.add(h[100:159])
+    assert (small.additions, small.resets) == (159, 0)
+    small.add(h[159:])                  # the 160th addition: 10 x the width
+    assert small.resets == 1 and small.additions == 80
+
+
+def test_halving_halves_the_count_of_additions_so_the_next_comes_after_half_a_sample():
+    sk = CountMinSketch(width=64, depth=2, sample_size=40)
+    h = hashes(0, 4)
+    for _ in range(10):
+        sk.add(h)
+    assert (sk.resets, sk.additions) == (1, 20)
+    for _ in range(4):
+        sk.add(h)
+    assert sk.resets == 1
+    sk.add(h)
+    assert (sk.resets, sk.additions) == (2, 20)
+
+
+def test_adding_nothing_counts_nothing_and_estimating_nothing_is_empty():
+    sk = CountMinSketch(width=64)
+    sk.add([])
+    assert sk.additions == 0 and sk.table.sum() == 0
+    assert sk.estimate([]).shape == (0,) and sk.estimate([]).dtype == np.int64
+
+
+def test_a_cache_sketch_halves_after_a_hundred_times_its_slots_with_a_counter_a_sighting_within_bounds():
+    one, none = CountMinSketch.for_slots(1), CountMinSketch.for_slots(0)
+    assert (one.width, one.sample_size) == (1 << 10, 100) and none.sample_size == 100
+    assert CountMinSketch.for_slots(50).width == 8192          # the first power of two >= 5,000
+    large = CountMinSketch.for_slots(10_000_000)
+    assert (large.width, large.sample_size) == (1 << 19, 1_000_000_000)
+    assert large.table.nbytes == 8 << 20 and large.door is not None and large.door.nbytes == 4 << 20
+    assert one.door is not None and one.door.size == 8 * one.width
+
+
+def test_the_narrowest_and_shallowest_sketch_is_accepted_and_counts():
+    sk = CountMinSketch(width=16, depth=1)
+    h = hashes(0, 3)
+    sk.add(h)
+    sk.add(h)
+    assert sk.estimate(h).tolist() == [2, 2, 2]
+    with pytest.raises(ValueError, match="power of two"):
+        CountMinSketch(width=8)
+    with pytest.raises(ValueError, match="power of two"):
+        CountMinSketch(width=48)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 5])
+@pytest.mark.parametrize("doorkeeper", [False, True])
+def test_every_depth_counts_alike_on_short_long_and_typed_paths(depth, doorkeeper):
+    rng = np.random.default_rng(depth)
+    few, many, typed = (CountMinSketch(width=64, depth=depth, sample_size=10_000, doorkeeper=doorkeeper)
+                        for _ in range(3))
+    for n in (1, 3, 5, 2, 4):
+        fresh = [bytes(b) for b in rng.integers(0, 256, size=(n, 16), dtype=np.uint8)]
+        batch = fresh + fresh[:1]  # a duplicate in one call counts once
+        for _ in range(2):  # with a doorkeeper, only the second sighting reaches the table
+            few._add_few(batch)
+            many._add_many(batch)
+            typed._add_typed(batch)
+            assert np.array_equal(few.table, many.table) and np.array_equal(typed.table, many.table)
+            assert few._estimate_few(batch).tolist() == many._estimate_many(batch).tolist()
+    assert many.table.sum() > 0
+
+
+def test_the_doorkeeper_tells_apart_hashes_that_differ_only_in_the_lowest_bit():
+    sk = CountMinSketch(width=64, doorkeeper=True)
+    sk.add([_hash(2, 4)])
+    assert sk.estimate_one(_hash(2, 4)) == 1 and sk.estimate_one(_hash(3, 5)) == 0
+    assert sk.estimate([_hash(3, 5)] * 6).tolist() == [0] * 6
+
+
+@pytest.mark.parametrize("path", ["_add_few", "_add_many", "_add_typed"])
+def test_a_hash_sharing_one_doorkeeper_probe_with_a_known_one_is_not_known(path):
+    sk = CountMinSketch(width=64, depth=2, doorkeeper=True)
+    add = getattr(sk, path)
+    add([_hash(2, 4)])
+    assert sk.estimate_one(_hash(2, 6)) == 0 and sk.estimate([_hash(2, 6)] * 6).tolist() == [0] * 6
+    add([_hash(2, 6)])                  # its first sighting: the doorkeeper only
+    assert sk.table.sum() == 0
+    add([_hash(2, 6)])                  # its second: counted
+    assert sk.table.sum() == 2 and sk.estimate_one(_hash(2, 6)) == 2
+
+
+def test_the_doorkeeper_mask_is_one_the_typed_loops_take_unsigned():
+    assert CountMinSketch(width=64)._door_mask >= 0
+    assert CountMinSketch(width=64, doorkeeper=True)._door_mask == 64 * 8 - 1
+
+
+def test_the_typed_paths_epoch_wrapping_past_32_bits_starts_over_and_counts_each_sighting_once():
+    sk = CountMinSketch(width=64)
+    h = hashes(0, 3)
+    sk._add_typed(h)
+    sk._epoch = 0xFFFFFFFF  # the next call's epoch no longer fits the uint32 stamps
+    sk._add_typed(h)
+    assert sk._epoch == 1 and [sk.estimate_one(x) for x in h] == [2, 2, 2]
+    sk._add_typed(h)
+    assert [sk.estimate_one(x) for x in h] == [3, 3, 3]
+
+
+def test_placement_edges_hot_at_the_fourth_sighting_and_at_exactly_the_pin_bound():
+    assert placement(3, 100, bar=2, pin_max_bytes=1000) is Placement.DRAM
+    assert placement(4, 1000, bar=2, pin_max_bytes=1000) is Placement.PINNED
+    assert placement(4, 1001, bar=2, pin_max_bytes=1000) is Placement.DRAM
+    assert placement(5, 100, bar=5, pin_max_bytes=1000) is Placement.PINNED   # hot only once past the bar
+
+
+def test_the_default_admission_needs_two_sightings_and_keeps_first_ones_in_a_doorkeeper():
+    adm = Admission()
+    once, twice = hashes(0, 1), hashes(900, 1)
+    adm.sight(once)
+    assert adm.sketch.door is not None and adm.sketch.table.sum() == 0
+    adm.sight(twice)
+    adm.sight(twice)
+    assert adm.bar == 2 and adm.frequency(twice[0]) == 2
+    assert not adm.duel(once[0]) and adm.duel(twice[0])
+    lenient = Admission(min_sightings=1, sketch=CountMinSketch(width=1024, doorkeeper=True))
+    lenient.sight(once)
+    assert lenient.duel(once[0]) and (lenient.admits, lenient.rejects) == (1, 0)
+
+
+def test_the_thrash_ratio_is_a_fraction_of_what_lru_would_match():
+    assert 0 < THRASH_RATIO <= 1
+
+
+def test_a_queue_of_one_holds_the_most_valuable_and_a_queue_of_none_is_refused():
+    q: StoreQueue[str] = StoreQueue(1)
+    assert q.push(1.0, "a") is None and len(q) == 1
+    assert q.push(2.0, "b") == "a" and q.items() == ["b"]
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="capacity"):
+            StoreQueue(bad)
+
+
+@pytest.mark.parametrize("value", [3.0, -3.0])
+def test_a_full_queue_of_equal_values_drops_the_newcomer(value):
+    q: StoreQueue[str] = StoreQueue(2)
+    q.push(value, "a")
+    q.push(value, "b")
+    assert q.push(value, "c") == "c" and q.drops == 1
+    assert [q.pop(), q.pop()] == ["a", "b"]
+
+
+def test_queue_items_are_least_valuable_first_and_remove_if_counts_what_it_removed():
+    q: StoreQueue[str] = StoreQueue(5)
+    for value, item in ((5.0, "a"), (1.0, "b"), (9.0, "c"), (1.0, "d")):
+        q.push(value, item)
+    assert len(q) == 4 and q.items() == ["d", "b", "a", "c"]
+    assert q.remove_if(lambda item: item in ("b", "c", "x")) == 2
+    assert len(q) == 2 and q.items() == ["d", "a"]
+    assert q.remove_if(lambda item: False) == 0 and [q.pop(), q.pop(), q.pop()] == ["a", "d", None]

@@ -168,3 +168,27 @@ def test_a_zero_dimensional_uint32_array_is_refused_not_taken_for_a_prompt():
     scalar = np.array(7, dtype=np.uint32)  # contiguous, one element, but no sequence of tokens
     with pytest.raises(ValueError, match="one-dimensional"):
         as_token_array(scalar)
+
+
+def test_a_root_under_another_tenant_keeps_every_other_field():
+    other = ROOT.with_tenant("globex")
+    assert other.to_wire() == {**ROOT.to_wire(), "tenant": "globex"}
+    assert other.digest() != ROOT.digest() and ROOT.with_tenant(ROOT.tenant) == ROOT
+
+
+def test_a_roots_identity_is_its_model_without_the_tenant():
+    identity = ROOT.identity()
+    assert identity.model_dump() == {k: v for k, v in ROOT.to_wire().items() if k != "tenant"}
+    assert identity.root(ROOT.tenant) == ROOT
+
+
+def test_a_root_from_the_wire_is_the_root_sent_and_anything_but_an_object_is_refused():
+    from kvtier.identity import WireRoot
+
+    assert KeyRoot.from_wire(ROOT.to_wire()) == ROOT
+    assert KeyRoot.from_wire(WireRoot(**ROOT.to_wire())) == ROOT
+    for bad in (list(ROOT.to_wire().items()), "acme", None):
+        with pytest.raises(ValueError, match="must be an object"):
+            KeyRoot.from_wire(bad)
+    with pytest.raises(ValueError):
+        KeyRoot.from_wire({**ROOT.to_wire(), "tp_degree": "2"})

@@ -1,5 +1,6 @@
 """The peer handshake against an attacker on the same network: relay, reflection,
 slow trickle, and secret rotation under load."""
+import logging
 import os
 import socket
 import threading
@@ -193,7 +194,9 @@ def test_keyring_accepts_the_previous_secret_only_during_the_overlap():
     assert ring.accepted(now=130.0) == [key(b"new")]
 
 
-def test_secret_file_watch_rotates_on_a_changed_file_and_ignores_an_empty_one(tmp_path):
+def test_secret_file_watch_rotates_on_a_changed_file_and_ignores_an_empty_one(tmp_path, caplog):
+    """An empty file (a Secret being replaced) is kept quiet; an unusable one is logged."""
+    caplog.set_level(logging.WARNING, logger="kvtier.sidecar.peer")
     path = tmp_path / "peer-secret"
     path.write_bytes(key(b"one") + b"\n")
     ring = PeerKeyring(key(b"one"), overlap_s=60.0)
@@ -201,8 +204,10 @@ def test_secret_file_watch_rotates_on_a_changed_file_and_ignores_an_empty_one(tm
     assert not watch.poll()
     path.write_text("")
     assert not watch.poll() and ring.accepted()[0] == key(b"one")
+    assert not [r for r in caplog.records if "unusable secret" in r.getMessage()]
     path.write_text("short")  # a truncated Secret never replaces a usable one
     assert not watch.poll() and ring.accepted() == [key(b"one")]
+    assert [r for r in caplog.records if "unusable secret" in r.getMessage()]
     tmp = tmp_path / "swap"
     tmp.write_bytes(key(b"two") + b"\n")
     tmp.replace(path)  # a mounted Secret changes by an atomic swap
