@@ -538,8 +538,10 @@ class LocalCache:
             now, log = self._removed_seq, self._removed
             if not self._removal_reset <= seq <= now or now - seq > len(log):
                 return now, None
-            start = len(log) - (now - seq)
-            out = list(itertools.islice(log, start, start + limit))
+            # From the newest end: a reader that keeps up costs what it missed, not the log's length.
+            newer = list(itertools.islice(reversed(log), now - seq))
+            newer.reverse()
+            out = newer[:limit]
             return seq + len(out), out
 
     def invalidate(self, predicate: Callable[[KeyRoot], bool]) -> int:

@@ -51,9 +51,9 @@ class KvEventSubscriber:
 
     def start(self) -> "KvEventSubscriber":
         self.path.write_text("")
-        self.proc = subprocess.Popen([vllm_python(), "-c", _SUBSCRIBER, self.endpoint, self.topic, str(self.path)],
-                                     env=vllm_env(), stdout=subprocess.DEVNULL,
-                                     stderr=open(self.workdir / "kv-events.err", "w"))
+        with open(self.workdir / "kv-events.err", "w") as err:  # the child keeps its own copy
+            self.proc = subprocess.Popen([vllm_python(), "-c", _SUBSCRIBER, self.endpoint, self.topic,
+                                          str(self.path)], env=vllm_env(), stdout=subprocess.DEVNULL, stderr=err)
         return self
 
     def events(self) -> list[dict]:
