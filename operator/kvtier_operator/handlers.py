@@ -243,6 +243,14 @@ async def control_cert_tick(name: str, namespace: str, memo: kopf.Memo, **_: Any
             await memo.control_certs.ensure(memo.kube, body)
 
 
+@kopf.on.event(*POLICY)
+def policy_gone(type: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """A policy that has left the namespace's index (deleted, finalizers done) changes
+    the others' view: the pods it injected are foreign to them now, its overlaps end."""
+    if type == "DELETED":
+        memo.policies.wake_namespace(namespace)
+
+
 @kopf.on.event("", "v1", "pods")
 def pod_changed(namespace: str, memo: kopf.Memo, **_: Any) -> None:
     memo.admission.mark_loaded()  # kopf calls no such handler before its indexes are loaded
