@@ -251,6 +251,14 @@ class ControlTlsConfig(BaseModel):
                 "unencrypted (a lab on loopback only)")
 
 
+def pod_shm_name(namespace: str, pod: str) -> str:
+    """The sidecar arena's POSIX shared-memory name for a pod, unique per (namespace,
+    pod) so sidecars sharing a host never collide; short because macOS caps names at
+    31 bytes. Its identity lock is `<name>.lock` beside it."""
+    digest = hashlib.blake2b(f"{namespace}/{pod}".encode(), digest_size=8).hexdigest()
+    return f"kvt-{digest}"
+
+
 class SidecarConfig(BaseModel):
     """Everything one sidecar needs; see the module docstring for the file format."""
 
@@ -342,10 +350,7 @@ class SidecarConfig(BaseModel):
 
     @property
     def shm_name(self) -> str:
-        """POSIX shared-memory name, unique per (namespace, pod) so sidecars sharing a
-        host never collide; short because macOS caps names at 31 bytes."""
-        digest = hashlib.blake2b(f"{self.pod_namespace}/{self.pod_name}".encode(), digest_size=8).hexdigest()
-        return f"kvt-{digest}"
+        return pod_shm_name(self.pod_namespace, self.pod_name)
 
     def engine_socket_path(self, env: Mapping[str, str] | None = None) -> str:
         """The engine socket; an engine in the same pod derives the same path from the

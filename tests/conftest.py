@@ -74,8 +74,12 @@ def _unlink_unused(names: set[str]) -> None:
 
 
 @pytest.fixture(scope="session")
-def _shm_before_session() -> set[str]:
-    return _shm_entries()
+def _shm_before_session():
+    """What /dev/shm held before the session; at its end, what the session made and no
+    live process uses goes (the last module's, a session fixture's)."""
+    before = _shm_entries()
+    yield before
+    _unlink_unused(_shm_entries() - before)
 
 
 @pytest.fixture(autouse=True, scope="module")

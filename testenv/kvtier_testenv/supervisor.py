@@ -18,7 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.sidecar_config import pod_shm_name
 from kvtier_testenv.podenv import PodSpecError, now_rfc3339
+
+SHM_DIR = Path("/dev/shm")
+"""The host's shared memory: every pod's /dev/shm here (a runtime gives each pod its own)."""
 
 # kubelet probes every periodSeconds (default 10 s); tests cannot wait that long.
 MAX_PROBE_PERIOD_S = 1.0
@@ -221,3 +225,9 @@ def stop_run(run: PodRun, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(cp.proc.pid, signal.SIGKILL)
     shutil.rmtree(run.dir, ignore_errors=True)
+    # A pod's /dev/shm goes with it; here the pods share the host's: remove what its
+    # sidecar made there (the arena, its identity lock), whatever way it ended.
+    name = pod_shm_name(run.namespace, run.name)
+    for path in (SHM_DIR / name, SHM_DIR / f"{name}.lock"):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
