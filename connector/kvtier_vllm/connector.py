@@ -72,12 +72,12 @@ log = logging.getLogger("vllm.kvtier_vllm")
 SCHEDULER_REPORTED = ("prompt_tokens", "local_hit_tokens", "lookup_timeouts", "breaker_trips")
 """Scheduler-side counts the sidecar's /metrics gets too (`engine_proto.EngineReport`)."""
 RECOMPUTE_POLICY = "recompute"
+"""The only kv_load_failure_policy under which a failed load costs a recompute, not the request."""
 REMOVAL_POLL_S = 0.5
 """How often rank 0 reads the sidecar's removal log while it has announced blocks: a
 router believes in an evicted block at most about this long (plus its own delay)."""
 REMOVAL_READS_PER_POLL = 8
 """Answers of MAX_REMOVED_PER_ANSWER hashes one poll reads at most before the next step."""
-"""The only kv_load_failure_policy under which a failed load costs a recompute, not the request."""
 
 
 class KvtierConnectorMetadata(KVConnectorMetadata):
