@@ -44,8 +44,9 @@ number of engine pages (a 1,507-token match is 1,504 tokens)."""
 HASH_SCHEME_VERSION = 1
 """Bumped whenever the encoding or the seed changes; old and new hashes never meet."""
 
-HASH_SEED = 0x6B76_7469_6572_0001
-"""Fixed xxh3 seed ("kvtier" + scheme version 1). Never derived from the process."""
+HASH_SEED = 0x6B76_7469_6572_0000 | HASH_SCHEME_VERSION
+"""Fixed xxh3 seed: "kvtier" in its high bytes, the scheme version in the low ones.
+Never derived from the process."""
 
 BLOCK_HASH_BYTES = 16
 TOKEN_DTYPE = np.dtype("<u4")
@@ -53,7 +54,7 @@ TOKEN_DTYPE = np.dtype("<u4")
 
 _UINT32_MAX = 0xFFFF_FFFF
 _ARRAY_OK = array.array("I").itemsize == 4 and sys.byteorder == "little"
-_ROOT_DOMAIN = b"kvtier/keyroot/v1"
+_ROOT_DOMAIN = b"kvtier/keyroot/v%d" % HASH_SCHEME_VERSION
 
 KEY_ROOT_FIELDS = ("tenant", "model_id", "weights_version", "kv_dtype", "rope_config_hash", "attn_impl_id")
 """The key root's fields, in digest order (changing the order changes every hash)."""

@@ -37,6 +37,15 @@ def test_golden_vector_is_stable_across_releases():
     assert [h.hex() for h in block_hashes(ROOT, list(range(40)))] == GOLDEN_HASHES_0_40
 
 
+def test_the_scheme_version_is_in_the_seed_and_the_root_domain():
+    # Bumping the version alone must move every hash: it is part of both inputs.
+    from kvtier import keys
+
+    assert HASH_SEED & 0xFFFF == HASH_SCHEME_VERSION
+    assert HASH_SEED >> 16 == int.from_bytes(b"kvtier", "big")
+    assert keys._ROOT_DOMAIN.endswith(b"/v%d" % HASH_SCHEME_VERSION)
+
+
 def test_hash_is_xxh3_128_of_parent_and_little_endian_tokens():
     tokens = np.arange(16, dtype=np.uint32)
     expected0 = xxhash.xxh3_128_digest(ROOT.digest() + tokens.astype("<u4").tobytes(), seed=HASH_SEED)
