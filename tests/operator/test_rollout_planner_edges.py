@@ -1,0 +1,144 @@
+"""The rollout planner's edges (pure): the arithmetic at its rounding points, what a
+plan keeps from status, the bounds on what it writes, and which source's figures it
+shows. Each test pins a behaviour a mutation run found no other test holding."""
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+import pytest
+
+from kvtier.policy import Rollout, RolloutStatus
+from kvtier_operator import rollout
+from kvtier_operator.analysis import Probe
+from kvtier_operator.rollout import Observed, PodSample, Workload, WorkloadPatch
+from test_rollout_analysis import URL, alarm_spec, obs, prom_spec
+from test_rollout_planner import NEW, OLD, REPLICA_TOKENS_S, T0, observed, rolling, spec
+
+NEWER = "sha256:" + "3" * 64
+
+
+def test_a_step_rounds_its_share_of_the_fleet_up_to_whole_pods():
+    # 1% of 101 pods is 1.01 pods: the step needs 2, never 1.
+    assert rollout.schedule(Rollout(canary_pods=0, steps=[1, 100]), 101) == [2, 101]
+    assert rollout.schedule(Rollout(canary_pods=0, steps=[1, 100]), 100) == [1, 100]
+
+
+def test_pods_that_answered_with_no_tokens_loaded_add_nothing_to_the_hit_figure():
+    answered = [PodSample("llm-0", NEW, True, lookups=10, loaded_tokens=0, prompt_tokens=640),
+                PodSample("llm-1", NEW, True, lookups=5, loaded_tokens=None, prompt_tokens=None),
+                PodSample("llm-2", NEW, True, lookups=None, loaded_tokens=9, prompt_tokens=9),
+                PodSample("llm-3", NEW, True, lookups=0, loaded_tokens=0, prompt_tokens=0)]
+    t = rollout.hit_rate(answered)
+    assert (t.lookups, t.loaded_tokens, t.prompt_tokens) == (15, 0, 640)
+    assert t.rate == 0
+
+
+def test_cold_prefill_estimate_without_a_baseline_is_zero_and_keeps_a_decimal():
+    assert rollout.cold_prefill_tokens_per_s(2, None, 1000.0) == 0
+    assert rollout.cold_prefill_tokens_per_s(1, 0.12345, 1000.0) == pytest.approx(123.5, abs=0.01)
+
+
+def test_samples_and_patches_are_values():
+    # Frozen: hashable and unchangeable, so a plan cannot be edited after it is made.
+    a = PodSample("llm-0", NEW, True, 1, 2, 3)
+    assert len({a, PodSample("llm-0", NEW, True, 1, 2, 3)}) == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.ready = False  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        WorkloadPatch(NEW, 0).partition = 3  # type: ignore[misc]
+    for cls in (rollout.Workload, rollout.Observed, rollout.Plan, rollout.Tally, rollout.StepRecovery):
+        assert cls.__dataclass_params__.frozen, cls  # type: ignore[attr-defined]
+
+
+def test_a_fleet_already_on_the_target_moves_the_serving_version_even_when_nothing_else_changes():
+    # partition 0 and phase Ready: the only thing left to write is status.version.
+    p = rollout.plan(spec(), NEW, OLD, None, "Ready", observed(NEW, 0, [NEW] * 4))
+    assert (p.kind, p.version, p.workload, p.phase) == ("idle", NEW, None, None)
+
+
+def test_history_messages_are_cut_to_the_bound_the_crd_allows():
+    long_reason = "x" * 3000
+    ctx = rollout._Ctx(spec(), NEW, OLD, rolling(), "RollingOut", observed(NEW, 3, [OLD] * 3 + [NEW]),
+                       rollout.schedule(spec(), 4))
+    record = rollout._record(ctx, 1, "rolledBack", None, long_reason)
+    assert len(record.message) == 1024
+
+
+def test_a_handled_request_is_remembered_at_most_128_characters_long():
+    long_request = "pause/" + "r" * 300
+    obs_ = observed(NEW, 3, [OLD] * 3 + [NEW], now=T0 + timedelta(seconds=1), lookups=1, hits=0)
+    p = rollout.plan(spec(), NEW, OLD, rolling(), "RollingOut", dataclasses.replace(obs_, request=long_request))
+    assert p.kind == "pause"
+    assert p.rollout.handled_request == long_request[:128]
+
+
+def test_a_rejected_request_mid_rollout_keeps_the_rollout_status_it_found():
+    obs_ = observed(NEW, 3, [OLD] * 3 + [NEW], now=T0 + timedelta(seconds=1), lookups=1, hits=0)
+    status = rolling(step=1, baseline=0.5).model_copy(update={"current_hit_rate": 0.25})
+    p = rollout.plan(spec(), NEW, OLD, status, "RollingOut", dataclasses.replace(obs_, request="resume/1"))
+    assert p.kind == "refuse"
+    assert p.rollout.handled_request == "resume/1"
+    # Everything else is as it was: the request did not reset the rollout.
+    assert p.rollout.model_copy(update={"handled_request": None}) == status
+
+
+def test_a_rollback_to_the_serving_version_records_the_version_it_leaves():
+    # Mid-rollout to NEW, spec set back to OLD: the history names NEW (rolled back), not OLD.
+    obs_ = observed(NEW, 3, [OLD] * 3 + [NEW], now=T0 + timedelta(seconds=1))
+    p = rollout.plan(spec(), OLD, OLD, rolling(), "RollingOut", obs_)
+    assert p.kind == "rollback" and p.phase == "Ready"
+    assert p.rollout.history[-1].version == NEW
+
+
+def test_a_prometheus_step_without_a_baseline_is_judged_against_a_bar_of_zero():
+    status = RolloutStatus(target_version=NEW, step=1, baseline_hit_rate=None, step_started_at=T0)
+    p = rollout.plan(prom_spec(), NEW, OLD, status, "RollingOut", obs(6, Probe(value=0.0)))
+    assert "hit rate 0.0000 >= 0.0000" in p.conditions[0].message
+
+
+def test_a_prometheus_step_names_the_server_it_asked():
+    p = rollout.plan(prom_spec(), NEW, OLD, rolling(), "RollingOut", obs(6, Probe(value=0.9)))
+    assert f"ready; prometheus {URL}: " in p.conditions[0].message
+    p = rollout.plan(alarm_spec(), NEW, OLD, rolling(), "RollingOut", obs(6, Probe()))
+    assert f"ready; alarm KVTierHitRateDrop (prometheus {URL}): " in p.conditions[0].message
+
+
+def test_an_alarm_step_shows_the_sidecars_hit_rate_not_the_last_one_written():
+    # The alarm source's measurements carry no value: the figure shown is the new
+    # pods' own counters (40 of 50 lookups' tokens loaded), not status' stale 0.1.
+    status = rolling().model_copy(update={"current_hit_rate": 0.1})
+    p = rollout.plan(alarm_spec(), NEW, OLD, status, "RollingOut", obs(6, Probe()))
+    assert p.rollout.current_hit_rate == pytest.approx(0.8)
+
+
+def test_an_inconclusive_pause_without_a_step_clock_holds_instead_of_failing():
+    status = RolloutStatus(target_version=NEW, step=1, baseline_hit_rate=0.5, step_started_at=None,
+                           paused_reason="inconclusive")
+    p = rollout.plan(prom_spec(), NEW, OLD, status, "Paused", obs(6, Probe(value=0.9)))
+    assert p.kind == "hold"
+
+
+def test_a_rollout_names_the_version_it_leaves():
+    # Not superseding: the old version is what the template runs (status.version may lag).
+    p = rollout.plan(spec(), NEW, None, None, "Ready", observed(OLD, 0, [OLD] * 4))
+    assert p.kind == "start" and p.version == OLD and f"rolling out {NEW} from {OLD}:" in p.event[2]
+    # Superseding mid-rollout: the template already runs NEW; the old version is the serving one.
+    p = rollout.plan(spec(), NEWER, OLD, rolling(), "RollingOut", observed(NEW, 3, [OLD] * 3 + [NEW]))
+    assert p.kind == "start" and p.version == OLD
+    assert f"rolling out {NEWER} from {OLD}: superseding {NEW}" in p.event[2]
+
+
+def test_the_first_step_is_judged_on_its_own_pods_not_on_a_stray_new_one():
+    # llm-0 runs NEW too (left from an earlier attempt) with a warm cache; step 1
+    # restarted llm-3 only, and llm-3 has not served a lookup yet: wait.
+    samples = (PodSample("llm-0", NEW, True, 1000, 900 * 64, 1000 * 64), PodSample("llm-1", OLD, True, 0, 0, 0),
+               PodSample("llm-2", OLD, True, 0, 0, 0), PodSample("llm-3", NEW, True, 0, 0, 0))
+    o = Observed(Workload(4, NEW, 3), samples, T0 + timedelta(seconds=3), REPLICA_TOKENS_S)
+    assert rollout.plan(spec(), NEW, OLD, rolling(), "RollingOut", o).kind == "wait"
+
+
+def test_a_sidecar_step_without_a_baseline_needs_a_hit_rate_of_zero():
+    o = observed(NEW, 3, [OLD] * 3 + [NEW], now=T0 + timedelta(seconds=3), lookups=5, hits=0)
+    p = rollout.plan(spec(), NEW, OLD, rolling(baseline=None), "RollingOut", o)
+    assert p.kind == "wait" and "needs 0.0000 over 100" in p.conditions[0].message
