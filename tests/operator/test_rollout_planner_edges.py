@@ -36,7 +36,8 @@ def test_pods_that_answered_with_no_tokens_loaded_add_nothing_to_the_hit_figure(
 
 def test_cold_prefill_estimate_without_a_baseline_is_zero_and_keeps_a_decimal():
     assert rollout.cold_prefill_tokens_per_s(2, None, 1000.0) == 0
-    assert rollout.cold_prefill_tokens_per_s(1, 0.12345, 1000.0) == pytest.approx(123.5, abs=0.01)
+    # 1 pod x 0.12346 x 1000 = 123.46 tokens/s, kept to one decimal (not 123, not 123.46).
+    assert rollout.cold_prefill_tokens_per_s(1, 0.12346, 1000.0) == pytest.approx(123.5, abs=0.02)
 
 
 def test_samples_and_patches_are_values():
@@ -89,6 +90,7 @@ def test_a_rollback_to_the_serving_version_records_the_version_it_leaves():
     p = rollout.plan(spec(), OLD, OLD, rolling(), "RollingOut", obs_)
     assert p.kind == "rollback" and p.phase == "Ready"
     assert p.rollout.history[-1].version == NEW
+    assert p.rollout.canary_percent == 0 and p.rollout.expected_cold_prefill_tokens_per_s == 0
 
 
 def test_a_prometheus_step_without_a_baseline_is_judged_against_a_bar_of_zero():
@@ -123,6 +125,8 @@ def test_a_rollout_names_the_version_it_leaves():
     # Not superseding: the old version is what the template runs (status.version may lag).
     p = rollout.plan(spec(), NEW, None, None, "Ready", observed(OLD, 0, [OLD] * 4))
     assert p.kind == "start" and p.version == OLD and f"rolling out {NEW} from {OLD}:" in p.event[2]
+    assert "retried" not in p.event[2] and "superseding" not in p.event[2]
+    assert "step 1/3: 1/4 pods (25%) on the new version" in p.event[2]
     # Superseding mid-rollout: the template already runs NEW; the old version is the serving one.
     p = rollout.plan(spec(), NEWER, OLD, rolling(), "RollingOut", observed(NEW, 3, [OLD] * 3 + [NEW]))
     assert p.kind == "start" and p.version == OLD
@@ -142,3 +146,49 @@ def test_a_sidecar_step_without_a_baseline_needs_a_hit_rate_of_zero():
     o = observed(NEW, 3, [OLD] * 3 + [NEW], now=T0 + timedelta(seconds=3), lookups=5, hits=0)
     p = rollout.plan(spec(), NEW, OLD, rolling(baseline=None), "RollingOut", o)
     assert p.kind == "wait" and "needs 0.0000 over 100" in p.conditions[0].message
+
+
+def test_a_request_is_named_in_the_condition_that_answers_it_and_nowhere_else():
+    obs_ = observed(NEW, 3, [OLD] * 3 + [NEW], now=T0 + timedelta(seconds=1), lookups=1, hits=0)
+    accepted = rollout.plan(spec(), NEW, OLD, rolling(), "RollingOut", dataclasses.replace(obs_, request="pause/7"))
+    by_type = {c.type: c for c in accepted.conditions}
+    assert (by_type[rollout.REQUEST].status, by_type[rollout.REQUEST].reason) == ("True", "Accepted")
+    assert by_type[rollout.REQUEST].message == "rollout request pause/7: pause"
+    assert not any("[pause/7]" in c.message for c in accepted.conditions)
+    assert by_type[rollout.PROGRESSING].reason == "Paused"
+    rejected = rollout.plan(spec(), NEW, OLD, rolling(), "RollingOut", dataclasses.replace(obs_, request="resume/8"))
+    [cond] = rejected.conditions
+    assert (cond.type, cond.status, cond.reason) == (rollout.REQUEST, "False", "Rejected")
+    assert cond.message.endswith("[resume/8]")
+
+
+def test_a_recorded_step_zero_reads_as_the_first_step():
+    o = observed(NEW, 3, [OLD] * 3 + [NEW], now=T0 + timedelta(seconds=12), lookups=100, hits=40)
+    p = rollout.plan(spec(), NEW, OLD, rolling(step=0), "RollingOut", o)
+    assert p.kind == "advance" and p.rollout.step == 2 and p.workload == WorkloadPatch(NEW, 2)
+
+
+def test_observations_without_a_prefill_capacity_expect_no_cold_prefill():
+    o = Observed(Workload(4, OLD, 0), tuple(observed(OLD, 0, [OLD] * 4, lookups=10, hits=5).pods), T0)
+    p = rollout.plan(spec(), NEW, OLD, None, "Ready", o)
+    assert p.kind == "start" and p.rollout.expected_cold_prefill_tokens_per_s == 0
+
+
+def test_a_completed_rollout_expects_no_more_cold_prefill():
+    o = observed(NEW, 0, [NEW] * 4, now=T0 + timedelta(seconds=3), lookups=100, hits=50)
+    p = rollout.plan(spec(), NEW, OLD, rolling(step=3), "RollingOut", o)
+    assert p.kind == "complete" and p.rollout.expected_cold_prefill_tokens_per_s == 0
+
+
+def test_an_alarm_step_counts_only_the_new_pods_lookups():
+    # The old pods served plenty; the canary 5 < minLookups 10: silence means nothing yet.
+    pods_ = tuple(PodSample(f"llm-{i}", v, True, n, n * 32, n * 64)
+                  for i, (v, n) in enumerate([(OLD, 500)] * 3 + [(NEW, 5)]))
+    o = Observed(Workload(4, NEW, 3), pods_, T0 + timedelta(seconds=6), REPLICA_TOKENS_S, probe=Probe())
+    p = rollout.plan(alarm_spec(), NEW, OLD, rolling(), "RollingOut", o)
+    assert p.kind == "wait" and p.rollout.analysis.last_result == "inconclusive" and p.rollout.analysis.successes == 0
+
+
+def test_leaving_a_rolled_back_phase_once_the_fleet_serves_the_spec_again():
+    p = rollout.plan(spec(), OLD, OLD, None, "RolledBack", observed(OLD, 0, [OLD] * 4))
+    assert (p.kind, p.phase, p.version, p.workload) == ("idle", "Ready", None, None)
