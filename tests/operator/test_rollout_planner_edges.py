@@ -192,3 +192,11 @@ def test_an_alarm_step_counts_only_the_new_pods_lookups():
 def test_leaving_a_rolled_back_phase_once_the_fleet_serves_the_spec_again():
     p = rollout.plan(spec(), OLD, OLD, None, "RolledBack", observed(OLD, 0, [OLD] * 4))
     assert (p.kind, p.phase, p.version, p.workload) == ("idle", "Ready", None, None)
+
+
+def test_lookups_without_prompt_tokens_never_count_as_recovery():
+    # No baseline: the bar is 0; 100 lookups that carried no prompt tokens are no evidence.
+    samples = (PodSample("llm-0", OLD, True, 0, 0, 0), PodSample("llm-1", OLD, True, 0, 0, 0),
+               PodSample("llm-2", OLD, True, 0, 0, 0), PodSample("llm-3", NEW, True, 100, 0, 0))
+    o = Observed(Workload(4, NEW, 3), samples, T0 + timedelta(seconds=3), REPLICA_TOKENS_S)
+    assert rollout.plan(spec(), NEW, OLD, rolling(baseline=None), "RollingOut", o).kind == "wait"
