@@ -599,6 +599,32 @@ class LocalCache:
             return [(n.root, np.frombuffer(self._index.prefix_tokens(n), dtype=TOKEN_DTYPE).copy())
                     for n in chosen if id(n) not in inner]
 
+    def hot_prompts(self, tenant: str, max_tokens: int) -> list[tuple[KeyRoot, np.ndarray, float]]:
+        """The tenant's cached prefixes worth replaying to warm a new engine, best
+        first: (key root, token ids of a whole-block prefix, its decayed frequency),
+        ranked by expected saving (frequency x length), within `max_tokens` tokens
+        newly covered (blocks shared with a chosen prefix count once: the engine finds
+        them already warm). A prefix inside a longer chosen one is not listed."""
+        with self._lock:
+            now = self.clock()
+            freq = self._index.policy.frequency
+            scored = [(freq(n.freq, now), n) for n in self._index.iter_nodes(lambda r: r.tenant == tenant)]
+            scored.sort(key=lambda fn: (-fn[0] * fn[1].end_block, -fn[1].end_block))
+            covered: set[int] = set()
+            chosen: list[tuple[float, Node]] = []
+            budget = max_tokens
+            for f, n in scored:
+                path = self._index.path(n)
+                new = sum(len(p.slots) for p in path if id(p) not in covered) * self.block_size
+                if new == 0 or new > budget:
+                    continue
+                budget -= new
+                covered.update(id(p) for p in path)
+                chosen.append((f, n))
+            inner = {id(p) for _, n in chosen for p in self._index.path(n)[:-1]}
+            return [(n.root, np.frombuffer(self._index.prefix_tokens(n), dtype=TOKEN_DTYPE).copy(), f)
+                    for f, n in chosen if id(n) not in inner]
+
     def stats(self, tenant: str | None = None) -> CacheStats:
         with self._lock:
             if tenant is None:  # kept as running totals: no walk over the tenants

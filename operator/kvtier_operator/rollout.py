@@ -665,7 +665,17 @@ def _step_text(ctx: _Ctx, step: int, rollout: RolloutStatus) -> str:
     rec = ctx.spec.recovery
     return (f"step {step}/{len(ctx.schedule)}: {n}/{r} pods ({rollout.canary_percent}%) on the new version, "
             f"expected cold-cache prefill up to {rollout.expected_cold_prefill_tokens_per_s:,.0f} tokens/s; "
-            f"recovery: hit rate >= {rec.threshold} x baseline over >= {rec.min_lookups} lookups within {rec.window}")
+            f"recovery: hit rate >= {rec.threshold} x baseline over >= {rec.min_lookups} lookups within {rec.window}"
+            + _warm_text(ctx.spec))
+
+
+def _warm_text(spec: Rollout) -> str:
+    """The step's warm-before-ready budget, for its capacity-event message."""
+    w = spec.warmup
+    if w is None or not spec.warms:
+        return ""
+    return (f"; warm-before-ready: each new pod prefills up to {w.max_tokens:,} prompt tokens of its tenants' "
+            f"hottest prefixes within {w.timeout} before it takes traffic")
 
 
 def _record(ctx: _Ctx, step: int, outcome: str, rate: float | None, message: str) -> RolloutRecord:
