@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     env = dict(os.environ)
     engine = engine_from_env(env, args.block_bytes, args.delay_s, args.served_model_name)
-    server = ThreadingHTTPServer((env.get("POD_IP", "127.0.0.1"), args.port), _handler(engine))
+    server = ThreadingHTTPServer((env.get(names.POD_IP_ENV, "127.0.0.1"), args.port), _handler(engine))
     server.daemon_threads = True
     sys.stderr.write(f"engine_front: serving {engine.served} on {server.server_address}, sidecar {engine.socket}\n")
     try:
