@@ -86,7 +86,10 @@ class Fleet:
         return {n: rw.pod_version(p) for n, p in self.pods().items()}
 
     def sidecar(self, name: str) -> PodSidecar:
-        return PodSidecar.of(self.agent, self.kubectl.namespace, name)
+        try:
+            return PodSidecar.of(self.agent, self.kubectl.namespace, name)
+        except KeyError:
+            return PodSidecar.of(self.agent, self.kubectl.namespace, name, names.SIDECAR_CONTAINER)
 
     def ready(self) -> list[dict]:
         return self.agent.wait_ready(REPLICAS, selector=f"app={APP}", timeout_s=TIMEOUT_S)
