@@ -300,6 +300,7 @@ async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, body: kopf.
     # policy's own objects.
     await rollout_teardown.settle_workload(memo.kube, dict(body), _poster(dict(body)),
                                            lambda: webhook_gate.serving(memo))
+    await rollout_warmup_io.release_all(memo, namespace, name)  # and the pods the rollback recreated
     redis_spec = spec.get("redis") or {}
     try:
         parsed = policy.KVCachePolicySpec.model_validate(dict(spec)) if redis_spec else None

@@ -289,3 +289,28 @@ def test_policy_deleted_mid_warm_up_releases_the_gate(operator, kubectl, node_ag
     for p in fleet.ready():
         g = gate(p)
         assert g is None or g["status"] == "True"
+
+
+def test_an_operator_restarted_mid_warm_up_warms_the_pod_again_and_releases_it(
+        operator, kubectl, node_agent_factory):
+    port = free_port()
+    agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
+    fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "2m", "enginePort": port}, port, delay_s=1.0)
+    roll_out(kubectl)
+    canary = canary_on_new(fleet)["metadata"]["name"]
+    wait_for("the canary up and held out", lambda: (
+        (p := fleet.pod(canary)) is not None and rw.pod_version(p) == NEW and rw.containers_up(p)
+        and (gate(p) or {}).get("status") != "True"), timeout_s=TIMEOUT_S)
+    operator.stop()  # mid-warm-up: its task goes with it, the gate stays closed
+    held = fleet.pod(canary)
+    assert (gate(held) or {}).get("status") != "True" and not is_ready(held)
+    uid = held["metadata"]["uid"]
+    operator.start()
+    released = wait_for("the canary's gate released by the restarted operator", lambda: (
+        (p := fleet.pod(canary)) is not None and (gate(p) or {}).get("status") == "True" and p), timeout_s=TIMEOUT_S)
+    assert released["metadata"]["uid"] == uid and gate(released)["reason"] == rw.WARMED
+    record = wait_for("the warm-up record", lambda: warmups(kubectl).get(canary))
+    assert record["prompts"] == len(TENANTS) * PROMPTS and record["tenants"] == len(TENANTS)
+    fleet.ready()
+    sc = fleet.sidecar(canary)
+    assert all(first_request_hits_with_recomputed_kv(sc, t, i, NEW) for t in TENANTS for i in range(PROMPTS))
