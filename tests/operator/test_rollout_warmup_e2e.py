@@ -23,7 +23,8 @@ from kvtier_testenv.synthetic import prefill_kv
 from operator_harness import events, wait_for
 from sidecar_fleet import BLOCK_BYTES, BLOCK_SIZE, DIGEST as OLD, MATCHED_TOKENS, PodSidecar, tiny_policy
 from test_operator_e2e import short_workdir, status_of
-from test_rollout_e2e import NEW, root, serve, tokens
+from test_rollout_controls import plugin
+from test_rollout_e2e import NEW, root, tokens
 
 pytestmark = pytest.mark.k8s
 
@@ -200,6 +201,11 @@ def test_a_new_version_pod_is_held_out_until_warmed_then_serves_its_tenants_hott
     assert canary in event["message"]
     [started] = events(kubectl, "wllm", "RolloutStarted")
     assert "warm-before-ready: each new pod prefills up to 4,096 prompt tokens" in started["message"]
+    # What on-call sees: the plugin's status names the pod's warm-up.
+    shown = plugin(kubectl, "status", "wllm")
+    assert shown.returncode == 0, shown.stderr
+    assert (f"warm {canary:<20} Warmed          {record['tokens']}/4096 tokens, {len(TENANTS)} tenants warm, 0 cold"
+            in shown.stdout), shown.stdout
 
     # The warmed pod's first requests for its tenants' prompts are hits of the NEW
     # version's KV (bytes equal to a recompute), each tenant under its own root only.
@@ -314,3 +320,23 @@ def test_an_operator_restarted_mid_warm_up_warms_the_pod_again_and_releases_it(
     fleet.ready()
     sc = fleet.sidecar(canary)
     assert all(first_request_hits_with_recomputed_kv(sc, t, i, NEW) for t in TENANTS for i in range(PROMPTS))
+
+
+def test_a_rollback_never_waits_for_a_warm_up(operator, kubectl, node_agent_factory):
+    port = free_port()
+    agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
+    fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "10m", "enginePort": port}, port, delay_s=30.0)
+    roll_out(kubectl)
+    canary = canary_on_new(fleet)["metadata"]["name"]
+    wait_for("the canary up and held out", lambda: (
+        (p := fleet.pod(canary)) is not None and rw.pod_version(p) == NEW and rw.containers_up(p)
+        and (gate(p) or {}).get("status") != "True"), timeout_s=TIMEOUT_S)
+    aborted = plugin(kubectl, "rollout", "abort", "wllm")
+    assert aborted.returncode == 0, aborted.stderr
+    # Rolled back long before the 10-minute warm-up deadline: every pod on the old
+    # version and Ready, the gate of the one the rollback recreated released at once.
+    wait_for("every pod back on the old version", lambda: fleet.versions() == {
+        f"{APP}-{i}": OLD for i in range(REPLICAS)}, timeout_s=TIMEOUT_S)
+    for p in fleet.ready():
+        assert gate(p)["status"] == "True" and gate(p)["reason"] == rw.NOT_ROLLED_OUT, gate(p)
+    assert canary not in warmups(kubectl)  # cancelled: no outcome recorded for it
