@@ -171,3 +171,18 @@ def test_the_step_message_states_the_warm_up_budget():
             "within 90s before it takes traffic") in started.event[2]
     cold = plan(spec().rollout, NEW, OLD, None, "Ready", observed)
     assert "warm-before-ready" not in cold.event[2]
+
+
+def test_a_policy_being_deleted_gives_new_pods_no_gate():
+    from kvtier_operator import admission_policies
+
+    raw = tiny_policy("llm", "llm", workloadRef={"kind": "StatefulSet", "name": "llm"},
+                      rollout={"canaryPods": 1, "warmup": {"maxTokens": 100}})["spec"]
+    live = admission_policies.entry("llm", raw, {"creationTimestamp": "t"})
+    deleting = admission_policies.entry("llm", raw, {"creationTimestamp": "t", "deletionTimestamp": "u"})
+    assert live[1]["rollout"]["warmup"] == {"maxTokens": 100} and raw["rollout"]["warmup"] == {"maxTokens": 100}
+    assert "warmup" not in deleting[1]["rollout"] and deleting[1]["rollout"]["canaryPods"] == 1
+    for e, gated in ((live, True), (deleting, False)):
+        patch = injection.inject(serving_pod(), "llm", policy.KVCachePolicySpec.model_validate(e[1]),
+                                 injection.SidecarImage())
+        assert any(g["conditionType"] == names.WARM_GATE for g in patch["spec"].get("readinessGates", [])) == gated
