@@ -17,7 +17,8 @@ tick (`decide`):
 
 Warming a pod: the tenants whose homes include it (`tenants_of_pod`: rendezvous over the
 published table with the pod as a member), each tenant's hottest prefixes read from its
-current homes on the old version (`sources`; their sidecars' `GET /cache/hot`), merged
+current homes on the old version (`sources`; their sidecars' `GET /cache/hot`; pods
+already on the new version when no old one holds the tenant), merged
 and ranked by frequency x length (`rank`), the pod's `maxTokens` split over its tenants
 (`spend`: an even share each, what a tenant cannot use goes to the others), replayed as
 prompts through the pod's own engine within `timeout`. The gate is then released
@@ -117,16 +118,22 @@ def tenants_of_pod(table: AffinityTable | None, pod: str, weight: float, tenants
 
 
 def sources(table: AffinityTable | None, tenant: str, pod: str, old_members: Iterable[str],
-            holders: Iterable[str]) -> list[str]:
-    """Where `tenant`'s hottest prefixes are read: its homes on the old version first
-    (in its rendezvous order), then any other old-version pod that holds some of it.
-    Never the pod being warmed, never a pod on another version."""
-    old = set(old_members) - {pod}
-    held = [h for h in holders if h in old]
+            holders: Iterable[str], new_members: Iterable[str] = ()) -> list[str]:
+    """Where `tenant`'s hottest prefixes are read (token ids: the same whatever the
+    weights): its homes on the old version first (in its rendezvous order), then any
+    other old-version pod holding some of it, then pods already serving the new version
+    that hold some (the last old pod of a fleet has no old peer left). Never the pod
+    being warmed."""
+    old, new = set(old_members) - {pod}, set(new_members) - {pod} - set(old_members)
+    held = list(dict.fromkeys(holders))
     order = table.order_for(tenant) if table is not None else []
+
+    def rank(m: str) -> tuple[int, str]:
+        return (order.index(m) if m in order else len(order), m)
+
     homes = [m for m in (table.homes_for(tenant) if table is not None else []) if m in old]
-    rest = sorted((m for m in held if m not in homes), key=lambda m: (order.index(m) if m in order else len(order), m))
-    return homes + rest
+    rest = sorted((m for m in held if m in old and m not in homes), key=rank)
+    return homes + rest + sorted((m for m in held if m in new), key=rank)
 
 
 def rank(answers: Iterable[Sequence[Prompt]]) -> list[Prompt]:
@@ -191,15 +198,16 @@ class Tally:
     cold_tenants: int = 0
     timed_out: bool = False
     engine_error: str = ""
+    source_error: str = ""  # no old-version sidecar to read the prefixes from
 
 
 def outcome(t: Tally) -> str:
-    """The gate's reason: out of time first; an engine that refused or could not be
-    reached with nothing warmed is a failure; anything else (some prompts warmed, or
-    nothing to warm) is Warmed."""
+    """The gate's reason: out of time first; with nothing warmed, an engine that
+    refused or could not be reached, or no source that answered, is a failure;
+    anything else (some prompts warmed, or nothing the tenants cached) is Warmed."""
     if t.timed_out:
         return TIMED_OUT
-    if t.failed_prompts and not t.prompts:
+    if not t.prompts and (t.failed_prompts or t.source_error):
         return FAILED
     return WARMED
 
@@ -211,6 +219,8 @@ def message(t: Tally, reason: str, budget: int, seconds: float) -> str:
         text += f"; {t.failed_prompts} prompts failed"
     if t.engine_error:
         text += f" (engine: {t.engine_error})"
+    if t.source_error:
+        text += f" (sources: {t.source_error})"
     return text[:1024]
 
 

@@ -148,11 +148,12 @@ class _Progress:
     warmed_tenants: set[str] = dataclasses.field(default_factory=set)
     tenants: int = 0
     engine_error: str = ""
+    source_error: str = ""
 
     def tally(self, timed_out: bool) -> rw.Tally:
         return rw.Tally(tokens=self.tokens, prompts=self.prompts, failed_prompts=self.failed,
                         tenants=len(self.warmed_tenants), cold_tenants=max(0, self.tenants - len(self.warmed_tenants)),
-                        timed_out=timed_out, engine_error=self.engine_error)
+                        timed_out=timed_out, engine_error=self.engine_error, source_error=self.source_error)
 
 
 async def _warm_pod(memo, body: dict[str, Any], spec: policy.KVCachePolicySpec, old: str | None,
@@ -187,12 +188,19 @@ async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePoli
     assert warmup is not None
     pod_name = pod["metadata"]["name"]
     table = publish.read_table(await memo.kube.read_config_map(namespace, names.affinity_config_map(policy_name)))
-    members: dict[str, Member] = {}
+    members: dict[str, Member] = {}  # every serving pod but this one; those on the old version first
+    old_names: list[str] = []
     for p in await _policy_pods(memo.kube, namespace, policy_name):
         v = pod_view(p)
-        if v.serving and v.name != pod_name and rw.pod_version(p) == old:
+        if v.serving and v.name != pod_name:
             members[v.name] = Member(MemberName(v.name), v.ip or "", v.weight, namespace, v.injected_by or "")
+            if rw.pod_version(p) == old:
+                old_names.append(v.name)
     stats = await memo.sidecars.fleet_stats(members)
+    if not members:
+        progress.source_error = "no other pod serving to read the tenants' prefixes from"
+    elif not stats.per_member:
+        progress.source_error = f"none of the {len(members)} serving sidecars answered"
     holders: dict[str, list[str]] = {}
     for s in stats.per_member:
         for t in s.tenants:
@@ -203,11 +211,14 @@ async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePoli
     ranked: dict[str, list[rw.Prompt]] = {}
     for tenant in tenants:
         answers = []
-        for source in rw.sources(table, tenant, pod_name, members, holders.get(tenant, []))[:SOURCES_PER_TENANT]:
+        for source in rw.sources(table, tenant, pod_name, old_names, holders.get(tenant, []),
+                                 members)[:SOURCES_PER_TENANT]:
             hot = await memo.sidecars.hot(members[source], tenant, warmup.max_tokens, HOT_TIMEOUT_S)
             if hot is not None:
                 answers.append([rw.Prompt(tuple(p.token_ids), p.frequency) for p in hot.prefixes])
         ranked[tenant] = rw.rank(answers)
+        if not answers:
+            progress.source_error = progress.source_error or f"no source answered for tenant {tenant}"
     chosen = rw.spend(ranked, warmup.max_tokens)
     url = f"http://{pod['status']['podIP']}:{warmup.engine_port}{COMPLETIONS_PATH}"
     model = warmup.served_model_name or spec.model.id

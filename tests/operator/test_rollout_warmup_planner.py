@@ -59,6 +59,8 @@ def test_the_gates_condition_is_always_true_and_the_outcome_names_how():
     assert rw.outcome(rw.Tally(failed_prompts=3)) == rw.FAILED
     assert rw.outcome(rw.Tally(prompts=2, failed_prompts=1)) == rw.WARMED
     assert rw.outcome(rw.Tally(prompts=2, timed_out=True)) == rw.TIMED_OUT
+    assert rw.outcome(rw.Tally(source_error="none answered")) == rw.FAILED
+    assert rw.outcome(rw.Tally(prompts=1, source_error="no source answered for tenant b")) == rw.WARMED
     text = rw.message(rw.Tally(tokens=128, prompts=2, tenants=1, cold_tenants=1, failed_prompts=1,
                                engine_error="HTTP 500 boom"), rw.WARMED, 1000, 1.25)
     assert text == ("Warmed: 128 prompt tokens (2 prompts) of 1000 prefilled for 1 tenants in 1.2s; 1 tenants "
@@ -90,6 +92,13 @@ def test_sources_are_the_tenants_old_homes_first_never_the_pod_or_another_versio
     # A holder on the new version (not in old) is never a source; no holders: only homes.
     assert rw.sources(t, "acme", "llm-3", ["llm-0"], holders=["llm-1"]) == [h for h in homes if h == "llm-0"]
     assert rw.sources(None, "acme", "llm-3", ["llm-0", "llm-1"], holders=["llm-1"]) == ["llm-1"]
+    # Pods already on the new version come last, and only when they hold the tenant
+    # (the fleet's last old pod has no old peer left to read from).
+    assert rw.sources(t, "acme", "llm-0", [], holders=["llm-2", "llm-3", "llm-0"],
+                      new_members=["llm-1", "llm-2", "llm-3"]) == sorted(
+        ["llm-2", "llm-3"], key=lambda m: t.order_for("acme").index(m))
+    assert rw.sources(t, "acme", "llm-3", ["llm-0"], holders=["llm-0", "llm-1"], new_members=["llm-1"]) == [
+        "llm-0", "llm-1"]
 
 
 P = rw.Prompt
