@@ -179,6 +179,8 @@ async def _warm_pod(memo, body: dict[str, Any], spec: policy.KVCachePolicySpec, 
     reason = rw.outcome(tally)
     text = rw.message(tally, reason, warmup.max_tokens, seconds)
     await _record(memo, body, pod, tally, reason, text, warmup.max_tokens, seconds)
+    if (metrics := memo.get("rollout_metrics")) is not None:
+        metrics.warmed(namespace, name, reason, tally.tokens)
     await _release(memo.kube, pod, reason, text)
 
 
