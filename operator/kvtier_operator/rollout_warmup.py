@@ -187,6 +187,21 @@ def spend(ranked: Mapping[str, Sequence[Prompt]], max_tokens: int) -> dict[str, 
     return chosen
 
 
+def ask_tokens(max_tokens: int, tenants: int) -> int:
+    """How many tokens to ask each tenant's sources for: twice its even share (room
+    for what the others leave), never more than the whole budget."""
+    if tenants <= 0 or max_tokens <= 0:
+        return 0
+    return min(max_tokens, 2 * -(-max_tokens // tenants))
+
+
+def replay_order(chosen: Mapping[str, Sequence[Prompt]]) -> list[tuple[str, Prompt]]:
+    """Every chosen prompt, the most valuable first whatever its tenant: a deadline
+    that cuts the warm-up short cuts the least valuable ones."""
+    pairs = [(t, p) for t in sorted(chosen) for p in chosen[t]]
+    return sorted(pairs, key=lambda tp: (-tp[1].value, tp[0], tp[1].tokens))
+
+
 @dataclass(frozen=True, slots=True)
 class Tally:
     """What one pod's warm-up did."""

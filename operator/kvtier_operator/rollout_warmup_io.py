@@ -41,6 +41,10 @@ COMPLETIONS_PATH = "/v1/completions"
 HOT_TIMEOUT_S = 5.0
 # Sources asked per tenant: its first two old homes (their prefixes are merged).
 SOURCES_PER_TENANT = 2
+# Requests in flight per warm-up: to the sources' sidecars, and prompts to the engine
+# (an engine batches concurrent prefills; a few keep it busy without crowding it).
+HOT_IN_FLIGHT = 8
+PREFILLS_IN_FLIGHT = 4
 
 
 def _now() -> str:
@@ -210,28 +214,37 @@ async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePoli
     weight = pod_view(pod).weight
     tenants = rw.tenants_of_pod(table, pod_name, weight, holders) if table is not None else sorted(holders)
     progress.tenants = len(tenants)
-    ranked: dict[str, list[rw.Prompt]] = {}
-    for tenant in tenants:
+    ask = rw.ask_tokens(warmup.max_tokens, len(tenants))
+    gate = asyncio.Semaphore(HOT_IN_FLIGHT)
+
+    async def prompts_of(tenant: str) -> list[rw.Prompt]:
         answers = []
         for source in rw.sources(table, tenant, pod_name, old_names, holders.get(tenant, []),
                                  members)[:SOURCES_PER_TENANT]:
-            hot = await memo.sidecars.hot(members[source], tenant, warmup.max_tokens, HOT_TIMEOUT_S)
+            async with gate:
+                hot = await memo.sidecars.hot(members[source], tenant, ask, HOT_TIMEOUT_S)
             if hot is not None:
                 answers.append([rw.Prompt(tuple(p.token_ids), p.frequency) for p in hot.prefixes])
-        ranked[tenant] = rw.rank(answers)
         if not answers:
             progress.source_error = progress.source_error or f"no source answered for tenant {tenant}"
-    chosen = rw.spend(ranked, warmup.max_tokens)
+        return rw.rank(answers)
+
+    ranked = dict(zip(tenants, await asyncio.gather(*(prompts_of(t) for t in tenants))))
+    queue = rw.replay_order(rw.spend(ranked, warmup.max_tokens))
     url = f"http://{pod['status']['podIP']}:{warmup.engine_port}{COMPLETIONS_PATH}"
     model = warmup.served_model_name or spec.model.id
-    for tenant in sorted(chosen):
-        for prompt in chosen[tenant]:
+    pending = iter(queue)
+
+    async def worker() -> None:
+        for tenant, prompt in pending:  # shared: each prompt is taken by one worker
+            if progress.failures_in_a_row >= rw.MAX_ENGINE_FAILURES and not progress.prompts:
+                return  # the engine is down or refusing: WarmupFailed, without the whole deadline
             if await _prefill(memo.http, url, model, tenant, prompt, progress):
                 progress.tokens += len(prompt.tokens)
                 progress.prompts += 1
                 progress.warmed_tenants.add(tenant)
-            elif progress.failures_in_a_row >= rw.MAX_ENGINE_FAILURES and not progress.prompts:
-                return  # the engine is down or refusing: WarmupFailed, without the whole deadline
+
+    await asyncio.gather(*(worker() for _ in range(PREFILLS_IN_FLIGHT)))
 
 
 async def _prefill(http: aiohttp.ClientSession, url: str, model: str, tenant: str, prompt: rw.Prompt,

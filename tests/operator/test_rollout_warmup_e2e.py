@@ -171,7 +171,7 @@ def test_a_new_version_pod_is_held_out_until_warmed_then_serves_its_tenants_hott
     port = free_port()
     agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
     # Each completion takes a while, so the gated pod is seen not Ready with its containers up.
-    fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "90s", "enginePort": port}, port, delay_s=0.5)
+    fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "90s", "enginePort": port}, port, delay_s=2.0)
     # First creation: every pod's gate released at once, NotRolledOut.
     for p in fleet.pods().values():
         assert [g["conditionType"] for g in p["spec"]["readinessGates"]] == [names.WARM_GATE]
@@ -301,7 +301,7 @@ def test_an_operator_restarted_mid_warm_up_warms_the_pod_again_and_releases_it(
         operator, kubectl, node_agent_factory):
     port = free_port()
     agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
-    fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "2m", "enginePort": port}, port, delay_s=1.0)
+    fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "2m", "enginePort": port}, port, delay_s=5.0)
     roll_out(kubectl)
     canary = canary_on_new(fleet)["metadata"]["name"]
     wait_for("the canary up and held out", lambda: (

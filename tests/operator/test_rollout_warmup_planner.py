@@ -195,3 +195,10 @@ def test_a_policy_being_deleted_gives_new_pods_no_gate():
         patch = injection.inject(serving_pod(), "llm", policy.KVCachePolicySpec.model_validate(e[1]),
                                  injection.SidecarImage())
         assert any(g["conditionType"] == names.WARM_GATE for g in patch["spec"].get("readinessGates", [])) == gated
+
+
+def test_sources_are_asked_for_twice_a_share_and_replays_go_most_valuable_first():
+    assert rw.ask_tokens(4096, 2) == 4096 and rw.ask_tokens(4096, 8) == 1024 and rw.ask_tokens(10, 3) == 8
+    assert rw.ask_tokens(0, 3) == 0 and rw.ask_tokens(100, 0) == 0
+    chosen = {"b": [P((1, 2), 5.0), P((3,), 1.0)], "a": [P((4, 5, 6), 1.0)]}
+    assert rw.replay_order(chosen) == [("b", P((1, 2), 5.0)), ("a", P((4, 5, 6), 1.0)), ("b", P((3,), 1.0))]
