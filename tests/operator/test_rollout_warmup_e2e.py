@@ -363,3 +363,21 @@ def test_source_sidecars_gone_release_the_gate_as_failed_and_the_pod_serves_cold
         wait_for("the canary Ready, cold", lambda: is_ready(fleet.pod(canary) or {}), timeout_s=TIMEOUT_S)
     finally:
         agent.kill(kubectl.namespace, old_pod, names.SIDECAR_CONTAINER, sig=signal.SIGCONT)
+
+
+def test_an_engine_answering_errors_releases_the_gate_as_failed_with_its_answer(
+        operator, kubectl, node_agent_factory):
+    port = free_port()
+    agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
+    # A served model name the engine does not serve: every completion is a 404.
+    fleet = start(kubectl, agent, {"maxTokens": 4096, "enginePort": port, "servedModelName": "not-served"}, port)
+    roll_out(kubectl)
+    canary = canary_on_new(fleet)["metadata"]["name"]
+    released = wait_for("the canary's gate released", lambda: (
+        (p := fleet.pod(canary)) is not None and (gate(p) or {}).get("status") == "True" and p), timeout_s=TIMEOUT_S)
+    assert gate(released)["reason"] == rw.FAILED, gate(released)
+    assert "engine: HTTP 404" in gate(released)["message"] and "not-served" in gate(released)["message"]
+    record = wait_for("the warm-up record", lambda: warmups(kubectl).get(canary))
+    assert (record["outcome"], record["prompts"], record["tokens"], record["coldTenants"]) == (
+        rw.FAILED, 0, 0, len(TENANTS))
+    fleet.ready()
