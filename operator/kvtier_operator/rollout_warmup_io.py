@@ -7,8 +7,9 @@ stays short: it reads the tenant's hottest prefixes from the old version's sidec
 through the new pod's engine — POST http://<podIP>:<enginePort>/v1/completions with
 `{"model", "prompt": [token ids], "max_tokens": 1, "cache_salt": <tenant>}`, the
 salt the connector reads the tenant from — so the engine prefills them and its
-sidecar stores their KV under the new version. Within the policy's budget and
-deadline; then the outcome is recorded in `status.rollout.warmups` (and an Event), and
+sidecar stores their KV under the new version (most valuable first, a few in flight;
+after `MAX_ENGINE_FAILURES` refusals with nothing warmed it gives up). Within the
+policy's budget and deadline; then the outcome is recorded in `status.rollout.warmups` (and an Event), and
 the gate released, in that order: a restart in between warms the pod again, which its
 engine answers from its cache.
 
