@@ -202,3 +202,26 @@ def test_sources_are_asked_for_twice_a_share_and_replays_go_most_valuable_first(
     assert rw.ask_tokens(0, 3) == 0 and rw.ask_tokens(100, 0) == 0
     chosen = {"b": [P((1, 2), 5.0), P((3,), 1.0)], "a": [P((4, 5, 6), 1.0)]}
     assert rw.replay_order(chosen) == [("b", P((1, 2), 5.0)), ("a", P((4, 5, 6), 1.0)), ("b", P((3,), 1.0))]
+
+
+def test_a_steps_history_and_event_sum_up_the_warm_ups_of_its_rollout():
+    from datetime import datetime, timezone
+
+    from kvtier_operator.rollout import PodSample
+
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    s = spec(warmup={}, recovery={"minLookups": 1, "threshold": 0.5})
+    warm = [policy.PodWarmup(pod="llm-3", version=NEW, outcome="Warmed", tokens=384, finished_at=now),
+            policy.PodWarmup(pod="llm-9", version=OLD, outcome="Warmed", tokens=999, finished_at=now),  # another rollout
+            policy.PodWarmup(pod="llm-2", version=NEW, outcome="WarmupTimedOut", tokens=16, finished_at=now)]
+    status = policy.RolloutStatus(target_version=NEW, step=1, baseline_hit_rate=0.5, step_started_at=now,
+                                  warmups=warm)
+    pods = (PodSample("llm-3", NEW, True, 10, 90, 100), PodSample("llm-0", OLD, True, 10, 50, 100))
+    advanced = plan(s.rollout, NEW, OLD, status, "RollingOut", Observed(Workload(4, NEW, 3), pods, now, 1000.0))
+    assert advanced.kind == "advance"
+    summary = "warm-before-ready so far: 1 pods warmed, 0 failed, 1 timed out, 400 prompt tokens prefilled"
+    assert summary in advanced.rollout.history[-1].message and summary in advanced.event[2]
+    assert advanced.rollout.warmups == warm  # kept for the steps to come
+    bare = plan(s.rollout, NEW, OLD, status.model_copy(update={"warmups": []}), "RollingOut",
+                Observed(Workload(4, NEW, 3), pods, now, 1000.0))
+    assert "warm-before-ready so far" not in bare.rollout.history[-1].message
