@@ -599,6 +599,41 @@ class LocalCache:
             return [(n.root, np.frombuffer(self._index.prefix_tokens(n), dtype=TOKEN_DTYPE).copy())
                     for n in chosen if id(n) not in inner]
 
+    def hot_prompts(self, tenant: str, max_tokens: int) -> list[tuple[KeyRoot, np.ndarray, float]]:
+        """The tenant's cached prefixes worth replaying to warm a new engine, best
+        first: (key root, token ids of a whole-block prefix, its frequency), ranked by
+        expected saving — each block's decayed hit frequency times its tokens, summed
+        along the prefix (so frequency x length; the frequency given is that sum over
+        the length) — within `max_tokens` tokens newly covered (blocks shared with a
+        chosen prefix count once: the engine finds them warm). A prefix inside a longer
+        chosen one is not listed."""
+        with self._lock:
+            now = self.clock()
+            freq = self._index.policy.frequency
+            scored = []
+            for n in self._index.iter_nodes(lambda r: r.tenant == tenant):
+                path = self._index.path(n)
+                scored.append((sum(freq(p.freq, now) * len(p.slots) for p in path) * self.block_size, n, path))
+            scored.sort(key=lambda s: (-s[0], -s[1].end_block))
+            covered: set[int] = set()
+            chosen: list[tuple[float, Node, list[Node]]] = []
+            budget = max_tokens
+            for value, n, path in scored:
+                new = sum(len(p.slots) for p in path if id(p) not in covered) * self.block_size
+                if new == 0 or new > budget:
+                    continue
+                budget -= new
+                covered.update(id(p) for p in path)
+                chosen.append((value, n, path))
+            inner = {id(p) for _, _, path in chosen for p in path[:-1]}
+            out = []
+            for value, n, _path in chosen:
+                if id(n) in inner:
+                    continue
+                tokens = np.frombuffer(self._index.prefix_tokens(n), dtype=TOKEN_DTYPE).copy()
+                out.append((n.root, tokens, value / len(tokens) if len(tokens) else 0.0))
+            return out
+
     def stats(self, tenant: str | None = None) -> CacheStats:
         with self._lock:
             if tenant is None:  # kept as running totals: no walk over the tenants

@@ -7,6 +7,7 @@ URLs from it; no path is spelled anywhere else):
     POST /cache/invalidate       InvalidateRequest -> 202 InvalidateAccepted
     POST /cache/warm             WarmRequest       -> 202 WarmAccepted (409 ErrorBody: peer tier off)
     POST /cache/drain/done       -> 202 DrainDone (409 ErrorBody: not draining)
+    GET  /cache/hot?tenant=T&max_tokens=N -> HotPrompts: T's hottest prefixes' token ids
     GET  /cache/jobs             -> Jobs: {job id: Job}
     GET  /metrics                -> Prometheus text
     GET  /healthz                -> Health
@@ -39,6 +40,10 @@ MAX_NAME_CHARS = 256
 # Largest warm-up one request may ask for: 4 TiB is beyond any node's DRAM tier, and a
 # bound keeps a typo (10**30) a clear 422 instead of an integer no code path expects.
 MAX_WARM_BYTES = 4 << 40
+# Most tokens one `GET /cache/hot` answers with (about 8 MiB of JSON): a rollout's
+# per-pod warm-up budget is far below it (`policy.MAX_ROLLOUT_WARM_TOKENS` per pod is
+# split over the pod's tenants and asked per tenant).
+MAX_HOT_TOKENS = 1 << 20
 
 
 # The audience of the operator's token for one sidecar: its pod's own, so a token one
@@ -305,6 +310,24 @@ class SidecarStats(TenantStats):
     nvme: NvmeReport | None = None
 
 
+class HotPrompt(_Answer):
+    """One cached prefix: its token ids (whole blocks) and its decayed hit frequency."""
+
+    token_ids: list[int]
+    frequency: float
+
+
+class HotPrompts(_Answer):
+    """`GET /cache/hot`: one tenant's prefixes worth prefilling on a new engine, best
+    first (frequency x length), within `max_tokens` newly covered tokens. Only the
+    tenant asked for: another tenant's token ids are never in it."""
+
+    tenant: str
+    max_tokens: int
+    tokens: int  # the token ids listed, all prefixes together
+    prefixes: list[HotPrompt] = Field(default_factory=list)
+
+
 class Health(_Answer):
     ok: Literal[True] = True
 
@@ -353,8 +376,9 @@ INVALIDATE = Route("invalidate", "POST", "/cache/invalidate", InvalidateRequest,
 WARM = Route("warm", "POST", "/cache/warm", WarmRequest, WarmAccepted, 202)
 DRAIN_DONE = Route("drain_done", "POST", "/cache/drain/done", None, DrainDone, 202)
 JOBS = Route("jobs", "GET", "/cache/jobs", None, Jobs)
+HOT = Route("hot", "GET", "/cache/hot", None, HotPrompts)  # ?tenant=T&max_tokens=N
 METRICS = Route("metrics", "GET", "/metrics", None, None)
 HEALTHZ = Route("healthz", "GET", "/healthz", None, Health)
 READYZ = Route("readyz", "GET", "/readyz", None, Readiness)
 
-ROUTES: tuple[Route, ...] = (STATS, INVALIDATE, WARM, DRAIN_DONE, JOBS, METRICS, HEALTHZ, READYZ)
+ROUTES: tuple[Route, ...] = (STATS, INVALIDATE, WARM, DRAIN_DONE, JOBS, HOT, METRICS, HEALTHZ, READYZ)

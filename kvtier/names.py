@@ -37,6 +37,10 @@ PENDING_EPOCH_ANNOTATION = f"{PREFIX}/pending-epoch"
 # A person's rollout control on the policy: "<promote|abort|retry|pause|resume>/<id>"
 # (kubectl kvtier rollout ...); acted on once, remembered in status.rollout.handledRequest.
 ROLLOUT_REQUEST_ANNOTATION = f"{PREFIX}/rollout-request"
+# Warm-before-ready: the readiness gate (pod condition type) the webhook adds to a
+# policy's pods when spec.rollout.warmup is set; the operator sets it True once the pod
+# is warmed (or its warm-up failed or ran out of time, or it was not rolled out).
+WARM_GATE = f"{PREFIX}/warm"
 
 # --- the pod's environment -------------------------------------------------------------
 # The downward API's pod identity: the sidecar names its arena and engine socket after

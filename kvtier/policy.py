@@ -44,6 +44,18 @@ SHORT_NAMES = ("kvcp",)
 DEFAULT_WARM_MAX_BYTES = "1Gi"
 # A new epoch waits at most this long for warm-ups: membership changes must not stall.
 DEFAULT_WARM_TIMEOUT = "30s"
+# Warm-before-ready (spec.rollout.warmup): per new-version pod, prefill at most this many
+# prompt tokens of its tenants' hottest prefixes through its own engine ...
+DEFAULT_ROLLOUT_WARM_TOKENS = 65536
+# ... within this deadline, then its readiness gate is released warm or not: a rollout
+# step never waits on a warm-up for longer.
+DEFAULT_ROLLOUT_WARM_TIMEOUT = "2m"
+# Bounds: past these a budget is a typo (a pod prefilling 10M tokens before serving is
+# an outage, not a warm-up), refused at apply.
+MAX_ROLLOUT_WARM_TOKENS = 10_000_000
+MAX_ROLLOUT_WARM_TIMEOUT_S = 3600
+# The engine container's OpenAI-compatible HTTP port (vLLM's default).
+DEFAULT_ENGINE_PORT = 8000
 # Default rollout: one canary pod, then 10%, 50%, 100%: each step doubles or more the
 # pods that start cold, and the canary shows a bad version on one pod first.
 DEFAULT_CANARY_PODS = 1
@@ -397,6 +409,35 @@ class Recovery(_Wire):
         return parse_duration_s(self.interval)
 
 
+class Warmup(_Wire):
+    """Warm-before-ready: each pod a rollout moves to the new weights version is held
+    out of traffic by the readiness gate `kvtier.io/warm` until it has prefilled its
+    tenants' hottest prefixes (from their current homes' sidecars, ranked by frequency x
+    length) through its own engine, at most `maxTokens` prompt tokens within `timeout`;
+    then the gate is released, warm or not. `maxTokens: 0` turns it off."""
+
+    max_tokens: int = Field(DEFAULT_ROLLOUT_WARM_TOKENS, ge=0, le=MAX_ROLLOUT_WARM_TOKENS,
+                            description="per-pod prefill budget in prompt tokens (0: no warm-up)")
+    timeout: str = Field(DEFAULT_ROLLOUT_WARM_TIMEOUT, min_length=2, max_length=16, pattern=DURATION_PATTERN,
+                         description="the per-pod deadline, e.g. 2m; then the gate is released anyway")
+    engine_port: int = Field(DEFAULT_ENGINE_PORT, ge=1, le=65535,
+                             description="the engine container's OpenAI-compatible HTTP port")
+    served_model_name: str | None = Field(default=None, min_length=1, max_length=_MAX_NAME,
+                                          description="the engine's served model name (default: model.id)")
+
+    CEL_RULES = (
+        CelRule(
+            f"duration(self.timeout) >= duration('1s') && duration(self.timeout) <= duration('{MAX_ROLLOUT_WARM_TIMEOUT_S}s')",
+            "rollout.warmup.timeout must be between 1s and 1h, e.g. 2m: past it a new pod waits out of traffic",
+            lambda s: 1 <= parse_duration_s(s.timeout) <= MAX_ROLLOUT_WARM_TIMEOUT_S,
+        ),
+    )
+
+    @property
+    def timeout_s(self) -> int:
+        return parse_duration_s(self.timeout)
+
+
 class Rollout(_Wire):
     """Weights-version rollout: `canaryPods` new-version pods first, then `steps`
     (percent of the fleet, strictly increasing, ending at 100)."""
@@ -413,6 +454,12 @@ class Rollout(_Wire):
     )
     recovery: Recovery = _section(Recovery)
     on_failure: Literal["rollback", "pause"] = "rollback"
+    warmup: Warmup | None = Field(default=None, description="warm-before-ready (absent: new pods start cold)")
+
+    @property
+    def warms(self) -> bool:
+        """Warm-before-ready is on: a warmup section with a budget."""
+        return self.warmup is not None and self.warmup.max_tokens > 0
 
     CEL_RULES = (
         CelRule(
@@ -599,6 +646,27 @@ class RolloutRecord(_Wire):
     message: str = ""
 
 
+# status.rollout.warmups entries kept (one per pod a rollout moved; the newest).
+MAX_WARMUPS = 64
+
+
+class PodWarmup(_Wire):
+    """How one pod's warm-before-ready went (`spec.rollout.warmup`): what it prefilled
+    through its engine before its readiness gate was released."""
+
+    pod: str = Field(max_length=_MAX_NAME)
+    version: str = Field(max_length=80)
+    outcome: Literal["Warmed", "WarmupFailed", "WarmupTimedOut"]
+    tokens: int = Field(0, ge=0, description="prompt tokens prefilled")
+    prompts: int = Field(0, ge=0)
+    tenants: int = Field(0, ge=0, description="tenants with at least one prefix prefilled")
+    cold_tenants: int = Field(0, ge=0, description="the pod's tenants left cold (nothing to warm from, or failed)")
+    budget_tokens: int = Field(0, ge=0)
+    seconds: float = Field(0.0, ge=0)
+    finished_at: datetime
+    message: str = Field("", max_length=1024)
+
+
 class AnalysisStatus(_Wire):
     """The measurements of the current step (prometheus and alarm sources)."""
 
@@ -628,6 +696,8 @@ class RolloutStatus(_Wire):
     handled_request: str | None = Field(default=None, max_length=128,
                                         description=f"the last {names.ROLLOUT_REQUEST_ANNOTATION} acted on")
     history: list[RolloutRecord] = Field(default_factory=list, max_length=MAX_HISTORY)
+    warmups: list[PodWarmup] = Field(default_factory=list, max_length=MAX_WARMUPS,
+                                     description="warm-before-ready, per pod this rollout moved (the newest)")
 
 
 class KVCachePolicyStatus(_Wire):

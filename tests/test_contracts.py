@@ -245,7 +245,7 @@ def test_the_route_table_is_whole_and_the_sidecar_serves_exactly_it():
     served = {(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
     assert served == {(r.method, r.path) for r in routes}
     assert {r.path for r in routes if r.protected} == {"/cache/stats", "/cache/invalidate", "/cache/warm",
-                                                       "/cache/drain/done", "/cache/jobs"}
+                                                       "/cache/drain/done", "/cache/jobs", "/cache/hot"}
     assert control_api.STATS.url("https://h:1", tenant="t/a") == "https://h:1/cache/stats?tenant=t%2Fa"
     assert control_api.STATS.url(tenant=None) == "/cache/stats"
 

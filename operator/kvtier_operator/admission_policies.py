@@ -34,8 +34,13 @@ LIST_TIMEOUT_S = 2.0
 
 
 def entry(name: str, spec: Mapping[str, Any], meta: Mapping[str, Any]) -> Entry:
-    """One policy as the webhook needs it (the index stores the same tuple)."""
-    return name, dict(spec), meta.get("creationTimestamp") or ""
+    """One policy as the webhook needs it (the index stores the same tuple). A policy
+    being deleted gives its new pods no warm-before-ready gate: no rollout will warm
+    them, and its finalizer's last gate release may already have run."""
+    spec = dict(spec)
+    if meta.get("deletionTimestamp") and isinstance(spec.get("rollout"), Mapping) and "warmup" in spec["rollout"]:
+        spec["rollout"] = {k: v for k, v in spec["rollout"].items() if k != "warmup"}
+    return name, spec, meta.get("creationTimestamp") or ""
 
 
 def entries_of(items: Iterable[dict[str, Any]]) -> list[Entry]:

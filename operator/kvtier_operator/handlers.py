@@ -30,7 +30,7 @@ from kubernetes.client.rest import ApiException
 from kvtier import policy
 
 from kvtier_operator import (admission_policies, conflicts, control_certs, hit_rate, injection, metrics, names,
-                             publish, reconcile, rollout_teardown, sidecar_render, webhook_gate)
+                             publish, reconcile, rollout_teardown, rollout_warmup_io, sidecar_render, webhook_gate)
 from kvtier_operator.kube import Kube
 from kvtier_operator.membership import PodView, pod_view
 from kvtier_operator.options import (
@@ -131,6 +131,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    await rollout_warmup_io.stop_all(memo)
     await memo.sidecars.close()
     await memo.http.close()
     if memo.metrics_runner is not None:
@@ -291,11 +292,15 @@ async def inject_sidecar(
 @kopf.on.delete(*POLICY)
 async def policy_deleted(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body, memo: kopf.Memo,
                          **_: Any) -> None:
+    # No pod may wait on a warm-up gate nobody will release (and the workload below
+    # waits for ready pods): every gate of the policy's pods first, on every retry.
+    await rollout_warmup_io.release_all(memo, namespace, name)
     # First the workload: a rollout in flight goes back to the stable version once this
     # operator's webhook serves (retried by kopf until the pods converge), then the
     # policy's own objects.
     await rollout_teardown.settle_workload(memo.kube, dict(body), _poster(dict(body)),
                                            lambda: webhook_gate.serving(memo))
+    await rollout_warmup_io.release_all(memo, namespace, name)  # and the pods the rollback recreated
     redis_spec = spec.get("redis") or {}
     try:
         parsed = policy.KVCachePolicySpec.model_validate(dict(spec)) if redis_spec else None

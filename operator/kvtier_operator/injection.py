@@ -28,6 +28,9 @@ Added to the pod:
     terminationGracePeriodSeconds raised (never lowered) to cover the sidecar's drain:
                                     after SIGTERM it serves peers while the operator warms
                                     its tenants on their new homes
+    readinessGates + kvtier.io/warm   (only with spec.rollout.warmup and a workloadRef: the
+                                    operator releases it once a pod a rollout moved is
+                                    warmed, at once for any other pod; `rollout_warmup`)
     metadata.annotations[kvtier.io/injected-by] = <policy name>
     metadata.labels[kvtier.io/injected-by]      = the same (a label value: `names.injected_label_value`);
                                     removed from every pod the webhook does not inject
@@ -154,6 +157,9 @@ def inject(
         patch_spec["initContainers"] = [*init_containers, sidecar]
     else:
         new_containers.append(sidecar)
+    gates = list(pod_spec.get("readinessGates") or [])
+    if warm_gated(spec) and not any(g.get("conditionType") == names.WARM_GATE for g in gates):
+        patch_spec["readinessGates"] = [*gates, {"conditionType": names.WARM_GATE}]
     grace = pod_spec.get("terminationGracePeriodSeconds")
     needed = sidecar_grace_s()
     if (KUBERNETES_DEFAULT_GRACE_S if grace is None else grace) < needed:
@@ -163,6 +169,13 @@ def inject(
                      "labels": {names.INJECTED_LABEL: names.injected_label_value(policy_name)}},
         "spec": patch_spec,
     }
+
+
+def warm_gated(spec: policy.KVCachePolicySpec) -> bool:
+    """Pods of this policy carry the warm-before-ready readiness gate: a warm-up is
+    configured (`spec.rollout.warmup`, a budget above 0) and there is a rollout to
+    drive it (`workloadRef`). Otherwise pods are admitted exactly as before."""
+    return spec.rollout.warms and spec.workload_ref is not None
 
 
 def unforged(pod: dict[str, Any]) -> dict[str, Any] | None:

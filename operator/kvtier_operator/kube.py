@@ -286,3 +286,17 @@ class Kube:
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         pods = await asyncio.to_thread(self.core.list_namespaced_pod, namespace, label_selector=label_selector)
         return self.core.api_client.sanitize_for_serialization(pods).get("items") or []
+
+    async def patch_pod_condition(self, namespace: str, name: str, uid: str, condition: dict[str, Any]) -> bool:
+        """Set one condition of a pod's status (pods/status, strategic merge: the
+        conditions merge by type, so kubelet's own stay). `uid` guards against a pod
+        recreated under the same name. False when the pod is gone or was replaced."""
+        body = {"metadata": {"uid": uid}, "status": {"conditions": [condition]}}
+        try:
+            await asyncio.to_thread(self.core.patch_namespaced_pod_status, name, namespace, body,
+                                    _content_type="application/strategic-merge-patch+json")
+        except ApiException as exc:
+            if exc.status in (404, 409, 422):
+                return False
+            raise
+        return True

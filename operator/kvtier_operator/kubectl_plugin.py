@@ -91,6 +91,10 @@ def status_lines(policy: dict[str, Any]) -> list[str]:
         for h in r.get("history") or []:
             lines.append(f"  step {h['step']:>2} {h['outcome']:<10} {_rate(h.get('hitRate'))}  {h.get('time', '')}  "
                          f"{h.get('message', '')[:160]}")
+        for w in r.get("warmups") or []:  # warm-before-ready, per pod the rollout moved
+            lines.append(f"  warm {w['pod']:<20} {w['outcome']:<15} {w.get('tokens', 0)}/{w.get('budgetTokens', 0)} "
+                         f"tokens, {w.get('tenants', 0)} tenants warm, {w.get('coldTenants', 0)} cold, "
+                         f"{w.get('seconds', 0)}s")
     for c in status.get("conditions") or []:
         if c["type"].startswith("Rollout") or c["type"] == "RolledBack":  # incl. RolloutRequest
             lines.append(f"Condition:     {c['type']}={c['status']} ({c['reason']}): {c.get('message', '')[:200]}")

@@ -41,6 +41,9 @@ class RolloutMetrics:
         self.rollouts: dict[tuple[str, str], RolloutGauges] = {}
         # (namespace, policy, plan kind) -> count: every decision the rollout tick took.
         self.decisions: collections.Counter = collections.Counter()
+        # Warm-before-ready: (namespace, policy, outcome) -> pods; (namespace, policy) -> tokens.
+        self.warmups: collections.Counter = collections.Counter()
+        self.warmed_tokens: collections.Counter = collections.Counter()
 
     def observe(self, namespace: str, policy: str, status: KVCachePolicyStatus, steps: int, threshold: float) -> None:
         r = status.rollout
@@ -54,6 +57,11 @@ class RolloutMetrics:
 
     def decided(self, namespace: str, policy: str, kind: str) -> None:
         self.decisions[(namespace, policy, kind)] += 1
+
+    def warmed(self, namespace: str, policy: str, outcome: str, tokens: int) -> None:
+        """One pod's warm-up ended (Warmed, WarmupFailed, WarmupTimedOut)."""
+        self.warmups[(namespace, policy, outcome)] += 1
+        self.warmed_tokens[(namespace, policy)] += tokens
 
     def forget(self, namespace: str, policy: str) -> None:
         self.rollouts.pop((namespace, policy), None)
@@ -90,6 +98,16 @@ class RolloutMetrics:
         for (ns, pol, kind), n in sorted(self.decisions.items()):
             decisions.add_metric([ns, pol, kind], n)
         yield decisions
+        warmups = CounterMetricFamily("kvtier_rollout_warmups", "Pods a rollout warmed before ready, by outcome",
+                                      labels=["namespace", "policy", "outcome"])
+        for (ns, pol, outcome), n in sorted(self.warmups.items()):
+            warmups.add_metric([ns, pol, outcome], n)
+        yield warmups
+        tokens = CounterMetricFamily("kvtier_rollout_warmup_tokens", "Prompt tokens prefilled by warm-before-ready",
+                                     labels=["namespace", "policy"])
+        for (ns, pol), n in sorted(self.warmed_tokens.items()):
+            tokens.add_metric([ns, pol], n)
+        yield tokens
 
     def render(self) -> bytes:
         registry = CollectorRegistry(auto_describe=False)

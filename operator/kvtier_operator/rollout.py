@@ -547,6 +547,8 @@ def _advance_with(ctx: _Ctx, step: int, rate: float | None, evidence: str, summa
     assert status is not None
     nxt = step + 1
     n = ctx.schedule[nxt - 1]
+    warm = _warm_summary(status)
+    evidence, summary = evidence + warm, (summary + warm if summary else None)
     record = _record(ctx, step, outcome, rate, evidence)
     rollout = status.model_copy(update={
         "step": nxt, "canary_percent": _percent(n, w.replicas), "current_hit_rate": rate,
@@ -568,12 +570,14 @@ def _complete(ctx: _Ctx, rec: StepRecovery) -> Plan:
 def _complete_with(ctx: _Ctx, rate: float | None, evidence: str) -> Plan:
     status = ctx.status
     assert status is not None
+    warm = _warm_summary(status)
+    evidence += warm
     record = _record(ctx, status.step, "completed", rate, evidence)
     rollout = status.model_copy(update={"current_hit_rate": rate, "canary_percent": 100,
                                         "expected_cold_prefill_tokens_per_s": 0.0, "paused_reason": None,
                                         "history": _appended(status.history, record)})
     message = (f"{ctx.target} serves the whole fleet ({ctx.observed.workload.replicas} pods): hit rate "
-               f"{_fmt(rate)} vs baseline {_fmt(status.baseline_hit_rate)}")
+               f"{_fmt(rate)} vs baseline {_fmt(status.baseline_hit_rate)}{warm}")
     return Plan("complete", rollout=rollout, phase="Ready", version=ctx.target,
                 workload=WorkloadPatch(ctx.target, 0),
                 conditions=(Observation(PROGRESSING, "False", "Completed", message),),
@@ -665,7 +669,28 @@ def _step_text(ctx: _Ctx, step: int, rollout: RolloutStatus) -> str:
     rec = ctx.spec.recovery
     return (f"step {step}/{len(ctx.schedule)}: {n}/{r} pods ({rollout.canary_percent}%) on the new version, "
             f"expected cold-cache prefill up to {rollout.expected_cold_prefill_tokens_per_s:,.0f} tokens/s; "
-            f"recovery: hit rate >= {rec.threshold} x baseline over >= {rec.min_lookups} lookups within {rec.window}")
+            f"recovery: hit rate >= {rec.threshold} x baseline over >= {rec.min_lookups} lookups within {rec.window}"
+            + _warm_text(ctx.spec))
+
+
+def _warm_summary(status: RolloutStatus) -> str:
+    """The rollout's warm-before-ready so far, for the history and the step's Event:
+    pods by outcome, prompt tokens prefilled (nothing when no pod was warmed)."""
+    mine = [w for w in status.warmups if w.version == status.target_version]
+    if not mine:
+        return ""
+    by = {o: sum(w.outcome == o for w in mine) for o in ("Warmed", "WarmupFailed", "WarmupTimedOut")}
+    return (f"; warm-before-ready so far: {by['Warmed']} pods warmed, {by['WarmupFailed']} failed, "
+            f"{by['WarmupTimedOut']} timed out, {sum(w.tokens for w in mine):,} prompt tokens prefilled")
+
+
+def _warm_text(spec: Rollout) -> str:
+    """The step's warm-before-ready budget, for its capacity-event message."""
+    w = spec.warmup
+    if w is None or not spec.warms:
+        return ""
+    return (f"; warm-before-ready: each new pod prefills up to {w.max_tokens:,} prompt tokens of its tenants' "
+            f"hottest prefixes within {w.timeout} before it takes traffic")
 
 
 def _record(ctx: _Ctx, step: int, outcome: str, rate: float | None, message: str) -> RolloutRecord:

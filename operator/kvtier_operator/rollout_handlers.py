@@ -1,5 +1,6 @@
 """kopf side of the weights-version rollout: a timer per policy with a `workloadRef`
-that runs `rollout_reconcile.reconcile_rollout` under the policy's status lock."""
+that runs `rollout_reconcile.reconcile_rollout` under the policy's status lock, then
+the warm-before-ready gates of the policy's pods (`rollout_warmup_io.reconcile`)."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,7 @@ import kopf
 
 from kvtier import policy
 
-from kvtier_operator import rollout, webhook_gate
+from kvtier_operator import rollout, rollout_warmup_io, webhook_gate
 from kvtier_operator.registry import PolicyKey, PolicyRegistry
 from kvtier_operator.rollout_reconcile import reconcile_rollout
 
@@ -26,16 +27,21 @@ def _has_workload(spec: kopf.Spec, **_: Any) -> bool:
 
 @kopf.timer(*POLICY, id="rollout", interval=ROLLOUT_INTERVAL_S, when=_has_workload)
 async def rollout_tick(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    if not await webhook_gate.serving(memo):  # a step recreates pods: they need the webhook
+    serving = await webhook_gate.serving(memo)
+    if not serving:  # a step recreates pods: they need the webhook
         log.info("rollout of %s/%s waits: this operator's injection webhook does not serve yet", namespace, name)
-        return
     registry: PolicyRegistry = memo.policies
     async with registry.lock(PolicyKey(namespace, name)):  # one status writer at a time
         body = await memo.kube.read_policy(namespace, name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return
-        plan = await reconcile_rollout(memo.kube, memo.sidecars, body, memo.http)
-        _observe_metrics(memo, namespace, name, plan)
+        plan = None
+        if serving:
+            plan = await reconcile_rollout(memo.kube, memo.sidecars, body, memo.http)
+            _observe_metrics(memo, namespace, name, plan)
+        # Warm-before-ready gates: released or warmed even while no step is taken (a
+        # pod must never wait on a webhook for its gate).
+        await rollout_warmup_io.reconcile(memo, body, plan.status if plan is not None else None)
 
 
 def _observe_metrics(memo: kopf.Memo, namespace: str, name: str, plan: rollout.Plan | None) -> None:

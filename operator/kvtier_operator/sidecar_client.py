@@ -1,5 +1,5 @@
 """The operator's calls to the sidecars' HTTP control API: stats (known tenants, hit
-rate) and warm-ups. Every fault — a sidecar down, slow, or answering garbage — is a
+rate), warm-ups, and a tenant's hottest prefixes (a rollout's warm-before-ready). Every fault — a sidecar down, slow, or answering garbage — is a
 missing answer, never an exception: it costs a cold tenant, not a stuck operator.
 
 Over HTTPS (`ControlTls`): each call connects to the pod IP and verifies the sidecar's
@@ -208,7 +208,7 @@ class SidecarClient:
         return self._token.headers()
 
     async def _call(self, route: api.Route, member: Member, timeout: aiohttp.ClientTimeout,
-                    json_body: Any = None) -> aiohttp.ClientResponse:
+                    json_body: Any = None, query: Mapping[str, str] | None = None) -> aiohttp.ClientResponse:
         """The request for `route`, to be used as `async with`; over TLS, verified for the member's
         policy. NotReachable, aiohttp.ClientError (a certificate that does not verify is
         a ClientConnectorCertificateError) and timeouts are the caller's missing answer."""
@@ -219,8 +219,8 @@ class SidecarClient:
             if not member.policy or not member.namespace:
                 raise NotReachable(f"{member.name} names no injecting policy: no certificate name to verify")
             kwargs.update(ssl=self.tls.context, server_hostname=control_tls.server_name(member.namespace, member.policy))
-        return self._session.request(route.method, route.url(member.http_url(self.http_port, self.tls is not None)),
-                                     **kwargs)
+        return self._session.request(
+            route.method, route.url(member.http_url(self.http_port, self.tls is not None), **(query or {})), **kwargs)
 
     async def close(self) -> None:
         await self._session.close()
@@ -264,6 +264,26 @@ class SidecarClient:
             except (aiohttp.ClientError, asyncio.TimeoutError, NotReachable) as exc:
                 log.info("leaving pod %s not released: %s", member.name, exc)
         await asyncio.gather(*(done(m) for m in leavers.values()))
+
+    async def hot(self, member: Member, tenant: str, max_tokens: int,
+                  timeout_s: float = STATS_TIMEOUT_S) -> api.HotPrompts | None:
+        """`tenant`'s hottest prefixes on `member` (`GET /cache/hot`), within
+        `max_tokens`; None when it does not answer (a missing answer, as always)."""
+        query = {"tenant": tenant, "max_tokens": str(min(max_tokens, api.MAX_HOT_TOKENS))}
+        try:
+            async with await self._call(api.HOT, member, aiohttp.ClientTimeout(total=timeout_s), query=query) as resp:
+                if resp.status != 200:
+                    log.info("no hot prefixes of %s from %s: HTTP %s %s", tenant, member.name, resp.status,
+                             (await resp.text())[:200])
+                    return None
+                answer = api.HotPrompts.model_validate(await resp.json())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, NotReachable) as exc:
+            log.info("no hot prefixes of %s from %s: %s", tenant, member.name, exc)
+            return None
+        if answer.tenant != tenant:  # never another tenant's token ids
+            log.warning("hot prefixes from %s name tenant %r, asked %r: ignored", member.name, answer.tenant, tenant)
+            return None
+        return answer
 
     async def warm_all(
         self, requests: Iterable[WarmTask], members: Mapping[str, Member], timeout_s: float,

@@ -229,6 +229,9 @@ class DramTier:
     def hot_prefixes(self, tenant: str, max_bytes: int) -> list[tuple[KeyRoot, np.ndarray]]:
         return self.cache.hottest_prefixes(tenant, max_bytes)
 
+    def hot_prompts(self, tenant: str, max_tokens: int) -> list[tuple[KeyRoot, np.ndarray, float]]:
+        return self.cache.hot_prompts(tenant, max_tokens)
+
     # -- control ------------------------------------------------------------------------
 
     def invalidate(self, predicate) -> int:

@@ -11,6 +11,8 @@ routes are `kvtier.control_api.ROUTES`, one handler registered for each:
                                  429 with Retry-After when the bounded warm queue is full)
     POST /cache/drain/done       a draining sidecar may exit now (409 when not draining)
     GET  /cache/jobs             background jobs: state, started_s/finished_s (wall clock), bytes
+    GET  /cache/hot?tenant=T&max_tokens=N  T's hottest prefixes (token ids, frequency), best
+                                 first by frequency x length, within N tokens (400: bad tenant or N)
     GET  /metrics                Prometheus text, top-N tenants + "other" (tenant labels are keyed
                                  digests while /metrics needs no token and /cache/ does)
     GET  /healthz, /readyz
@@ -149,6 +151,14 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
             return _bad("not draining: this sidecar has not been asked to stop", 409)
         return _answer(api.DrainDone(), api.DRAIN_DONE.status)
 
+    async def hot(request: web.Request) -> web.Response:
+        tenant, raw = request.query.get("tenant"), request.query.get("max_tokens")
+        if tenant is None or not tenants.is_tenant(tenant):
+            return _bad(f"tenant is required and must be a tenant name ({tenants.TENANT_RULE})")
+        if not (raw and raw.isascii() and raw.isdigit() and len(raw) <= 8 and 0 < int(raw) <= api.MAX_HOT_TOKENS):
+            return _bad(f"max_tokens must be an integer from 1 to {api.MAX_HOT_TOKENS} (got {raw!r})")
+        return _answer(await off_loop(service.hot, tenant, int(raw)))
+
     async def jobs(request: web.Request) -> web.Response:
         return _answer(api.Jobs(service.jobs()))
 
@@ -196,7 +206,7 @@ def make_app(service, auth=None, protect_metrics: bool = False) -> web.Applicati
     async def stop_reports(app: web.Application) -> None:
         reports.shutdown(wait=False, cancel_futures=True)
     app.on_cleanup.append(stop_reports)
-    handlers = {"stats": stats, "invalidate": invalidate, "warm": warm, "drain_done": drain_done, "jobs": jobs,
+    handlers = {"stats": stats, "invalidate": invalidate, "warm": warm, "drain_done": drain_done, "jobs": jobs, "hot": hot,
                 "metrics": metrics, "healthz": healthz, "readyz": readyz}
     if set(handlers) != {route.name for route in api.ROUTES}:
         raise RuntimeError(f"handlers {sorted(handlers)} are not the routes of control_api.ROUTES")

@@ -318,6 +318,15 @@ class Sidecar:
         self.metrics.warmed(tenant, warmed.bytes)
         return {"prefixes": warmed.prefixes, "blocks": warmed.blocks, "bytes": warmed.bytes}
 
+    def hot(self, tenant: str, max_tokens: int) -> api.HotPrompts:
+        """`tenant`'s prefixes worth replaying on a new engine (`GET /cache/hot`):
+        from this sidecar's own index, under this tenant's key roots only."""
+        found = self.tier.hot_prompts(tenant, max_tokens)
+        prefixes = [api.HotPrompt(token_ids=tokens.tolist(), frequency=round(f, 4))
+                    for root, tokens, f in found if root.tenant == tenant]
+        return api.HotPrompts(tenant=tenant, max_tokens=max_tokens, tokens=sum(len(p.token_ids) for p in prefixes),
+                              prefixes=prefixes)
+
     def metrics_text(self, tenant_label: metrics_mod.TenantLabel | None = None) -> bytes:
         occ = self.tier.occupancy()
         state = metrics_mod.SidecarState(

@@ -23,6 +23,8 @@ containers we can run natively (by default the one named `kvtier-sidecar`):
       6. reports status: Running, podIP, containerStatuses, Ready once each runnable
          container's readinessProbe (httpGet or tcpSocket against the pod IP) passes;
          other containers (an engine image we cannot run) count as running and ready;
+         with `readinessGates`, Ready also needs each gate's pod condition True (as
+         kubelet: the controller owning the gate sets it);
       7. on exit of a process, follows restartPolicy: Always restarts it (pod not
          Ready meanwhile, restartCount+1); otherwise the pod turns Failed/Succeeded;
       8. on deletion sends SIGTERM and, like kubelet, leaves the pod Terminating (its
@@ -385,7 +387,10 @@ class NodeAgent:
             cond["lastTransitionTime"] = now_rfc3339()
             cond.setdefault("lastProbeTime", None)
         meta = pod["metadata"]
+        # Strategic merge, as kubelet's status updates: conditions merge by type, so a
+        # readiness gate's condition another writer (the operator) set stays.
         self.rest.request("PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
-                          {"metadata": {"uid": meta["uid"]}, "status": stamped}, "application/merge-patch+json")
+                          {"metadata": {"uid": meta["uid"]}, "status": stamped},
+                          "application/strategic-merge-patch+json")
         if run is not None:
             run.last_status = status

@@ -182,7 +182,13 @@ def pod_status(run: PodRun, pod: dict[str, Any]) -> dict[str, Any]:
         statuses.append({"name": c["name"], "image": c.get("image", ""), "imageID": "",
                          "ready": cp.ready and cp.alive(), "started": cp.alive(),
                          "restartCount": cp.restart_count, "state": state})
-    ready = run.phase == "Running" and all(s["ready"] for s in statuses)
+    containers_ready = run.phase == "Running" and all(s["ready"] for s in statuses)
+    # Readiness gates, as kubelet honours them: the pod is Ready only when its containers
+    # are and every gate's condition (set by its controller) is True.
+    gates = [g.get("conditionType") for g in pod["spec"].get("readinessGates") or []]
+    current = {c.get("type"): c for c in (pod.get("status") or {}).get("conditions") or []}
+    gates_true = all((current.get(g) or {}).get("status") == "True" for g in gates)
+    ready = containers_ready and gates_true
     ready_str = "True" if ready else "False"
     return {
         "phase": run.phase, "message": run.message, "podIP": run.ip, "podIPs": [{"ip": run.ip}],
@@ -190,8 +196,11 @@ def pod_status(run: PodRun, pod: dict[str, Any]) -> dict[str, Any]:
         "conditions": [
             {"type": "PodScheduled", "status": "True"},
             {"type": "Initialized", "status": "True"},
-            {"type": "ContainersReady", "status": ready_str},
-            {"type": "Ready", "status": ready_str},
+            {"type": "ContainersReady", "status": "True" if containers_ready else "False"},
+            # (Status patches merge conditions by type: None clears a reason no longer true.)
+            {"type": "Ready", "status": ready_str,
+             "reason": "ReadinessGatesNotReady" if containers_ready and not ready else None,
+             "message": "a readiness gate's condition is not True" if containers_ready and not ready else None},
         ],
         "containerStatuses": statuses,
     }

@@ -209,3 +209,37 @@ def test_killed_process_fails_the_pod_under_restart_policy_never(
     terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
     assert terminated["exitCode"] == 128 + signal.SIGTERM and terminated["reason"] == "Error"
     assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+def test_a_readiness_gate_holds_the_pod_out_until_its_condition_is_true_and_survives_the_agents_writes(
+        kubectl: Kubectl, node_agent_factory: Callable[..., NodeAgent], namespace: str) -> None:
+    """As kubelet: Ready only when the containers are and every readiness gate's
+    condition (another controller's to set, via pods/status) is True; the agent's own
+    status writes merge conditions by type, so the gate's condition stays."""
+    agent = node_agent_factory(containers=["main"])
+    kubectl.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "gated", "labels": {"app": "gated"}},
+                   "spec": {"readinessGates": [{"conditionType": "example.com/warm"}],
+                            "containers": [{"name": "main", "image": "x",
+                                            "command": ["python", "-c", "import time; time.sleep(600)"]}]}})
+
+    def conditions() -> dict[str, dict]:
+        return {c["type"]: c for c in kubectl.get_json("pod", "gated")["status"].get("conditions") or []}
+
+    poll("containers ready", lambda: conditions().get("ContainersReady", {}).get("status") == "True")
+    held = conditions()
+    assert held["Ready"]["status"] == "False" and held["Ready"]["reason"] == "ReadinessGatesNotReady"
+
+    def set_gate(status: str) -> None:
+        kubectl.run("patch", "pod", "gated", "--subresource=status", "--type=strategic", "-p", json.dumps(
+            {"status": {"conditions": [{"type": "example.com/warm", "status": status, "reason": "Test"}]}}))
+
+    set_gate("False")
+    poll("the False gate seen", lambda: conditions().get("example.com/warm", {}).get("status") == "False")
+    assert conditions()["Ready"]["status"] == "False"
+    set_gate("True")
+    ready = poll("Ready once the gate is True", lambda: (c := conditions())["Ready"]["status"] == "True" and c)
+    assert ready["example.com/warm"]["status"] == "True" and "reason" not in ready["Ready"]
+    agent.kill(namespace, "gated", sig=signal.SIGKILL)  # the agent rewrites the status: the gate stays
+    poll("restarted", lambda: kubectl.get_json("pod", "gated")["status"]["containerStatuses"][0]["restartCount"] >= 1)
+    after = poll("Ready again", lambda: (c := conditions())["Ready"]["status"] == "True" and c)
+    assert after["example.com/warm"]["status"] == "True"

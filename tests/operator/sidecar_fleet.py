@@ -87,8 +87,9 @@ class PodSidecar:
     control: ControlEndpoint
 
     @classmethod
-    def of(cls, agent: NodeAgent, namespace: str, pod: str) -> "PodSidecar":
-        env = agent.process(namespace, pod).env
+    def of(cls, agent: NodeAgent, namespace: str, pod: str, container: str | None = None) -> "PodSidecar":
+        """`container`: the sidecar's name, when the agent runs the pod's engine too."""
+        env = agent.process(namespace, pod, container).env
         cfg = sidecar_config.from_mapping({}, env)
         return cls(pod, env["POD_IP"], str(Path(env["XDG_RUNTIME_DIR"]) / f"kvtier-{cfg.shm_name}.sock"),
                    pod_control(env))

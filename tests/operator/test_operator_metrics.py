@@ -46,3 +46,16 @@ def test_series_go_when_the_rollout_ends_or_the_policy_goes():
     m.observe("ns", "llm", rolling("Paused"), steps=3, threshold=0.8)
     m.forget("ns", "llm")
     assert parsed(m)["kvtier_rollout_step"] == []
+
+
+def test_warm_ups_are_counted_by_outcome_with_their_tokens():
+    m = RolloutMetrics()
+    m.warmed("ns", "llm", "Warmed", 384)
+    m.warmed("ns", "llm", "Warmed", 16)
+    m.warmed("ns", "llm", "WarmupTimedOut", 0)
+    got = parsed(m)
+    by_outcome = {s.labels["outcome"]: s.value for s in got["kvtier_rollout_warmups"]
+                  if s.name == "kvtier_rollout_warmups_total"}
+    assert by_outcome == {"Warmed": 2.0, "WarmupTimedOut": 1.0}
+    [tokens] = [s for s in got["kvtier_rollout_warmup_tokens"] if s.name == "kvtier_rollout_warmup_tokens_total"]
+    assert (tokens.labels, tokens.value) == ({"namespace": "ns", "policy": "llm"}, 400.0)

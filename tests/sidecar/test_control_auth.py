@@ -72,6 +72,7 @@ def test_only_the_operators_token_opens_the_control_api_and_refusals_change_noth
         assert call(sc, "POST", "/cache/warm", token, {"tenant": "t", "from_peer": "127.0.0.9:1", "max_bytes": 1})[0] == expected
         assert call(sc, "GET", "/cache/stats?tenant=t", token)[0] == expected
         assert call(sc, "GET", "/cache/jobs", token)[0] == expected
+        assert call(sc, "GET", "/cache/hot?tenant=t&max_tokens=64", token)[0] == expected
     status, body = call(sc, "POST", "/cache/invalidate", None, invalidate)
     assert "bearer token" in body["error"]
     assert "may not use" in call(sc, "POST", "/cache/invalidate", identities["intruder"], invalidate)[1]["error"]
@@ -92,6 +93,8 @@ def test_only_the_operators_token_opens_the_control_api_and_refusals_change_noth
     for _ in range(5):
         assert call(sc, "GET", "/cache/stats?tenant=t", operator)[0] == 200
     assert call(sc, "GET", "/cache/stats", operator)[1]["sidecar"]["token_reviews"] == reviews
+    status, hot = call(sc, "GET", "/cache/hot?tenant=t&max_tokens=64", operator)  # t's own prefix, for the operator
+    assert status == 200 and [p["token_ids"] for p in hot["prefixes"]] == [tokens[:64].tolist()]
     assert call(sc, "POST", "/cache/invalidate", operator, invalidate)[0] == 202
     poll(lambda: isinstance(engine.lookup(root, tokens), Miss))
 

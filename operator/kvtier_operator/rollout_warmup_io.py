@@ -1,0 +1,293 @@
+"""Warm-before-ready, the I/O (the decisions are `rollout_warmup`'s, pure).
+
+On every rollout tick (`reconcile`, under the policy's status lock) each gated pod of
+the policy is released or warmed. A warm-up runs as a task of its own, so the tick
+stays short: it reads the tenant's hottest prefixes from the old version's sidecars
+(`SidecarClient.hot`, authenticated like every control call), replays them as prompts
+through the new pod's engine — POST http://<podIP>:<enginePort>/v1/completions with
+`{"model", "prompt": [token ids], "max_tokens": 1, "cache_salt": <tenant>}`, the
+salt the connector reads the tenant from — so the engine prefills them and its
+sidecar stores their KV under the new version (most valuable first, a few in flight;
+after `MAX_ENGINE_FAILURES` refusals with nothing warmed it gives up). Within the
+policy's budget and deadline; then the outcome is recorded in `status.rollout.warmups` (and an Event), and
+the gate released, in that order: a restart in between warms the pod again, which its
+engine answers from its cache.
+
+Never stuck: a warm-up that fails or runs out of time releases the gate; one whose pod
+left the rollout (a rollback, a superseded target) is cancelled and the gate released
+at once; a restarted operator warms again the pods whose gate is still closed; a
+deleted policy releases every gate of its pods (`release_all`).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import aiohttp
+
+from kvtier import policy
+
+from kvtier_operator import events, names, publish
+from kvtier_operator import rollout_warmup as rw
+from kvtier_operator.membership import Member, MemberName, pod_view
+
+log = logging.getLogger("kvtier.operator.warmup")
+
+COMPLETIONS_PATH = "/v1/completions"
+# One source sidecar's answer: small and local, like stats.
+HOT_TIMEOUT_S = 5.0
+# Sources asked per tenant: its first two old homes (their prefixes are merged).
+SOURCES_PER_TENANT = 2
+# Requests in flight per warm-up: to the sources' sidecars, and prompts to the engine
+# (an engine batches concurrent prefills; a few keep it busy without crowding it).
+HOT_IN_FLIGHT = 8
+PREFILLS_IN_FLIGHT = 4
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _tasks(memo, namespace: str, policy_name: str) -> dict[str, asyncio.Task]:
+    """This process's warm-ups of one policy, by pod uid (`memo.warmups`)."""
+    everything = memo.get("warmups")
+    if everything is None:
+        everything = memo["warmups"] = {}
+    return everything.setdefault((namespace, policy_name), {})
+
+
+async def stop_all(memo) -> None:
+    """The operator is stopping: its warm-ups end (a successor warms those pods again)."""
+    for tasks in (memo.get("warmups") or {}).values():
+        for uid in list(tasks):
+            await _cancel(tasks, uid)
+
+
+async def _policy_pods(kube, namespace: str, policy_name: str) -> list[dict[str, Any]]:
+    return await kube.list_pods(namespace, f"{names.INJECTED_LABEL}={names.injected_label_value(policy_name)}")
+
+
+async def reconcile(memo, body: dict[str, Any], status: policy.KVCachePolicyStatus | None = None) -> None:
+    """One pass over the policy's gated pods: release or start warming each (see
+    `rollout_warmup.decide`); cancel warm-ups whose pod no longer needs one."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    try:
+        spec = policy.KVCachePolicySpec.model_validate(body["spec"])
+    except ValueError:
+        spec = None
+    if status is None:
+        try:
+            status = policy.KVCachePolicyStatus.model_validate(body.get("status") or {})
+        except ValueError:
+            status = policy.KVCachePolicyStatus()
+    r = status.rollout
+    in_flight = r is not None and r.target_version is not None and status.phase in ("RollingOut", "Paused")
+    tasks = _tasks(memo, namespace, name)
+    pods = await _policy_pods(memo.kube, namespace, name)
+    warming: set[str] = set()
+    for pod in pods:
+        uid = pod["metadata"]["uid"]
+        d = rw.decide(pod, warms=spec is not None and spec.rollout.warms, in_flight=in_flight,
+                      target=r.target_version if r else None, old=status.version)
+        if d.kind == "warm" and spec is not None:
+            warming.add(uid)
+            if uid not in tasks:
+                log.info("warming %s/%s before it takes traffic (budget %d tokens, %s)", namespace,
+                         pod["metadata"]["name"], spec.rollout.warmup.max_tokens, spec.rollout.warmup.timeout)
+                tasks[uid] = asyncio.create_task(_warm_pod(memo, body, spec, status.version, pod),
+                                                 name=f"warm-{namespace}/{pod['metadata']['name']}")
+        elif d.kind == "wait":
+            warming.add(uid)
+        elif d.kind == "release":
+            await _cancel(tasks, uid)
+            await _release(memo.kube, pod, d.reason, d.message)
+    # Finished; or the pod is gone or no longer to be warmed (a rollback): stop now.
+    for uid in [u for u, t in tasks.items() if u not in warming or t.done()]:
+        await _cancel(tasks, uid)
+
+
+async def release_all(memo, namespace: str, policy_name: str, reason: str = rw.POLICY_DELETED) -> int:
+    """Release the gate of every pod of the policy (it is being deleted): nothing may
+    wait on a warm-up no operator will run. Returns how many were released."""
+    tasks = _tasks(memo, namespace, policy_name)
+    count = 0
+    for pod in await _policy_pods(memo.kube, namespace, policy_name):
+        await _cancel(tasks, pod["metadata"]["uid"])
+        if rw.gated(pod) and not rw.released(pod):
+            count += await _release(memo.kube, pod, reason, f"policy {policy_name} is being deleted: released")
+    for uid in list(tasks):
+        await _cancel(tasks, uid)
+    (memo.get("warmups") or {}).pop((namespace, policy_name), None)
+    return count
+
+
+async def _cancel(tasks: dict[str, asyncio.Task], uid: str) -> None:
+    task = tasks.pop(uid, None)
+    if task is not None and not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _release(kube, pod: dict[str, Any], reason: str, text: str) -> bool:
+    meta = pod["metadata"]
+    done = await kube.patch_pod_condition(meta["namespace"], meta["name"], meta["uid"],
+                                          rw.condition(reason, text, _now()))
+    if done:
+        log.info("readiness gate %s of %s/%s released: %s", rw.GATE, meta["namespace"], meta["name"], text)
+    return done
+
+
+@dataclasses.dataclass(slots=True)
+class _Progress:
+    """A warm-up's running count (kept when the deadline cuts it short)."""
+
+    tokens: int = 0
+    prompts: int = 0
+    failed: int = 0
+    failures_in_a_row: int = 0
+    warmed_tenants: set[str] = dataclasses.field(default_factory=set)
+    tenants: int = 0
+    engine_error: str = ""
+    source_error: str = ""
+
+    def tally(self, timed_out: bool) -> rw.Tally:
+        return rw.Tally(tokens=self.tokens, prompts=self.prompts, failed_prompts=self.failed,
+                        tenants=len(self.warmed_tenants), cold_tenants=max(0, self.tenants - len(self.warmed_tenants)),
+                        timed_out=timed_out, engine_error=self.engine_error, source_error=self.source_error)
+
+
+async def _warm_pod(memo, body: dict[str, Any], spec: policy.KVCachePolicySpec, old: str | None,
+                    pod: dict[str, Any]) -> None:
+    warmup = spec.rollout.warmup
+    assert warmup is not None
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    started = time.monotonic()
+    progress = _Progress()
+    timed_out = False
+    try:
+        async with asyncio.timeout(warmup.timeout_s):
+            await _warm(memo, namespace, name, spec, old, pod, progress)
+    except TimeoutError:
+        timed_out = True
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the gate is released below
+        log.exception("warm-up of %s/%s failed", namespace, pod["metadata"]["name"])
+        progress.engine_error = progress.engine_error or f"{type(exc).__name__}: {exc}"
+        progress.failed = max(progress.failed, 1)
+    seconds = time.monotonic() - started
+    tally = progress.tally(timed_out)
+    reason = rw.outcome(tally)
+    text = rw.message(tally, reason, warmup.max_tokens, seconds)
+    await _record(memo, body, pod, tally, reason, text, warmup.max_tokens, seconds)
+    if (metrics := memo.get("rollout_metrics")) is not None:
+        metrics.warmed(namespace, name, reason, tally.tokens)
+    await _release(memo.kube, pod, reason, text)
+
+
+async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePolicySpec, old: str | None,
+                pod: dict[str, Any], progress: _Progress) -> None:
+    warmup = spec.rollout.warmup
+    assert warmup is not None
+    pod_name = pod["metadata"]["name"]
+    table = publish.read_table(await memo.kube.read_config_map(namespace, names.affinity_config_map(policy_name)))
+    members: dict[str, Member] = {}  # every serving pod but this one; those on the old version first
+    old_names: list[str] = []
+    for p in await _policy_pods(memo.kube, namespace, policy_name):
+        v = pod_view(p)
+        if v.serving and v.name != pod_name:
+            members[v.name] = Member(MemberName(v.name), v.ip or "", v.weight, namespace, v.injected_by or "")
+            if rw.pod_version(p) == old:
+                old_names.append(v.name)
+    stats = await memo.sidecars.fleet_stats(members)
+    if not members:
+        progress.source_error = "no other pod serving to read the tenants' prefixes from"
+    elif not stats.per_member:
+        progress.source_error = f"none of the {len(members)} serving sidecars answered"
+    holders: dict[str, list[str]] = {}
+    for s in stats.per_member:
+        for t in s.tenants:
+            holders.setdefault(t, []).append(s.member)
+    weight = pod_view(pod).weight
+    tenants = rw.tenants_of_pod(table, pod_name, weight, holders) if table is not None else sorted(holders)
+    progress.tenants = len(tenants)
+    ask = rw.ask_tokens(warmup.max_tokens, len(tenants))
+    gate = asyncio.Semaphore(HOT_IN_FLIGHT)
+
+    async def prompts_of(tenant: str) -> list[rw.Prompt]:
+        answers = []
+        for source in rw.sources(table, tenant, pod_name, old_names, holders.get(tenant, []),
+                                 members)[:SOURCES_PER_TENANT]:
+            async with gate:
+                hot = await memo.sidecars.hot(members[source], tenant, ask, HOT_TIMEOUT_S)
+            if hot is not None:
+                answers.append([rw.Prompt(tuple(p.token_ids), p.frequency) for p in hot.prefixes])
+        if not answers:
+            progress.source_error = progress.source_error or f"no source answered for tenant {tenant}"
+        return rw.rank(answers)
+
+    ranked = dict(zip(tenants, await asyncio.gather(*(prompts_of(t) for t in tenants))))
+    queue = rw.replay_order(rw.spend(ranked, warmup.max_tokens))
+    url = f"http://{pod['status']['podIP']}:{warmup.engine_port}{COMPLETIONS_PATH}"
+    model = warmup.served_model_name or spec.model.id
+    pending = iter(queue)
+
+    async def worker() -> None:
+        for tenant, prompt in pending:  # shared: each prompt is taken by one worker
+            if progress.failures_in_a_row >= rw.MAX_ENGINE_FAILURES and not progress.prompts:
+                return  # the engine is down or refusing: WarmupFailed, without the whole deadline
+            if await _prefill(memo.http, url, model, tenant, prompt, progress):
+                progress.tokens += len(prompt.tokens)
+                progress.prompts += 1
+                progress.warmed_tenants.add(tenant)
+
+    await asyncio.gather(*(worker() for _ in range(PREFILLS_IN_FLIGHT)))
+
+
+async def _prefill(http: aiohttp.ClientSession, url: str, model: str, tenant: str, prompt: rw.Prompt,
+                   progress: _Progress) -> bool:
+    body = {"model": model, "prompt": list(prompt.tokens), "max_tokens": 1, "cache_salt": tenant}
+    try:
+        async with http.post(url, json=body) as resp:
+            if 200 <= resp.status < 300:
+                await resp.read()
+                progress.failures_in_a_row = 0
+                return True
+            progress.engine_error = f"HTTP {resp.status} {(await resp.text())[:160]}"
+    except (aiohttp.ClientError, ValueError) as exc:
+        progress.engine_error = f"{type(exc).__name__}: {exc}"[:200]
+    progress.failed += 1
+    progress.failures_in_a_row += 1
+    return False
+
+
+async def _record(memo, body: dict[str, Any], pod: dict[str, Any], tally: rw.Tally, reason: str, text: str,
+                  budget: int, seconds: float) -> None:
+    """The pod's outcome into status.rollout.warmups (newest kept) and an Event, under
+    the policy's status lock (the rollout tick writes status.rollout too)."""
+    from kvtier_operator.registry import PolicyKey
+
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    record = policy.PodWarmup(
+        pod=pod["metadata"]["name"], version=rw.pod_version(pod) or "", outcome=reason, tokens=tally.tokens,
+        prompts=tally.prompts, tenants=tally.tenants, cold_tenants=tally.cold_tenants, budget_tokens=budget,
+        seconds=round(seconds, 2), finished_at=datetime.now(timezone.utc).replace(microsecond=0), message=text)
+    try:
+        async with memo.policies.lock(PolicyKey(namespace, name)):
+            current = await memo.kube.read_policy(namespace, name)
+            if current is None:
+                return
+            rollout = (current.get("status") or {}).get("rollout") or {}
+            kept = [w for w in rollout.get("warmups") or [] if w.get("pod") != record.pod]
+            warmups = (kept + [record.wire()])[-policy.MAX_WARMUPS:]
+            await memo.kube.patch_status(namespace, name, {"rollout": {"warmups": warmups}})
+        kind = "Normal" if reason == rw.WARMED else "Warning"
+        await memo.kube.create_event_once(events.once(current, f"warm/{pod['metadata']['uid']}", kind,
+                                                      f"Pod{reason}", f"pod {record.pod}: {text}"))
+    except Exception as exc:  # noqa: BLE001 - the record is for people; the gate must still be released
+        log.warning("warm-up record of %s/%s not written: %s", namespace, pod["metadata"]["name"], exc)

@@ -1,0 +1,383 @@
+"""Warm-before-ready against the real apiserver and controller-manager, the operator
+(KopfRunner, its ServiceAccount bound to the chart's RBAC: pods/status patch) and the
+real injected sidecars run by the node agent — which honours readiness gates as
+kubelet does. Each pod's engine container is the test env's OpenAI-compatible front
+(`kvtier_testenv.engine_front`), whose prefill goes through the pod's own sidecar, so a
+warm-up really stores KV of the new version; or, for the faults, an engine that does
+not listen or answers too slowly."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from kvtier_operator import names
+from kvtier_operator import rollout_warmup as rw
+from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_testenv import engine_io
+from kvtier_testenv.kubectl import Kubectl
+from kvtier_testenv.podenv import is_ready
+from kvtier_testenv.ports import free_port
+from kvtier_testenv.synthetic import prefill_kv
+from operator_harness import events, wait_for
+from sidecar_fleet import BLOCK_BYTES, BLOCK_SIZE, DIGEST as OLD, MATCHED_TOKENS, PodSidecar, tiny_policy
+from test_operator_e2e import short_workdir, status_of
+from test_rollout_controls import plugin
+from test_rollout_e2e import NEW, root, tokens
+
+pytestmark = pytest.mark.k8s
+
+APP = "wllm"
+REPLICAS = 2
+TENANTS = ("acme", "beta")
+PROMPTS = 3  # per tenant: token ids tokens(i + offset) for each tenant
+OFFSET = {"acme": 0, "beta": 50}
+TIMEOUT_S = 180
+
+
+def tenant_tokens(tenant: str, i: int) -> np.ndarray:
+    return tokens(OFFSET[tenant] + i)
+
+
+def stateful_set(version: str, port: int, engine: str = "front", delay_s: float = 0.0) -> dict:
+    """`engine`: "front" (engine_front serving on `port`), or "absent" (a container the
+    node agent does not run: shown running and ready, nothing listens)."""
+    if engine == "front":
+        container = {"name": "engine", "image": "engine:1",
+                     "command": [sys.executable, "-m", "kvtier_testenv.engine_front", "--port", str(port),
+                                 "--block-bytes", str(BLOCK_BYTES), "--delay-s", str(delay_s)],
+                     "env": [{"name": names.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                     "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 1}}
+    else:
+        container = {"name": "engine", "image": "engine:1", "command": ["sleep", "infinity"]}
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": APP},
+        "spec": {"replicas": REPLICAS, "serviceName": APP, "podManagementPolicy": "Parallel",
+                 "selector": {"matchLabels": {"app": APP}},
+                 "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
+                 "template": {"metadata": {"labels": {"app": APP},
+                                           "annotations": {names.WEIGHTS_VERSION_ANNOTATION: version}},
+                              "spec": {"terminationGracePeriodSeconds": 0, "containers": [container]}}},
+    }
+
+
+def warm_policy(warmup: dict | None) -> dict:
+    rollout = {"canaryPods": 1, "steps": [50, 100],
+               "recovery": {"threshold": 0.5, "window": "10m", "minLookups": 40}}
+    if warmup is not None:
+        rollout["warmup"] = warmup
+    # Every pod a home of every tenant: the canary serves (and is warmed for) both.
+    return tiny_policy("wllm", APP, workloadRef={"kind": "StatefulSet", "name": APP}, rollout=rollout,
+                       affinity={"homes": REPLICAS})
+
+
+class Fleet:
+    def __init__(self, kubectl: Kubectl, agent):
+        self.kubectl, self.agent = kubectl, agent
+
+    def pods(self) -> dict[str, dict]:
+        items = self.kubectl.get_json("pods", "-l", f"app={APP}")["items"]
+        return {p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")}
+
+    def pod(self, name: str) -> dict | None:
+        return self.pods().get(name)
+
+    def versions(self) -> dict[str, str | None]:
+        return {n: rw.pod_version(p) for n, p in self.pods().items()}
+
+    def sidecar(self, name: str) -> PodSidecar:
+        try:
+            return PodSidecar.of(self.agent, self.kubectl.namespace, name)
+        except KeyError:
+            return PodSidecar.of(self.agent, self.kubectl.namespace, name, names.SIDECAR_CONTAINER)
+
+    def ready(self) -> list[dict]:
+        return self.agent.wait_ready(REPLICAS, selector=f"app={APP}", timeout_s=TIMEOUT_S)
+
+
+def start(kubectl: Kubectl, agent, warmup: dict | None, port: int, **sts) -> Fleet:
+    kubectl.apply(warm_policy(warmup))
+    wait_for("sidecar ConfigMap", lambda: kubectl.run(
+        "get", "configmap", names.sidecar_config_map("wllm"), check=False).returncode == 0)
+    kubectl.apply(stateful_set(OLD, port, **sts))
+    fleet = Fleet(kubectl, agent)
+    fleet.ready()
+    for n in fleet.pods():  # the old fleet's traffic: both tenants' prompts, hit often
+        sc = fleet.sidecar(n)
+        for tenant in TENANTS:
+            serve_tenant(sc, tenant, OLD)
+    wait_for("the policy at rest on the old version",
+             lambda: (s := status_of(kubectl, "wllm")).get("version") == OLD and s.get("phase") == "Ready")
+    return fleet
+
+
+def serve_tenant(sc: PodSidecar, tenant: str, version: str) -> None:
+    client = SidecarClient(sc.socket)
+    r = root(version, tenant)
+    try:
+        for i in range(PROMPTS):
+            t = tenant_tokens(tenant, i)
+            for _ in range(2):
+                client.release(engine_io.request(client, r, t, BLOCK_BYTES)[0])
+                client.store(r, t, prefill_kv(r, t, BLOCK_SIZE, BLOCK_BYTES))
+            for _ in range(3):
+                client.release(engine_io.request(client, r, t, BLOCK_BYTES)[0])
+    finally:
+        client.close()
+
+
+def first_request_hits_with_recomputed_kv(sc: PodSidecar, tenant: str, i: int, version: str) -> bool:
+    """The first engine request for the prompt on this pod: a hit of the whole cached
+    prefix, loaded bytes equal to what `version`'s weights compute."""
+    client = SidecarClient(sc.socket)
+    try:
+        t = tenant_tokens(tenant, i)
+        hit, loaded = engine_io.request(client, root(version, tenant), t, BLOCK_BYTES)
+        try:
+            if not isinstance(hit, Hit) or hit.matched_tokens != MATCHED_TOKENS:
+                return False
+            want = prefill_kv(root(version, tenant), t, BLOCK_SIZE, BLOCK_BYTES)[: len(loaded)]
+            other = prefill_kv(root(OLD, tenant), t, BLOCK_SIZE, BLOCK_BYTES)[: len(loaded)]
+            assert not np.array_equal(want, other)
+            return bool(np.array_equal(loaded, want))
+        finally:
+            client.release(hit)
+    finally:
+        client.close()
+
+
+def gate(pod: dict | None) -> dict | None:
+    return rw.gate_condition(pod) if pod else None
+
+
+def warmups(kubectl: Kubectl) -> dict[str, dict]:
+    return {w["pod"]: w for w in (status_of(kubectl, "wllm").get("rollout") or {}).get("warmups") or []}
+
+
+def roll_out(kubectl: Kubectl) -> None:
+    kubectl.run("patch", "kvcp", "wllm", "--type=merge", "-p",
+                f'{{"spec": {{"model": {{"weightsVersion": "{NEW}"}}}}}}')
+
+
+def canary_on_new(fleet: Fleet) -> dict:
+    canary = f"{APP}-{REPLICAS - 1}"
+    return wait_for(f"{canary} on the new version", lambda: (p := fleet.pod(canary)) is not None
+                    and rw.pod_version(p) == NEW and p, timeout_s=TIMEOUT_S)
+
+
+def test_a_new_version_pod_is_held_out_until_warmed_then_serves_its_tenants_hottest_prefixes_as_hits(
+        operator, kubectl, node_agent_factory):
+    port = free_port()
+    agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
+    # Each completion takes a while, so the gated pod is seen not Ready with its containers up.
+    fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "90s", "enginePort": port}, port, delay_s=2.0)
+    # First creation: every pod's gate released at once, NotRolledOut.
+    for p in fleet.pods().values():
+        assert [g["conditionType"] for g in p["spec"]["readinessGates"]] == [names.WARM_GATE]
+        assert (gate(p)["status"], gate(p)["reason"]) == ("True", rw.NOT_ROLLED_OUT)
+
+    roll_out(kubectl)
+    canary = canary_on_new(fleet)["metadata"]["name"]
+    seen_gated = wait_for("the canary up but held out by its gate", lambda: (
+        (p := fleet.pod(canary)) is not None and rw.pod_version(p) == NEW and rw.containers_up(p)
+        and (gate(p) or {}).get("status") != "True" and p), timeout_s=TIMEOUT_S)
+    assert not is_ready(seen_gated)
+    released = wait_for("the canary's gate released", lambda: (
+        (p := fleet.pod(canary)) is not None and (gate(p) or {}).get("status") == "True" and p), timeout_s=TIMEOUT_S)
+    assert gate(released)["reason"] == rw.WARMED, gate(released)
+    fleet.ready()  # the gate True: the node agent makes the pod Ready
+
+    # Status: what was warmed, per pod.
+    record = wait_for("the warm-up record", lambda: warmups(kubectl).get(canary))
+    whole = MATCHED_TOKENS  # each prompt's whole blocks
+    assert (record["outcome"], record["version"], record["tenants"], record["coldTenants"]) == (
+        rw.WARMED, NEW, len(TENANTS), 0)
+    assert (record["prompts"], record["tokens"], record["budgetTokens"]) == (
+        len(TENANTS) * PROMPTS, len(TENANTS) * PROMPTS * whole, 4096)
+    assert record["seconds"] > 0
+    assert f"{record['tokens']} prompt tokens" in gate(released)["message"]
+    [event] = events(kubectl, "wllm", "PodWarmed")
+    assert canary in event["message"]
+    [started] = events(kubectl, "wllm", "RolloutStarted")
+    assert "warm-before-ready: each new pod prefills up to 4,096 prompt tokens" in started["message"]
+    # What on-call sees: the plugin's status names the pod's warm-up.
+    shown = plugin(kubectl, "status", "wllm")
+    assert shown.returncode == 0, shown.stderr
+    assert (f"warm {canary:<20} Warmed          {record['tokens']}/4096 tokens, {len(TENANTS)} tenants warm, 0 cold"
+            in shown.stdout), shown.stdout
+
+    # The warmed pod's first requests for its tenants' prompts are hits of the NEW
+    # version's KV (bytes equal to a recompute), each tenant under its own root only.
+    sc = fleet.sidecar(canary)
+    for tenant in TENANTS:
+        for i in range(PROMPTS):
+            assert first_request_hits_with_recomputed_kv(sc, tenant, i, NEW), (tenant, i)
+    client = SidecarClient(sc.socket)
+    try:  # beta's token ids were warmed for beta, never under acme's key root
+        miss = client.lookup(root(NEW, "acme"), tenant_tokens("beta", 0))
+        assert not isinstance(miss, Hit)
+        client.release(miss)
+    finally:
+        client.close()
+
+
+def test_an_unreachable_engine_releases_the_gate_as_failed_and_the_rollout_goes_on(
+        operator, kubectl, node_agent_factory):
+    port = free_port()
+    fleet = start(kubectl, node_agent_factory(workdir=short_workdir()), {"maxTokens": 4096, "enginePort": port},
+                  port, engine="absent")
+    roll_out(kubectl)
+    canary = canary_on_new(fleet)["metadata"]["name"]
+    released = wait_for("the canary's gate released", lambda: (
+        (p := fleet.pod(canary)) is not None and (gate(p) or {}).get("status") == "True" and p), timeout_s=TIMEOUT_S)
+    assert gate(released)["reason"] == rw.FAILED and "engine:" in gate(released)["message"]
+    fleet.ready()
+    record = wait_for("the warm-up record", lambda: warmups(kubectl).get(canary))
+    assert (record["outcome"], record["tokens"], record["prompts"], record["coldTenants"]) == (
+        rw.FAILED, 0, 0, len(TENANTS))
+    [event] = events(kubectl, "wllm", "PodWarmupFailed")
+    assert event["type"] == "Warning"
+    # The rollout goes on with the pod cold: it serves, and the step judges it as ever.
+    status = status_of(kubectl, "wllm")
+    assert status["phase"] == "RollingOut" and status["rollout"]["step"] == 1
+    serve_tenant(fleet.sidecar(canary), "acme", NEW)
+    assert first_request_hits_with_recomputed_kv(fleet.sidecar(canary), "acme", 0, NEW)
+
+
+def test_a_slow_engine_runs_out_of_time_and_the_gate_is_released_as_timed_out(
+        operator, kubectl, node_agent_factory):
+    port = free_port()
+    agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
+    fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "3s", "enginePort": port}, port, delay_s=2.0)
+    roll_out(kubectl)
+    canary = canary_on_new(fleet)["metadata"]["name"]
+    released = wait_for("the canary's gate released", lambda: (
+        (p := fleet.pod(canary)) is not None and (gate(p) or {}).get("status") == "True" and p), timeout_s=TIMEOUT_S)
+    assert gate(released)["reason"] == rw.TIMED_OUT, gate(released)
+    fleet.ready()
+    record = wait_for("the warm-up record", lambda: warmups(kubectl).get(canary))
+    assert record["outcome"] == rw.TIMED_OUT
+    # Cut short: fewer prompts than the budget allowed were prefilled.
+    assert record["prompts"] < len(TENANTS) * PROMPTS
+
+
+def test_without_a_warmup_or_with_a_zero_budget_pods_have_no_gate(operator, kubectl, node_agent_factory):
+    port = free_port()
+    agent = node_agent_factory(workdir=short_workdir())
+    for warmup in (None, {"maxTokens": 0}):
+        kubectl.apply(warm_policy(warmup))
+        wait_for("sidecar ConfigMap", lambda: kubectl.run(
+            "get", "configmap", names.sidecar_config_map("wllm"), check=False).returncode == 0)
+        kubectl.apply(stateful_set(OLD, port, engine="absent"))
+        fleet = Fleet(kubectl, agent)
+        for p in fleet.ready():
+            assert not p["spec"].get("readinessGates") and gate(p) is None
+            assert p["metadata"]["annotations"][names.INJECTED_ANNOTATION] == "wllm"
+        kubectl.run("delete", "statefulset", APP, "--wait=true")
+        wait_for("the pods gone", lambda: not fleet.pods())
+
+
+def test_policy_deleted_mid_warm_up_releases_the_gate(operator, kubectl, node_agent_factory):
+    port = free_port()
+    agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
+    fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "10m", "enginePort": port}, port, delay_s=30.0)
+    roll_out(kubectl)
+    canary = canary_on_new(fleet)["metadata"]["name"]
+    wait_for("the canary up and held out", lambda: (
+        (p := fleet.pod(canary)) is not None and rw.pod_version(p) == NEW and rw.containers_up(p)
+        and (gate(p) or {}).get("status") != "True"), timeout_s=TIMEOUT_S)
+    kubectl.run("delete", "kvcp", "wllm", "--wait=false")
+    # The teardown returns the workload to the old version; whatever pod is there, none
+    # stays gated: every pod ends Ready.
+    wait_for("the policy gone", lambda: kubectl.run("get", "kvcp", "wllm", check=False).returncode != 0,
+             timeout_s=TIMEOUT_S)
+    for p in fleet.ready():
+        g = gate(p)
+        assert g is None or g["status"] == "True"
+
+
+def test_an_operator_restarted_mid_warm_up_warms_the_pod_again_and_releases_it(
+        operator, kubectl, node_agent_factory):
+    port = free_port()
+    agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
+    fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "2m", "enginePort": port}, port, delay_s=5.0)
+    roll_out(kubectl)
+    canary = canary_on_new(fleet)["metadata"]["name"]
+    wait_for("the canary up and held out", lambda: (
+        (p := fleet.pod(canary)) is not None and rw.pod_version(p) == NEW and rw.containers_up(p)
+        and (gate(p) or {}).get("status") != "True"), timeout_s=TIMEOUT_S)
+    operator.stop()  # mid-warm-up: its task goes with it, the gate stays closed
+    held = fleet.pod(canary)
+    assert (gate(held) or {}).get("status") != "True" and not is_ready(held)
+    uid = held["metadata"]["uid"]
+    operator.start()
+    released = wait_for("the canary's gate released by the restarted operator", lambda: (
+        (p := fleet.pod(canary)) is not None and (gate(p) or {}).get("status") == "True" and p), timeout_s=TIMEOUT_S)
+    assert released["metadata"]["uid"] == uid and gate(released)["reason"] == rw.WARMED
+    record = wait_for("the warm-up record", lambda: warmups(kubectl).get(canary))
+    assert record["prompts"] == len(TENANTS) * PROMPTS and record["tenants"] == len(TENANTS)
+    fleet.ready()
+    sc = fleet.sidecar(canary)
+    assert all(first_request_hits_with_recomputed_kv(sc, t, i, NEW) for t in TENANTS for i in range(PROMPTS))
+
+
+def test_a_rollback_never_waits_for_a_warm_up(operator, kubectl, node_agent_factory):
+    port = free_port()
+    agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
+    fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "10m", "enginePort": port}, port, delay_s=30.0)
+    roll_out(kubectl)
+    canary = canary_on_new(fleet)["metadata"]["name"]
+    wait_for("the canary up and held out", lambda: (
+        (p := fleet.pod(canary)) is not None and rw.pod_version(p) == NEW and rw.containers_up(p)
+        and (gate(p) or {}).get("status") != "True"), timeout_s=TIMEOUT_S)
+    aborted = plugin(kubectl, "rollout", "abort", "wllm")
+    assert aborted.returncode == 0, aborted.stderr
+    # Rolled back long before the 10-minute warm-up deadline: every pod on the old
+    # version and Ready, the gate of the one the rollback recreated released at once.
+    wait_for("every pod back on the old version", lambda: fleet.versions() == {
+        f"{APP}-{i}": OLD for i in range(REPLICAS)}, timeout_s=TIMEOUT_S)
+    for p in fleet.ready():
+        assert gate(p)["status"] == "True" and gate(p)["reason"] == rw.NOT_ROLLED_OUT, gate(p)
+    assert canary not in warmups(kubectl)  # cancelled: no outcome recorded for it
+
+
+def test_source_sidecars_gone_release_the_gate_as_failed_and_the_pod_serves_cold(
+        operator, kubectl, node_agent_factory):
+    import signal
+
+    port = free_port()
+    agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
+    fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "60s", "enginePort": port}, port)
+    old_pod = f"{APP}-0"
+    agent.kill(kubectl.namespace, old_pod, names.SIDECAR_CONTAINER, sig=signal.SIGSTOP)  # the only source, frozen
+    try:
+        roll_out(kubectl)
+        canary = canary_on_new(fleet)["metadata"]["name"]
+        released = wait_for("the canary's gate released", lambda: (
+            (p := fleet.pod(canary)) is not None and (gate(p) or {}).get("status") == "True" and p),
+            timeout_s=TIMEOUT_S)
+        assert gate(released)["reason"] == rw.FAILED and "sources:" in gate(released)["message"], gate(released)
+        record = wait_for("the warm-up record", lambda: warmups(kubectl).get(canary))
+        assert (record["outcome"], record["tokens"], record["prompts"]) == (rw.FAILED, 0, 0)
+        wait_for("the canary Ready, cold", lambda: is_ready(fleet.pod(canary) or {}), timeout_s=TIMEOUT_S)
+    finally:
+        agent.kill(kubectl.namespace, old_pod, names.SIDECAR_CONTAINER, sig=signal.SIGCONT)
+
+
+def test_an_engine_answering_errors_releases_the_gate_as_failed_with_its_answer(
+        operator, kubectl, node_agent_factory):
+    port = free_port()
+    agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
+    # A served model name the engine does not serve: every completion is a 404.
+    fleet = start(kubectl, agent, {"maxTokens": 4096, "enginePort": port, "servedModelName": "not-served"}, port)
+    roll_out(kubectl)
+    canary = canary_on_new(fleet)["metadata"]["name"]
+    released = wait_for("the canary's gate released", lambda: (
+        (p := fleet.pod(canary)) is not None and (gate(p) or {}).get("status") == "True" and p), timeout_s=TIMEOUT_S)
+    assert gate(released)["reason"] == rw.FAILED, gate(released)
+    assert "engine: HTTP 404" in gate(released)["message"] and "not-served" in gate(released)["message"]
+    record = wait_for("the warm-up record", lambda: warmups(kubectl).get(canary))
+    assert (record["outcome"], record["prompts"], record["tokens"], record["coldTenants"]) == (
+        rw.FAILED, 0, 0, len(TENANTS))
+    fleet.ready()

@@ -1,0 +1,227 @@
+"""Warm-before-ready's pure part (`rollout_warmup`): which gated pods are warmed or
+released, which tenants a pod serves and where their prefixes come from, how a pod's
+token budget is spent, what the gate says; and the webhook's gate, the policy's
+bounds and the step message's budget."""
+from __future__ import annotations
+
+import pytest
+
+from kvtier import policy
+from kvtier.affinity import AffinityTable
+from kvtier_operator import injection, names
+from kvtier_operator import rollout_warmup as rw
+from kvtier_operator.rollout import Observed, Workload, plan
+from sidecar_fleet import tiny_policy
+
+OLD, NEW = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+
+
+def pod(version: str | None = NEW, gated: bool = True, gate: str | None = None, up: bool = True,
+        deleting: bool = False) -> dict:
+    meta = {"name": "llm-3", "uid": "u3", "annotations": {names.WEIGHTS_VERSION_ANNOTATION: version} if version else {}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    conditions = [{"type": names.WARM_GATE, "status": gate}] if gate else []
+    return {"metadata": meta,
+            "spec": {"readinessGates": [{"conditionType": names.WARM_GATE}] if gated else []},
+            "status": {"phase": "Running" if up else "Pending", "podIP": "10.0.0.3" if up else None,
+                       "conditions": conditions,
+                       "containerStatuses": [{"name": "engine", "ready": up}, {"name": "kvtier-sidecar", "ready": up}]}}
+
+
+def decide(p: dict, warms: bool = True, in_flight: bool = True, target: str | None = NEW, old: str | None = OLD):
+    return rw.decide(p, warms=warms, in_flight=in_flight, target=target, old=old)
+
+
+def test_a_moved_pod_is_warmed_once_up_and_every_other_gated_pod_released_at_once():
+    assert decide(pod()).kind == "warm"
+    assert decide(pod(up=False)).kind == "wait"
+    # Not gated, already released, or going away: nothing to do.
+    assert decide(pod(gated=False)).kind == "none"
+    assert decide(pod(gate="True")).kind == "none"
+    assert decide(pod(deleting=True)).kind == "none"
+    # A closed gate ("False") is warmed like a missing condition.
+    assert decide(pod(gate="False")).kind == "warm"
+    # First creation / no rollout / a pod on the old version / a rollback: released.
+    for d in (decide(pod(), in_flight=False), decide(pod(version=OLD)), decide(pod(version=None)),
+              decide(pod(), target=None), decide(pod(), target=NEW, old=NEW)):
+        assert (d.kind, d.reason) == ("release", rw.NOT_ROLLED_OUT)
+    assert (decide(pod(), warms=False).kind, decide(pod(), warms=False).reason) == ("release", rw.WARMUP_OFF)
+    # Never stuck: a pod whose containers are not up is still released when not moved.
+    assert decide(pod(up=False), in_flight=False).kind == "release"
+
+
+def test_the_gates_condition_is_always_true_and_the_outcome_names_how():
+    c = rw.condition(rw.TIMED_OUT, "x" * 2000, "2026-01-01T00:00:00Z")
+    assert (c["type"], c["status"], c["reason"], len(c["message"])) == (names.WARM_GATE, "True", rw.TIMED_OUT, 1024)
+    assert rw.outcome(rw.Tally(tokens=64, prompts=1)) == rw.WARMED
+    assert rw.outcome(rw.Tally()) == rw.WARMED  # nothing to warm: warm as it can be
+    assert rw.outcome(rw.Tally(failed_prompts=3)) == rw.FAILED
+    assert rw.outcome(rw.Tally(prompts=2, failed_prompts=1)) == rw.WARMED
+    assert rw.outcome(rw.Tally(prompts=2, timed_out=True)) == rw.TIMED_OUT
+    assert rw.outcome(rw.Tally(source_error="none answered")) == rw.FAILED
+    assert rw.outcome(rw.Tally(prompts=1, source_error="no source answered for tenant b")) == rw.WARMED
+    text = rw.message(rw.Tally(tokens=128, prompts=2, tenants=1, cold_tenants=1, failed_prompts=1,
+                               engine_error="HTTP 500 boom"), rw.WARMED, 1000, 1.25)
+    assert text == ("Warmed: 128 prompt tokens (2 prompts) of 1000 prefilled for 1 tenants in 1.2s; 1 tenants "
+                    "cold; 1 prompts failed (engine: HTTP 500 boom)")
+
+
+def table(members: list[str], homes: int = 2) -> AffinityTable:
+    return AffinityTable(epoch=1, members={m: 1.0 for m in members}, homes=homes)
+
+
+def test_a_pods_tenants_are_those_whose_homes_include_it_once_it_serves():
+    t = table(["llm-0", "llm-1", "llm-2"])  # llm-3 left the table while gated
+    tenants = [f"t{i}" for i in range(40)]
+    mine = rw.tenants_of_pod(t, "llm-3", 1.0, tenants)
+    joined = table(["llm-0", "llm-1", "llm-2", "llm-3"])
+    assert mine == sorted(x for x in tenants if "llm-3" in joined.homes_for(x))
+    assert 0 < len(mine) < len(tenants)
+    assert rw.tenants_of_pod(None, "llm-3", 1.0, tenants) == []
+    assert rw.tenants_of_pod(table(["llm-0"], homes=4), "llm-3", 1.0, ["a", "b"]) == ["a", "b"]
+
+
+def test_sources_are_the_tenants_old_homes_first_never_the_pod_or_another_version():
+    t = table(["llm-0", "llm-1", "llm-2", "llm-3"])
+    homes = t.homes_for("acme")
+    old = ["llm-0", "llm-1", "llm-2"]
+    got = rw.sources(t, "acme", "llm-3", old, holders=["llm-0", "llm-1", "llm-2", "llm-3"])
+    assert "llm-3" not in got and set(got) == set(old)
+    assert got[: len([h for h in homes if h in old])] == [h for h in homes if h in old]
+    # A holder on the new version (not in old) is never a source; no holders: only homes.
+    assert rw.sources(t, "acme", "llm-3", ["llm-0"], holders=["llm-1"]) == [h for h in homes if h == "llm-0"]
+    assert rw.sources(None, "acme", "llm-3", ["llm-0", "llm-1"], holders=["llm-1"]) == ["llm-1"]
+    # Pods already on the new version come last, and only when they hold the tenant
+    # (the fleet's last old pod has no old peer left to read from).
+    assert rw.sources(t, "acme", "llm-0", [], holders=["llm-2", "llm-3", "llm-0"],
+                      new_members=["llm-1", "llm-2", "llm-3"]) == sorted(
+        ["llm-2", "llm-3"], key=lambda m: t.order_for("acme").index(m))
+    assert rw.sources(t, "acme", "llm-3", ["llm-0"], holders=["llm-0", "llm-1"], new_members=["llm-1"]) == [
+        "llm-0", "llm-1"]
+
+
+P = rw.Prompt
+
+
+def test_rank_merges_sources_and_orders_by_frequency_times_length():
+    a = [P((1, 2, 3, 4), 1.0), P((5, 6), 3.0), P((9,), 0.5)]
+    b = [P((5, 6), 4.0), P((7, 8, 9, 10, 11, 12), 1.0), P((), 99.0)]
+    ranked = rw.rank([a, b])
+    assert [p.tokens for p in ranked] == [(5, 6), (7, 8, 9, 10, 11, 12), (1, 2, 3, 4), (9,)]
+    assert ranked[0].frequency == 4.0  # the same ids once, the highest frequency seen
+    # Ties: longer first, then by ids (deterministic).
+    assert [p.tokens for p in rw.rank([[P((1, 1), 1.0), P((2,), 2.0), P((0, 0), 1.0)]])] == [(0, 0), (1, 1), (2,)]
+
+
+def test_the_budget_is_split_evenly_and_what_a_tenant_leaves_goes_to_the_others():
+    assert rw.shares(10, ["b", "a", "c"]) == {"a": 4, "b": 3, "c": 3}
+    assert rw.shares(0, ["a"]) == {"a": 0} and rw.shares(5, []) == {}
+    ranked = {"a": [P(tuple(range(4)), 9.0), P(tuple(range(10, 14)), 8.0), P(tuple(range(20, 24)), 1.0)],
+              "b": [P((100,), 1.0)]}
+    # 10 tokens: a's share 5 takes one 4-token prompt, b's 5 takes 1; the 5 left go to a.
+    chosen = rw.spend(ranked, 10)
+    assert [p.tokens for p in chosen["a"]] == [tuple(range(4)), tuple(range(10, 14))]
+    assert [p.tokens for p in chosen["b"]] == [(100,)]
+    spent = sum(len(p.tokens) for ps in chosen.values() for p in ps)
+    assert spent <= 10
+    for budget in range(0, 30):
+        chosen = rw.spend(ranked, budget)
+        assert sum(len(p.tokens) for ps in chosen.values() for p in ps) <= budget
+        for ps in chosen.values():
+            assert len({p.tokens for p in ps}) == len(ps)
+    assert rw.spend(ranked, 0) == {"a": [], "b": []}
+    assert rw.spend({}, 100) == {}
+
+
+def spec(**rollout) -> policy.KVCachePolicySpec:
+    body = tiny_policy("llm", "llm", workloadRef={"kind": "StatefulSet", "name": "llm"}, rollout=rollout)
+    return policy.KVCachePolicySpec.model_validate(body["spec"])
+
+
+def serving_pod() -> dict:
+    return {"metadata": {"name": "p", "labels": {"app": "llm"}},
+            "spec": {"containers": [{"name": "engine", "image": "e"}],
+                     "readinessGates": [{"conditionType": "example.com/other"}]}}
+
+
+def test_the_webhook_adds_the_gate_only_when_a_warm_up_is_configured():
+    with_gate = injection.inject(serving_pod(), "llm", spec(warmup={}), injection.SidecarImage())
+    assert with_gate["spec"]["readinessGates"] == [{"conditionType": "example.com/other"},
+                                                   {"conditionType": names.WARM_GATE}]
+    for off in (spec(), spec(warmup={"maxTokens": 0})):
+        patch = injection.inject(serving_pod(), "llm", off, injection.SidecarImage())
+        assert "readinessGates" not in patch["spec"]
+    no_workload = spec(warmup={}).model_copy(update={"workload_ref": None})
+    assert "readinessGates" not in injection.inject(serving_pod(), "llm", no_workload, injection.SidecarImage())["spec"]
+
+
+@pytest.mark.parametrize("warmup, message", [
+    ({"maxTokens": -1}, "greater than or equal to 0"),
+    ({"maxTokens": policy.MAX_ROLLOUT_WARM_TOKENS + 1}, "less than or equal to"),
+    ({"timeout": "0s"}, "rollout.warmup.timeout must be between 1s and 1h"),
+    ({"timeout": "2h"}, "rollout.warmup.timeout must be between 1s and 1h"),
+    ({"timeout": "soon"}, "should match pattern"),
+    ({"enginePort": 0}, "greater than or equal to 1"),
+])
+def test_absurd_warm_up_settings_are_refused_by_the_model(warmup, message):
+    with pytest.raises(ValueError) as err:
+        spec(warmup=warmup)
+    assert message in str(err.value)
+
+
+def test_the_step_message_states_the_warm_up_budget():
+    from datetime import datetime, timezone
+
+    observed = Observed(Workload(4, OLD, 0), (), datetime(2026, 1, 1, tzinfo=timezone.utc), 1000.0)
+    started = plan(spec(warmup={"maxTokens": 5000, "timeout": "90s"}).rollout, NEW, OLD, None, "Ready", observed)
+    assert started.kind == "start"
+    assert ("warm-before-ready: each new pod prefills up to 5,000 prompt tokens of its tenants' hottest prefixes "
+            "within 90s before it takes traffic") in started.event[2]
+    cold = plan(spec().rollout, NEW, OLD, None, "Ready", observed)
+    assert "warm-before-ready" not in cold.event[2]
+
+
+def test_a_policy_being_deleted_gives_new_pods_no_gate():
+    from kvtier_operator import admission_policies
+
+    raw = tiny_policy("llm", "llm", workloadRef={"kind": "StatefulSet", "name": "llm"},
+                      rollout={"canaryPods": 1, "warmup": {"maxTokens": 100}})["spec"]
+    live = admission_policies.entry("llm", raw, {"creationTimestamp": "t"})
+    deleting = admission_policies.entry("llm", raw, {"creationTimestamp": "t", "deletionTimestamp": "u"})
+    assert live[1]["rollout"]["warmup"] == {"maxTokens": 100} and raw["rollout"]["warmup"] == {"maxTokens": 100}
+    assert "warmup" not in deleting[1]["rollout"] and deleting[1]["rollout"]["canaryPods"] == 1
+    for e, gated in ((live, True), (deleting, False)):
+        patch = injection.inject(serving_pod(), "llm", policy.KVCachePolicySpec.model_validate(e[1]),
+                                 injection.SidecarImage())
+        assert any(g["conditionType"] == names.WARM_GATE for g in patch["spec"].get("readinessGates", [])) == gated
+
+
+def test_sources_are_asked_for_twice_a_share_and_replays_go_most_valuable_first():
+    assert rw.ask_tokens(4096, 2) == 4096 and rw.ask_tokens(4096, 8) == 1024 and rw.ask_tokens(10, 3) == 8
+    assert rw.ask_tokens(0, 3) == 0 and rw.ask_tokens(100, 0) == 0
+    chosen = {"b": [P((1, 2), 5.0), P((3,), 1.0)], "a": [P((4, 5, 6), 1.0)]}
+    assert rw.replay_order(chosen) == [("b", P((1, 2), 5.0)), ("a", P((4, 5, 6), 1.0)), ("b", P((3,), 1.0))]
+
+
+def test_a_steps_history_and_event_sum_up_the_warm_ups_of_its_rollout():
+    from datetime import datetime, timezone
+
+    from kvtier_operator.rollout import PodSample
+
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    s = spec(warmup={}, recovery={"minLookups": 1, "threshold": 0.5})
+    warm = [policy.PodWarmup(pod="llm-3", version=NEW, outcome="Warmed", tokens=384, finished_at=now),
+            policy.PodWarmup(pod="llm-9", version=OLD, outcome="Warmed", tokens=999, finished_at=now),  # another rollout
+            policy.PodWarmup(pod="llm-2", version=NEW, outcome="WarmupTimedOut", tokens=16, finished_at=now)]
+    status = policy.RolloutStatus(target_version=NEW, step=1, baseline_hit_rate=0.5, step_started_at=now,
+                                  warmups=warm)
+    pods = (PodSample("llm-3", NEW, True, 10, 90, 100), PodSample("llm-0", OLD, True, 10, 50, 100))
+    advanced = plan(s.rollout, NEW, OLD, status, "RollingOut", Observed(Workload(4, NEW, 3), pods, now, 1000.0))
+    assert advanced.kind == "advance"
+    summary = "warm-before-ready so far: 1 pods warmed, 0 failed, 1 timed out, 400 prompt tokens prefilled"
+    assert summary in advanced.rollout.history[-1].message and summary in advanced.event[2]
+    assert advanced.rollout.warmups == warm  # kept for the steps to come
+    bare = plan(s.rollout, NEW, OLD, status.model_copy(update={"warmups": []}), "RollingOut",
+                Observed(Workload(4, NEW, 3), pods, now, 1000.0))
+    assert "warm-before-ready so far" not in bare.rollout.history[-1].message
