@@ -1,0 +1,142 @@
+package plugins
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// startRedis runs a real redis-server on a free port; skipped where there is none.
+func startRedis(t *testing.T) (addr string, stop func()) {
+	t.Helper()
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		t.Skip("redis-server not installed")
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	cmd := exec.Command(bin, "--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "",
+		"--appendonly", "no", "--dir", t.TempDir())
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	stop = func() {
+		select {
+		case <-done:
+		default:
+			_ = cmd.Process.Kill()
+			<-done
+		}
+	}
+	t.Cleanup(stop)
+	addr = fmt.Sprintf("127.0.0.1:%d", port)
+	waitFor(t, 10*time.Second, "redis-server to answer PING", func() bool {
+		_, err := redisDo(addr, "PING")
+		return err == nil
+	})
+	return addr, stop
+}
+
+func redisDo(addr string, args ...string) ([]byte, error) {
+	conn, err := net.DialTimeout("tcp", addr, time.Second)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(2 * time.Second))
+	if _, err := conn.Write(encodeCommand(args)); err != nil {
+		return nil, err
+	}
+	return readReply(bufioReader(conn))
+}
+
+func waitFor(t *testing.T, limit time.Duration, what string, ok func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(limit)
+	for !ok() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", limit, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func redisPayload(table string) string {
+	b, _ := json.Marshal(map[string]any{"table": json.RawMessage(table), "addresses": map[string]any{}})
+	return string(b)
+}
+
+// The operator's Redis copy is followed, the higher epoch of file and Redis
+// wins, and with Redis killed routing goes on from the last table it gave.
+func TestScorerFollowsRedisAndSurvivesItsDeath(t *testing.T) {
+	addr, stop := startRedis(t)
+	key := "kvt:affinity:ns:policy"
+	path := filepath.Join(t.TempDir(), "table.json")
+	writeFile(t, path, table3(1, "pod-a"))
+	s := newScorer(t, AffinityParameters{TablePath: path, RedisURL: "redis://" + addr, RedisKey: key, RedisInterval: "20ms"})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go s.source.runRedis(ctx)
+
+	acme := func() string { return top(t, s.Score(context.Background(), nil, tenantRequest("acme"), pods3())) }
+	if got := acme(); got != "pod-a" {
+		t.Fatalf("Redis key unset: acme went to %q, the file says pod-a", got)
+	}
+	if _, err := redisDo(addr, "SET", key, redisPayload(table3(2, "pod-b"))); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the Redis table (epoch 2) to route acme to pod-b", func() bool { return acme() == "pod-b" })
+
+	// A bad value in Redis changes nothing.
+	if _, err := redisDo(addr, "SET", key, `{"table": {"members": {"pod-a": 0}}}`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := redisDo(addr, "SET", key, "not json"); err != nil {
+		t.Fatal(err)
+	}
+	// The file moving past Redis's epoch wins.
+	writeFile(t, path, table3(3, "pod-c"))
+	if got := acme(); got != "pod-c" {
+		t.Fatalf("file at epoch 3 over Redis at 2: acme went to %q, want pod-c", got)
+	}
+	if _, err := redisDo(addr, "SET", key, redisPayload(table3(4, "pod-a"))); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the Redis table (epoch 4) to route acme to pod-a", func() bool { return acme() == "pod-a" })
+
+	stop() // Redis killed
+	if _, err := redisDo(addr, "PING"); err == nil {
+		t.Fatal("redis still answers after it was killed")
+	}
+	for i := 0; i < 5; i++ {
+		if got := acme(); got != "pod-a" {
+			t.Fatalf("Redis down: acme went to %q, want pod-a from the last table Redis gave", got)
+		}
+		time.Sleep(30 * time.Millisecond) // let the poller fail a few times between requests
+	}
+}
+
+func TestRedisURLParsing(t *testing.T) {
+	r, err := newRedisReader("redis://:pw@h:7000/2", "k", time.Second)
+	if err != nil || r.addr != "h:7000" || r.password != "pw" || r.user != "" || r.db != 2 {
+		t.Fatalf("%+v %v", r, err)
+	}
+	r, err = newRedisReader("redis://u:pw@h", "k", time.Second)
+	if err != nil || r.addr != "h:6379" || r.user != "u" || r.password != "pw" || r.db != 0 {
+		t.Fatalf("%+v %v", r, err)
+	}
+	if _, err := newRedisReader("redis://h/x", "k", time.Second); err == nil {
+		t.Fatal("a non-numeric database was accepted")
+	}
+}
