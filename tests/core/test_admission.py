@@ -309,3 +309,13 @@ def test_queue_items_are_least_valuable_first_and_remove_if_counts_what_it_remov
     assert q.remove_if(lambda item: item in ("b", "c", "x")) == 2
     assert len(q) == 2 and q.items() == ["d", "a"]
     assert q.remove_if(lambda item: False) == 0 and [q.pop(), q.pop(), q.pop()] == ["a", "d", None]
+
+
+def test_a_full_queue_keeps_arrival_order_among_equal_values_it_lets_in():
+    # "x" is the least valuable and goes; "a" and "b" tie, and the older one comes out first
+    # (arrival order, not the items' own order, whichever way that sorts).
+    for first, second in (("a", "b"), ("b", "a")):
+        q: StoreQueue[str] = StoreQueue(2)
+        assert q.push(1.0, "x") is None and q.push(5.0, first) is None
+        assert q.push(5.0, second) == "x"
+        assert [q.pop(), q.pop(), q.pop()] == [first, second, None]

@@ -200,3 +200,39 @@ def test_lookups_without_prompt_tokens_never_count_as_recovery():
                PodSample("llm-2", OLD, True, 0, 0, 0), PodSample("llm-3", NEW, True, 100, 0, 0))
     o = Observed(Workload(4, NEW, 3), samples, T0 + timedelta(seconds=3), REPLICA_TOKENS_S)
     assert rollout.plan(spec(), NEW, OLD, rolling(baseline=None), "RollingOut", o).kind == "wait"
+
+
+def test_a_rollout_of_a_fleet_scaled_to_zero_starts_at_zero_percent():
+    p = rollout.plan(spec(), NEW, OLD, None, "Ready", Observed(Workload(0, OLD, 0), (), T0, REPLICA_TOKENS_S))
+    assert p.kind == "start" and p.rollout.canary_percent == 0
+
+
+def test_a_one_pod_fleet_is_judged_at_its_step_not_caught_up():
+    # Schedule [1, 1, 1, 1]: the one pod on the target is exactly what step 1 put there.
+    o = Observed(Workload(1, NEW, 0), (PodSample("llm-0", NEW, True, 5, 0, 320),), T0 + timedelta(seconds=3),
+                 REPLICA_TOKENS_S)
+    p = rollout.plan(Rollout(recovery=spec().recovery), NEW, OLD, rolling(), "RollingOut", o)
+    assert p.kind == "wait"
+
+
+def test_a_measurement_at_the_end_of_the_window_counts_the_window_as_over():
+    # window 20s: at exactly 20 s a value under the bar is a failure, not "pending".
+    p = rollout.plan(prom_spec(), NEW, OLD, rolling(), "RollingOut", obs(20, Probe(value=0.1)))
+    assert p.kind == "rollback"
+
+
+def test_recovery_needs_prompt_tokens_but_one_is_enough():
+    tally = rollout.Tally(lookups=100, loaded_tokens=1, prompt_tokens=1)
+    assert rollout.StepRecovery(tally, 0.5).recovered(100)
+    assert not rollout.StepRecovery(rollout.Tally(100, 0, 0), 0.0).recovered(100)
+
+
+def test_an_inconclusive_pause_puts_the_workload_back_where_its_step_wants_it():
+    status = rolling().model_copy(update={"paused_reason": "inconclusive"})
+    off = Observed(Workload(4, NEW, 4), obs(6, None).pods, T0 + timedelta(seconds=6), REPLICA_TOKENS_S,
+                   probe=Probe())
+    p = rollout.plan(prom_spec(), NEW, OLD, status, "Paused", off)
+    assert p.kind == "hold" and p.workload == WorkloadPatch(NEW, 3)
+    on = dataclasses.replace(off, workload=Workload(4, NEW, 3))
+    p = rollout.plan(prom_spec(), NEW, OLD, status, "Paused", on)
+    assert p.kind == "hold" and p.workload is None
