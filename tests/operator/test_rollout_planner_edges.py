@@ -236,3 +236,47 @@ def test_an_inconclusive_pause_puts_the_workload_back_where_its_step_wants_it():
     on = dataclasses.replace(off, workload=Workload(4, NEW, 3))
     p = rollout.plan(prom_spec(), NEW, OLD, status, "Paused", on)
     assert p.kind == "hold" and p.workload is None
+
+
+def test_an_empty_fleet_has_an_empty_schedule_of_counts():
+    assert rollout.schedule(Rollout(canary_pods=0, steps=[50, 100]), 0) == [0, 0]
+
+
+def test_a_one_pod_fleets_first_step_is_the_whole_fleet_in_percent():
+    p = rollout.plan(Rollout(recovery=spec().recovery), NEW, OLD, None, "Ready",
+                     Observed(Workload(1, OLD, 0), (PodSample("llm-0", OLD, True, 5, 0, 320),), T0))
+    assert p.kind == "start" and p.rollout.canary_percent == 100
+
+
+def test_a_fleet_back_whole_on_the_target_before_the_last_step_catches_up():
+    # Schedule [1, 1, 2, 4], step 3 (2 pods): all 4 pods came back on NEW.
+    o = observed(NEW, 2, [NEW] * 4, now=T0 + timedelta(seconds=3), lookups=1, hits=0)
+    assert rollout.plan(Rollout(recovery=spec().recovery), NEW, OLD, rolling(step=3), "RollingOut", o).kind == "catchUp"
+
+
+def test_an_analysis_step_counts_only_new_pods_as_ready_and_puts_the_workload_back():
+    pods_ = tuple(PodSample(f"llm-{i}", v, v == OLD, 50, 40 * 64, 50 * 64)
+                  for i, v in enumerate([OLD] * 3 + [NEW]))
+    o = Observed(Workload(4, NEW, 3), pods_, T0 + timedelta(seconds=6), REPLICA_TOKENS_S, probe=Probe(value=0.9))
+    from kvtier.policy import AnalysisStatus
+
+    one_passed = rolling().model_copy(update={"analysis": AnalysisStatus(successes=1)})
+    p = rollout.plan(prom_spec(), NEW, OLD, one_passed, "RollingOut", o)
+    assert p.kind == "wait"  # the second success, but the canary is not ready: no pass
+    ready = dataclasses.replace(o, pods=pods_[:3] + (dataclasses.replace(pods_[3], ready=True),))
+    assert rollout.plan(prom_spec(), NEW, OLD, one_passed, "RollingOut", ready).kind == "advance"
+    # Nothing to measure and nothing changed, but the workload is off its step: patch it back.
+    status = rolling().model_copy(update={"current_hit_rate": 0.8})
+    off = Observed(Workload(4, NEW, 4), obs(1, None).pods, T0 + timedelta(seconds=1), REPLICA_TOKENS_S)
+    p = rollout.plan(prom_spec(), NEW, OLD, status, "RollingOut", off)
+    assert p.kind == "wait" and p.workload == WorkloadPatch(NEW, 3)
+
+
+def test_a_sidecar_pause_keeps_the_analysis_it_found():
+    from kvtier.policy import AnalysisStatus
+
+    a = AnalysisStatus(successes=1)
+    status = rolling().model_copy(update={"analysis": a})
+    o = observed(NEW, 3, [OLD] * 3 + [NEW], now=T0 + timedelta(seconds=25), lookups=150, hits=0)
+    p = rollout.plan(spec(on_failure="pause"), NEW, OLD, status, "RollingOut", o)
+    assert p.kind == "pause" and p.rollout.analysis == a
