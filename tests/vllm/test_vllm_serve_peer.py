@@ -147,8 +147,12 @@ def _figures(p: Peered) -> dict[str, float]:
             "sidecar_peer": stats["engine"]["loaded_tokens_by_tier"]["peer"],
             "sidecar_prompt": stats["engine"]["prompt_tokens"],
             "lookup_timeouts": m.get("vllm:kvtier_lookup_timeouts_total", 0),
-            "peer_transport_errors": sidecar_metric(p.sidecar, "kvtier_peer_errors_total", reason="transport"),
+            "peer_transport_errors": _transport_errors(p),
             "sidecar_lookups": stats["lookups"]}
+
+
+def _transport_errors(p: Peered) -> float:
+    return sidecar_metric(p.sidecar, "kvtier_peer_errors_total", reason="transport")
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -181,6 +185,12 @@ def test_a_hung_peer_costs_requests_a_miss_at_the_fetch_deadline_never_the_engin
     before = _figures(p)
     try:
         hung = _round(p, HUNG, hang=True)
+        # The engine's answers may come first (its lookup budget is the shorter): the
+        # sidecar's fetches from the still-stopped peer end at their own deadline,
+        # which a loaded machine reaches later. Continued before that, the peer would
+        # serve them after all.
+        wait_for("the fetches from the hung peer to end at their deadline",
+                 lambda: _transport_errors(p) > before["peer_transport_errors"], 60)
     finally:
         p.peer.proc.send_signal(signal.SIGCONT)
     d = _delta(_figures(p), before)
