@@ -9,14 +9,17 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
-// startRedis runs a real redis-server on a free port; skipped where there is none.
+// startRedis runs a real redis-server on a free port; fails where there is none
+// (scripts/setup.sh installs it).
 func startRedis(t *testing.T) (addr string, stop func()) {
 	t.Helper()
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
-		t.Skip("redis-server not installed")
+		t.Fatal("redis-server not installed: run scripts/setup.sh")
 	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -49,16 +52,18 @@ func startRedis(t *testing.T) (addr string, stop func()) {
 }
 
 func redisDo(addr string, args ...string) ([]byte, error) {
-	conn, err := net.DialTimeout("tcp", addr, time.Second)
+	c := redis.NewClient(&redis.Options{Addr: addr, DialTimeout: time.Second, ReadTimeout: 2 * time.Second,
+		WriteTimeout: 2 * time.Second, MaxRetries: -1})
+	defer c.Close()
+	cmd := make([]any, len(args))
+	for i, a := range args {
+		cmd[i] = a
+	}
+	v, err := c.Do(context.Background(), cmd...).Result()
 	if err != nil {
 		return nil, err
 	}
-	defer conn.Close()
-	_ = conn.SetDeadline(time.Now().Add(2 * time.Second))
-	if _, err := conn.Write(encodeCommand(args)); err != nil {
-		return nil, err
-	}
-	return readReply(bufioReader(conn))
+	return []byte(fmt.Sprint(v)), nil
 }
 
 func waitFor(t *testing.T, limit time.Duration, what string, ok func() bool) {
