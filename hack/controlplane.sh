@@ -33,8 +33,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 export GOTOOLCHAIN=local
 export GOFLAGS="${GOFLAGS:-} -mod=readonly"
 
-log() { printf '[controlplane %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
+LOG_TAG=controlplane
+. "$root/hack/lib.sh"
 
 command -v go >/dev/null 2>&1 || die "go is not installed (need Go >= 1.24 on PATH)"
 go_version=$(go env GOVERSION)
@@ -60,36 +60,14 @@ elif [ $# -gt 0 ]; then
   exit 2
 fi
 
-if complete; then
-  log "cached: $bin"
-  echo "$bin"
-  exit 0
-fi
-
-mkdir -p "$cache"
-# One build at a time per cache; a second caller waits and then finds it complete.
-exec 9>"$cache/.lock"
-flock 9
-if complete; then
-  log "cached (built by a concurrent run): $bin"
-  echo "$bin"
-  exit 0
-fi
+cached_or_lock complete "$bin"
 
 work=$(mktemp -d "$cache/.build-XXXXXX")
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/bin"
 started=$(date +%s)
 
-# Counts the package paths `go build -v` reports and prints every 25th, so a 2-core
-# build shows it is alive; any other line (downloads, compiler errors) passes through.
-progress() {
-  awk -v what="$1" -v t0="$(date +%s)" '
-    / / || /^#/ { print > "/dev/stderr"; fflush("/dev/stderr"); next }
-    { n++ }
-    n % 25 == 0 { printf "[controlplane %s] %s: %d packages compiled (%ds)\n", strftime("%H:%M:%S"), what, n, systime() - t0 > "/dev/stderr"; fflush("/dev/stderr") }
-    END { printf "[controlplane %s] %s: %d packages compiled in %ds\n", strftime("%H:%M:%S"), what, n, systime() - t0 > "/dev/stderr" }'
-}
+progress() { go_build_progress "$1" 25; }
 
 # --- etcd --------------------------------------------------------------------------
 log "building etcd ${ETCD_VERSION} (Go ${go_version})"

@@ -21,8 +21,8 @@ mod=$root/router/epp
 export GOTOOLCHAIN=local
 export GOFLAGS="${GOFLAGS:-} -mod=readonly -buildvcs=false"
 
-log() { printf '[epp %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
+LOG_TAG=epp
+. "$root/hack/lib.sh"
 
 command -v go >/dev/null 2>&1 || die "go is not installed (need Go >= 1.25 on PATH)"
 go_version=$(go env GOVERSION)
@@ -45,32 +45,14 @@ fi
 
 complete() { [ -f "$dest/.complete" ] && [ -x "$bin" ]; }
 
-if complete; then
-  log "cached: $bin"
-  echo "$bin"
-  exit 0
-fi
-
-mkdir -p "$cache"
-# One build at a time per cache; a second caller waits and then finds it complete.
-exec 9>"$cache/.lock"
-flock 9
-if complete; then
-  log "cached (built by a concurrent run): $bin"
-  echo "$bin"
-  exit 0
-fi
+cached_or_lock complete "$bin"
 
 work=$(mktemp -d "$cache/.build-XXXXXX")
 trap 'rm -rf "$work"' EXIT
 started=$(date +%s)
 log "building kvtier-epp (EPP ${gie_version}, Go ${go_version}); ~1200 packages, ~11 min on one core when cold"
 (cd "$mod" && go build -v -trimpath -ldflags='-s -w' -o "$work/kvtier-epp" ./cmd/kvtier-epp 2>&1) |
-  awk -v t0="$(date +%s)" '
-    / / || /^#/ { print > "/dev/stderr"; fflush("/dev/stderr"); next }
-    { n++ }
-    n % 50 == 0 { printf "[epp %s] %d packages compiled (%ds)\n", strftime("%H:%M:%S"), n, systime() - t0 > "/dev/stderr"; fflush("/dev/stderr") }
-    END { printf "[epp %s] %d packages compiled in %ds\n", strftime("%H:%M:%S"), n, systime() - t0 > "/dev/stderr" }'
+  go_build_progress kvtier-epp 50
 [ "${PIPESTATUS[0]}" -eq 0 ] || die "kvtier-epp build failed (see the go output above)"
 "$work/kvtier-epp" --help >/dev/null 2>&1 || die "built kvtier-epp does not run"
 

@@ -20,8 +20,8 @@ export GOFLAGS="${GOFLAGS:-} -mod=readonly"
 # Only the discovery mechanisms kvtier uses: a third of the full build.
 TAGS=remove_all_sd,enable_kubernetes_sd
 
-log() { printf '[prometheus %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
+LOG_TAG=prometheus
+. "$root/hack/lib.sh"
 
 command -v go >/dev/null 2>&1 || die "go is not installed (need Go >= 1.26 on PATH)"
 version=$(awk '$1 == "require" && $2 == "github.com/prometheus/prometheus" {print $3}' "$wrapper/go.mod")
@@ -38,19 +38,8 @@ elif [ $# -gt 0 ]; then
   echo "usage: $0 [--print-path]" >&2
   exit 2
 fi
-if [ -x "$dest/prometheus" ]; then
-  log "cached: $dest/prometheus"
-  echo "$dest/prometheus"
-  exit 0
-fi
-
-mkdir -p "$cache"
-exec 9>"$cache/.lock"
-flock 9
-if [ -x "$dest/prometheus" ]; then
-  echo "$dest/prometheus"
-  exit 0
-fi
+built() { [ -x "$dest/prometheus" ]; }
+cached_or_lock built "$dest/prometheus"
 work=$(mktemp -d "$cache/.build-XXXXXX")
 trap 'rm -rf "$work"' EXIT
 started=$(date +%s)

