@@ -582,22 +582,8 @@ class LocalCache:
         with self._lock:
             now = self.clock()
             freq = self._index.policy.frequency
-            nodes = sorted(self._index.iter_nodes(lambda r: r.tenant == tenant),
-                           key=lambda n: (-freq(n.freq, now), -n.end_block))
-            covered: set[int] = set()
-            chosen: list[Node] = []
-            budget_blocks = max_bytes // self.block_bytes
-            for n in nodes:
-                path = self._index.path(n)
-                new = sum(len(p.slots) for p in path if id(p) not in covered)
-                if new == 0 or new > budget_blocks:
-                    continue
-                budget_blocks -= new
-                covered.update(id(p) for p in path)
-                chosen.append(n)
-            inner = {id(p) for n in chosen for p in self._index.path(n)[:-1]}
-            return [(n.root, np.frombuffer(self._index.prefix_tokens(n), dtype=TOKEN_DTYPE).copy())
-                    for n in chosen if id(n) not in inner]
+            chosen = self._choose_prefixes(tenant, lambda n: freq(n.freq, now), max_bytes // self.block_bytes)
+            return [(n.root, self._prefix_token_ids(n)) for _, n in chosen]
 
     def hot_prompts(self, tenant: str, max_tokens: int) -> list[tuple[KeyRoot, np.ndarray, float]]:
         """The tenant's cached prefixes worth replaying to warm a new engine, best
@@ -610,29 +596,37 @@ class LocalCache:
         with self._lock:
             now = self.clock()
             freq = self._index.policy.frequency
-            scored = []
-            for n in self._index.iter_nodes(lambda r: r.tenant == tenant):
-                path = self._index.path(n)
-                scored.append((sum(freq(p.freq, now) * len(p.slots) for p in path) * self.block_size, n, path))
-            scored.sort(key=lambda s: (-s[0], -s[1].end_block))
-            covered: set[int] = set()
-            chosen: list[tuple[float, Node, list[Node]]] = []
-            budget = max_tokens
-            for value, n, path in scored:
-                new = sum(len(p.slots) for p in path if id(p) not in covered) * self.block_size
-                if new == 0 or new > budget:
-                    continue
-                budget -= new
-                covered.update(id(p) for p in path)
-                chosen.append((value, n, path))
-            inner = {id(p) for _, _, path in chosen for p in path[:-1]}
+
+            def saving(n: Node) -> float:
+                return sum(freq(p.freq, now) * len(p.slots) for p in self._index.path(n)) * self.block_size
+
             out = []
-            for value, n, _path in chosen:
-                if id(n) in inner:
-                    continue
-                tokens = np.frombuffer(self._index.prefix_tokens(n), dtype=TOKEN_DTYPE).copy()
+            for value, n in self._choose_prefixes(tenant, saving, max_tokens // self.block_size):
+                tokens = self._prefix_token_ids(n)
                 out.append((n.root, tokens, value / len(tokens) if len(tokens) else 0.0))
             return out
+
+    def _choose_prefixes(self, tenant: str, score, budget_blocks: int) -> list[tuple[float, Node]]:
+        """(score, node) of the tenant's prefixes chosen greedily, best score first (ties:
+        the longer), while the blocks not yet covered by a chosen one fit `budget_blocks`;
+        a chosen prefix inside a longer chosen one is left out. Caller holds the lock."""
+        scored = sorted(((score(n), n) for n in self._index.iter_nodes(lambda r: r.tenant == tenant)),
+                        key=lambda s: (-s[0], -s[1].end_block))
+        covered: set[int] = set()
+        chosen: list[tuple[float, Node, list[Node]]] = []
+        for value, n in scored:
+            path = self._index.path(n)
+            new = sum(len(p.slots) for p in path if id(p) not in covered)
+            if new == 0 or new > budget_blocks:
+                continue
+            budget_blocks -= new
+            covered.update(id(p) for p in path)
+            chosen.append((value, n, path))
+        inner = {id(p) for _, _, path in chosen for p in path[:-1]}
+        return [(value, n) for value, n, _ in chosen if id(n) not in inner]
+
+    def _prefix_token_ids(self, n: Node) -> np.ndarray:
+        return np.frombuffer(self._index.prefix_tokens(n), dtype=TOKEN_DTYPE).copy()
 
     def stats(self, tenant: str | None = None) -> CacheStats:
         with self._lock:
