@@ -11,6 +11,7 @@ import numpy as np
 
 from kvtier import sidecar_config
 from kvtier.keys import KeyRoot
+from kvtier_operator import names
 from kvtier_sidecar.client import Hit, SidecarClient
 from kvtier_testenv import engine_io
 from kvtier_testenv.control_client import ControlEndpoint
@@ -41,6 +42,24 @@ def pod_control(env: dict[str, str], port: int = 8081) -> ControlEndpoint:
     name = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
         x509.DNSName)[0]
     return ControlEndpoint(env["POD_IP"], port, name, (tls_dir / "ca.crt").read_bytes())
+
+
+SLEEPING_ENGINE = {"name": "engine", "image": "engine:1", "command": ["sleep", "infinity"]}
+"""An engine container the node agent does not run: shown running and ready, nothing listens."""
+
+
+def stateful_set(app: str, replicas: int, container: dict = SLEEPING_ENGINE, version: str | None = None) -> dict:
+    """A StatefulSet of `replicas` pods labelled app=`app`, started in parallel and gone at
+    once; with `version`, its template carries that weights version and it rolls by
+    partition (a rollout's workload)."""
+    template: dict = {"metadata": {"labels": {"app": app}},
+                      "spec": {"terminationGracePeriodSeconds": 0, "containers": [container]}}
+    spec: dict = {"replicas": replicas, "serviceName": app, "podManagementPolicy": "Parallel",
+                  "selector": {"matchLabels": {"app": app}}, "template": template}
+    if version is not None:
+        template["metadata"]["annotations"] = {names.WEIGHTS_VERSION_ANNOTATION: version}
+        spec["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}}
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": app}, "spec": spec}
 
 
 def tiny_policy(name: str, app: str, **spec: object) -> dict:

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from kvtier_operator import names
 from kvtier_testenv.kubectl import Kubectl
 from operator_harness import events, wait_for
+import sidecar_fleet
 from sidecar_fleet import tiny_policy
 from test_operator_e2e import short_workdir, status_of
 
@@ -17,12 +18,7 @@ APP = "shared"
 
 
 def stateful_set(replicas: int) -> dict:
-    engine = {"name": "engine", "image": "engine:1", "command": ["sleep", "infinity"]}
-    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": APP},
-            "spec": {"replicas": replicas, "serviceName": APP, "podManagementPolicy": "Parallel",
-                     "selector": {"matchLabels": {"app": APP}},
-                     "template": {"metadata": {"labels": {"app": APP}},
-                                  "spec": {"terminationGracePeriodSeconds": 0, "containers": [engine]}}}}
+    return sidecar_fleet.stateful_set(APP, replicas)
 
 
 def condition(kubectl: Kubectl, name: str, type_: str) -> dict | None:

@@ -18,6 +18,7 @@ from kvtier_testenv.ports import free_port
 from operator_harness import (
     RunningOperator, events, operator_options, register_webhook, wait_for,
 )
+import sidecar_fleet
 from sidecar_fleet import BLOCK_BYTES, BLOCK_SIZE, DIGEST as OLD, PROMPT_TOKENS, PodSidecar, tiny_policy
 from test_operator_e2e import short_workdir, status_of
 
@@ -45,16 +46,7 @@ def operator(namespace, operator_kubeconfig, control_plane, tmp_path, monkeypatc
 
 
 def stateful_set(version: str) -> dict:
-    engine = {"name": "engine", "image": "engine:1", "command": ["sleep", "infinity"]}
-    return {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": APP},
-        "spec": {"replicas": REPLICAS, "serviceName": APP, "podManagementPolicy": "Parallel",
-                 "selector": {"matchLabels": {"app": APP}},
-                 "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
-                 "template": {"metadata": {"labels": {"app": APP},
-                                           "annotations": {names.WEIGHTS_VERSION_ANNOTATION: version}},
-                              "spec": {"terminationGracePeriodSeconds": 0, "containers": [engine]}}},
-    }
+    return sidecar_fleet.stateful_set(APP, REPLICAS, version=version)
 
 
 def rollout_policy(window: str) -> dict:

@@ -21,6 +21,7 @@ from kvtier_testenv.podenv import is_ready
 from kvtier_testenv.ports import free_port
 from kvtier_testenv.synthetic import prefill_kv
 from operator_harness import events, wait_for
+import sidecar_fleet
 from sidecar_fleet import BLOCK_BYTES, BLOCK_SIZE, DIGEST as OLD, MATCHED_TOKENS, PodSidecar, tiny_policy
 from test_operator_e2e import short_workdir, status_of
 from test_rollout_controls import plugin
@@ -50,16 +51,8 @@ def stateful_set(version: str, port: int, engine: str = "front", delay_s: float 
                      "env": [{"name": names.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
                      "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 1}}
     else:
-        container = {"name": "engine", "image": "engine:1", "command": ["sleep", "infinity"]}
-    return {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": APP},
-        "spec": {"replicas": REPLICAS, "serviceName": APP, "podManagementPolicy": "Parallel",
-                 "selector": {"matchLabels": {"app": APP}},
-                 "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
-                 "template": {"metadata": {"labels": {"app": APP},
-                                           "annotations": {names.WEIGHTS_VERSION_ANNOTATION: version}},
-                              "spec": {"terminationGracePeriodSeconds": 0, "containers": [container]}}},
-    }
+        container = sidecar_fleet.SLEEPING_ENGINE
+    return sidecar_fleet.stateful_set(APP, REPLICAS, container, version=version)
 
 
 def warm_policy(warmup: dict | None) -> dict:
@@ -278,15 +271,22 @@ def test_without_a_warmup_or_with_a_zero_budget_pods_have_no_gate(operator, kube
         wait_for("the pods gone", lambda: not fleet.pods())
 
 
+def held_out_canary(fleet) -> str:
+    """The canary's name once it runs the new version with its containers up and its
+    gate still closed (mid-warm-up)."""
+    canary = canary_on_new(fleet)["metadata"]["name"]
+    wait_for("the canary up and held out", lambda: (
+        (p := fleet.pod(canary)) is not None and rw.pod_version(p) == NEW and rw.containers_up(p)
+        and (gate(p) or {}).get("status") != "True"), timeout_s=TIMEOUT_S)
+    return canary
+
+
 def test_policy_deleted_mid_warm_up_releases_the_gate(operator, kubectl, node_agent_factory):
     port = free_port()
     agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
     fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "10m", "enginePort": port}, port, delay_s=30.0)
     roll_out(kubectl)
-    canary = canary_on_new(fleet)["metadata"]["name"]
-    wait_for("the canary up and held out", lambda: (
-        (p := fleet.pod(canary)) is not None and rw.pod_version(p) == NEW and rw.containers_up(p)
-        and (gate(p) or {}).get("status") != "True"), timeout_s=TIMEOUT_S)
+    canary = held_out_canary(fleet)
     kubectl.run("delete", "kvcp", "wllm", "--wait=false")
     # The teardown returns the workload to the old version; whatever pod is there, none
     # stays gated: every pod ends Ready.
@@ -303,10 +303,7 @@ def test_an_operator_restarted_mid_warm_up_warms_the_pod_again_and_releases_it(
     agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
     fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "2m", "enginePort": port}, port, delay_s=5.0)
     roll_out(kubectl)
-    canary = canary_on_new(fleet)["metadata"]["name"]
-    wait_for("the canary up and held out", lambda: (
-        (p := fleet.pod(canary)) is not None and rw.pod_version(p) == NEW and rw.containers_up(p)
-        and (gate(p) or {}).get("status") != "True"), timeout_s=TIMEOUT_S)
+    canary = held_out_canary(fleet)
     operator.stop()  # mid-warm-up: its task goes with it, the gate stays closed
     held = fleet.pod(canary)
     assert (gate(held) or {}).get("status") != "True" and not is_ready(held)
@@ -327,10 +324,7 @@ def test_a_rollback_never_waits_for_a_warm_up(operator, kubectl, node_agent_fact
     agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
     fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "10m", "enginePort": port}, port, delay_s=30.0)
     roll_out(kubectl)
-    canary = canary_on_new(fleet)["metadata"]["name"]
-    wait_for("the canary up and held out", lambda: (
-        (p := fleet.pod(canary)) is not None and rw.pod_version(p) == NEW and rw.containers_up(p)
-        and (gate(p) or {}).get("status") != "True"), timeout_s=TIMEOUT_S)
+    canary = held_out_canary(fleet)
     aborted = plugin(kubectl, "rollout", "abort", "wllm")
     assert aborted.returncode == 0, aborted.stderr
     # Rolled back long before the 10-minute warm-up deadline: every pod on the old
