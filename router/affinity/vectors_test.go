@@ -1,66 +1,18 @@
 package affinity
 
 import (
-	"encoding/json"
 	"math"
-	"os"
 	"reflect"
 	"testing"
+
+	"github.com/kvtier/kvtier/router/affinity/vectors"
 )
 
-// The shared vectors kvtier.routing generated (`kvtier contract`).
-type vectors struct {
-	RendezvousVersion int `json:"rendezvousVersion"`
-	Hashes            map[string]struct {
-		TenantHash uint64 `json:"tenantHash"`
-		MemberHash uint64 `json:"memberHash"`
-	} `json:"hashes"`
-	Tables map[string]struct {
-		JSON string `json:"json"`
-	} `json:"tables"`
-	InvalidTables []struct {
-		Name string `json:"name"`
-		JSON string `json:"json"`
-		Rule string `json:"rule"`
-	} `json:"invalidTables"`
-	Orders []struct {
-		Table  string    `json:"table"`
-		Tenant string    `json:"tenant"`
-		Order  []string  `json:"order"`
-		Scores []float64 `json:"scores"`
-		Homes  []string  `json:"homes"`
-	} `json:"orders"`
-	Sequences []struct {
-		Name     string `json:"name"`
-		Stateful bool   `json:"stateful"`
-		Steps    []struct {
-			Table     string             `json:"table"`
-			Tenant    string             `json:"tenant"`
-			Occupancy map[string]float64 `json:"occupancy"`
-			Pick      *struct {
-				Member  string `json:"member"`
-				Rank    int    `json:"rank"`
-				Spilled bool   `json:"spilled"`
-				Epoch   int64  `json:"epoch"`
-			} `json:"pick"`
-			Error      string `json:"error"`
-			SpillState *struct {
-				Epoch   int64             `json:"epoch"`
-				MovedTo map[string]string `json:"movedTo"`
-			} `json:"spillState"`
-		} `json:"steps"`
-	} `json:"sequences"`
-}
-
-func loadVectors(t *testing.T) (*vectors, map[string]*Table) {
+func loadVectors(t *testing.T) (*vectors.File, map[string]*Table) {
 	t.Helper()
-	data, err := os.ReadFile("../testdata/pick-vectors.json")
+	v, err := vectors.Load("../testdata/pick-vectors.json")
 	if err != nil {
-		t.Fatalf("read the shared vectors (run `kvtier contract`): %v", err)
-	}
-	var v vectors
-	if err := json.Unmarshal(data, &v); err != nil {
-		t.Fatalf("decode the shared vectors: %v", err)
+		t.Fatal(err)
 	}
 	tables := map[string]*Table{}
 	for name, tb := range v.Tables {
@@ -70,7 +22,7 @@ func loadVectors(t *testing.T) (*vectors, map[string]*Table) {
 		}
 		tables[name] = table
 	}
-	return &v, tables
+	return v, tables
 }
 
 func TestVectorsNameThisRendezvousVersion(t *testing.T) {

@@ -9,43 +9,19 @@ import (
 	"time"
 
 	"github.com/kvtier/kvtier/router/affinity"
+	"github.com/kvtier/kvtier/router/affinity/vectors"
 	"k8s.io/apimachinery/pkg/types"
 	fwkdl "sigs.k8s.io/gateway-api-inference-extension/pkg/epp/framework/interface/datalayer"
 	fwksched "sigs.k8s.io/gateway-api-inference-extension/pkg/epp/framework/interface/scheduling"
 )
 
-// The shared vectors kvtier.routing generated (router/testdata, `kvtier contract`):
-// only what the scorer's test needs.
-type pickVectors struct {
-	Tables map[string]struct {
-		JSON string `json:"json"`
-	} `json:"tables"`
-	Sequences []struct {
-		Name     string `json:"name"`
-		Stateful bool   `json:"stateful"`
-		Steps    []struct {
-			Table     string             `json:"table"`
-			Tenant    string             `json:"tenant"`
-			Occupancy map[string]float64 `json:"occupancy"`
-			Pick      *struct {
-				Member string `json:"member"`
-			} `json:"pick"`
-			Error string `json:"error"`
-		} `json:"steps"`
-	} `json:"sequences"`
-}
-
-func loadPickVectors(t *testing.T) *pickVectors {
+func loadPickVectors(t *testing.T) *vectors.File {
 	t.Helper()
-	data, err := os.ReadFile("../../testdata/pick-vectors.json")
+	v, err := vectors.Load("../../testdata/pick-vectors.json")
 	if err != nil {
-		t.Fatalf("read the shared vectors: %v", err)
+		t.Fatal(err)
 	}
-	var v pickVectors
-	if err := json.Unmarshal(data, &v); err != nil {
-		t.Fatalf("decode the shared vectors: %v", err)
-	}
-	return &v
+	return v
 }
 
 // endpoint is a candidate as the EPP's datastore makes one: its pod's name,
