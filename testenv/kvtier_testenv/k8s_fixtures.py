@@ -4,7 +4,10 @@
   session; its logs go to a pytest temp dir and their tails are printed in the
   terminal summary when a test failed.
 - `namespace` (function): a fresh namespace per test, deleted afterwards (without
-  waiting: the namespace controller empties it in the background).
+  waiting: the namespace controller empties it in the background). The operator's
+  finalizer on the test's policies goes first: the operator that would remove it
+  stopped with the test, and a namespace left Terminating is retried by the namespace
+  controller for the rest of the session (the apiserver's CPU grew with the backlog).
 - `kubectl`, `helm` (function): the real binaries with the admin kubeconfig,
   bound to the test's namespace.
 - `node_agent` (function): a node agent running the `kvtier-sidecar` containers of
@@ -25,7 +28,9 @@ from typing import Any
 
 import pytest
 
+from kvtier import names, policy
 from kvtier_testenv.controlplane import ControlPlane
+from kvtier_testenv.kubeapi import ApiError, RestClient
 from kvtier_testenv.kubectl import Helm, Kubectl
 from kvtier_testenv.nodeagent import NodeAgent
 
@@ -58,14 +63,49 @@ def namespace_name(test_name: str) -> str:
     return f"t-{slug[: _NAMESPACE_MAX - len(suffix) - 3].rstrip('-')}-{suffix}"
 
 
+@pytest.fixture(scope="session")
+def _admin_rest(control_plane: ControlPlane) -> RestClient:
+    return RestClient(control_plane.kubeconfig)
+
+
+def release_operator_finalizers(rest: RestClient, namespace: str) -> int:
+    """Take the operator's finalizer off every KVCachePolicy in `namespace` (what an
+    admin does once the operator is gone); how many had it (0 without the CRD)."""
+    base = f"/apis/{policy.GROUP}/{policy.VERSION}/namespaces/{namespace}/{policy.PLURAL}"
+    try:
+        items = rest.request("GET", base)["items"]
+    except ApiError as exc:
+        if exc.status == 404:  # no CRD in this session (yet)
+            return 0
+        raise
+    released = 0
+    for item in items:
+        finalizers = item["metadata"].get("finalizers") or []
+        if names.FINALIZER in finalizers:
+            keep = [f for f in finalizers if f != names.FINALIZER]
+            try:
+                rest.request("PATCH", f"{base}/{item['metadata']['name']}",
+                             {"metadata": {"finalizers": keep or None}}, "application/merge-patch+json")
+            except ApiError as exc:
+                if exc.status != 404:  # gone meanwhile: nothing to release
+                    raise
+            released += 1
+    return released
+
+
 @pytest.fixture
-def namespace(control_plane: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
+def namespace(control_plane: ControlPlane, _admin_rest: RestClient, request: pytest.FixtureRequest) -> Iterator[str]:
     name = namespace_name(request.node.name)
     admin = Kubectl(control_plane.kubeconfig)
     admin.run("create", "namespace", name)
     try:
         yield name
     finally:
+        # The test's operator (a fixture torn down before this one) is gone by now.
+        try:
+            release_operator_finalizers(_admin_rest, name)
+        except (ApiError, OSError):
+            pass  # hygiene only (an apiserver a test left down): the namespace then lingers
         admin.delete("namespace", name, wait=False)
 
 
