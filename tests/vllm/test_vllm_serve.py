@@ -334,3 +334,90 @@ def test_a_hung_sidecar_costs_requests_a_miss_within_the_budget_never_the_engine
     served.reset_prefix_cache()
     reloaded = _complete(served.port, healthy["prompts"][0], "healthy")
     assert reloaded == {"tokens": healthy["answers"][0], "cached": 192}
+
+
+OLD_WEIGHTS = "sha256:" + "b2" * 32
+
+
+def test_a_new_version_pod_warmed_through_vllms_http_api_serves_its_tenants_prefixes_from_kvtier(served, tmp_path):
+    """Warm-before-ready (#24) against the real engine: the operator's own warm-up steps
+    (the old version's sidecar's `GET /cache/hot`, ranked and spent within the budget,
+    replayed by `rollout_warmup_io._prefill` as max_tokens=1 completions with the
+    tenant's cache_salt) prefill the new version's vLLM; its first request for a warmed
+    prefix is a kvtier hit, with the tokens a recompute gives."""
+    import asyncio
+
+    import aiohttp
+    import numpy as np
+
+    from kvtier.sidecar_config import ServedModel
+    from kvtier_operator import rollout_warmup as rw, rollout_warmup_io as rwio
+    from kvtier_operator.membership import Member, MemberName
+    from kvtier_operator.sidecar_client import ControlTls, SidecarClient as ControlClient
+    from kvtier_sidecar.client import SidecarClient
+    from kvtier_testenv import engine_io
+    from kvtier_testenv.fleet import fleet_namespace
+    from kvtier_testenv.synthetic import prefill_kv
+
+    tenant, block = "warm-t", 32
+    block_bytes = SHAPE.layers * 2 * SHAPE.kv_heads * block * SHAPE.head_dim * 4
+    old_model = sidecar_model(SHAPE, OLD_WEIGHTS)
+    old = SidecarHandle("old-sc", "127.0.0.3", tmp_path, {
+        "pod_name": "old-sc", "pod_namespace": "kvtier-serve", "pod_ip": "127.0.0.3", "http_port": 0,
+        "peer_port": 0, "peer_enabled": False, "engine_socket": str(tmp_path / "old.sock"),
+        "model": old_model, "block_size": block, "dram_capacity_bytes": 64 << 20, "min_sightings": 1,
+        "log_level": "WARNING", "control_auth": {"mode": "open"},
+        "control_tls": fleet_tls(tmp_path).config()}).start()
+    try:
+        # The old version's pod served the tenant's prompts (its KV is the old weights':
+        # only the token ids go to the new pod); the hottest was asked most.
+        root = ServedModel(**old_model).root(tenant)
+        prompts = [np.array(served.prompt(), np.uint32) for _ in range(3)]
+        client = SidecarClient(old.socket)
+        try:
+            for i, tokens in enumerate(prompts):
+                for _ in range(3 - i):
+                    client.release(engine_io.request(client, root, tokens, block_bytes)[0])
+                    client.store(root, tokens, prefill_kv(root, tokens, block, block_bytes))
+        finally:
+            client.close()
+
+        budget = 2 * 192  # two prompts' stored blocks: the third, coldest, is left out
+        member = Member(MemberName("old-sc"), "127.0.0.3", 1.0, fleet_namespace(tmp_path), "fleet")
+        progress = rwio._Progress()
+        stores_before = _sidecar_metric(served.sidecar, "kvtier_stores_total", outcome="accepted")
+
+        async def warm() -> list[tuple[str, rw.Prompt]]:
+            control = ControlClient.create(tls=ControlTls.from_ca(fleet_tls(tmp_path).ca_pem),
+                                           http_port=int(old.http.rsplit(":", 1)[1]))
+            try:
+                hot = await control.hot(member, tenant, rw.ask_tokens(budget, 1))
+            finally:
+                await control.close()
+            assert hot is not None and hot.prefixes, "the old version's sidecar named no hot prefixes"
+            queue = rw.replay_order(rw.spend({tenant: rw.rank([[rw.Prompt(tuple(p.token_ids), p.frequency)
+                                                                for p in hot.prefixes]])}, budget))
+            async with aiohttp.ClientSession() as http:
+                for t, p in queue:
+                    assert await rwio._prefill(http, f"http://127.0.0.1:{served.port}{rwio.COMPLETIONS_PATH}",
+                                               "tiny", t, p, progress), progress.engine_error
+            return queue
+
+        queue = asyncio.run(warm())
+        warmed = [list(p.tokens) for _, p in queue]
+        assert 1 <= len(warmed) <= 2 and all(t == tenant for t, _ in queue)
+        assert warmed[0] == [int(x) for x in prompts[0]][: len(warmed[0])], "the hottest prefix goes first"
+        assert progress.failed == 0 and not progress.engine_error
+        wait_for("the warm-up's KV stored by the new pod's sidecar", lambda: _sidecar_metric(
+            served.sidecar, "kvtier_stores_total", outcome="accepted") >= stores_before + len(warmed), 30)
+    finally:
+        old.kill()
+
+    # vLLM's own prefix cache emptied: what the first request finds is kvtier's
+    served.reset_prefix_cache()
+    for tokens in warmed:
+        first = _complete(served.port, tokens, tenant)
+        recomputed = _complete(served.port, tokens, "warm-recompute")
+        assert first["cached"] >= block * (len(tokens) // block) - block, first
+        assert recomputed["cached"] == 0
+        assert first["tokens"] == recomputed["tokens"]
