@@ -4,6 +4,7 @@ what the operator renders from the same policy, and a router's `cache_salt` pick
 tenant. No cluster: the pod's shared volume is a directory both processes use."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -20,13 +21,21 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
+import numpy as np
 import pytest
 
 from kvtier import policy
-from kvtier.sidecar_config import ControlAuthConfig
+from kvtier.sidecar_config import ControlAuthConfig, ServedModel
 from kvtier_operator import injection, names, sidecar_render
+from kvtier_operator import rollout_warmup as rw, rollout_warmup_io as rwio
+from kvtier_operator.membership import Member, MemberName
+from kvtier_operator.sidecar_client import ControlTls, SidecarClient as ControlClient
+from kvtier_sidecar.client import SidecarClient
+from kvtier_testenv import engine_io
 from kvtier_operator.engine_env import KV_TRANSFER_CONFIG_ENV
-from kvtier_testenv.fleet import SidecarHandle, fleet_tls
+from kvtier_testenv.fleet import SidecarHandle, fleet_namespace, fleet_tls
+from kvtier_testenv.synthetic import prefill_kv
 from kvtier_testenv.polling import wait_for
 from kvtier_testenv.tiny_llama import TinyLlama, write_model
 from kvtier_testenv.vllm_serve import read_token_stream, vllm_metrics
@@ -345,23 +354,10 @@ def test_a_new_version_pod_warmed_through_vllms_http_api_serves_its_tenants_pref
     replayed by `rollout_warmup_io._prefill` as max_tokens=1 completions with the
     tenant's cache_salt) prefill the new version's vLLM; its first request for a warmed
     prefix is a kvtier hit, with the tokens a recompute gives."""
-    import asyncio
-
-    import aiohttp
-    import numpy as np
-
-    from kvtier.sidecar_config import ServedModel
-    from kvtier_operator import rollout_warmup as rw, rollout_warmup_io as rwio
-    from kvtier_operator.membership import Member, MemberName
-    from kvtier_operator.sidecar_client import ControlTls, SidecarClient as ControlClient
-    from kvtier_sidecar.client import SidecarClient
-    from kvtier_testenv import engine_io
-    from kvtier_testenv.fleet import fleet_namespace
-    from kvtier_testenv.synthetic import prefill_kv
-
     tenant, block = "warm-t", 32
-    block_bytes = SHAPE.layers * 2 * SHAPE.kv_heads * block * SHAPE.head_dim * 4
     old_model = sidecar_model(SHAPE, OLD_WEIGHTS)
+    old_identity = ServedModel(**old_model)
+    block_bytes = old_identity.kv_bytes_per_token() * block
     old = SidecarHandle("old-sc", "127.0.0.3", tmp_path, {
         "pod_name": "old-sc", "pod_namespace": "kvtier-serve", "pod_ip": "127.0.0.3", "http_port": 0,
         "peer_port": 0, "peer_enabled": False, "engine_socket": str(tmp_path / "old.sock"),
@@ -371,7 +367,7 @@ def test_a_new_version_pod_warmed_through_vllms_http_api_serves_its_tenants_pref
     try:
         # The old version's pod served the tenant's prompts (its KV is the old weights':
         # only the token ids go to the new pod); the hottest was asked most.
-        root = ServedModel(**old_model).root(tenant)
+        root = old_identity.root(tenant)
         prompts = [np.array(served.prompt(), np.uint32) for _ in range(3)]
         client = SidecarClient(old.socket)
         try:
