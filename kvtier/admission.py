@@ -83,8 +83,8 @@ class Placement(enum.Enum):
 
 
 SKETCH_SHORT_INPUT = 5
-"""Uncompiled, at or below this many hashes per call plain Python (~1 us a hash) beats
-numpy's ~6 us per call (a lookup of a short prompt)."""
+"""At or below this many hashes, an estimate reads each hash's cells one by one
+(`_estimate_cells`, ~1 us a hash) rather than paying numpy's ~6 us per call."""
 
 _HALVES = struct.Struct("<QQ").unpack
 """A 16-byte hash as its two little-endian 64-bit halves, in one C call."""
@@ -95,9 +95,10 @@ _BOTH_PROBES_SET = 0x0101
 
 _COMPILED = not __file__.endswith(".py") and sys.byteorder == "little"
 """Whether this module runs compiled (kvtier._compiled), where `_count_sightings` and
-`_estimate_cells` run as typed C loops (admission.pxd). Compiled, `_count_sightings`
-beats numpy at any size; as plain Python it is the slowest way to count, so it runs
-only compiled. `_estimate_cells` serves both builds."""
+`_estimate_cells` run as typed C loops (admission.pxd). A sketch counts in one of two
+ways: compiled, with `_count_sightings`, which beats numpy at any size; as plain
+Python, with numpy (`_add_many`), since the loop uncompiled is the slowest way to
+count. `_estimate_cells` serves both builds."""
 
 
 def _count_sightings(flat, door, stamp, halves, n, width, depth, door_mask, epoch):
@@ -105,7 +106,7 @@ def _count_sightings(flat, door, stamp, halves, n, width, depth, door_mask, epoc
     [2j], [2j + 1]: with a doorkeeper (`door`), a hash whose two probes were not
     both set before this call only sets them; every other hash adds one to each
     of its cells, once per distinct cell (`stamp[c] == epoch` marks a cell this call
-    has counted). The same counts as `_add_few` and `_add_many`."""
+    has counted). The same counts as `_add_many`."""
     m = width - 1
     for j in range(n):
         lo = halves[2 * j]
@@ -148,9 +149,8 @@ class CountMinSketch:
     estimate is the table's minimum plus one when the doorkeeper knows the hash.
     Halving clears the doorkeeper. Estimates of a few hashes go through
     `_estimate_cells`, over flat views of the arrays. Compiled (kvtier._compiled),
-    every addition runs the typed loop `_count_sightings`; as plain Python, calls on
-    a few hashes take a pure-Python path and the rest go through numpy. All of them
-    touch the same counters (pinned by a hypothesis test).
+    every addition runs the typed loop `_count_sightings`; as plain Python, numpy.
+    Both touch the same counters (pinned by a hypothesis test).
     """
 
     __slots__ = ("width", "depth", "table", "additions", "sample_size", "resets", "_mask", "_coef",
@@ -202,8 +202,6 @@ class CountMinSketch:
             return
         if _COMPILED:
             self._add_typed(hashes)
-        elif len(hashes) <= SKETCH_SHORT_INPUT:
-            self._add_few(hashes)
         else:
             self._add_many(hashes)
         self.additions += len(hashes)
@@ -274,30 +272,6 @@ class CountMinSketch:
         halves = memoryview(b"".join(hashes)).cast("Q")
         _count_sightings(self._table_flat, self.door, self._stamp, halves, len(hashes), self.width, self.depth,
                          self._door_mask, self._epoch)
-
-    def _add_few(self, hashes: list[BlockHash]) -> None:
-        flat = self._flat
-        halves = [_HALVES(h) for h in hashes]
-        door = self._door_flat
-        if door is not None:  # read every probe before setting any, as numpy does
-            dm = self._door_mask
-            seen = [door[lo & dm] and door[hi & dm] for lo, hi in halves]
-            for lo, hi in halves:
-                door[lo & dm] = door[hi & dm] = 1
-            halves = [pair for pair, s in zip(halves, seen) if s]
-            if not halves:
-                return
-        # One increment per distinct counter, as numpy's fancy-index += does.
-        m, w = self.width - 1, self.width
-        if self.depth == 4:  # the default depth, unrolled: the simulator's hot path
-            cells = set()
-            for lo, hi in halves:
-                cells.update((lo & m, w + ((lo + hi) & m), 2 * w + ((lo + 2 * hi) & m),
-                              3 * w + ((lo + 3 * hi) & m)))
-        else:
-            cells = {i * w + ((lo + i * hi) & m) for lo, hi in halves for i in range(self.depth)}
-        for c in cells:
-            flat[c] = (flat[c] + 1) & 0xFFFFFFFF
 
     def _estimate_few(self, hashes: list[BlockHash]) -> np.ndarray:
         return np.array([self.estimate_one(h) for h in hashes], dtype=np.int64)
