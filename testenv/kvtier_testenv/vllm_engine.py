@@ -1,4 +1,4 @@
-"""Real vLLM engines for tests and benchmarks: `python -m kvtier_vllm.driver` run by the
+"""Real vLLM engines for tests and benchmarks: `python -m kvtier_testenv.vllm_driver` run by the
 cached vLLM venv's python (built by hack/vllm.sh), one process serving many generate
 commands.
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-DRIVER_MODULE = "kvtier_vllm.driver"
+DRIVER_MODULE = "kvtier_testenv.vllm_driver"
 START_TIMEOUT_S = 600.0
 """Engine start-up on two busy cores: imports, model load, KV allocation, warm-up."""
 GENERATE_TIMEOUT_S = 300.0
@@ -82,6 +82,7 @@ class VllmEngine:
         env = vllm_env(VLLM_CPU_KVCACHE_SPACE=KV_CACHE_SPACE_GIB,
                        VLLM_CACHE_ROOT=str(self.workdir / f"{self.name}-cache"),
                        VLLM_CONFIGURE_LOGGING="1", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] += os.pathsep + str(REPO / "testenv")  # the driver, beside what an engine has
         self.proc = subprocess.Popen([vllm_python(), "-m", DRIVER_MODULE, json.dumps(spec)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      cwd=self.workdir, start_new_session=True)

@@ -2,7 +2,10 @@
 commands over stdin/stdout: tests, benchmarks and the demo keep one engine for many
 prompts and act in between.
 
-    python -m kvtier_vllm.driver '{"model": DIR, "kv_transfer_config": {...} | null, ...}'
+    python -m kvtier_testenv.vllm_driver '{"model": DIR, "kv_transfer_config": {...} | null, ...}'
+
+It runs under the vLLM venv's python (`vllm_engine.VllmEngine` starts it) and imports
+nothing but the standard library and vLLM.
 
 stdin, one JSON object per line:
     {"op": "generate", "prompts": [[ids...], ...], "salts": [str|null, ...], "max_tokens": 8}
