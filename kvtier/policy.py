@@ -635,6 +635,59 @@ class TierVerdict(_Wire):
     measured_gbps: float | None = Field(default=None, description="shadow mode: measured by the sidecars")
 
 
+# A rollout step's new pods measured over their first minute of traffic: at most this
+# many pods in windows at once (status.rollout.firstMinutePods), named per step.
+MAX_FIRST_MINUTE_PODS = 128
+
+
+class Counters(_Wire):
+    """A pod's sidecar counters (since its cache started): lookups, and the hit figure's
+    tokens, loaded (as the engine reported them) over prompt (looked up)."""
+
+    lookups: int = Field(0, ge=0)
+    loaded_tokens: int = Field(0, ge=0)
+    prompt_tokens: int = Field(0, ge=0)
+
+
+class PodFirstMinute(_Wire):
+    """One new-version pod in its first minute of traffic: its counters when it first
+    served (its warm-up's own prefill before that is not counted), and once the window
+    is over, what it counted over it."""
+
+    pod: str = Field(max_length=_MAX_NAME)
+    step: int = Field(ge=1, description="the rollout step it came up in")
+    warm: bool = Field(False, description="its warm-before-ready prefilled at least one prompt")
+    started_at: datetime
+    start: Counters
+    window: Counters | None = Field(default=None, description="counted over the window (set when it is over)")
+
+
+class FirstMinute(_Wire):
+    """A rollout step's new pods over their first minute of traffic each (from their
+    sidecars' loaded-token counters, the recovery check's figure), next to the old
+    version's hit rate then, the pods counted warm (warmed before Ready) vs cold."""
+
+    step: int = Field(ge=1)
+    window_s: float = Field(ge=0, description="each pod's window, from its first tick serving")
+    pods: int = Field(0, ge=0)
+    warm_pods: int = Field(0, ge=0)
+    cold_pods: int = Field(0, ge=0)
+    lookups: int = Field(0, ge=0)
+    loaded_tokens: int = Field(0, ge=0)
+    prompt_tokens: int = Field(0, ge=0)
+    hit_rate: float | None = Field(default=None, description="loaded / prompt tokens of the step's new pods")
+    warm_hit_rate: float | None = None
+    cold_hit_rate: float | None = None
+    baseline_hit_rate: float | None = Field(default=None, description="the old version's hit rate at that time")
+    baseline_source: Literal["oldPods", "rolloutStart"] | None = Field(
+        default=None, description="oldPods: the old version's pods then; rolloutStart: none left, the "
+                                  "rollout's baseline")
+    started_at: datetime = Field(description="the first of its pods' windows opened")
+    measured_at: datetime
+    pod_names: list[str] = Field(default_factory=list, max_length=MAX_FIRST_MINUTE_PODS,
+                                 json_schema_extra={"items": {"type": "string", "maxLength": _MAX_NAME}})
+
+
 class RolloutRecord(_Wire):
     """One finished or abandoned step of a rollout, for `status.rollout.history`."""
 
@@ -644,6 +697,8 @@ class RolloutRecord(_Wire):
     hit_rate: float | None = None
     time: datetime
     message: str = ""
+    first_minute: FirstMinute | None = Field(
+        default=None, description="the step's new pods' hit rate in their first minute of traffic")
 
 
 # status.rollout.warmups entries kept (one per pod a rollout moved; the newest).
@@ -661,7 +716,10 @@ class PodWarmup(_Wire):
     prompts: int = Field(0, ge=0)
     tenants: int = Field(0, ge=0, description="tenants with at least one prefix prefilled")
     cold_tenants: int = Field(0, ge=0, description="the pod's tenants left cold (nothing to warm from, or failed)")
-    budget_tokens: int = Field(0, ge=0)
+    budget_tokens: int = Field(0, ge=0, description="min(maxTokens, capacityTokens): the pod's prefill budget")
+    capacity_tokens: int | None = Field(
+        default=None, ge=0, description="what the capacity estimate says the pod's engine prefills within its "
+                                        "warm-up deadline (none: no estimate)")
     seconds: float = Field(0.0, ge=0)
     finished_at: datetime
     message: str = Field("", max_length=1024)
@@ -698,6 +756,12 @@ class RolloutStatus(_Wire):
     history: list[RolloutRecord] = Field(default_factory=list, max_length=MAX_HISTORY)
     warmups: list[PodWarmup] = Field(default_factory=list, max_length=MAX_WARMUPS,
                                      description="warm-before-ready, per pod this rollout moved (the newest)")
+    first_minute_pods: list[PodFirstMinute] = Field(
+        default_factory=list, max_length=MAX_FIRST_MINUTE_PODS,
+        description="new-version pods in their first minute of traffic, not yet summed up per step")
+    first_minutes: list[FirstMinute] = Field(
+        default_factory=list, max_length=MAX_HISTORY,
+        description="per step of this rollout: its new pods' hit rate in their first minute of traffic")
 
 
 class KVCachePolicyStatus(_Wire):

@@ -278,7 +278,7 @@ OPERATOR_ENV = {"KVTIER_OPERATOR_" + n for n in (
     "WARMS_PER_TARGET", "SIDECAR_AUTH", "SIDECAR_AUTH_USERS", "SIDECAR_PROTECT_METRICS", "SIDECAR_METRICS_USERS",
     "SIDECAR_TOKEN_FILE", "SIDECAR_TOKEN_SERVICE_ACCOUNT", "SIDECAR_TLS", "CONTROL_CA_SECRET", "NETWORK_POLICIES",
     "OPERATOR_NAMESPACE", "OPERATOR_POD_LABELS", "MONITORING_NAMESPACE", "SERVING_PORTS_OPEN", "METRICS_HOST",
-    "METRICS_PORT", "NATIVE_SIDECARS")}
+    "METRICS_PORT", "NATIVE_SIDECARS", "FIRST_MINUTE_S")}
 
 
 def _options_unlike_the_defaults():
@@ -287,6 +287,7 @@ def _options_unlike_the_defaults():
     options = OperatorOptions(
         sidecar_image="registry.example/kvtier:x", native_sidecars="auto", webhook_host="10.0.0.1", webhook_port=1,
         webhook_cert="/c.pem", webhook_key="/k.pem", resync_interval_s=1.5, debounce_s=0.05, warms_per_target=3,
+        first_minute_s=5.0,
         metrics_host="10.0.0.2", metrics_port=9, sidecar_auth="open", sidecar_auth_users=["a:b", "c"],
         sidecar_protect_metrics=True, sidecar_metrics_users=["m"], sidecar_token_file="/t",
         sidecar_token_service_account="ns/sa", sidecar_tls=False, control_ca_secret="ca", network_policies=True,

@@ -37,6 +37,14 @@ def tflops_per_gpu(spec: KVCachePolicySpec) -> tuple[float, str]:
     return hw.dense_tflops_per_gpu, "custom"
 
 
+def replica_prefill_tokens_per_s(spec: KVCachePolicySpec) -> float:
+    """Prefill tokens/s one replica recomputes at full load (the break-even arithmetic):
+    the rollout's capacity estimate (a step's cold-cache prefill, a warm-up's budget)."""
+    shape = resolved_shape(spec.model)
+    tflops, _gpu = tflops_per_gpu(spec)
+    return 1.0 / breakeven.prefill_s_per_token(shape.active_params or shape.params, tflops, spec.hardware.tp)
+
+
 def report(spec: KVCachePolicySpec, measured_nvme_gbps: float | None = None) -> breakeven.BreakEvenReport:
     tflops, gpu = tflops_per_gpu(spec)
     media = spec.hardware.media

@@ -91,6 +91,10 @@ def status_lines(policy: dict[str, Any]) -> list[str]:
         for h in r.get("history") or []:
             lines.append(f"  step {h['step']:>2} {h['outcome']:<10} {_rate(h.get('hitRate'))}  {h.get('time', '')}  "
                          f"{h.get('message', '')[:160]}")
+        for f in r.get("firstMinutes") or []:  # each step's new pods in their first minute of traffic
+            lines.append(f"  first minute step {f['step']:>2}: hit rate {_rate(f.get('hitRate'))} vs baseline "
+                         f"{_rate(f.get('baselineHitRate'))}, {f.get('warmPods', 0)} warm / {f.get('coldPods', 0)} "
+                         f"cold pods, {f.get('lookups', 0)} lookups in {f.get('windowS', 0):g}s")
         for w in r.get("warmups") or []:  # warm-before-ready, per pod the rollout moved
             lines.append(f"  warm {w['pod']:<20} {w['outcome']:<15} {w.get('tokens', 0)}/{w.get('budgetTokens', 0)} "
                          f"tokens, {w.get('tenants', 0)} tenants warm, {w.get('coldTenants', 0)} cold, "

@@ -36,6 +36,9 @@ DEBOUNCE_S = 0.3
 # Warm-ups in flight per target sidecar: a new home keeps most of its peer link and
 # CPU for live traffic while it is being warmed.
 WARMS_PER_TARGET = 2
+# A rollout step's new pods: their hit rate over their first minute of traffic goes
+# into the rollout history (kvtier_operator.first_minute; tests shorten it).
+FIRST_MINUTE_S = 60.0
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/kvtier/kvtier:0.1.0"
 # The operator's CA Secret (and its public twin, a ConfigMap) in the operator's namespace.
 DEFAULT_CONTROL_CA_SECRET = "kvtier-control-ca"
@@ -88,6 +91,8 @@ class OperatorOptions(BaseSettings):
                                      description="a membership loop re-checks this often without a pod event")
     debounce_s: float = Field(DEBOUNCE_S, description="pod events this close together are planned as one epoch")
     warms_per_target: int = Field(WARMS_PER_TARGET, description="warm-ups in flight per new home when tenants move")
+    first_minute_s: float = Field(FIRST_MINUTE_S, gt=0, description="a rollout measures each new pod's hit rate "
+                                                                    "over this long from its first traffic")
     metrics_host: str = Field("0.0.0.0", description="address the metrics server listens on (e.g. the pod IP)")
     metrics_port: int = Field(0, description="serve the rollout metrics on this port (0: off)")
     sidecar_auth: Literal["tokenreview", "open"] = Field(

@@ -36,7 +36,8 @@ from typing import Literal
 
 from kvtier.policy import MAX_HISTORY, KVCachePolicyStatus, Rollout, RolloutRecord, RolloutStatus
 
-from kvtier_operator import analysis, names
+from kvtier_operator import analysis, first_minute, names
+from kvtier_operator import rollout_warmup as rw
 from kvtier_operator.conditions import Observation
 
 PROGRESSING = "RolloutProgressing"
@@ -547,7 +548,7 @@ def _advance_with(ctx: _Ctx, step: int, rate: float | None, evidence: str, summa
     assert status is not None
     nxt = step + 1
     n = ctx.schedule[nxt - 1]
-    warm = _warm_summary(status)
+    warm = _warm_summary(status) + _first_minute_summary(status, step)
     evidence, summary = evidence + warm, (summary + warm if summary else None)
     record = _record(ctx, step, outcome, rate, evidence)
     rollout = status.model_copy(update={
@@ -570,7 +571,7 @@ def _complete(ctx: _Ctx, rec: StepRecovery) -> Plan:
 def _complete_with(ctx: _Ctx, rate: float | None, evidence: str) -> Plan:
     status = ctx.status
     assert status is not None
-    warm = _warm_summary(status)
+    warm = _warm_summary(status) + _first_minute_summary(status, status.step)
     evidence += warm
     record = _record(ctx, status.step, "completed", rate, evidence)
     rollout = status.model_copy(update={"current_hit_rate": rate, "canary_percent": 100,
@@ -590,6 +591,7 @@ def _rollback(ctx: _Ctx, reason: str, observed_rate: float | None = None, reques
     is left on the new version whatever step the rollout had reached."""
     status = ctx.status
     assert status is not None and ctx.serving is not None
+    reason += _first_minute_summary(status, _clamped_step(ctx, status.step))
     record = _record(ctx, status.step, outcome, observed_rate, reason)
     rollout = status.model_copy(update={"current_hit_rate": observed_rate, "canary_percent": 0,
                                         "expected_cold_prefill_tokens_per_s": 0.0, "paused_reason": None,
@@ -670,7 +672,7 @@ def _step_text(ctx: _Ctx, step: int, rollout: RolloutStatus) -> str:
     return (f"step {step}/{len(ctx.schedule)}: {n}/{r} pods ({rollout.canary_percent}%) on the new version, "
             f"expected cold-cache prefill up to {rollout.expected_cold_prefill_tokens_per_s:,.0f} tokens/s; "
             f"recovery: hit rate >= {rec.threshold} x baseline over >= {rec.min_lookups} lookups within {rec.window}"
-            + _warm_text(ctx.spec))
+            + _warm_text(ctx.spec, ctx.observed.replica_prefill_tokens_per_s))
 
 
 def _warm_summary(status: RolloutStatus) -> str:
@@ -681,21 +683,33 @@ def _warm_summary(status: RolloutStatus) -> str:
         return ""
     by = {o: sum(w.outcome == o for w in mine) for o in ("Warmed", "WarmupFailed", "WarmupTimedOut")}
     return (f"; warm-before-ready so far: {by['Warmed']} pods warmed, {by['WarmupFailed']} failed, "
-            f"{by['WarmupTimedOut']} timed out, {sum(w.tokens for w in mine):,} prompt tokens prefilled")
+            f"{by['WarmupTimedOut']} timed out, {sum(w.tokens for w in mine):,} prompt tokens prefilled of "
+            f"{sum(w.budget_tokens for w in mine):,} budgeted")
 
 
-def _warm_text(spec: Rollout) -> str:
-    """The step's warm-before-ready budget, for its capacity-event message."""
+def _first_minute_summary(status: RolloutStatus, step: int) -> str:
+    """The step's first-minute figure, once its new pods' windows are over."""
+    f = first_minute.of_step(status, step)
+    return f"; {first_minute.text(f)}" if f is not None else ""
+
+
+def _warm_text(spec: Rollout, replica_tokens_per_s: float = 0.0) -> str:
+    """The step's warm-before-ready budget, for its capacity-event message: the policy's
+    maxTokens, or less where the capacity estimate says a new pod's engine cannot
+    prefill that much within its deadline (`rollout_warmup.budget`)."""
     w = spec.warmup
     if w is None or not spec.warms:
         return ""
-    return (f"; warm-before-ready: each new pod prefills up to {w.max_tokens:,} prompt tokens of its tenants' "
-            f"hottest prefixes within {w.timeout} before it takes traffic")
+    b = rw.budget(w.max_tokens, w.timeout_s, replica_tokens_per_s)
+    return (f"; warm-before-ready: each new pod prefills up to {b.tokens:,} prompt tokens of its tenants' "
+            f"hottest prefixes within {w.timeout} before it takes traffic ({rw.budget_text(b, w.timeout_s)})")
 
 
 def _record(ctx: _Ctx, step: int, outcome: str, rate: float | None, message: str) -> RolloutRecord:
+    figure = first_minute.of_step(ctx.status, step)
     return RolloutRecord(version=ctx.target if ctx.status is None else (ctx.status.target_version or ctx.target),
-                         step=step, outcome=outcome, hit_rate=rate, time=ctx.observed.now, message=message[:1024])
+                         step=step, outcome=outcome, hit_rate=rate, time=ctx.observed.now, message=message[:1024],
+                         first_minute=first_minute.for_history(figure) if figure is not None else None)
 
 
 def _appended(history: list[RolloutRecord], record: RolloutRecord) -> list[RolloutRecord]:

@@ -37,7 +37,8 @@ async def rollout_tick(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
             return
         plan = None
         if serving:
-            plan = await reconcile_rollout(memo.kube, memo.sidecars, body, memo.http)
+            plan = await reconcile_rollout(memo.kube, memo.sidecars, body, memo.http,
+                                           memo.options.first_minute_s)
             _observe_metrics(memo, namespace, name, plan)
         # Warm-before-ready gates: released or warmed even while no step is taken (a
         # pod must never wait on a webhook for its gate).

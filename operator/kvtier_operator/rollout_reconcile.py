@@ -22,19 +22,21 @@ import logging
 from datetime import datetime, timezone
 from typing import Any
 
-from kvtier import breakeven, policy
+from kvtier import policy
 
-from kvtier_operator import (analysis, conditions, crashpoints, deployment_pair, economics, events, names,
-                             prom_client, rollout)
+from kvtier_operator import (analysis, conditions, crashpoints, deployment_pair, economics, events,
+                             first_minute, names, prom_client, rollout)
 from kvtier_operator.conditions import Observation
 from kvtier_operator.membership import Member, MemberName, pod_view
 
 log = logging.getLogger("kvtier.operator.rollout")
 
 
-async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None) -> rollout.Plan | None:
+async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None,
+                            first_minute_s: float = first_minute.WINDOW_S) -> rollout.Plan | None:
     """The applied plan, with `status`/`steps`/`threshold` filled for the metrics;
-    `http`: the aiohttp session analysis asks Prometheus or Alertmanager through."""
+    `http`: the aiohttp session analysis asks Prometheus or Alertmanager through;
+    `first_minute_s`: the window of the new pods' first-minute hit rate (`first_minute`)."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     try:
@@ -59,10 +61,16 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None) -> 
     now = datetime.now(timezone.utc).replace(microsecond=0)
     observed = rollout.Observed(
         workload=workload, pods=await _samples(kube, sidecars, namespace, target, ref.kind),
-        now=now, replica_prefill_tokens_per_s=_replica_tokens_s(spec),
+        now=now, replica_prefill_tokens_per_s=economics.replica_prefill_tokens_per_s(spec),
         probe=await _probe(http, spec, status, namespace, name, now),
         request=(meta.get("annotations") or {}).get(names.ROLLOUT_REQUEST_ANNOTATION),
     )
+    # The new pods' first minute of traffic: windows opened and closed, steps summed
+    # up; the planner then sees (and writes into the step's history entry) the figures.
+    counted, figures = first_minute.observe(status.rollout, status.phase, observed.pods,
+                                            rollout.schedule(spec.rollout, workload.replicas), now, first_minute_s)
+    counted_changed = counted != status.rollout
+    status = status.model_copy(update={"rollout": counted})
     plan = rollout.plan(spec.rollout, spec.model.weights_version, status.version, status.rollout, status.phase,
                         observed)
     if plan.kind == "start" and spec.rollout.recovery.source == "prometheus" and http is not None:
@@ -71,6 +79,12 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None) -> 
         observed = dataclasses.replace(observed, baseline_probe=await _query(http, spec, namespace, name, old or ""))
         plan = rollout.plan(spec.rollout, spec.model.weights_version, status.version, status.rollout, status.phase,
                             observed)
+    if plan.rollout is None and counted_changed:
+        plan = dataclasses.replace(plan, rollout=counted)
+    for figure in figures:  # each step's figure once, named by the step and its pods
+        await kube.create_event_once(events.once(
+            body, f"first-minute/{counted.target_version}/{figure.step}/{','.join(figure.pod_names)}", "Normal",
+            "RolloutFirstMinute", first_minute.text(figure)))
     if plan.event is not None:
         # First, under a name derived from what happened: a crash after it and the
         # re-planned step find it posted (409) instead of losing or repeating it.
@@ -188,13 +202,6 @@ async def _samples(kube, sidecars, namespace: str, workload: dict[str, Any],
         out.append(rollout.PodSample(n, version, ready[n], s.lookups, s.loaded_tokens, s.prompt_tokens) if s
                    else rollout.PodSample(n, version, ready[n]))
     return tuple(out)
-
-
-def _replica_tokens_s(spec: policy.KVCachePolicySpec) -> float:
-    """Prefill tokens/s one replica recomputes at full load (the break-even arithmetic)."""
-    shape = economics.resolved_shape(spec.model)
-    tflops, _gpu = economics.tflops_per_gpu(spec)
-    return 1.0 / breakeven.prefill_s_per_token(shape.active_params or shape.params, tflops, spec.hardware.tp)
 
 
 def _status_fields(plan: rollout.Plan, status: policy.KVCachePolicyStatus, generation: int | None) -> dict[str, Any]:

@@ -187,6 +187,53 @@ def spend(ranked: Mapping[str, Sequence[Prompt]], max_tokens: int) -> dict[str, 
     return chosen
 
 
+# A warm-up's budget fills at most this share of its deadline at the engine's estimated
+# prefill rate (the break-even arithmetic's peak figure): the rest is margin for what
+# the estimate leaves out (attention, scheduling, the sources' answers), so a budget the
+# estimate allows does not run into the deadline.
+DEADLINE_SHARE = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A new pod's warm-up budget: `tokens` = min(the policy's `max_tokens`,
+    `capacity_tokens`); `capacity_tokens` None where there is no estimate."""
+
+    tokens: int
+    max_tokens: int
+    capacity_tokens: int | None
+    tokens_per_s: float
+
+    @property
+    def by_capacity(self) -> bool:
+        return self.capacity_tokens is not None and self.capacity_tokens < self.max_tokens
+
+
+def budget(max_tokens: int, timeout_s: float, replica_tokens_per_s: float) -> Budget:
+    """What a new pod may prefill before it takes traffic: the policy's `maxTokens`,
+    capped by what the capacity estimate says its engine can absorb within the
+    warm-up's deadline. The pod takes no traffic while gated, so its whole prefill rate
+    (one replica's recompute rate, `replica_tokens_per_s`, the figure the step's
+    cold-cache prefill is stated in) is the warm-up's, for `DEADLINE_SHARE` of the
+    deadline; the rest of the fleet serves as before. No estimate (rate 0): maxTokens."""
+    max_tokens = max(0, max_tokens)
+    if replica_tokens_per_s <= 0 or timeout_s <= 0:
+        return Budget(max_tokens, max_tokens, None, 0.0)
+    capacity = int(replica_tokens_per_s * timeout_s * DEADLINE_SHARE)
+    return Budget(min(max_tokens, capacity), max_tokens, capacity, replica_tokens_per_s)
+
+
+def budget_text(b: Budget, timeout_s: float) -> str:
+    """Where the budget comes from, for the capacity-event message and the pod's record."""
+    if b.capacity_tokens is None:
+        return f"policy maxTokens {b.max_tokens:,}; no capacity estimate"
+    estimate = (f"capacity estimate {b.capacity_tokens:,} = {b.tokens_per_s:,.0f} prefill tokens/s x "
+                f"{timeout_s:g}s x {DEADLINE_SHARE:g}")
+    if b.by_capacity:
+        return f"{estimate}, under policy maxTokens {b.max_tokens:,}"
+    return f"policy maxTokens {b.max_tokens:,}, within the {estimate}"
+
+
 def ask_tokens(max_tokens: int, tenants: int) -> int:
     """How many tokens to ask each tenant's sources for: twice its even share (room
     for what the others leave), never more than the whole budget."""

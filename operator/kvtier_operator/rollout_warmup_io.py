@@ -31,7 +31,7 @@ import aiohttp
 
 from kvtier import policy
 
-from kvtier_operator import events, names, publish
+from kvtier_operator import economics, events, names, publish
 from kvtier_operator import rollout_warmup as rw
 from kvtier_operator.membership import Member, MemberName, pod_view
 
@@ -98,7 +98,7 @@ async def reconcile(memo, body: dict[str, Any], status: policy.KVCachePolicyStat
             warming.add(uid)
             if uid not in tasks:
                 log.info("warming %s/%s before it takes traffic (budget %d tokens, %s)", namespace,
-                         pod["metadata"]["name"], spec.rollout.warmup.max_tokens, spec.rollout.warmup.timeout)
+                         pod["metadata"]["name"], pod_budget(spec).tokens, spec.rollout.warmup.timeout)
                 tasks[uid] = asyncio.create_task(_warm_pod(memo, body, spec, status.version, pod),
                                                  name=f"warm-{namespace}/{pod['metadata']['name']}")
         elif d.kind == "wait":
@@ -161,10 +161,18 @@ class _Progress:
                         timed_out=timed_out, engine_error=self.engine_error, source_error=self.source_error)
 
 
+def pod_budget(spec: policy.KVCachePolicySpec) -> rw.Budget:
+    """The policy's maxTokens capped by the capacity estimate (`rollout_warmup.budget`)."""
+    warmup = spec.rollout.warmup
+    assert warmup is not None
+    return rw.budget(warmup.max_tokens, warmup.timeout_s, economics.replica_prefill_tokens_per_s(spec))
+
+
 async def _warm_pod(memo, body: dict[str, Any], spec: policy.KVCachePolicySpec, old: str | None,
                     pod: dict[str, Any]) -> None:
     warmup = spec.rollout.warmup
     assert warmup is not None
+    budget = pod_budget(spec)
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     started = time.monotonic()
@@ -172,7 +180,7 @@ async def _warm_pod(memo, body: dict[str, Any], spec: policy.KVCachePolicySpec, 
     timed_out = False
     try:
         async with asyncio.timeout(warmup.timeout_s):
-            await _warm(memo, namespace, name, spec, old, pod, progress)
+            await _warm(memo, namespace, name, spec, old, pod, progress, budget.tokens)
     except TimeoutError:
         timed_out = True
     except Exception as exc:  # noqa: BLE001 - whatever broke, the gate is released below
@@ -182,15 +190,15 @@ async def _warm_pod(memo, body: dict[str, Any], spec: policy.KVCachePolicySpec, 
     seconds = time.monotonic() - started
     tally = progress.tally(timed_out)
     reason = rw.outcome(tally)
-    text = rw.message(tally, reason, warmup.max_tokens, seconds)
-    await _record(memo, body, pod, tally, reason, text, warmup.max_tokens, seconds)
+    text = rw.message(tally, reason, budget.tokens, seconds) + f" (budget: {rw.budget_text(budget, warmup.timeout_s)})"
+    await _record(memo, body, pod, tally, reason, text[:1024], budget, seconds)
     if (metrics := memo.get("rollout_metrics")) is not None:
         metrics.warmed(namespace, name, reason, tally.tokens)
     await _release(memo.kube, pod, reason, text)
 
 
 async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePolicySpec, old: str | None,
-                pod: dict[str, Any], progress: _Progress) -> None:
+                pod: dict[str, Any], progress: _Progress, budget: int) -> None:
     warmup = spec.rollout.warmup
     assert warmup is not None
     pod_name = pod["metadata"]["name"]
@@ -215,7 +223,7 @@ async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePoli
     weight = pod_view(pod).weight
     tenants = rw.tenants_of_pod(table, pod_name, weight, holders) if table is not None else sorted(holders)
     progress.tenants = len(tenants)
-    ask = rw.ask_tokens(warmup.max_tokens, len(tenants))
+    ask = rw.ask_tokens(budget, len(tenants))
     gate = asyncio.Semaphore(HOT_IN_FLIGHT)
 
     async def prompts_of(tenant: str) -> list[rw.Prompt]:
@@ -231,7 +239,7 @@ async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePoli
         return rw.rank(answers)
 
     ranked = dict(zip(tenants, await asyncio.gather(*(prompts_of(t) for t in tenants))))
-    queue = rw.replay_order(rw.spend(ranked, warmup.max_tokens))
+    queue = rw.replay_order(rw.spend(ranked, budget))
     url = f"http://{pod['status']['podIP']}:{warmup.engine_port}{COMPLETIONS_PATH}"
     model = warmup.served_model_name or spec.model.id
     pending = iter(queue)
@@ -266,7 +274,7 @@ async def _prefill(http: aiohttp.ClientSession, url: str, model: str, tenant: st
 
 
 async def _record(memo, body: dict[str, Any], pod: dict[str, Any], tally: rw.Tally, reason: str, text: str,
-                  budget: int, seconds: float) -> None:
+                  budget: rw.Budget, seconds: float) -> None:
     """The pod's outcome into status.rollout.warmups (newest kept) and an Event, under
     the policy's status lock (the rollout tick writes status.rollout too)."""
     from kvtier_operator.registry import PolicyKey
@@ -275,7 +283,8 @@ async def _record(memo, body: dict[str, Any], pod: dict[str, Any], tally: rw.Tal
     namespace, name = meta["namespace"], meta["name"]
     record = policy.PodWarmup(
         pod=pod["metadata"]["name"], version=rw.pod_version(pod) or "", outcome=reason, tokens=tally.tokens,
-        prompts=tally.prompts, tenants=tally.tenants, cold_tenants=tally.cold_tenants, budget_tokens=budget,
+        prompts=tally.prompts, tenants=tally.tenants, cold_tenants=tally.cold_tenants, budget_tokens=budget.tokens,
+        capacity_tokens=budget.capacity_tokens,
         seconds=round(seconds, 2), finished_at=datetime.now(timezone.utc).replace(microsecond=0), message=text)
     try:
         async with memo.policies.lock(PolicyKey(namespace, name)):

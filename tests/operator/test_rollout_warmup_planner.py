@@ -225,3 +225,41 @@ def test_a_steps_history_and_event_sum_up_the_warm_ups_of_its_rollout():
     bare = plan(s.rollout, NEW, OLD, status.model_copy(update={"warmups": []}), "RollingOut",
                 Observed(Workload(4, NEW, 3), pods, now, 1000.0))
     assert "warm-before-ready so far" not in bare.rollout.history[-1].message
+
+
+def test_the_budget_is_maxtokens_capped_by_what_the_engine_prefills_within_half_its_deadline():
+    # 1,000 tokens/s x 120s x 0.5 = 60,000 < 65,536: the estimate binds.
+    capped = rw.budget(65536, 120, 1000.0)
+    assert (capped.tokens, capped.max_tokens, capped.capacity_tokens, capped.by_capacity) == (60000, 65536, 60000, True)
+    assert rw.budget_text(capped, 120) == ("capacity estimate 60,000 = 1,000 prefill tokens/s x 120s x 0.5, "
+                                           "under policy maxTokens 65,536")
+    # 1,000 x 90 x 0.5 = 45,000 >= 4,096: the policy's figure stands.
+    within = rw.budget(4096, 90, 1000.0)
+    assert (within.tokens, within.capacity_tokens, within.by_capacity) == (4096, 45000, False)
+    assert rw.budget_text(within, 90) == ("policy maxTokens 4,096, within the capacity estimate 45,000 = "
+                                          "1,000 prefill tokens/s x 90s x 0.5")
+    # No estimate: maxTokens as written; a zero budget stays zero (warm-up off).
+    none = rw.budget(4096, 90, 0.0)
+    assert (none.tokens, none.capacity_tokens) == (4096, None)
+    assert rw.budget_text(none, 90) == "policy maxTokens 4,096; no capacity estimate"
+    assert rw.budget(0, 90, 1000.0).tokens == 0
+    assert rw.budget(100, 1, 33.3).tokens == 16  # floor(33.3 x 1 x 0.5)
+
+
+def test_the_step_message_states_the_budget_the_capacity_estimate_allows():
+    from datetime import datetime, timezone
+
+    observed = Observed(Workload(4, OLD, 0), (), datetime(2026, 1, 1, tzinfo=timezone.utc), 100.0)
+    started = plan(spec(warmup={"maxTokens": 65536, "timeout": "2m"}).rollout, NEW, OLD, None, "Ready", observed)
+    assert ("warm-before-ready: each new pod prefills up to 6,000 prompt tokens of its tenants' hottest prefixes "
+            "within 2m before it takes traffic (capacity estimate 6,000 = 100 prefill tokens/s x 120s x 0.5, "
+            "under policy maxTokens 65,536)") in started.event[2]
+
+
+def test_a_zero_budget_is_todays_behaviour_and_the_bounds_are_stated_in_the_crd():
+    assert not spec(warmup={"maxTokens": 0}).rollout.warms and spec(warmup={}).rollout.warms
+    from kvtier import crd
+
+    schema = crd.openapi_schema()
+    tokens = schema["properties"]["spec"]["properties"]["rollout"]["properties"]["warmup"]["properties"]["maxTokens"]
+    assert (tokens["minimum"], tokens["maximum"]) == (0, policy.MAX_ROLLOUT_WARM_TOKENS)
