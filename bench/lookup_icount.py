@@ -35,7 +35,8 @@ from pathlib import Path
 READY_TIMEOUT_S = 300.0  # a sidecar's imports under valgrind, on a busy 2-core machine
 STEP_TIMEOUT_S = 600.0
 
-# The engine side, driven over stdin: "go N" runs N requests, answered "done".
+# The engine side, driven over stdin: "go N" runs N requests, answered "done"; "after 0"
+# releases what they pinned (outside the counted window), answered "done".
 _CLIENT = r"""
 import json, socket, sys
 import numpy as np
@@ -65,9 +66,14 @@ else:
     def after(_):
         pass
 print("ready", flush=True)
+pending = []
 for line in sys.stdin:
     cmd, n = line.split()
-    after(run(int(n)))
+    if cmd == "go":
+        pending.append(run(int(n)))
+    else:
+        while pending:
+            after(pending.pop())
     print("done", flush=True)
 """
 
@@ -128,7 +134,14 @@ class _Engine:
             raise RuntimeError(f"engine process said {line!r}, expected {word!r} (exit {self.proc.poll()})")
 
     def run(self, n: int) -> None:
-        self.proc.stdin.write(f"go {n}\n")
+        self._command(f"go {n}")
+
+    def release(self) -> None:
+        """Release what the runs so far pinned (the lookup side's RELEASEs)."""
+        self._command("after 0")
+
+    def _command(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         self._expect("done")
 
@@ -141,9 +154,11 @@ class _Engine:
 def _measure(engine: _Engine, server_pid: int, warmup: int, n: int) -> int:
     """Run `warmup` uncounted, then `n` counted requests; the engine's instructions."""
     engine.run(warmup)
+    engine.release()
     _toggle([server_pid, engine.proc.pid], "on")
     engine.run(n)
     _toggle([server_pid, engine.proc.pid], "off")
+    engine.release()  # not counted: the figure is the lookup alone, as the wall-time one is
     return engine.finish()
 
 
@@ -197,7 +212,10 @@ def lookup_vs_bare(n: int = 2000, warmup: int = 300, prompt_tokens: int = 201) -
     if min(lookup.client, lookup.server, bare.client, bare.server) <= 0:
         raise RuntimeError(f"a process counted no instructions (lookup {lookup}, bare {bare}): "
                            f"callgrind outputs kept in {work}")
-    shutil.rmtree(work, ignore_errors=True)
+    if os.environ.get("KVTIER_ICOUNT_KEEP"):  # for callgrind_annotate
+        print(f"callgrind outputs kept in {work}", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return lookup, bare
 
 
