@@ -16,12 +16,13 @@ from typing import get_args
 
 import pytest
 
-from kvtier import breakeven, control_api, engine, layout, names, policy, presets
+from kvtier import breakeven, control_api, layout, names, policy, presets
 from kvtier.cache import CacheStats
 from kvtier.dtypes import DEFAULT_KV_DTYPE, KvDtype
 from kvtier.identity import ModelIdentity, WireRoot
 from kvtier.keys import KEY_ROOT_FIELDS, KeyRoot
 from kvtier.sidecar_config import ServedModel
+from kvtier_app import reference_transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 # Everything that ships or drives what ships; tests may spell contracts out (that is
@@ -137,7 +138,7 @@ def test_one_model_identity_with_one_set_of_defaults():
 def test_one_kv_dtype_vocabulary():
     assert get_args(policy.ModelSpec.model_fields["kv_dtype"].annotation) == tuple(d.value for d in KvDtype)
     assert set(layout.KV_DTYPES) == set(breakeven.KV_DTYPE_BYTES) == {d.value for d in KvDtype}
-    assert set(engine.ENGINE_DTYPES) < set(layout.KV_DTYPES)
+    assert set(reference_transformer.COMPUTE_DTYPES) < set(layout.KV_DTYPES)
     dtype_names = {d.value for d in KvDtype}
     tables = []
     for rel, tree in _sources():

@@ -1,3 +1,4 @@
-"""kvtier's front-ends: the `kvtier` command (breakeven, crd, simulate, demo), the
-simulator's report plots and the demo. They sit on top of the core, the sidecar, the
-operator and (for the demo's fleet and cluster modes) the test environment."""
+"""kvtier's front-ends: the `kvtier` command (breakeven, crd, contract, simulate, demo),
+the simulator's report plots, and the numpy reference transformer the local demo serves.
+They sit on top of the core, the sidecar and the operator, and import nothing of the
+test environment: every front-end works from the installed package."""

@@ -15,7 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "crd": ("kvtier_app.crd_cli", "generate the KVCachePolicy CustomResourceDefinition from the pydantic models"),
     "contract": ("kvtier_app.contract_cli", "write the affinity table's JSON Schema and shared pick vectors for router/"),
     "simulate": ("kvtier_app.simulate", "simulate a fleet: hit rate and prefill load per routing policy"),
-    "demo": ("kvtier_app.demo", "run the end-to-end demo on an embedded local default"),
+    "demo": ("kvtier_app.demo", "the core end to end: a reference transformer served through LocalCache"),
 }
 
 

@@ -1,19 +1,16 @@
-"""`kvtier demo`: kvtier end to end, on an embedded local default.
+"""`kvtier demo`: the core library end to end, from the installed package alone.
 
-Three modes, from the whole product down to the core library:
+The reference transformer (`kvtier_app.reference_transformer`) replays a multi-tenant
+workload through an in-process `LocalCache`. Every request is served twice, once
+through the cache (lookup -> materialize -> prefill only the suffix -> store) and once
+by a full recompute, so the report gives MEASURED time saved and checks that cached KV
+gave the same logits as recomputing; it ends with the break-even verdicts for the
+model's own shape on this CPU and for a 70B model on H100 at TP4.
 
-- `cluster` (default, `kvtier_app.demo_cluster`): an embedded Kubernetes control plane,
-  the operator installed by the Helm chart, a StatefulSet whose pods get the sidecar
-  injected, reference engines replaying traffic through them, and a scale-up that
-  moves tenants (warmed before the new affinity epoch is published).
-- `fleet`: Redis and sidecar processes on loopback with reference engines as clients
-  (DRAM and peer tiers, no Kubernetes).
-- `local`: the reference engine replaying a multi-tenant workload through an
-  in-process `LocalCache`. Every request is served twice, once through the cache
-  (lookup -> materialize -> prefill only the suffix -> store) and once by a full
-  recompute, so the report gives MEASURED time saved and checks that cached KV gave
-  the same logits as recomputing; it ends with the break-even verdicts for the
-  engine's own shape on this CPU and for a 70B model on H100 at TP4.
+The fleet demo (Redis and sidecar processes on loopback) and the cluster demo (an
+embedded Kubernetes, the Helm chart, injected sidecars) run real components from a
+source checkout's test environment, which the wheel does not ship: there,
+`./scripts/demo.sh` (`python -m kvtier_testenv.demo`) runs them, and this local mode too.
 """
 from __future__ import annotations
 
@@ -26,7 +23,6 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import argparse  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -37,12 +33,12 @@ import numpy as np  # noqa: E402
 
 from kvtier import breakeven, presets  # noqa: E402
 from kvtier.cache import LocalCache  # noqa: E402
-from kvtier.engine import EngineConfig, ReferenceEngine  # noqa: E402
 from kvtier.presets import Medium, ModelShape  # noqa: E402
+from kvtier_app.reference_transformer import ReferenceTransformer, TransformerConfig  # noqa: E402
 
 # Big enough that weight matmuls dominate a prefill (so the break-even formula
 # applies to it), small enough that the whole demo runs in well under 30 s.
-DEMO_ENGINE = EngineConfig(vocab=1024, layers=4, d_model=384, q_heads=6, kv_heads=2, ffn=1024)
+DEMO_MODEL = TransformerConfig(vocab=1024, layers=4, d_model=384, q_heads=6, kv_heads=2, ffn=1024)
 SYSTEM_PROMPT_TOKENS = 128
 DOC_TOKENS = 160
 DOCS_PER_TENANT = 3
@@ -121,11 +117,11 @@ def run_local(
     tenants: tuple[str, ...] = DEFAULT_TENANTS,
     n_requests: int = DEFAULT_REQUESTS,
     seed: int = 0,
-    config: EngineConfig = DEMO_ENGINE,
+    config: TransformerConfig = DEMO_MODEL,
     progress: Callable[[str], None] | None = None,
 ) -> LocalReplay:
     """Replay the workload through a LocalCache and against full recompute."""
-    engine = ReferenceEngine(config)
+    engine = ReferenceTransformer(config)
     shape = config.kv_shape()
     cache = LocalCache(CACHE_BYTES, shape.block_bytes)
     requests = workload(tenants, n_requests, seed, config.vocab)
@@ -181,7 +177,7 @@ def run_local(
     )
 
 
-def verdicts(replay: LocalReplay, config: EngineConfig = DEMO_ENGINE) -> dict[str, breakeven.BreakEvenReport]:
+def verdicts(replay: LocalReplay, config: TransformerConfig = DEMO_MODEL) -> dict[str, breakeven.BreakEvenReport]:
     """Break-even for the engine's shape at its measured FLOP rate (with LocalCache's
     measured copy bandwidth as a medium), and for 70B on H100 at TP4."""
     own = ModelShape(name="reference-engine", layers=config.layers, kv_heads=config.kv_heads,
@@ -217,7 +213,8 @@ def render(replay: LocalReplay, reports: dict[str, breakeven.BreakEvenReport]) -
     return "\n".join(lines)
 
 
-def _main_local(args: argparse.Namespace) -> int:
+def main_local(args: argparse.Namespace) -> int:
+    """`kvtier demo` (and `--mode local` of the checkout's demo)."""
     t0 = time.perf_counter()
     progress = None if args.json or args.quiet else (lambda s: print(s, file=sys.stderr))
     replay = run_local(n_requests=args.requests, seed=args.seed, progress=progress)
@@ -234,71 +231,12 @@ def _main_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def render_fleet(report: dict, sidecars: int) -> str:
-    lines = [
-        f"kvtier fleet demo: Redis + {sidecars} sidecars on loopback, reference engines as clients",
-        f"  requests            {report['requests']}",
-        f"  hit rate            {report['hit_rate']:.1%} of requests, {report['token_hit_rate']:.1%} of prompt tokens",
-    ]
-    for tier, t in report["tiers"].items():
-        lines.append(f"    {tier:<17} {t['hit_rate']:.1%} of requests ({t['hits']} hits), "
-                     f"{t['token_hit_rate']:.1%} of tokens")
-    lines += [
-        f"  bytes materialized  {report['bytes_materialized']:,} (shared memory -> engine buffers)",
-        f"  bytes from peers    {report['bytes_from_peers']:,} (peer tier over TCP, checksummed runs)",
-        f"  stores              {report['stores']}",
-        f"  wrong KV            {report['wrong_kv']} (every hit checked against a full recompute)",
-        f"  request-path errors {report['errors']}",
-    ]
-    return "\n".join(lines)
+CHECKOUT_MODES = ("cluster", "fleet")
+"""The demos that run the test environment's components: `./scripts/demo.sh --mode M` in
+a source checkout (`kvtier_testenv.demo`)."""
 
 
-def _missing_testenv(mode: str) -> bool:
-    """The fleet and cluster modes run real components from the test environment,
-    which a source checkout has (scripts/setup.sh installs it) and the wheel does not."""
-    if importlib.util.find_spec("kvtier_testenv") is not None:
-        return False
-    print(f"kvtier demo --mode {mode}: needs the test environment (testenv/ of a source checkout); "
-          "run ./scripts/demo.sh there, or use --mode local", file=sys.stderr)
-    return True
-
-
-def _main_fleet(args: argparse.Namespace) -> int:
-    if _missing_testenv("fleet"):
-        return 2
-    from kvtier_testenv.fleet import run_fleet  # the data plane: sidecars, Redis, shm
-
-    t0 = time.perf_counter()
-    report = run_fleet(sidecars=args.sidecars, requests=args.requests * 4, seed=args.seed)
-    replay = None if args.json else run_local(n_requests=args.requests, seed=args.seed)
-    if args.json:
-        print(json.dumps({"mode": "fleet", **report, "wall_s": time.perf_counter() - t0}, indent=2))
-    else:
-        print(render_fleet(report, args.sidecars))
-        print()
-        assert replay is not None
-        print(render(replay, verdicts(replay)))
-        print(f"\n(done in {time.perf_counter() - t0:.1f} s)")
-    return 0 if report["wrong_kv"] == 0 and report["errors"] == 0 else 1
-
-
-def _main_cluster(args: argparse.Namespace) -> int:
-    if _missing_testenv("cluster"):
-        return 2
-    if args.engine == "vllm":
-        from kvtier_app import demo_vllm  # real vLLM servers as the serving pods
-
-        return demo_vllm.main(args)
-    from kvtier_app import demo_cluster  # the embedded Kubernetes, helm chart and operator
-
-    return demo_cluster.main(args)
-
-
-MODES: dict[str, Callable[[argparse.Namespace], int]] = {
-    "fleet": _main_fleet, "local": _main_local, "cluster": _main_cluster}
-
-
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -308,24 +246,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=sorted(MODES), default="cluster",
-                   help="cluster: embedded Kubernetes, helm-installed operator, injected sidecars "
-                        "(default); fleet: Redis + sidecar processes + engines on loopback, no "
-                        "Kubernetes; local: one engine and an in-process LocalCache")
-    p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
-                   help="cluster mode: reference engines replay as clients (default), or the serving pods "
-                        "run real vLLM servers with the kvtier connector (needs hack/vllm.sh)")
-    p.add_argument("--sidecars", type=_positive_int, default=3, help="fleet mode: sidecar processes")
-    p.add_argument("--requests", type=_positive_int, default=DEFAULT_REQUESTS)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every demo mode takes (the checkout's demo adds its own)."""
+    p.add_argument("--requests", type=positive_int, default=DEFAULT_REQUESTS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no per-request progress lines")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.split("\n\n")[0],
+                                epilog="The fleet and cluster demos run from a source checkout: ./scripts/demo.sh")
+    p.add_argument("--mode", default="local",
+                   help="local (the only mode installed with kvtier): the reference transformer and an "
+                        "in-process LocalCache")
+    add_arguments(p)
     args = p.parse_args(argv)
-    if args.engine != "reference" and args.mode != "cluster":
-        p.error("--engine vllm runs in --mode cluster only")
-    return MODES[args.mode](args)
+    if args.mode in CHECKOUT_MODES:
+        p.error(f"--mode {args.mode} runs the test environment's components, which are not installed with "
+                f"kvtier: in a source checkout, run ./scripts/demo.sh --mode {args.mode}")
+    if args.mode != "local":
+        p.error(f"--mode: only 'local' is installed with kvtier, got {args.mode!r}")
+    return main_local(args)
 
 
 if __name__ == "__main__":

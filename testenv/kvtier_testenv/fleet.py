@@ -2,7 +2,7 @@
 processes replaying a multi-tenant workload through them.
 
 `start_sidecar` / `SidecarHandle` are the process helpers the tests use too;
-`run_fleet` is what `kvtier demo --mode fleet` calls:
+`run_fleet` is what the checkout's demo runs for `--mode fleet` (`kvtier_testenv.demo`):
 
     report = run_fleet(sidecars=3, engines_per_sidecar=1, tenants=6, requests=300)
     report["tiers"]  # per-tier hit rates and bytes moved

@@ -2,7 +2,8 @@
 
 Block i's bytes are a pure function of the chained hash of blocks 0..i, so - like real
 KV - they depend on the whole prefix. Tests and the fleet compare every hit against
-this recompute byte for byte; the reference engine (`kvtier.engine`) can replace it.
+this recompute byte for byte; the numpy reference transformer
+(`kvtier_app.reference_transformer`) can replace it.
 """
 from __future__ import annotations
 

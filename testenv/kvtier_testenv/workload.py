@@ -51,18 +51,18 @@ class SyntheticOracle:
 
 
 class ReferenceOracle:
-    """KV from the numpy reference transformer's prefill (`kvtier.engine`)."""
+    """KV from the numpy reference transformer's prefill (`kvtier_app.reference_transformer`)."""
 
     name = "reference"
 
-    def __init__(self, block_size: int = 16, **engine_kwargs) -> None:
-        from kvtier.engine import EngineConfig, ReferenceEngine
+    def __init__(self, block_size: int = 16, **model_kwargs) -> None:
+        from kvtier_app.reference_transformer import TransformerConfig, ReferenceTransformer
 
-        self.engine = ReferenceEngine(EngineConfig(**engine_kwargs))
-        c = self.engine.config
+        self.model = ReferenceTransformer(TransformerConfig(**model_kwargs))
+        c = self.model.config
         self.block_size = block_size
         kv_shape = c.kv_shape(block_size)
-        probe = self.engine.key_root("probe")
+        probe = self.model.key_root("probe")
         self.shape = ServedModel(**probe.identity().model_dump(), layers=c.layers, kv_heads=c.kv_heads,
                                  head_dim=c.head_dim, dtype_bytes=kv_shape.np_dtype.itemsize,
                                  ).model_dump(exclude_none=True)
@@ -70,7 +70,7 @@ class ReferenceOracle:
         self.vocab = c.vocab
 
     def root(self, tenant: str) -> KeyRoot:
-        return self.engine.key_root(tenant)
+        return self.model.key_root(tenant)
 
     def same_kv(self, got: np.ndarray, expected: np.ndarray) -> bool:
         """Equal up to fp32 rounding: prefill over a longer prompt batches the matmuls
@@ -84,17 +84,17 @@ class ReferenceOracle:
     def continuation_ok(self, tokens: np.ndarray, hit_kv: np.ndarray, matched_tokens: int) -> bool:
         """The engine's view: logits computed on top of the hit's KV equal a full
         recompute's logits for the same positions (to fp32 rounding)."""
-        past = self.engine.past_from_blocks(hit_kv, self.block_size)
-        cached = self.engine.prefill(tokens, past=past).logits
-        full = self.engine.prefill(tokens).logits[matched_tokens:]
+        past = self.model.past_from_blocks(hit_kv, self.block_size)
+        cached = self.model.prefill(tokens, past=past).logits
+        full = self.model.prefill(tokens).logits[matched_tokens:]
         return bool(np.allclose(cached, full, rtol=1e-3, atol=1e-4))
 
     def kv(self, root: KeyRoot, tokens: np.ndarray) -> np.ndarray:
         n = len(tokens) // self.block_size
         if n == 0:
             return np.zeros(0, dtype=np.uint8)
-        result = self.engine.prefill(tokens[: n * self.block_size])
-        return np.ascontiguousarray(self.engine.kv_blocks(result, self.block_size)).reshape(-1).view(np.uint8)
+        result = self.model.prefill(tokens[: n * self.block_size])
+        return np.ascontiguousarray(self.model.kv_blocks(result, self.block_size)).reshape(-1).view(np.uint8)
 
 
 def make_oracle(kind: str, block_size: int = 16):

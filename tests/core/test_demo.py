@@ -1,4 +1,6 @@
-"""The local demo replays a workload through LocalCache with the reference engine."""
+"""The installed `kvtier demo` replays a workload through LocalCache with the reference
+transformer, from the wheel alone."""
+import json
 import subprocess
 import sys
 
@@ -23,16 +25,22 @@ def test_cli_survives_a_closed_pipe():
 _WITHOUT_TESTENV = """
 import sys
 sys.meta_path = [f for f in sys.meta_path if "kvtier_testenv" not in getattr(f, "__module__", "")]
-sys.argv = ["kvtier", "demo", "--mode", sys.argv[1]]
+sys.argv = ["kvtier", "demo", *sys.argv[1:]]
 from kvtier_app.cli import main
-sys.exit(main())
+code = main()
+assert "kvtier_testenv" not in sys.modules
+sys.exit(code)
 """
 
 
-def test_installed_without_the_test_environment_the_fleet_and_cluster_demos_say_what_to_do():
+def test_installed_without_the_test_environment_the_demo_runs_and_the_checkout_modes_say_where_they_run():
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_TESTENV, "--requests", "4", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout)["mode"] == "local"
     for mode in ("fleet", "cluster"):
-        out = subprocess.run([sys.executable, "-c", _WITHOUT_TESTENV, mode], capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run([sys.executable, "-c", _WITHOUT_TESTENV, "--mode", mode], capture_output=True,
+                             text=True, timeout=60)
         assert out.returncode == 2, out.stderr
-        assert "needs the test environment" in out.stderr and "--mode local" in out.stderr
+        assert f"./scripts/demo.sh --mode {mode}" in out.stderr
         assert "Traceback" not in out.stderr

@@ -1,4 +1,4 @@
-"""`kvtier demo --mode cluster` end to end: its own control plane, the chart, the
+"""The checkout's cluster demo (`./scripts/demo.sh`) end to end: its own control plane, the chart, the
 operator pod, injected sidecars, a scale-up with warm-up, then an alarm-gated rollout
 of a good version that completes and of a bad one that Prometheus' alarm rolls back;
 zero wrong KV."""
@@ -16,7 +16,7 @@ DEMO_TIMEOUT_S = 900
 
 
 def test_cluster_demo_scales_with_warm_up_rolls_out_and_back_and_serves_no_wrong_kv():
-    proc = subprocess.run([sys.executable, "-m", "kvtier_app", "demo", "--mode", "cluster", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "kvtier_testenv.demo", "--mode", "cluster", "--json"],
                           capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, cwd=ROOT)
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
     result = json.loads(proc.stdout)

@@ -1,10 +1,10 @@
-"""`kvtier demo --mode cluster --engine vllm`: real vLLM servers as injected serving pods
+"""The checkout's demo with `--mode cluster --engine vllm`: real vLLM servers as injected serving pods
 on the embedded cluster, tenants by cache_salt, every answer equal to its recompute."""
 from __future__ import annotations
 
 import pytest
 
-from kvtier_app import demo_vllm
+from kvtier_testenv import demo_vllm
 
 pytestmark = [pytest.mark.k8s, pytest.mark.vllm, pytest.mark.slow]
 

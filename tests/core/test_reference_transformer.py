@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from kvtier.cache import LocalCache, Miss
-from kvtier.engine import EngineConfig, ReferenceEngine
+from kvtier_app.reference_transformer import TransformerConfig, ReferenceTransformer
 
-SMALL = EngineConfig(vocab=512, layers=2, d_model=128, q_heads=4, kv_heads=2, ffn=256)
+SMALL = TransformerConfig(vocab=512, layers=2, d_model=128, q_heads=4, kv_heads=2, ffn=256)
 RNG = np.random.default_rng(7)
 SYSTEM = RNG.integers(0, 512, 100)  # 6 full blocks + 4 tokens
 
@@ -23,11 +23,11 @@ def prompt(suffix_len: int, seed: int) -> np.ndarray:
     return np.concatenate([SYSTEM, np.random.default_rng(seed).integers(0, 512, suffix_len)])
 
 
-def cache_for(engine: ReferenceEngine) -> LocalCache:
+def cache_for(engine: ReferenceTransformer) -> LocalCache:
     return LocalCache(capacity_bytes=1 << 22, block_bytes=engine.config.kv_shape().block_bytes)
 
 
-def store_prompt(engine: ReferenceEngine, cache: LocalCache, root, tokens) -> None:
+def store_prompt(engine: ReferenceTransformer, cache: LocalCache, root, tokens) -> None:
     kv = engine.kv_blocks(engine.prefill(tokens))
     for _ in range(2):  # admission: stored from the second sighting
         cache.release(cache.lookup(root, tokens))
@@ -52,7 +52,7 @@ def test_a_cached_prefix_gives_the_logits_of_a_full_recompute(dtype):
     """K of the cached path matches a full recompute within `kv_tolerance(dtype)`: the
     fp32 arithmetic's spread between kernel shapes plus one ulp of the KV dtype (fp32:
     ~7.8e-6 relative, fp16: ~9.8e-4). Never bit for bit: that depends on the CPU."""
-    engine = ReferenceEngine(replace(SMALL, dtype=dtype))
+    engine = ReferenceTransformer(replace(SMALL, dtype=dtype))
     cache = cache_for(engine)
     root = engine.key_root("acme")
     store_prompt(engine, cache, root, prompt(20, seed=1))
@@ -74,7 +74,7 @@ def test_a_cached_prefix_gives_the_logits_of_a_full_recompute(dtype):
 
 
 def test_a_prefix_of_another_tenant_or_a_divergent_prompt_is_not_reused():
-    engine = ReferenceEngine(SMALL)
+    engine = ReferenceTransformer(SMALL)
     cache = cache_for(engine)
     store_prompt(engine, cache, engine.key_root("acme"), prompt(20, seed=1))
     assert isinstance(cache.lookup(engine.key_root("globex"), prompt(20, seed=1)), Miss)
@@ -91,8 +91,8 @@ def test_a_prefix_of_another_tenant_or_a_divergent_prompt_is_not_reused():
     ],
 )
 def test_each_key_field_is_load_bearing(change, key_field):
-    base = ReferenceEngine(SMALL)
-    changed = ReferenceEngine(replace(SMALL, **change))
+    base = ReferenceTransformer(SMALL)
+    changed = ReferenceTransformer(replace(SMALL, **change))
     tokens = prompt(28, seed=4)
     kv_base, kv_changed = base.prefill(tokens), changed.prefill(tokens)
     # The KV really differs (compared in fp32; fp16 rounding alone moves it by ~1e-3) ...
@@ -115,16 +115,16 @@ def test_each_key_field_is_load_bearing(change, key_field):
 
 
 def test_key_root_is_stable_across_processes():
-    code = ("from kvtier.engine import ReferenceEngine, EngineConfig; "
-            "print(ReferenceEngine(EngineConfig(vocab=512, layers=2, d_model=128, q_heads=4, kv_heads=2, ffn=256))"
+    code = ("from kvtier_app.reference_transformer import ReferenceTransformer, TransformerConfig; "
+            "print(ReferenceTransformer(TransformerConfig(vocab=512, layers=2, d_model=128, q_heads=4, kv_heads=2, ffn=256))"
             ".key_root('acme').digest().hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONHASHSEED": "99"})
-    assert out.stdout.strip() == ReferenceEngine(SMALL).key_root("acme").digest().hex()
+    assert out.stdout.strip() == ReferenceTransformer(SMALL).key_root("acme").digest().hex()
 
 
 def test_bad_prompts_are_rejected():
-    engine = ReferenceEngine(SMALL)
+    engine = ReferenceTransformer(SMALL)
     with pytest.raises(ValueError, match="vocabulary"):
         engine.prefill([1, 2, 600])
     with pytest.raises(ValueError):
@@ -141,8 +141,8 @@ _MEASURE = """
 import json, time, numpy as np
 from kvtier import breakeven
 from kvtier.cache import LocalCache
-from kvtier.engine import EngineConfig, ReferenceEngine
-engine = ReferenceEngine(EngineConfig(**json.loads({cfg!r})))
+from kvtier_app.reference_transformer import TransformerConfig, ReferenceTransformer
+engine = ReferenceTransformer(TransformerConfig(**json.loads({cfg!r})))
 s_per_token, flops = engine.measure(n_tokens=128, rounds=4)
 shape = engine.config.kv_shape()
 tokens = np.arange(4096) % 512

@@ -1,5 +1,5 @@
-"""`kvtier demo --mode cluster --engine vllm`: the cluster demo with real vLLM servers
-as the serving pods.
+"""`python -m kvtier_testenv.demo --mode cluster --engine vllm` (or `./scripts/demo.sh --engine
+vllm`): the cluster demo with real vLLM servers as the serving pods.
 
     control plane + Redis + `helm install charts/kvtier` (as in the cluster demo)
       -> KVCachePolicy for a tiny Llama (seeded random weights, float32, block 32)
@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from kvtier import control_api, names
 from kvtier.policy import API_VERSION
-from kvtier_app.demo_cluster import (
+from kvtier_testenv.demo_cluster import (
     APP_LABEL,
     NAMESPACE,
     POLICY,
@@ -199,7 +199,7 @@ def render(r: dict[str, Any]) -> str:
 
 
 def main(args) -> int:
-    """`kvtier demo --mode cluster --engine vllm` (dispatched by kvtier_app.demo)."""
+    """`--mode cluster --engine vllm` of the checkout's demo (dispatched by kvtier_testenv.demo)."""
     import sys
     import time
 
@@ -208,7 +208,7 @@ def main(args) -> int:
     try:
         result = run(requests=args.requests, seed=args.seed, log=log)
     except (DemoFailed, TimeoutError, RuntimeError) as exc:
-        print(f"kvtier demo --engine vllm: FAILED: {exc}", file=sys.stderr)
+        print(f"demo --engine vllm: FAILED: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"mode": "cluster", "engine": "vllm", **result, "wall_s": time.perf_counter() - t0},

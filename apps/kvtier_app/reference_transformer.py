@@ -31,12 +31,12 @@ from kvtier.layout import KVShape, blocks_view, from_canonical_blocks, to_canoni
 WEIGHTS_GENERATOR = "kvtier-ref/numpy-pcg64-normal/v1"
 ATTN_IMPL = "kvtier-ref/numpy-sdpa-causal/v1"
 # The KV dtypes numpy computes in (`kvtier.dtypes.KvDtype`; bf16 and fp8 it cannot).
-ENGINE_DTYPES = {d.value: d.storage.type for d in (KvDtype.FP32, KvDtype.FP16)}
+COMPUTE_DTYPES = {d.value: d.storage.type for d in (KvDtype.FP32, KvDtype.FP16)}
 RMS_EPS = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
-class EngineConfig:
+class TransformerConfig:
     """Shape and identity of the reference model. `weights_seed` stands for the weights."""
 
     vocab: int = 512
@@ -54,15 +54,15 @@ class EngineConfig:
         for name in ("vocab", "layers", "d_model", "q_heads", "kv_heads", "ffn"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
+                raise ValueError(f"TransformerConfig.{name} must be a positive integer, got {v!r}")
         if self.d_model % self.q_heads or self.q_heads % self.kv_heads:
             raise ValueError("d_model must divide by q_heads and q_heads by kv_heads (GQA)")
         if (self.d_model // self.q_heads) % 2:
             raise ValueError("head_dim must be even for RoPE")
-        if self.dtype not in ENGINE_DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {sorted(ENGINE_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"TransformerConfig.dtype must be one of {sorted(COMPUTE_DTYPES)}, got {self.dtype!r}")
         if not self.rope_theta > 0:
-            raise ValueError(f"EngineConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+            raise ValueError(f"TransformerConfig.rope_theta must be > 0, got {self.rope_theta!r}")
 
     @property
     def head_dim(self) -> int:
@@ -103,13 +103,13 @@ class _Layer:
     w_down: np.ndarray
 
 
-class ReferenceEngine:
+class ReferenceTransformer:
     """The model plus its prefill. Weights are held in the configured dtype's
     precision; arithmetic runs in fp32 (numpy has no fast fp16 matmul)."""
 
-    def __init__(self, config: EngineConfig | None = None):
-        self.config = config or EngineConfig()
-        self._dtype = np.dtype(ENGINE_DTYPES[self.config.dtype])
+    def __init__(self, config: TransformerConfig | None = None):
+        self.config = config or TransformerConfig()
+        self._dtype = np.dtype(COMPUTE_DTYPES[self.config.dtype])
         self._build_weights()
         self._inv_freq = 1.0 / (
             self.config.rope_theta ** (np.arange(0, self.config.head_dim, 2, dtype=np.float64) / self.config.head_dim)

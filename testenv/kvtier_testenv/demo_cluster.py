@@ -1,4 +1,5 @@
-"""`kvtier demo --mode cluster`: the whole product on an embedded Kubernetes.
+"""The cluster demo (`./scripts/demo.sh`, i.e. `python -m kvtier_testenv.demo --mode cluster`):
+the whole product on an embedded Kubernetes.
 
     control plane (kube-apiserver + etcd + controller-manager, kvtier_testenv)
       + Redis (the global block index)
@@ -108,7 +109,7 @@ def policy_manifest(oracle: Any, redis_url: str, prometheus_url: str) -> dict[st
     sidecars' key roots are exactly the ones the engine clients compute; rollouts of
     the StatefulSet are gated on the chart's hit-rate alarm in Prometheus."""
     s = oracle.shape
-    engine = oracle.engine
+    model = oracle.model
     return {
         "apiVersion": API_VERSION, "kind": "KVCachePolicy",
         "metadata": {"name": POLICY, "namespace": NAMESPACE},
@@ -116,7 +117,7 @@ def policy_manifest(oracle: Any, redis_url: str, prometheus_url: str) -> dict[st
             "selector": {"matchLabels": {"app": APP_LABEL}},
             "model": {**ModelSpec.identity_wire(ServedModel.model_validate(s)),
                       "shape": {"layers": s["layers"], "kvHeads": s["kv_heads"], "headDim": s["head_dim"],
-                                "params": float(engine.matmul_params)}},
+                                "params": float(model.matmul_params)}},
             "hardware": {"denseTflopsPerGpu": 10},
             "tiers": {"dram": {"capacity": DRAM_CAPACITY}},
             "affinity": {"homes": HOMES},
@@ -555,13 +556,13 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`kvtier demo --mode cluster` (registered in kvtier_app.demo.MODES)."""
+    """`--mode cluster` of the checkout's demo (registered in kvtier_testenv.demo.MODES)."""
     t0 = time.perf_counter()
     log = (lambda s: None) if args.quiet or args.json else (lambda s: print(s, file=sys.stderr, flush=True))
     try:
         result = run(requests=args.requests * 4, seed=args.seed, log=log)
     except (DemoFailed, TimeoutError) as exc:
-        print(f"kvtier demo --mode cluster: FAILED: {exc}", file=sys.stderr)
+        print(f"demo --mode cluster: FAILED: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"mode": "cluster", **result, "wall_s": time.perf_counter() - t0}, indent=2))
