@@ -211,15 +211,18 @@ def test_a_steps_history_and_event_sum_up_the_warm_ups_of_its_rollout():
 
     now = datetime(2026, 1, 1, tzinfo=timezone.utc)
     s = spec(warmup={}, recovery={"minLookups": 1, "threshold": 0.5})
-    warm = [policy.PodWarmup(pod="llm-3", version=NEW, outcome="Warmed", tokens=384, finished_at=now),
+    warm = [policy.PodWarmup(pod="llm-3", version=NEW, outcome="Warmed", tokens=384, budget_tokens=4096,
+                             finished_at=now),
             policy.PodWarmup(pod="llm-9", version=OLD, outcome="Warmed", tokens=999, finished_at=now),  # another rollout
-            policy.PodWarmup(pod="llm-2", version=NEW, outcome="WarmupTimedOut", tokens=16, finished_at=now)]
+            policy.PodWarmup(pod="llm-2", version=NEW, outcome="WarmupTimedOut", tokens=16, budget_tokens=4096,
+                             finished_at=now)]
     status = policy.RolloutStatus(target_version=NEW, step=1, baseline_hit_rate=0.5, step_started_at=now,
                                   warmups=warm)
     pods = (PodSample("llm-3", NEW, True, 10, 90, 100), PodSample("llm-0", OLD, True, 10, 50, 100))
     advanced = plan(s.rollout, NEW, OLD, status, "RollingOut", Observed(Workload(4, NEW, 3), pods, now, 1000.0))
     assert advanced.kind == "advance"
-    summary = "warm-before-ready so far: 1 pods warmed, 0 failed, 1 timed out, 400 prompt tokens prefilled"
+    summary = ("warm-before-ready so far: 1 pods warmed, 0 failed, 1 timed out, 400 prompt tokens prefilled of "
+               "8,192 budgeted")
     assert summary in advanced.rollout.history[-1].message and summary in advanced.event[2]
     assert advanced.rollout.warmups == warm  # kept for the steps to come
     bare = plan(s.rollout, NEW, OLD, status.model_copy(update={"warmups": []}), "RollingOut",
