@@ -66,8 +66,7 @@ SKETCH_SLOT_MEMORY = 100
 """A cache's sketch halves after 100 x (slots) additions: it must still remember a
 block's first sighting when the block comes back, and in prompt traffic that is
 often a conversation's next turn, many cache turnovers later (Caffeine's 10 x
-entries assumes reuse within about one turnover; measured on conversation
-traffic, 10 x loses a tenth of the hit rate at small capacities)."""
+entries assumes reuse within about one turnover: docs/ARCHITECTURE.md)."""
 
 DOORKEEPER_BITS_PER_COUNTER = 8
 """Doorkeeper bits per sketch counter: one bit per block of the sample keeps its

@@ -4,8 +4,8 @@ non-temporal stores.
 A KV load or save is hundreds of MB in pieces of ~100 KiB (one block's layer).
 glibc's memcpy streams only copies of several MiB; smaller ones use ordinary stores,
 which read every destination line before writing it, so piece by piece a load runs
-at ~0.6x the speed of one memcpy of the same bytes. `copy` splits two arrays of the
-same shape into their common contiguous trailing pieces and, where those are large,
+well below the speed of one memcpy of the same bytes (docs/VLLM.md). `copy` splits two
+arrays of the same shape into their common contiguous trailing pieces and, where those are large,
 hands all of them to one call of the compiled `kvtier._copy` (built by setup.py),
 which streams each piece with the GIL released. Without the extension, or for small
 pieces, it is `numpy.copyto`: the same bytes, only slower.
@@ -25,8 +25,7 @@ than the read-for-ownership it saves, and numpy's strided copy is as fast."""
 STREAM_MIN_TOTAL_BYTES = 32 << 20
 """A copy (a whole request's, for a load or save made layer by layer) under this many
 bytes uses ordinary stores: it lands in the last-level cache, which beats writing it
-to memory (measured: an 8 MB load streamed ran at 0.65x a cached memcpy). Copies of
-KV for real models are hundreds of MB."""
+to memory (docs/VLLM.md). Copies of KV for real models are hundreds of MB."""
 
 
 def stream_for(total_bytes: int) -> bool:

@@ -1,7 +1,7 @@
 """Named model shapes, GPUs and fetch media for the break-even calculator.
 
-Parameter counts are the nominal ones the design's figures use (70B = 70e9), so
-the calculator reproduces docs/ARCHITECTURE.md "The numbers" exactly. GPU figures are DENSE
+Parameter counts are the nominal ones (70B = 70e9) that docs/ARCHITECTURE.md "The
+numbers" uses, so the calculator reproduces those figures exactly. GPU figures are DENSE
 BF16 tensor throughput: the 2:4-sparsity headline (1,979 TFLOP/s on H100) is
 twice the real figure for dense LLM weights and is never used here.
 """

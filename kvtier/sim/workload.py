@@ -1,6 +1,6 @@
 """The request stream a fleet sees: pure, seeded, generated column-wise with numpy.
 
-Three populations with different reuse (design notes, section 1):
+Three populations with different reuse:
 
 - template requests: one of a tenant's system prompts (200-2,000 tokens, highly
   reused) followed by a fresh user query;
