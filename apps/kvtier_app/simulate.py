@@ -4,6 +4,8 @@
     kvtier simulate compare --requests 50000 --policies random,kvtier,oracle
     kvtier simulate capacity --plots out/  # hit rate vs DRAM per policy, as PNG
     kvtier simulate all --json report.json --plots out/
+    kvtier simulate rollout-design-notes   # warm-before-ready vs cold rollouts, design fleet
+    kvtier simulate rollout-trace          # ... on the shipped trace (or --trace FILE)
     kvtier simulate trace requests.jsonl   # replay recorded traffic (see `trace --help`)
 
 Exit status: 0 on success, 2 on a bad flag (the message names it).
@@ -18,10 +20,14 @@ from kvtier.sim import scenarios
 from kvtier.sim.policies import POLICIES
 from kvtier_app.progress import terminal_progress
 
-SCENARIOS = ("design-notes", "compare", "capacity", "membership", "rollout", "thrash")
+SCENARIOS = ("design-notes", "compare", "capacity", "membership", "rollout", "rollout-design-notes",
+             "rollout-trace", "thrash")
+# The shipped trace `rollout-trace` replays unless --trace names another.
+SHIPPED_TRACE = Path(__file__).resolve().parents[2] / "bench" / "traces" / "mooncake_conversation_trace.jsonl.gz"
 # Requests per scenario when --requests is not given (the full-size runs).
 DEFAULT_REQUESTS = {"design-notes": 1_000_000, "compare": 100_000, "capacity": 50_000,
-                    "membership": 90_000, "rollout": 81_000, "thrash": 40_000}
+                    "membership": 90_000, "rollout": 81_000, "thrash": 40_000,
+                    "rollout-design-notes": 0, "rollout-trace": 0}  # 0: as long as the rollout needs
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", choices=("kvtier", "lru"), default="kvtier",
                    help="replica cache for compare: kvtier's LocalCache (admission) or plain LRU (default kvtier)")
     p.add_argument("--dram-gib", help="comma-separated DRAM sizes per replica for capacity (GiB)")
+    p.add_argument("--tenants", type=int, default=200,
+                   help="rollout-design-notes: tenants (of 2,000; rate, DRAM and warm-up budget scale with them; "
+                        "default 200)")
+    p.add_argument("--warm-tokens", type=int,
+                   help="rollout scenarios: the per-pod warm-up budget in prompt tokens, as the operator's "
+                        "spec.rollout.warmup.maxTokens (default its 65536, scaled with --tenants)")
+    p.add_argument("--trace", metavar="FILE", help="rollout-trace: the trace (default the shipped Mooncake trace)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON ('-' for stdout)")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
@@ -73,6 +86,12 @@ def main(argv: list[str]) -> int:
             return _fail("--dram-gib", f"expected comma-separated numbers, got {args.dram_gib!r}")
         if any(x <= 0 for x in dram):
             return _fail("--dram-gib", "sizes must be > 0")
+    if args.tenants < 1 or args.tenants > 2_000:
+        return _fail("--tenants", f"must be 1..2000, got {args.tenants}")
+    if args.warm_tokens is not None and args.warm_tokens < 0:
+        return _fail("--warm-tokens", f"must be >= 0 (0: cold), got {args.warm_tokens}")
+    if args.trace and not Path(args.trace).is_file():
+        return _fail("--trace", f"no such file: {args.trace}")
     names = SCENARIOS if args.scenario == "all" else (args.scenario,)
     progress = terminal_progress(args.no_progress)
     reports = []
@@ -80,7 +99,7 @@ def main(argv: list[str]) -> int:
 
     for name in names:
         n = args.requests or DEFAULT_REQUESTS[name]
-        rep = _run(name, n, policies, dram, args.seed, progress, args.cache)
+        rep = _run(name, n, policies, dram, args.seed, progress, args.cache, args)
         reports.append(rep)
         if args.json != "-":
             print(render(rep), flush=True)
@@ -101,7 +120,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _run(name, n, policies, dram, seed, progress, cache="kvtier"):
+def _run(name, n, policies, dram, seed, progress, cache="kvtier", args=None):
+    if name == "rollout-design-notes":
+        return scenarios.design_rollout(args.tenants, args.requests, progress=progress, seed=seed,
+                                        warm_tokens=args.warm_tokens)
+    if name == "rollout-trace":
+        warm = scenarios.WARM_BEFORE_READY_TOKENS if args.warm_tokens is None else args.warm_tokens
+        return scenarios.trace_rollout(args.trace or SHIPPED_TRACE, progress=progress, warm_tokens=warm)
     if name == "design-notes":
         return scenarios.design_notes(n, policies or ("kvtier", "random", "oracle"), progress=progress, seed=seed)
     if name == "compare":

@@ -31,6 +31,15 @@ CACHE_KINDS = ("kvtier", "lru")
 # Requests between progress-bar updates: often enough to look alive, rare enough
 # that tqdm costs nothing.
 _PROGRESS_EVERY = 8192
+# The operator's warm-up (operator/kvtier_operator/rollout_warmup_io.py): prefixes of
+# a tenant are read from at most this many of its sources.
+WARM_SOURCES_PER_TENANT = 2
+# A restarted pod's first minute of traffic: its hit rate then is what the rollout
+# history records per step.
+FIRST_MINUTE_S = 60.0
+# Where a warm-up reads its prompts: "homes" (the operator: the tenant's other homes)
+# or "own" (what-if: the restarted pod's own sidecar first, read before the restart).
+WARM_SOURCES = ("homes", "own")
 
 
 class Progress(Protocol):
@@ -61,11 +70,21 @@ class SimConfig:
     `block_tokens` is the cache block in real tokens; it must be a whole number of
     the workload's `token_unit`s. `warm_moved_tenants` makes a membership change
     warm each moved tenant's new homes from its old ones (what the operator does).
-    `warm_before_ready_tokens` > 0 makes every pod a "version" event restarts
-    prefill up to that many tokens of its tenants' hottest prefixes, taken from the
-    tenants' other homes, under the new version before it takes traffic (the
-    operator's readiness gate); the prefill runs on the pod itself. 0: it comes up
-    cold.
+    `warm_before_ready_tokens` > 0 makes every pod a "version" event restarts do
+    what the operator's rollout warm-up does (`operator/kvtier_operator/
+    rollout_warmup.py`): for each tenant whose homes include the pod, the hottest
+    prompts (`LocalCache.hot_prompts`: frequency x length) of at most two of its
+    other homes, old version first, ranked, the budget split evenly over the tenants
+    (what one leaves goes to the others), replayed on the pod itself under the new
+    version while a readiness gate holds it out of traffic; the gate opens when that
+    prefill is done (its tenants' requests go to their other homes meanwhile). The
+    budget is in prompt tokens, as the operator's `maxTokens`. 0: it comes up cold.
+    `warm_source` "own": a what-if the operator does not do today: the pod's own
+    sidecar is read (`/cache/hot`) just before it restarts, and is the first source
+    of each of its tenants (then one other home). `warm_trim`: a what-if the operator
+    does not do today either: each prompt is cut to the whole blocks it shares with
+    another prompt of its tenant (`warm_trim_shared`), so a template is replayed once
+    instead of once per one-off question appended to it.
     """
 
     workload: WorkloadSpec
@@ -77,6 +96,8 @@ class SimConfig:
     bucket_s: float = 30.0
     warm_moved_tenants: bool = True
     warm_before_ready_tokens: int = 0
+    warm_source: str = "homes"
+    warm_trim: bool = False
     progress: ProgressFactory | None = None
 
     def __post_init__(self) -> None:
@@ -88,6 +109,8 @@ class SimConfig:
                              f"token_unit ({unit})")
         if self.bucket_s <= 0:
             raise ValueError(f"bucket_s must be > 0, got {self.bucket_s}")
+        if self.warm_source not in WARM_SOURCES:
+            raise ValueError(f"warm_source must be one of {', '.join(WARM_SOURCES)}, got {self.warm_source!r}")
         if self.warm_before_ready_tokens < 0:
             raise ValueError(f"warm_before_ready_tokens must be >= 0, got {self.warm_before_ready_tokens}")
 
@@ -137,10 +160,11 @@ class SimResult:
     series_hit_rate: list[float]
     series_prefill_load: list[float]
     events: list[dict]
+    series_prompt_tokens: list[float] = field(default_factory=list)
 
     def summary(self) -> dict:
         """Everything but the per-bucket series and per-replica loads."""
-        skip = {"series_t_s", "series_hit_rate", "series_prefill_load", "load_s"}
+        skip = {"series_t_s", "series_hit_rate", "series_prefill_load", "series_prompt_tokens", "load_s"}
         return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
 
     def as_dict(self) -> dict:
@@ -253,16 +277,24 @@ class Simulation:
             # The pod restarts onto the new weights, and its sidecar with it: an
             # empty DRAM tier (old-version blocks could never hit again anyway).
             warm = self.cfg.warm_before_ready_tokens and self.cfg.cache == "kvtier" and hasattr(self.policy, "table")
-            # What the operator reads from each pod's sidecar before it restarts it.
-            own = {r: self._hot_prefixes(r) for r in ev.replicas} if warm else {}
+            entry["replicas"] = list(ev.replicas)
+            entry["version"] = ev.version
+            own = {r: self._own_prompts(r) for r in ev.replicas} if warm and self.cfg.warm_source == "own" else {}
             for r in ev.replicas:
                 fleet.version[r] = ev.version
                 self.caches[r].drop_all()
-            entry["replicas"] = list(ev.replicas)
-            entry["version"] = ev.version
+            entry["ready_s"] = {r: ev.time_s for r in ev.replicas}
             if warm:
-                entry["warmed_tokens"] = sum(self._warm_before_ready(r, ev.version, ev.time_s, own[r])
-                                             for r in ev.replicas)
+                entry["warmed_tokens"] = entry["warmed_prompt_tokens"] = entry["warmed_tenants"] = 0
+                for r in ev.replicas:
+                    prefilled, prompt_tokens, tenants = self._warm_before_ready(r, ev.version, ev.time_s, own.get(r))
+                    entry["warmed_tokens"] += prefilled
+                    entry["warmed_prompt_tokens"] += prompt_tokens
+                    entry["warmed_tenants"] += tenants
+                    # The gate opens once the pod's engine has prefilled the warm-up.
+                    ready = fleet.prefill_only(r, ev.time_s, prefilled)
+                    fleet.gate(r, ready)
+                    entry["ready_s"][r] = ready
         else:
             raise ValueError(f"unknown scenario event {ev.kind!r}")
         self.event_log.append(entry)
@@ -293,49 +325,80 @@ class Simulation:
                         warmed += self.caches[index[target]].warm_from(self.caches[src], move.tenant, budget)
         entry["warmed_blocks"] = warmed
 
-    def _hot_prefixes(self, r: int) -> dict[str, list]:
-        """Pod r's hottest prefixes (key root, element ids) of each tenant it is home to."""
-        name, table, cache = self.fleet.names[r], self.policy.table, self.caches[r].cache
-        return {t: cache.hottest_prefixes(t, self.cfg.fleet.dram_bytes)
-                for t in self.roots.tenant_names if name in table.homes_for(t)}
+    def _tenants_of(self, r: int) -> list[str]:
+        table, me = self.policy.table, self.fleet.names[r]
+        return [t for t in self.roots.tenant_names if me in table.homes_for(t)]
 
-    def _warm_before_ready(self, r: int, version: int, now_s: float, own: dict[str, list]) -> int:
-        """Prefill pod r's tenants' hottest prefixes under `version` before it takes
-        traffic, up to the budget; returns the tokens prefilled.
+    def _own_prompts(self, r: int) -> dict[str, list]:
+        """What-if: pod r's own hot prompts per tenant, read before it restarts."""
+        tenants = self._tenants_of(r)
+        ask = warm_ask(self.cfg.warm_before_ready_tokens // self.cfg.workload.token_unit, len(tenants))
+        return {t: [WarmPrompt(tuple(tokens.tolist()), freq)
+                    for _, tokens, freq in self.caches[r].cache.hot_prompts(t, ask)] for t in tenants}
 
-        The prefixes come first from what the pod itself held before it restarted
-        (`own`: the traffic it will get again), then from the tenants' other live
-        homes. Each source goes in rounds — every tenant's hottest prefix, then every
-        tenant's second — so no tenant takes the whole budget. The budget never
-        exceeds what the pod's DRAM tier holds (a later prefix would evict an earlier,
-        hotter one), and the prefill queues on the pod like a request's."""
+    def _warm_before_ready(self, r: int, version: int, now_s: float,
+                           own: dict[str, list] | None = None) -> tuple[int, int, int]:
+        """Warm pod r (just restarted onto `version`) as the operator does; returns
+        (tokens actually prefilled, prompt tokens replayed, tenants warmed), in real
+        tokens.
+
+        Tenants: those whose homes include the pod. Sources of a tenant: its homes on
+        the old version in rendezvous order, then its homes already on the new one
+        (the last old pod of a fleet has no old peer left), never the pod itself (its
+        sidecar restarted with it), at most `WARM_SOURCES_PER_TENANT`; each is asked
+        for twice the tenant's even share. The answers are ranked and spent exactly as
+        `rollout_warmup.rank` / `spend` / `replay_order` do, and replayed under the new
+        version's key root; a prompt whose blocks the pod already holds costs only the
+        blocks it lacks (the engine's prefix cache)."""
         cfg, fleet, unit = self.cfg, self.fleet, self.cfg.workload.token_unit
+        table = self.policy.table
         index = {n: i for i, n in enumerate(fleet.names)}
-        others: dict[str, list] = {}
-        for tenant in own:
-            for home in self.policy.table.homes_for(tenant):
-                src = index.get(home)
-                if src is not None and src != r and fleet.alive[src]:
-                    others.setdefault(tenant, []).extend(
-                        self.caches[src].cache.hottest_prefixes(tenant, cfg.fleet.dram_bytes))
-        capacity_elems = cfg.fleet.dram_bytes // (cfg.block_tokens * cfg.fleet.kv_bytes_per_token) * cfg.block_elems
-        budget = min(cfg.warm_before_ready_tokens // unit, capacity_elems)
+        tenants = self._tenants_of(r)
+        budget = cfg.warm_before_ready_tokens // unit  # in token elements
+        ask = warm_ask(budget, len(tenants))
+        ranked: dict[str, list[WarmPrompt]] = {}
+        for tenant in tenants:
+            homes = [index[m] for m in table.homes_for(tenant) if m in index and index[m] != r and fleet.alive[index[m]]]
+            old = [h for h in homes if fleet.version[h] != version]
+            new = [h for h in homes if fleet.version[h] == version]
+            sources = old + new
+            answers = [own[tenant]] if own is not None else []
+            answers += [[WarmPrompt(tuple(tokens.tolist()), freq)
+                         for _, tokens, freq in self.caches[src].cache.hot_prompts(tenant, ask)]
+                        for src in sources[:WARM_SOURCES_PER_TENANT - len(answers)]]
+            ranked[tenant] = warm_rank(warm_trim_shared(answers, cfg.block_elems) if cfg.warm_trim else answers)
         tenant_index = {t: i for i, t in enumerate(self.roots.tenant_names)}
-        cache, spent = self.caches[r].cache, 0
-        for source in (own, others):
-            for rank in range(max((len(p) for p in source.values()), default=0)):
-                for tenant, prefixes in source.items():
-                    if rank >= len(prefixes) or spent >= budget:
-                        continue
-                    tokens = prefixes[rank][1][: budget - spent]
-                    res = cache.reserve(self.roots.root(tenant_index[tenant], version), tokens, force=True)
-                    if res is not None:  # prefill runs from the pod's own cached prefix on
-                        spent += len(tokens) - res.first_block * cfg.block_elems
-                        cache.commit(res)
-        fleet.prefill_only(r, now_s, spent * unit)
-        return spent * unit
+        cache, prefilled, replayed, warmed = self.caches[r].cache, 0, 0, set()
+        for tenant, prompt in warm_replay_order(warm_spend(ranked, budget)):
+            tokens = np.asarray(prompt.tokens, dtype=np.int64)
+            res = cache.reserve(self.roots.root(tenant_index[tenant], version), tokens, force=True)
+            replayed += len(tokens)
+            warmed.add(tenant)
+            # The engine computes what its prefix cache lacks (whole blocks it holds
+            # are found; the rest, the partial tail included, is prefilled).
+            held = res.first_block * cfg.block_elems if res is not None else cache.peek(
+                self.roots.root(tenant_index[tenant], version), tokens, allow_full=True)
+            prefilled += len(tokens) - held
+            if res is not None:
+                cache.commit(res)
+        return prefilled * unit, replayed * unit, len(warmed)
 
     # ------------------------------------------------------------------ summary
+
+    def _first_minutes(self, t, prompt, matched, replica) -> None:
+        """Each restarted pod's token hit rate over its first `FIRST_MINUTE_S` of
+        traffic from when it turned ready (what the rollout history records per step),
+        into its version event's entry: {replica: hit rate} (None: no traffic)."""
+        for entry in self.event_log:
+            if entry["kind"] != "version":
+                continue
+            rates = {}
+            for r, ready in entry["ready_s"].items():
+                lo, hi = np.searchsorted(t, [ready, ready + FIRST_MINUTE_S])
+                sel = replica[lo:hi] == r
+                p = prompt[lo:hi][sel].sum()
+                rates[r] = float(matched[lo:hi][sel].sum() / p) if p else None
+            entry["first_minute_hit_rate"] = rates
 
     def _result(self, prompt, matched, replica, ttft, wall, cpu) -> SimResult:
         cfg, fleet, w = self.cfg, self.fleet, self.workload
@@ -352,6 +415,7 @@ class Simulation:
             series_hit = np.where(b_prompt > 0, b_matched / b_prompt, 0.0)
         # Prefill load: replica-seconds of prefill per second, i.e. replicas' worth.
         series_load = (b_prompt - b_matched) / tps / cfg.bucket_s
+        self._first_minutes(t, prompt, matched, replica)
         spilled = getattr(self.policy, "spilled", 0)
         evictions = sum(c.evictions() if hasattr(c, "evictions") else getattr(c, "evicted_blocks", 0)
                         for c in {id(c): c for c in self.caches}.values())
@@ -372,7 +436,107 @@ class Simulation:
             series_hit_rate=[float(x) for x in series_hit],
             series_prefill_load=[float(x) for x in series_load],
             events=self.event_log,
+            series_prompt_tokens=[float(x) for x in b_prompt],
         )
+
+
+# ---------------------------------------------------------------------- the operator's warm-up plan
+# The same rules as operator/kvtier_operator/rollout_warmup.py (`Prompt`, `rank`,
+# `shares`, `spend`, `ask_tokens`, `replay_order`), here because the simulator cannot
+# import the operator; tests/sim pins them to the operator's on the same input.
+
+@dataclass(frozen=True, slots=True)
+class WarmPrompt:
+    tokens: tuple[int, ...]
+    frequency: float
+
+    @property
+    def value(self) -> float:
+        return self.frequency * len(self.tokens)
+
+
+def warm_ask(max_tokens: int, tenants: int) -> int:
+    """Tokens asked of each source: twice a tenant's even share, at most the budget."""
+    if tenants <= 0 or max_tokens <= 0:
+        return 0
+    return min(max_tokens, 2 * -(-max_tokens // tenants))
+
+
+def warm_rank(answers) -> list[WarmPrompt]:
+    """Sources' prompts as one list: each token sequence once (its highest frequency),
+    best first by frequency x length, ties longer first."""
+    best: dict[tuple[int, ...], float] = {}
+    for answer in answers:
+        for p in answer:
+            if p.tokens:
+                best[p.tokens] = max(best.get(p.tokens, 0.0), p.frequency)
+    return sorted((WarmPrompt(t, f) for t, f in best.items()), key=lambda p: (-p.value, -len(p.tokens), p.tokens))
+
+
+def warm_trim_shared(answers, block: int) -> list[list[WarmPrompt]]:
+    """What-if: every prompt cut to the longest whole-block prefix it shares with
+    another prompt of the same tenant (any source); a prompt sharing no block stays
+    whole. The sidecar lists leaves (a template plus one request's own question), and
+    ranking whole leaves by frequency x length repeats the template once per leaf."""
+    prompts = [p for answer in answers for p in answer if p.tokens]
+    ordered = sorted({p.tokens for p in prompts})
+
+    def common(a, b) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n // block * block
+
+    shared = {}
+    for i, t in enumerate(ordered):
+        near = [common(t, ordered[j]) for j in (i - 1, i + 1) if 0 <= j < len(ordered)]
+        shared[t] = max(near, default=0)
+    return [[WarmPrompt(p.tokens[:shared[p.tokens]] if shared[p.tokens] else p.tokens, p.frequency)
+             for p in answer if p.tokens] for answer in answers]
+
+
+def _warm_take(prompts, budget: int, taken: set) -> tuple[list[WarmPrompt], int]:
+    out, spent = [], 0
+    for p in prompts:
+        if p.tokens in taken or spent + len(p.tokens) > budget:
+            continue
+        out.append(p)
+        taken.add(p.tokens)
+        spent += len(p.tokens)
+    return out, spent
+
+
+def warm_spend(ranked: dict[str, list[WarmPrompt]], max_tokens: int) -> dict[str, list[WarmPrompt]]:
+    """Each tenant's prompts within the pod's budget: an even share each (the
+    remainder to the first tenants by name), then what the tenants left, offered
+    again in name order."""
+    ordered = sorted(ranked)
+    if ordered and max_tokens > 0:
+        base, extra = divmod(max_tokens, len(ordered))
+        share = {t: base + (i < extra) for i, t in enumerate(ordered)}
+    else:
+        share = {t: 0 for t in ordered}
+    chosen: dict[str, list[WarmPrompt]] = {}
+    taken: dict[str, set] = {t: set() for t in ordered}
+    left = 0
+    for t in ordered:
+        chosen[t], spent = _warm_take(ranked[t], share[t], taken[t])
+        left += share[t] - spent
+    for t in ordered:
+        if left <= 0:
+            break
+        more, spent = _warm_take(ranked[t], left, taken[t])
+        chosen[t] += more
+        left -= spent
+    return chosen
+
+
+def warm_replay_order(chosen: dict[str, list[WarmPrompt]]) -> list[tuple[str, WarmPrompt]]:
+    """Every chosen prompt, the most valuable first whatever its tenant."""
+    pairs = [(t, p) for t in sorted(chosen) for p in chosen[t]]
+    return sorted(pairs, key=lambda tp: (-tp[1].value, tp[0], tp[1].tokens))
 
 
 def simulate(cfg: SimConfig, events=(), workload: Workload | None = None, label: str = "") -> SimResult:

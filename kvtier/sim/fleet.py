@@ -41,6 +41,9 @@ DECODE_S_PER_TOKEN = 0.030
 DECODE_TOKENS_PER_S = 6_000.0
 # Host DRAM -> HBM over PCIe5 x16 (docs/ARCHITECTURE.md "The numbers").
 DRAM_GBPS = 64.0
+# The occupancy a router reads for a pod held out of traffic by a readiness gate: above
+# any spill threshold, so `kvtier.routing.pick` sends its tenants to their other homes.
+GATED_OCCUPANCY = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,9 @@ class Fleet:
         # router reads (`kvtier.routing.pick`) without building a dict per request.
         self.occupancy_by_name: dict[str, float] = {name: 0.0 for name in self.names}
         self._events: list[tuple[float, int, int]] = []  # (done_s, replica, kv_tokens)
+        # Pods held out of traffic (a readiness gate) until a time: replica -> ready_s.
+        self._gated: dict[int, float] = {}
+        self._next_ready_s = float("inf")
 
     def __len__(self) -> int:
         return len(self.names)
@@ -104,8 +110,24 @@ class Fleet:
             _, r, kv = heapq.heappop(events)
             active[r] -= kv
             in_flight[r] -= 1
-            if self.alive[r]:
+            if self.alive[r] and r not in self._gated:
                 occ[names[r]] = active[r] / hbm
+        if now_s >= self._next_ready_s:
+            for r in [r for r, t in self._gated.items() if t <= now_s]:
+                del self._gated[r]
+                if self.alive[r]:
+                    occ[names[r]] = active[r] / hbm
+            self._next_ready_s = min(self._gated.values(), default=float("inf"))
+
+    def gate(self, r: int, until_s: float) -> None:
+        """Hold replica r out of traffic until `until_s` (its readiness gate): the router
+        reads it as full, so requests go to their other homes."""
+        self._gated[r] = max(until_s, self._gated.get(r, until_s))
+        self._next_ready_s = min(self._next_ready_s, self._gated[r])
+        self.occupancy_by_name[self.names[r]] = GATED_OCCUPANCY
+
+    def gated(self, r: int) -> bool:
+        return r in self._gated
 
     def occupancy(self, r: int) -> float:
         return self.active_kv_tokens[r] / self._hbm_tokens
@@ -126,16 +148,19 @@ class Fleet:
         heapq.heappush(self._events, (first_token_at + output_tokens * spec.decode_s_per_token, r, kv))
         self.active_kv_tokens[r] += kv
         self.in_flight[r] += 1
-        self.occupancy_by_name[self.names[r]] = self.active_kv_tokens[r] / self._hbm_tokens
+        if r not in self._gated:
+            self.occupancy_by_name[self.names[r]] = self.active_kv_tokens[r] / self._hbm_tokens
         self.load_s[r] += prefill_s + output_tokens / spec.decode_tokens_per_s
         return first_token_at - now_s
 
-    def prefill_only(self, r: int, now_s: float, tokens: int) -> None:
+    def prefill_only(self, r: int, now_s: float, tokens: int) -> float:
         """Replica r prefills `tokens` that produce no output and hold no KV after
-        (warm-up prompts of one token): its prefill queue grows by their time."""
+        (warm-up prompts of one token): its prefill queue grows by their time; returns
+        when it is done."""
         prefill_s = tokens / self.spec.prefill_tokens_per_s
         self.prefill_free_at[r] = max(now_s, self.prefill_free_at[r]) + prefill_s
         self.load_s[r] += prefill_s
+        return self.prefill_free_at[r]
 
     def join(self) -> int:
         """Bring up a fresh replica (a new slot); returns its index."""
@@ -152,4 +177,5 @@ class Fleet:
         """Take replica r out of rotation; requests already on it finish."""
         self.alive[r] = False
         self.live.remove(r)
+        self._gated.pop(r, None)
         self.occupancy_by_name.pop(self.names[r], None)

@@ -21,11 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvtier.affinity import DEFAULT_HOMES
+from kvtier.policy import DEFAULT_ROLLOUT_WARM_TOKENS
 from kvtier.sim.engine import Event, ProgressFactory, SimConfig, SimResult, simulate
 from kvtier.sim.fleet import FleetSpec
 from kvtier.sim.workload import WorkloadSpec, generate
 
 GIB, TIB = 2**30, 2**40
+DRAM_FULL_BYTES = 500 * GIB  # one design-notes host's DRAM tier
 # Arrival rate that keeps the design fleet's mean KV occupancy near 0.7: busy
 # enough that the 0.85 spill threshold matters, below the preemption cliff.
 DESIGN_RATE_RPS = 900.0
@@ -36,14 +38,17 @@ COMPETITORS = ("random", "round-robin", "chash-tenant", "chash-session", "approx
                "precise-prefix", "sglang", "kvtier", "oracle")
 # The operator's default rollout: one canary pod, then 10%, 50%, 100% of the pods.
 ROLLOUT_STEPS = (10, 50, 100)
-# Tokens a pod restarted onto new weights prefills of its tenants' hottest prefixes
-# before it takes traffic: ~9 s of one design replica's prefill, enough for the
-# templates of the ~40 tenants a pod is home to in the default rollout.
-WARM_BEFORE_READY_TOKENS = 256_000
+# The operator's default per-pod warm-up budget (spec.rollout.warmup.maxTokens).
+WARM_BEFORE_READY_TOKENS = DEFAULT_ROLLOUT_WARM_TOKENS
+# Issue #24's target: warmed before ready, the rollout's hit-rate dip is at most this
+# share of the cold rolling one's, at the same extra prefill.
+WARM_DIP_TARGET = 0.2
 # A bucket counts towards a dip's duration while its hit rate is below this share of
 # the same bucket's in the run without a rollout.
-DIP_FLOOR = 0.9
+DIP_FLOOR = 0.95
 NO_ROLLOUT = "no rollout (control)"
+WHAT_IF = ("what-if: each pod's own sidecar read before it restarts, prompts cut to the prefixes its tenants "
+           "share (not what the operator does)")
 
 
 @dataclass(slots=True)
@@ -280,30 +285,56 @@ def rollout_events(n_replicas: int, start_s: float, gate_s: float, pod_s: float,
 
 def rollout(spec: WorkloadSpec, fleet: FleetSpec, start_s: float, gate_s: float, pod_s: float,
             block_tokens: int = COARSE_BLOCK, bucket_s: float = 10.0, progress: ProgressFactory | None = None,
-            warm_tokens: int = WARM_BEFORE_READY_TOKENS) -> ScenarioReport:
-    rep = ScenarioReport("rollout", "a weights change: all replicas at once vs the default steps "
+            warm_tokens: int = WARM_BEFORE_READY_TOKENS, name: str = "rollout",
+            workload=None, what_if_run: bool = True) -> ScenarioReport:
+    """A weights change all at once, in steps (pods of a step together, or `pod_s`
+    apart), and in steps warmed before ready: once with `warm_tokens` per pod (the
+    operator's default budget), once with the budget that costs what the cold rolling
+    rollout's extra prefill costs per pod ("at the same extra prefill"). A warmed
+    pod's gate holds it out of traffic until its warm-up is prefilled, and the next pod
+    restarts only once it is ready (a StatefulSet rolls one pod at a time), so a warmed
+    rollout's pods are `pod_s` + the warm-up's prefill time apart."""
+    rep = ScenarioReport(name, "a weights change: all replicas at once vs the default steps "
                          "(1 canary pod, 10%, 50%, 100%), cold or warmed before ready",
                          params={"start_s": start_s, "gate_s": gate_s, "pod_s": pod_s, "bucket_s": bucket_s,
                                  "warm_before_ready_tokens": warm_tokens,
                                  "granularity": granularity_note(spec.token_unit, block_tokens)})
-    n = fleet.n_replicas
+    n, tps = fleet.n_replicas, fleet.prefill_tokens_per_s
     rolling = f"gradual, pods {pod_s:g} s apart"
-    warmed = f"{rolling}, warmed before ready"
-    plans = {
+    cold_plans = {
         "all at once": [Event(start_s, "version", tuple(range(n)), version=1, label="all")],
         "gradual, pods of a step together": rollout_events(n, start_s, gate_s, 0.0),
         rolling: rollout_events(n, start_s, gate_s, pod_s),
-        warmed: rollout_events(n, start_s, gate_s, pod_s),
         NO_ROLLOUT: [],
     }
-    workload = generate(spec)
-    for label, events in plans.items():
+    workload = workload if workload is not None else generate(spec)
+
+    def run(label, events, budget=0):
+        cfg = SimConfig(spec, fleet, policy="kvtier", block_tokens=block_tokens, bucket_s=bucket_s,
+                        progress=progress, warm_before_ready_tokens=budget)
+        r = simulate(cfg, events, workload=workload, label=label)
+        rep.results.append(r)
+        return r
+
+    for label, events in cold_plans.items():
+        run(label, events)
+    control, cold = rep.result(NO_ROLLOUT), rep.result(rolling)
+    # The cold rolling rollout's extra prefill, per restarted pod, in tokens: the budget
+    # at which warming costs what not warming costs.
+    same = max(0, int((cold.prefill_replica_s - control.prefill_replica_s) * tps / n)) // 1024 * 1024
+    warmed = {f"{rolling}, warmed before ready ({warm_tokens:,} tokens/pod)": warm_tokens,
+              f"{rolling}, warmed before ready at the same extra prefill ({same:,} tokens/pod)": same}
+    for label, budget in warmed.items():
+        run(label, rollout_events(n, start_s, gate_s, pod_s + budget / tps), budget)
+    rep.params["same_extra_prefill_tokens_per_pod"] = same
+    what_if = f"{rolling}, warmed before ready at the same extra prefill, {WHAT_IF}"
+    if what_if_run:
         cfg = SimConfig(spec, fleet, policy="kvtier", block_tokens=block_tokens, bucket_s=bucket_s, progress=progress,
-                        warm_before_ready_tokens=warm_tokens if label == warmed else 0)
-        rep.results.append(simulate(cfg, events, workload=workload, label=label))
-    _dip_figures(rep, start_s, max(e.time_s for e in plans[rolling]) + gate_s, fleet, rolling, warmed)
-    plans.pop(warmed), plans.pop(NO_ROLLOUT)  # the peak-prefill figures compare the cold plans
-    peaks = {r.label: _peak_after(r, start_s) for r in rep.results if r.label in plans}
+                        warm_before_ready_tokens=same, warm_source="own", warm_trim=True)
+        rep.results.append(simulate(cfg, rollout_events(n, start_s, gate_s, pod_s + same / tps), workload=workload,
+                                    label=what_if))
+    _dip_figures(rep, start_s, gate_s, rolling, list(warmed), fleet, what_if if what_if_run else None)
+    peaks = {r.label: _peak_after(r, start_s) for r in rep.results if r.label in cold_plans and r.label != NO_ROLLOUT}
     steady = _mean_before(rep.results[0], start_s)
     rep.params["steady_prefill_load"] = steady
     # The capacity event is the load ABOVE the steady state: what the cache was
@@ -313,7 +344,7 @@ def rollout(spec: WorkloadSpec, fleet: FleetSpec, start_s: float, gate_s: float,
     for label, peak in peaks.items():
         rep.figures.append(Figure(f"peak prefill load, {label}", peak, unit="replicas of prefill",
                                   note=f"steady state before: {steady:.2f}; excess {excess[label]:.2f}"))
-    for label in list(plans)[1:]:
+    for label in list(peaks)[1:]:
         rep.figures.append(Figure(f"peak excess prefill ratio, {label} / all at once",
                                   excess[label] / base if base else 0.0, target=1 / 3, direction="lower",
                                   baseline=base, baseline_name="all-at-once excess", unit="x"))
@@ -323,34 +354,94 @@ def rollout(spec: WorkloadSpec, fleet: FleetSpec, start_s: float, gate_s: float,
     return rep
 
 
-def _dip(r: SimResult, control: SimResult, start_s: float, end_s: float) -> tuple[float, float]:
-    """(depth, duration_s) of the hit-rate dip from start_s to end_s against the same
-    workload without a rollout (so the buckets' own noise cancels): the largest drop
-    of a bucket's hit rate below the control's, and the time under DIP_FLOOR of it."""
-    pairs = [(h, c) for t, h, c in zip(r.series_t_s, r.series_hit_rate, control.series_hit_rate)
-             if start_s <= t < end_s]
-    if not pairs:
-        return 0.0, 0.0
-    return max(0.0, max(c - h for h, c in pairs)), sum(r.bucket_s for h, c in pairs if h < DIP_FLOOR * c)
+@dataclass(frozen=True, slots=True)
+class Dip:
+    """A run's hit-rate dip during a rollout, against the same requests without one.
+
+    `depth`: the largest shortfall of a bucket's fleet token hit rate below the
+    control run's same bucket, over the rollout (first restart to `gate_s` after the
+    last pod turned ready), relative to the control's hit rate over that period.
+    `duration_s`: the time in buckets whose hit rate is under `DIP_FLOOR` of the
+    control's. `extra_prefill_s`: replica-seconds of prefill above the control's,
+    warm-up prefill included."""
+
+    depth: float
+    duration_s: float
+    steady: float
+    extra_prefill_s: float
+    warmup_prefill_s: float
+    first_minute: float | None
 
 
-def _dip_figures(rep: ScenarioReport, start_s: float, end_s: float, fleet: FleetSpec, cold: str, warm: str) -> None:
+def warmup_tokens(r: SimResult) -> int:
+    """Tokens the run's warm-ups prefilled."""
+    return sum(e.get("warmed_tokens", 0) for e in r.events)
+
+
+def rollout_end(r: SimResult, gate_s: float) -> float:
+    """When the run's rollout is over: the last pod ready, plus the step's wait."""
+    ready = [t for e in r.events if e["kind"] == "version" for t in e["ready_s"].values()]
+    return (max(ready) if ready else 0.0) + gate_s
+
+
+def dip(r: SimResult, control: SimResult, start_s: float, end_s: float, prefill_tokens_per_s: float) -> Dip:
+    """The dip of run `r` from `start_s` to `end_s` against `control` (see `Dip`)."""
+    idx = [i for i, t in enumerate(r.series_t_s) if start_s <= t < end_s and i < len(control.series_t_s)]
+    warm_s = warmup_tokens(r) / prefill_tokens_per_s
+    extra = r.prefill_replica_s + warm_s - control.prefill_replica_s
+    rates = [v for e in r.events if e["kind"] == "version"
+             for v in e.get("first_minute_hit_rate", {}).values() if v is not None]
+    first = sum(rates) / len(rates) if rates else None
+    if not idx:
+        return Dip(0.0, 0.0, 0.0, extra, warm_s, first)
+    # The control's hit rate over the period, weighted as its buckets' prompt tokens are.
+    w = [control.series_prompt_tokens[i] for i in idx]
+    steady = sum(wi * control.series_hit_rate[i] for wi, i in zip(w, idx)) / sum(w) if sum(w) else 0.0
+    short = max(control.series_hit_rate[i] - r.series_hit_rate[i] for i in idx)
+    depth = max(0.0, short) / steady if steady else 0.0
+    below = sum(r.bucket_s for i in idx if r.series_hit_rate[i] < DIP_FLOOR * control.series_hit_rate[i])
+    return Dip(depth, below, steady, extra, warm_s, first)
+
+
+def _dip_figures(rep: ScenarioReport, start_s: float, gate_s: float, cold: str, warmed: list[str],
+                 fleet: FleetSpec, what_if: str | None = None) -> None:
     control = rep.result(NO_ROLLOUT)
-    dips = {label: _dip(rep.result(label), control, start_s, end_s) for label in ("all at once", cold, warm)}
-    for label, (depth, duration) in dips.items():
-        rep.figures.append(Figure(f"hit-rate dip depth, {label}", depth, unit="hit rate", direction="lower",
-                                  note=f"largest drop of a {control.bucket_s:g}-s bucket below the run without a "
-                                       f"rollout; {duration:.0f} s under {DIP_FLOOR:.0%} of it"))
-    warmed_tokens = sum(e.get("warmed_tokens", 0) for e in rep.result(warm).events)
-    extra = {label: rep.result(label).prefill_replica_s for label in (cold, warm)}
-    warm_prefill_s = warmed_tokens / fleet.prefill_tokens_per_s
-    rep.figures.append(Figure(
-        "hit-rate dip depth ratio, warmed before ready / cold rolling", dips[warm][0] / dips[cold][0]
-        if dips[cold][0] else 0.0, target=0.2, direction="lower", baseline=dips[cold][0],
-        baseline_name="cold rolling dip depth", unit="x",
-        note=f"warm-up prefilled {warmed_tokens:,} tokens ({warm_prefill_s:.0f} replica-s); request prefill "
-             f"{extra[warm]:.0f} replica-s warmed vs {extra[cold]:.0f} cold, so the rollout's whole prefill is "
-             f"{extra[warm] + warm_prefill_s:.0f} vs {extra[cold]:.0f} replica-s"))
+    tps = fleet.prefill_tokens_per_s
+    dips = {label: dip(rep.result(label), control, start_s, rollout_end(rep.result(label), gate_s), tps)
+            for label in ("all at once", cold, *warmed, *([what_if] if what_if else []))}
+    for label, d in dips.items():
+        first = "" if d.first_minute is None else \
+            f"; restarted pods' first-minute hit rate {d.first_minute:.3f} (control {d.steady:.3f})"
+        rep.figures.append(Figure(
+            f"hit-rate dip depth, {label}", d.depth, unit="of steady hit rate", direction="lower",
+            note=f"largest shortfall of a {control.bucket_s:g}-s bucket below the run without a rollout, "
+                 f"{d.depth * d.steady:.3f} of {d.steady:.3f}; {d.duration_s:.0f} s under {DIP_FLOOR:.0%} of it; "
+                 f"extra prefill {d.extra_prefill_s:.0f} replica-s (warm-up {d.warmup_prefill_s:.0f}){first}"))
+    c = dips[cold]
+    for i, label in enumerate(warmed):
+        d = dips[label]
+        same = i == len(warmed) - 1
+        name = ("hit-rate dip depth ratio, warmed before ready at the same extra prefill / cold rolling" if same
+                else "hit-rate dip depth ratio, warmed before ready (default budget) / cold rolling")
+        rep.figures.append(Figure(
+            name, d.depth / c.depth if c.depth else 0.0, target=WARM_DIP_TARGET if same else None,
+            direction="lower", baseline=c.depth, baseline_name="cold rolling dip depth", unit="x",
+            note=f"{label}: extra prefill {d.extra_prefill_s:.0f} replica-s (warm-up "
+                 f"{d.warmup_prefill_s:.0f}) vs cold {c.extra_prefill_s:.0f}; dip {d.duration_s:.0f} s vs "
+                 f"{c.duration_s:.0f} s under {DIP_FLOOR:.0%} of the control"))
+        rep.figures.append(Figure(
+            f"extra prefill ratio, {label} / cold rolling",
+            d.extra_prefill_s / c.extra_prefill_s if c.extra_prefill_s > 0 else 0.0, unit="x",
+            baseline=c.extra_prefill_s, baseline_name="cold rolling extra prefill (replica-s)",
+            note="extra = prefill above the run without a rollout, the warm-up's own prefill included"))
+    if what_if:
+        d = dips[what_if]
+        rep.figures.append(Figure(
+            "hit-rate dip depth ratio, what-if warm-up at the same extra prefill / cold rolling",
+            d.depth / c.depth if c.depth else 0.0, direction="lower", baseline=c.depth,
+            baseline_name="cold rolling dip depth", unit="x",
+            note=f"{WHAT_IF}; extra prefill {d.extra_prefill_s:.0f} replica-s (warm-up {d.warmup_prefill_s:.0f}) vs "
+                 f"cold {c.extra_prefill_s:.0f}; dip {d.duration_s:.0f} s vs {c.duration_s:.0f} s"))
 
 
 def _peak_after(r: SimResult, t_s: float) -> float:
@@ -422,11 +513,62 @@ def default_rollout(n_requests: int = 81_000, n_replicas: int = 8, progress: Pro
     """8 replicas, 100 tenants x 5 templates x 1,500 tokens at 150 rps (a cold fleet
     needs ~8.5 replicas of prefill). The rollout starts at 150 s, once warm; pods
     restart 30 s apart (a conservative time to load 70B weights) and each step waits
-    30 s for recovery."""
+    30 s for recovery. 40 GiB of DRAM per replica holds less than its tenants'
+    templates (~86 GiB): a cache under pressure."""
     rate = 150.0 * n_replicas / 8
     spec = design_workload(n_requests, n_tenants=100 * n_replicas // 8, rate_rps=rate, seed=seed)
     return rollout(spec, small_fleet(n_replicas, 40.0), start_s=150.0, gate_s=30.0, pod_s=30.0,
                    progress=progress)
+
+
+def design_rollout(n_tenants: int = 200, n_requests: int | None = None, progress: ProgressFactory | None = None,
+                   seed: int = 0, warm_tokens: int | None = None) -> ScenarioReport:
+    """The design notes' fleet (44 replicas, k=3, 2,000 tenants x 5 x 1,500 tokens at
+    900 rps, 500 GiB DRAM) rolled onto new weights one pod at a time, 30 s apart, each
+    step waiting 30 s. Scaled by `n_tenants` / 2,000: the tenants, the arrival rate,
+    the DRAM per host and the warm-up budget shrink together, so each template is
+    asked for as often as in the full fleet and each pod's tenants' working set,
+    DRAM and budget keep their proportions (the fleet's prefill load shrinks too)."""
+    scale = n_tenants / 2_000
+    start_s, gate_s, pod_s = 150.0, 30.0, 30.0
+    fleet = replace(FleetSpec(), dram_bytes=int(DRAM_FULL_BYTES * scale))
+    span = max(e.time_s for e in rollout_events(fleet.n_replicas, start_s, gate_s, pod_s))
+    rate = DESIGN_RATE_RPS * scale
+    # Past the slowest plan's end: warmed pods start up to ~5 s later each.
+    n = n_requests or int(rate * (span + gate_s + 5.0 * fleet.n_replicas + 60.0))
+    spec = design_workload(n, n_tenants=n_tenants, rate_rps=rate, seed=seed)
+    budget = int(WARM_BEFORE_READY_TOKENS * scale) if warm_tokens is None else warm_tokens
+    rep = rollout(spec, fleet, start_s=start_s, gate_s=gate_s, pod_s=pod_s, progress=progress,
+                  warm_tokens=budget, name="rollout-design-notes")
+    rep.params["scaled"] = (f"{n_tenants} tenants at {rate:g} rps, {fleet.dram_bytes / GIB:.0f} GiB DRAM and a "
+                            f"{budget:,}-token warm-up budget per pod ({scale:g} of the design notes' 2,000 tenants, "
+                            f"900 rps, 500 GiB and the operator's {WARM_BEFORE_READY_TOKENS:,}); 44 replicas, k=3")
+    return rep
+
+
+def trace_rollout(path, n_replicas: int = 4, capacity: str = "0.1", progress: ProgressFactory | None = None,
+                  warm_tokens: int = WARM_BEFORE_READY_TOKENS) -> ScenarioReport:
+    """The shipped trace (one tenant: a trace names no tenants) across `n_replicas`
+    replicas of `capacity` each (a `kvtier simulate trace` capacity: a share of the
+    trace's distinct blocks, or a token count), rolled onto new weights from a third
+    of the way in, pods 30 s apart, each step waiting 30 s."""
+    from kvtier.sim import replay
+    from kvtier.sim.trace import load_trace
+
+    trace = load_trace(path)
+    block_elems = replay.DEFAULT_BLOCK_ELEMS
+    unit = trace.block_tokens // block_elems
+    spec = WorkloadSpec(n_requests=len(trace), n_tenants=1, token_unit=unit)
+    blocks = replay.capacity_blocks(capacity, trace)
+    fleet = replace(FleetSpec(), n_replicas=n_replicas)
+    fleet = replace(fleet, dram_bytes=blocks * trace.block_tokens * fleet.kv_bytes_per_token)
+    workload = replay.TraceWorkload(trace, spec, block_elems)
+    start_s = float(workload.time_s[-1]) / 3
+    rep = rollout(spec, fleet, start_s=start_s, gate_s=30.0, pod_s=30.0, block_tokens=trace.block_tokens,
+                  progress=progress, warm_tokens=warm_tokens, name="rollout-trace", workload=workload)
+    rep.params.update({"trace": trace.source, "requests": len(trace), "replicas": n_replicas,
+                       "blocks_per_replica": blocks, "tokens_per_replica": blocks * trace.block_tokens})
+    return rep
 
 
 def default_thrash(n_requests: int = 40_000, progress: ProgressFactory | None = None, seed: int = 0) -> ScenarioReport:

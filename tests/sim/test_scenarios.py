@@ -9,7 +9,7 @@ def test_under_thrash_kvtier_admission_keeps_at_least_twice_lrus_hit_rate():
     assert kv.evictions < lru.evictions  # LRU does the eviction work for nothing
 
 
-def test_a_rolling_rollout_adds_far_less_prefill_than_all_at_once_and_warming_before_ready_shallows_its_dip():
+def test_a_rolling_rollout_adds_far_less_prefill_than_all_at_once_and_dips_less():
     rep = scenarios.default_rollout(27_000, n_replicas=4)
     figs = {f.name: f for f in rep.figures}
     rolling = next(f for name, f in figs.items() if name.startswith("peak excess prefill ratio, gradual, pods 30"))
@@ -19,16 +19,17 @@ def test_a_rolling_rollout_adds_far_less_prefill_than_all_at_once_and_warming_be
     events = rep.result("gradual, pods 30 s apart").events
     assert [e["replicas"] for e in events] == [[0], [1], [2], [3]]  # canary, 10%, 50%, 100% of 4
     assert all("warmed_tokens" not in e for e in events)  # cold: no budget, no warm-up
-    # Warmed before ready: each restarted pod prefilled its tenants' hottest prefixes,
-    # never more than its DRAM tier holds, and the dip is far shallower than cold.
-    warmed = rep.result("gradual, pods 30 s apart, warmed before ready").events
-    tier_tokens = scenarios.small_fleet(4, 40.0).dram_bytes // scenarios.small_fleet(4, 40.0).kv_bytes_per_token
-    assert all(0 < e["warmed_tokens"] <= min(scenarios.WARM_BEFORE_READY_TOKENS, tier_tokens) for e in warmed)
-    cold_dip = figs["hit-rate dip depth, gradual, pods 30 s apart"].value
-    warm_dip = figs["hit-rate dip depth, gradual, pods 30 s apart, warmed before ready"].value
-    assert cold_dip > 0.05 and warm_dip < 0.75 * cold_dip
-    assert figs["hit-rate dip depth, all at once"].value > cold_dip
-    assert rep.result("gradual, pods 30 s apart, warmed before ready").hit_rate > rep.result("gradual, pods 30 s apart").hit_rate
+    assert figs["hit-rate dip depth, all at once"].value > figs["hit-rate dip depth, gradual, pods 30 s apart"].value
+    # Both warmed plans ran, each pod within its budget (prompt tokens, as the operator counts).
+    same = rep.params["same_extra_prefill_tokens_per_pod"]
+    for label, budget in ((f"gradual, pods 30 s apart, warmed before ready ({scenarios.WARM_BEFORE_READY_TOKENS:,} "
+                           "tokens/pod)", scenarios.WARM_BEFORE_READY_TOKENS),
+                          (f"gradual, pods 30 s apart, warmed before ready at the same extra prefill ({same:,} "
+                           "tokens/pod)", same)):
+        warmed = rep.result(label).events
+        assert [e["replicas"] for e in warmed] == [[0], [1], [2], [3]]
+        assert all(0 <= e["warmed_prompt_tokens"] <= budget for e in warmed)
+        assert any(e["warmed_tokens"] > 0 for e in warmed)
 
 
 def test_a_negative_warm_up_budget_is_refused():

@@ -1,0 +1,132 @@
+"""Warm-before-ready in the simulator: the operator's plan, budgets, tenants, the dip."""
+import random
+
+import numpy as np
+import pytest
+
+from kvtier.sim import engine, scenarios
+from kvtier.sim.engine import Event, SimConfig, Simulation, simulate
+from kvtier.sim.workload import generate
+from kvtier_operator import rollout_warmup as rw
+
+RESTART_S = 60.0
+
+
+def _spec(n=6_000):
+    # 40 tenants at 60 rps on 4 replicas: a pod is a home of ~30 tenants, first home of ~10.
+    return scenarios.design_workload(n, n_tenants=40, rate_rps=60.0)
+
+
+def _fleet():
+    return scenarios.small_fleet(4, 60.0)
+
+
+def _run(budget, source="homes", n=6_000, events=None):
+    spec = _spec(n)
+    events = events if events is not None else [Event(RESTART_S, "version", (0,), version=1)]
+    cfg = SimConfig(spec, _fleet(), block_tokens=256, warm_before_ready_tokens=budget, warm_source=source)
+    sim = Simulation(cfg, events, workload=generate(spec))
+    return sim, sim.run()
+
+
+def test_the_plan_is_the_operators_on_the_same_prompts():
+    rnd = random.Random(7)
+    for _ in range(50):
+        tenants = [f"t{i}" for i in range(rnd.randint(1, 6))]
+        answers = {t: [[(tuple(rnd.randrange(5) for _ in range(rnd.randint(1, 4))), rnd.choice([0.5, 1.0, 2.0]))
+                        for _ in range(rnd.randint(0, 5))] for _ in range(rnd.randint(1, 2))] for t in tenants}
+        budget = rnd.choice([0, 3, 7, 20, 100])
+        ours = {t: engine.warm_rank([[engine.WarmPrompt(tok, f) for tok, f in a] for a in answers[t]]) for t in tenants}
+        theirs = {t: rw.rank([[rw.Prompt(tok, f) for tok, f in a] for a in answers[t]]) for t in tenants}
+        assert {t: [(p.tokens, p.frequency) for p in ps] for t, ps in ours.items()} == \
+            {t: [(p.tokens, p.frequency) for p in ps] for t, ps in theirs.items()}
+        a = engine.warm_replay_order(engine.warm_spend(ours, budget))
+        b = rw.replay_order(rw.spend(theirs, budget))
+        assert [(t, p.tokens) for t, p in a] == [(t, p.tokens) for t, p in b]
+        assert engine.warm_ask(budget, len(tenants)) == rw.ask_tokens(budget, len(tenants))
+
+
+def test_a_budget_of_zero_is_the_cold_restart():
+    spec = _spec()
+    events = [Event(RESTART_S, "version", (0,), version=1)]
+    w = generate(spec)
+    cold = simulate(SimConfig(spec, _fleet(), block_tokens=256), events, workload=w)
+    zero = simulate(SimConfig(spec, _fleet(), block_tokens=256, warm_before_ready_tokens=0), events, workload=w)
+    assert zero.matched_tokens == cold.matched_tokens and zero.evictions == cold.evictions
+    assert "warmed_tokens" not in zero.events[0] and zero.events[0]["ready_s"] == {0: RESTART_S}
+
+
+def test_the_warm_up_stays_within_the_budget_and_gates_the_pod_until_it_is_prefilled():
+    sim, res = _run(65_536)
+    ev = res.events[0]
+    assert 0 < ev["warmed_prompt_tokens"] <= 65_536
+    assert 0 < ev["warmed_tokens"] <= ev["warmed_prompt_tokens"]  # blocks it already holds are not recomputed
+    # Held out of traffic for at least its prefill time (behind what its queue held), then ready.
+    assert ev["ready_s"][0] >= RESTART_S + ev["warmed_tokens"] / sim.cfg.fleet.prefill_tokens_per_s
+    assert not sim.fleet.gated(0)
+    with pytest.raises(ValueError, match="warm_source"):
+        SimConfig(_spec(10), warm_source="elsewhere")
+
+
+@pytest.mark.parametrize("source", ["homes", "own"])
+def test_the_warm_up_never_crosses_tenants(source, monkeypatch):
+    spec = _spec(4_500)
+    w = generate(spec)
+    replayed = []
+    real = engine.warm_replay_order
+
+    def spy(chosen):
+        order = real(chosen)
+        replayed.extend(order)
+        return order
+
+    monkeypatch.setattr(engine, "warm_replay_order", spy)
+    cfg = SimConfig(spec, _fleet(), block_tokens=256, warm_before_ready_tokens=200_000, warm_source=source)
+    sim = Simulation(cfg, [Event(RESTART_S, "version", (0,), version=1)], workload=w)
+    sim.run()
+    assert replayed
+    homes_of_pod = {t for t in sim.roots.tenant_names if sim.fleet.names[0] in sim.policy.table.homes_for(t)}
+    names = sim.roots.tenant_names
+    for tenant, prompt in replayed:
+        assert tenant in homes_of_pod
+        t = names.index(tenant)
+        tokens = np.asarray(prompt.tokens)
+        # Every warmed prompt starts with one of ITS tenant's own templates (prompts of
+        # no other tenant share a first block with them).
+        own = [np.array_equal(tokens[:len(tpl)], tpl[:len(tokens)]) for tpl in
+               (w._template_tokens(t, k) for k in range(spec.templates_per_tenant))]
+        assert any(own), (tenant, tokens[:4])
+
+
+def test_trimming_keeps_the_prefix_prompts_share_and_leaves_a_lone_prompt_whole():
+    P = engine.WarmPrompt
+    template = tuple(range(8))
+    answers = [[P(template + (100, 101), 3.0), P(template + (200, 201, 202, 203), 2.0)], [P((50, 51, 52), 1.0)]]
+    trimmed = engine.warm_trim_shared(answers, block=4)
+    assert [p.tokens for p in trimmed[0]] == [template, template]  # one template, replayed once after rank
+    assert [p.tokens for p in trimmed[1]] == [(50, 51, 52)]
+    assert [p.tokens for p in engine.warm_rank(trimmed)] == [template, (50, 51, 52)]
+
+
+def test_the_operators_sources_miss_what_only_the_restarted_pod_held_and_the_what_if_recovers_it():
+    # The pod's own tenants (it is their first home) send it their traffic, and affinity
+    # routing kept their prefixes on it alone: its other homes have little to give.
+    # Read from the pod itself before it restarts, prompts cut to shared prefixes, the
+    # warm-up brings its first minute back to the run without a restart.
+    spec = _spec(7_200)
+    w = generate(spec)
+    events = [Event(RESTART_S, "version", (0,), version=1)]
+
+    def first_minute(**kw):
+        cfg = SimConfig(spec, _fleet(), block_tokens=256, **kw)
+        return simulate(cfg, events, workload=w).events[0]["first_minute_hit_rate"][0]
+
+    control_sim = Simulation(SimConfig(spec, _fleet(), block_tokens=256), [], workload=w)
+    control = control_sim.run()
+    steady = control.hit_rate
+    cold = first_minute()
+    what_if = first_minute(warm_before_ready_tokens=200_000, warm_source="own", warm_trim=True)
+    operator = first_minute(warm_before_ready_tokens=200_000)
+    assert cold < steady
+    assert steady - what_if < 0.5 * (steady - cold)  # the what-if wins back most of the first minute
+    assert what_if > operator
