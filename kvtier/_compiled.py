@@ -1,10 +1,10 @@
 """Which core modules are compiled, and making sure a compiled one is never stale.
 
-The hot modules (the index, the policy, the sketch, the cache and the simulator's
-replay loop) are plain Python, compiled by Cython when the package is built
-(`setup.py`): the same source, about 1.4x as fast, and the same decisions (a test
-replays a trace both ways and compares every match). Where no compiler was at hand
-they run as the Python they are.
+The hot modules (the index, the policy, the sketch, the cache, and the simulator's
+replay loop and ablation tuners) are plain Python, compiled by Cython when the
+package is built (`setup.py`): the same source, about 1.4x as fast, and the same
+decisions (a test replays a trace both ways and compares every match). Where no
+compiler was at hand they run as the Python they are.
 
 Python imports an extension module before a same-named `.py`, and an editable
 install builds the extensions beside their sources. So an edited source would go on
@@ -40,6 +40,7 @@ COMPILED_MODULES = (
     "kvtier.radix",
     "kvtier.sim.caches",
     "kvtier.sim.replay",
+    "kvtier.sim.tuners",
 )
 NATIVE_MODULES = ("kvtier._copy",)
 """Extension modules written in C (`kvtier/_copy.c`), optional like the others: the code

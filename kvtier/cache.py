@@ -23,8 +23,9 @@ The policy is W-TinyLFU over the prefix tree (`kvtier.eviction`): every store la
 in a small LRU window (free space is never refused); when the cache is full, a block
 leaving the window enters the main region (also LRU) only if the frequency sketch
 (every lookup sights every block of its prompt) has seen it `min_sightings` times;
-the window's share is chosen by miniature simulations of the cache at a few shares;
-eviction takes unpinned leaves, tails first, so no block outlives its parent.
+the window's share is set by one `WindowTuner` (shipped: miniature simulations of
+the cache at a few shares), picked once from the policy's `adapt`; eviction takes
+unpinned leaves, tails first, so no block outlives its parent.
 
 Queued stores are applied in small time-bounded slices by whoever calls `store` or
 `drain` (never by a background thread that would hold the GIL against lookups);
@@ -58,11 +59,9 @@ from kvtier.eviction import (
     MAIN,
     WINDOW,
     DecayedFrequencyPolicy,
-    GhostTuner,
-    HillClimber,
-    LruReferenceTuner,
-    MiniatureTuner,
     PolicyConfig,
+    WindowTuner,
+    make_tuner,
 )
 from kvtier.keys import (
     DEFAULT_BLOCK_SIZE,
@@ -97,10 +96,11 @@ plain LRU the pinned tier shrinks with main (a prefix hot once must not hold slo
 against recency when the traffic asks for LRU)."""
 
 PIN_MAX_FRACTION = 0.02
+"""One prefix may be pinned only if it is small: at most 2% of the capacity."""
+
 REMOVAL_LOG_BLOCKS = 1 << 16
 """The newest block removals the cache can name (`removed_since`); a reader further
 behind is told the log cannot say."""
-"""One prefix may be pinned only if it is small: at most 2% of the capacity."""
 
 
 @dataclass(slots=True, eq=False)
@@ -271,27 +271,15 @@ class LocalCache:
         self.policy = policy or PolicyConfig()
         self._admission = Admission(min_sightings, sketch=sketch or CountMinSketch.for_slots(
             self.num_slots, doorkeeper=self.policy.doorkeeper))
-        self._climber = HillClimber(self.num_slots, self.policy.window_fraction) \
-            if self.policy.adapt == "climb" else None
-        self._reference: LruReferenceTuner | MiniatureTuner | None = None
-        if self.policy.adapt == "mini":
-            self._reference = MiniatureTuner(self.num_slots, min_sightings,
-                                             window_fraction=self.policy.window_fraction)
-        elif self.policy.adapt in ("shadow", "symmetric"):
-            self._reference = LruReferenceTuner(self.num_slots, self.policy.window_fraction,
-                                                symmetric=self.policy.adapt == "symmetric")
-        self._ghost = GhostTuner(self.num_slots, self.policy.window_fraction) \
-            if self.policy.adapt == "ghost" else None
+        self._tuner: WindowTuner = make_tuner(self.policy, self.num_slots, min_sightings)
         # Every block eviction takes from the tree, named in a bounded log for readers
         # that announced the blocks elsewhere (the connector's KV events).
         self._removed: deque[BlockHash] = deque(maxlen=REMOVAL_LOG_BLOCKS)
         self._removed_seq = 0  # removals ever logged (an invalidation counts one)
         self._removal_reset = 0  # the seq of the last removal the log cannot name
         self._index.on_evict = self._evicted
-        # The miniatures' bookkeeping, done off the lookup path (see `MiniatureTuner`).
-        self._catch_up = self._reference.catch_up if isinstance(self._reference, MiniatureTuner) else None
         self._duel = self._duel_tails if self.policy.duel else None
-        self._set_targets(self.num_slots * self.policy.window_fraction)
+        self._set_targets(self._tuner.window_target)
         self._queue: StoreQueue[_PendingStore] = StoreQueue(queue_capacity)
         self._lock = threading.RLock()
         self._reservations: dict[int, Reservation] = {}
@@ -405,9 +393,9 @@ class LocalCache:
 
     def release(self, hit: Hit | Miss) -> None:
         """Unpin a hit when its request finishes. Releasing a Miss unpins nothing;
-        releasing a hit twice is a ValueError. Either lets the window's miniature
-        simulations catch up on the lookups queued so far, off the lookup path."""
-        self._catch_up_miniatures()
+        releasing a hit twice is a ValueError. Either lets the window tuner catch up
+        on the lookups queued so far, off the lookup path."""
+        self._catch_up_tuner()
         if isinstance(hit, Miss):
             return
         with self._lock:
@@ -425,10 +413,8 @@ class LocalCache:
         Returns None when everything is already cached or no slot can be freed.
         The blocks go to the window as its most recent, like every stored block;
         `force=True` (warm-up of prefixes hot elsewhere, a peer's copy) only lets them
-        take slots whatever their sightings. (Straight into main, they broke the
-        whole-cache window's equality with LRU, and warm-up after a membership change
-        cost hits instead of saving them: docs/TRACE_REPLAY.md.) The caller writes
-        the blocks into the arena and then `commit`s.
+        take slots whatever their sightings, so a whole-cache window stays exactly
+        LRU. The caller writes the blocks into the arena and then `commit`s.
         """
         tokens = as_token_array(token_ids)
         n_full = len(tokens) // self.block_size
@@ -495,7 +481,7 @@ class LocalCache:
         (at least one; None = until empty). Returns how many were applied."""
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         applied = 0
-        self._catch_up_miniatures()
+        self._catch_up_tuner()
         while True:
             with self._lock:
                 pending = self._queue.pop()
@@ -521,8 +507,7 @@ class LocalCache:
     def _evicted(self, region: int, hashes: list[BlockHash]) -> None:
         self._removed.extend(hashes)
         self._removed_seq += len(hashes)
-        if self._ghost is not None:
-            self._ghost.evicted(region, hashes)
+        self._tuner.on_evict(region, hashes)
 
     @property
     def removal_seq(self) -> int:
@@ -693,20 +678,14 @@ class LocalCache:
         return hashes
 
     def _adapt(self, hashes: list[BlockHash], limit: int, matched: int, cached: int) -> None:
-        """Move the window's share from what this lookup says (see `kvtier.eviction`):
-        `hashes` are all its full blocks', the first `cached` of them cached."""
-        if self._ghost is not None:
-            if cached < len(hashes) and self._ghost.missed(hashes[cached:]):
-                self._set_targets(self._ghost.window_target)
-        elif self._reference is not None:
-            ref = self._reference
-            sampled = ref.adjustments
-            if ref.record(hashes, limit, matched):
-                self._set_targets(ref.window_target)
-            if ref.adjustments != sampled and self._thrashing():
-                self._thrash_events += 1
-        elif self._climber is not None and self._climber.record(len(hashes), matched):
-            self._set_targets(self._climber.window_target)
+        """Tell the window tuner about this lookup (`WindowTuner.on_lookup`) and take
+        the share it sets; a sample it ends behind LRU counts a thrash event."""
+        tuner = self._tuner
+        sampled = tuner.adjustments
+        if tuner.on_lookup(hashes, limit, matched, cached):
+            self._set_targets(tuner.window_target)
+        if tuner.adjustments != sampled and tuner.behind_lru(self.thrash_ratio):
+            self._thrash_events += 1
 
     def _match(self, root: KeyRoot, tb: bytes, n_full: int) -> Match:
         """`match` of the prompt, resumed where the last lookup's pin left it when
@@ -729,20 +708,17 @@ class LocalCache:
         self._chain_memo = (root, tb, first, hashes)
         return hashes
 
-    def _catch_up_miniatures(self) -> None:
-        """Let the window's miniature simulations replay the lookups queued so far
-        (`MiniatureTuner.catch_up`), off the lookup path."""
-        if self._catch_up is not None:
-            with self._lock:
-                self._catch_up()
+    def _catch_up_tuner(self) -> None:
+        """Let the window tuner do what lookups left for later, off the lookup path."""
+        with self._lock:
+            self._tuner.catch_up()
 
     def _duel_tails(self, candidate: Node, victim: Node) -> bool:
         return self._admission.duel(candidate.hashes[-1])
 
     def _thrashing(self) -> bool:
         """Over the last sample, fewer matches than `thrash_ratio` x a same-size LRU's."""
-        ref = self._reference
-        return ref is not None and ref.last_ours < self.thrash_ratio * ref.last_lru
+        return self._tuner.behind_lru(self.thrash_ratio)
 
     def _set_targets(self, window_blocks: float) -> None:
         """The window's share, and the pinned tier's: a part of the main region, so it

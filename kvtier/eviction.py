@@ -12,29 +12,26 @@ Caffeine's W-TinyLFU, adapted to a tree whose leaves alone may be evicted:
   of one-shot prompts churns through the window and never displaces what is reused,
   and a block that came back once (a document asked about again, a conversation's
   next turn) is kept like LRU would keep it.
-* The window's share is chosen by MINIATURE SIMULATIONS (`MiniatureTuner`): the
-  same structure at a few window shares (1%, a quarter, a half, three quarters and
-  the whole cache, which is plain LRU), each run on a spatial sample of the
-  blocks (a block is in the sample by its hash, so every sighting of a sampled
-  block is seen: SHARDS, Waldspurger et al., FAST'15 and ATC'17) in a cache scaled
-  down by the same factor. Every sample the cache takes the share whose miniature
-  has hit the most lately; ties go to the larger window (toward LRU). The cache
-  starts as LRU: before the miniatures fill, they tie. All the shares are compared
-  on the same requests, so the choice does not drift with the traffic's own swings,
-  which is what made steering by the cache's own hit rate noisy (measured in
-  docs/TRACE_REPLAY.md). Steering against a same-size shadow LRU
-  (`LruReferenceTuner`), Caffeine's hill climbing on the hit rate (`HillClimber`)
-  and ARC's ghost lists (`GhostTuner`) are kept as ablations.
+* The window's share is chosen by a `WindowTuner`, one per cache, picked once by the
+  policy's `adapt` (`make_tuner`). The shipped one (`MiniatureTuner`) runs MINIATURE
+  SIMULATIONS: the same structure at a few window shares (1%, a quarter, a half,
+  three quarters and the whole cache, which is plain LRU), each on a spatial sample
+  of the blocks (a block is in the sample by its hash, so every sighting of a
+  sampled block is seen: SHARDS, Waldspurger et al., FAST'15 and ATC'17) in a cache
+  scaled down by the same factor. Every sample the cache takes the share whose
+  miniature has hit the most lately; ties go to the larger window (toward LRU). The
+  cache starts as LRU: before the miniatures fill, they tie. All the shares are
+  compared on the same requests, so the choice does not drift with the traffic's own
+  swings. `adapt="off"` holds the window where it starts. The simulator's ablation
+  tuners live in `kvtier.sim.tuners` and register themselves here.
 
 Main's order is recency. A block's decayed hit count
 
     f(now) = f(t) * 2 ** (-(now - t) / half_life_s)
 
-(a touch adds one) still decides placement (the pinned tier) and which prefixes
-warm a new replica. Measured on conversation traffic, ordering main by that count
-instead lost to LRU wherever a conversation's blocks must wait for the next turn: a
-prefix hit often long ago outranked the live conversations (docs/TRACE_REPLAY.md).
-Hot (pinned-tier) nodes sort after every ordinary node.
+(a touch adds one) decides placement (the pinned tier) and which prefixes warm a
+new replica, not main's order (why: docs/TRACE_REPLAY.md). Hot (pinned-tier) nodes
+sort after every ordinary node.
 
 Leaf-first eviction (SGLang/vLLM's radix caches): only unpinned leaves are taken,
 tails before heads, so a block is never kept while its parent is evicted.
@@ -45,7 +42,7 @@ import math
 from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Callable, Hashable
 
 WINDOW, MAIN = 0, 1
 """The two regions a cached node can be in."""
@@ -57,44 +54,9 @@ prompt across a quiet spell, short enough that a finished conversation ages out.
 WINDOW_INITIAL_FRACTION = 1.0
 """The shipped policy starts as plain LRU (a whole-cache window); the tuner moves it."""
 
-CAFFEINE_WINDOW_FRACTION = 0.01
-"""Caffeine's starting window, 1% of the capacity: where the hill-climbing ablation
-starts, and the fixed window of the fixed-window ablation."""
-
-WINDOW_MAX_FRACTION = 1.0
-"""The tuner may grow the window to the whole cache (plain LRU)."""
-
-CLIMB_STEP_FRACTION = 0.0625
-"""First hill-climbing step: 6.25% of the capacity (Caffeine's)."""
-
-REFERENCE_STEP_FRACTION = 0.125
-"""Each sample ahead of the shadow LRU shrinks the window by 12.5% of the capacity:
-eight samples span the whole range."""
-
-REFERENCE_RETREAT_STEPS = 2
-"""Each sample behind the shadow LRU grows the window by two steps: a sample behind
-LRU costs the user hit rate, a sample level gains nothing, so the tuner retreats
-toward LRU faster than it advances away from it (measured in docs/TRACE_REPLAY.md:
-with equal steps it oscillated across the point where it equals LRU and lost to
-LRU at mid-size caches)."""
-
-CLIMB_STEP_DECAY = 0.98
-"""Each step is 2% smaller than the last, so the window settles."""
-
-CLIMB_RESTART_THRESHOLD = 0.05
-"""A hit-rate change this large (absolute) means the workload changed: restart the
-climb with a full step."""
-
-CLIMB_SAMPLE_FACTOR = 1.0
+SAMPLE_FACTOR = 1.0
 """One sample = lookups covering this many times the capacity in blocks: enough
 traffic to have cycled the cache once, so a window change has shown its effect."""
-
-
-ADAPTATIONS = ("mini", "shadow", "symmetric", "climb", "off", "ghost")
-"""How the window's share moves: by miniature simulations (the default), against a
-shadow LRU ("symmetric" is its earlier form, one step either way and holding when
-level), by Caffeine's hill climbing on the hit rate, not at all, or by ARC's ghost
-lists."""
 
 MINI_WINDOWS = (0.01, 0.25, 0.5, 0.75, 1.0)
 """Window shares the miniature simulations compare: Caffeine's 1%, the quarters, and
@@ -102,9 +64,8 @@ the whole cache (plain LRU, so the cache can always fall back to what engines sh
 
 MINI_SAMPLE_BITS = 2
 """A block is in the miniatures' sample when the low 2 bits of its hash's first byte
-are zero: one block in four, and each miniature has a quarter of the slots.
-Measured: one in eight chose worse windows at 10% of the distinct blocks (1.002x LRU
-on the shipped trace instead of 1.020x, 0.994x on a synthetic conversation trace)."""
+are zero: one block in four, and each miniature has a quarter of the slots (one in
+eight chose worse windows: docs/TRACE_REPLAY.md)."""
 
 MINI_SMOOTHING = 0.1
 """Weight of the latest sample's hits in a miniature's score (an exponential moving
@@ -115,9 +76,7 @@ MINI_TIE_MARGIN = 0.25
 """A smaller window is taken only when its miniature leads the LRU one (the whole-cache
 window) by more than this many standard errors of the LRU one's score (its sampled
 hits as a Poisson count, through the moving average): a lead within the sampling
-noise is a tie, and ties go to LRU. Measured on the shipped trace: with no margin a
-noisy lead cost 4 blocks at 50% of the distinct blocks (0.99996x LRU); with half a
-standard error the gain at 10% fell from 1.020x to 1.014x, with one to 1.004x."""
+noise is a tie, and ties go to LRU (the margin's measurements: docs/TRACE_REPLAY.md)."""
 
 MINI_PENDING_BLOCKS = 4096
 """Prompt blocks lookups may leave for later (`catch_up`, off the lookup path) before
@@ -134,14 +93,15 @@ SHADOW_SAMPLED_SLOTS = 4096
 """From this many slots on, the thrash gauge's shadow LRU runs on the miniatures'
 sample (one block in four, a quarter of the slots: at least 1,024) and the gauge
 compares sampled blocks on both sides: the same spatial sampling, at a quarter of
-the cost of a full shadow, which took about a seventh of a trace replay's time.
-Smaller caches keep an exact shadow, where a sample would hold few blocks."""
+the cost of a full shadow. Smaller caches keep an exact shadow, where a sample would
+hold few blocks."""
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     """The W-TinyLFU knobs. Defaults are the shipped policy; the others exist to
-    measure what each part buys (ablation), not for tuning per deployment."""
+    measure what each part buys (ablation), not for tuning per deployment. `adapt`
+    names a registered `WindowTuner` (`register_tuner`)."""
 
     window_fraction: float = WINDOW_INITIAL_FRACTION
     adapt: str = "mini"
@@ -151,17 +111,17 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.window_fraction <= 1.0:
             raise ValueError(f"window_fraction must be in [0, 1], got {self.window_fraction}")
-        if self.adapt not in ADAPTATIONS:
-            raise ValueError(f"adapt must be one of {', '.join(ADAPTATIONS)}, got {self.adapt!r}")
+        if self.adapt not in _TUNERS:
+            raise ValueError(f"adapt must be one of {', '.join(_TUNERS)}, got {self.adapt!r} (the simulator's "
+                             f"ablations are registered by importing kvtier.sim)")
 
 
 def admits(candidate_sightings: int, min_sightings: int) -> bool:
     """The duel: does the window's candidate move into main (and main's least recent
-    leaf pay)? Only a block the sketch has seen `min_sightings` times. Caffeine also
-    asks the candidate to be seen at least as often as the victim. With main in LRU
-    order that keeps old, once-popular prefixes over blocks coming back now: on the
-    shipped trace at 3M tokens it cost about 2% against the victim's decayed hit
-    count and 20% against its sketch count (docs/TRACE_REPLAY.md)."""
+    leaf pay)? Only a block the sketch has seen `min_sightings` times. Unlike
+    Caffeine, the candidate need not be seen as often as the victim: with main in
+    LRU order that test keeps old, once-popular prefixes over blocks coming back now
+    (docs/TRACE_REPLAY.md)."""
     return candidate_sightings >= min_sightings
 
 
@@ -195,55 +155,41 @@ class DecayedFrequencyPolicy:
         return state.freq * math.exp2(-(now_s - state.t_s) / self.half_life_s)
 
 
-class HillClimber:
-    """Tunes the window's share of the capacity from the observed hit rate.
+class WindowTuner:
+    """Chooses the window's share of the cache: the one interface `LocalCache` drives.
 
-    Each sample (lookups covering `sample_blocks` blocks) yields a hit rate; if it
-    improved on the previous sample the window keeps moving the same way, otherwise
-    it turns around. Steps decay geometrically and restart on a large change.
+    A cache holds exactly one, made once by `make_tuner` from its policy's `adapt`.
+    The cache calls `on_lookup` on every lookup (under its lock), `on_evict` for every
+    block eviction takes, `catch_up` off the lookup path (on release and drain) and
+    `behind_lru` for the thrash gauge; it applies `window_target` whenever
+    `on_lookup` says it moved. This base holds the window where it starts
+    (`adapt="off"`); `adjustments` counts the samples a tuner has judged.
     """
 
-    __slots__ = ("capacity", "sample_blocks", "step", "_looked", "_hit", "_previous", "_direction",
-                 "window_target", "adjustments")
+    __slots__ = ("capacity", "window_target", "adjustments")
 
-    def __init__(self, capacity_blocks: int, window_fraction: float = WINDOW_INITIAL_FRACTION,
-                 sample_factor: float | None = None) -> None:
+    def __init__(self, capacity_blocks: int, window_fraction: float = WINDOW_INITIAL_FRACTION) -> None:
         self.capacity = capacity_blocks
-        factor = CLIMB_SAMPLE_FACTOR if sample_factor is None else sample_factor
-        self.sample_blocks = max(1, int(capacity_blocks * factor))
-        self.step = capacity_blocks * CLIMB_STEP_FRACTION
         self.window_target = capacity_blocks * window_fraction
-        self._looked = 0
-        self._hit = 0
-        self._previous: float | None = None
-        self._direction = 1.0
         self.adjustments = 0
 
-    def record(self, looked_blocks: int, hit_blocks: int) -> bool:
-        """Account one lookup; returns True when the window target just moved."""
-        self._looked += looked_blocks
-        self._hit += hit_blocks
-        if self._looked < self.sample_blocks:
-            return False
-        rate = self._hit / self._looked
-        self._looked = self._hit = 0
-        previous, self._previous = self._previous, rate
-        if previous is None:
-            return self._move()
-        if rate < previous:
-            self._direction = -self._direction
-        if abs(rate - previous) >= CLIMB_RESTART_THRESHOLD:
-            self.step = self.capacity * CLIMB_STEP_FRACTION
-        else:
-            self.step *= CLIMB_STEP_DECAY
-        return self._move()
+    def on_lookup(self, hashes: list, limit: int, matched: int, cached: int) -> bool:
+        """One lookup: all its full blocks' hashes, of which the first `cached` are
+        cached and `matched` were handed out (at most `limit`, the last-token rule).
+        Returns True when `window_target` moved."""
+        return False
 
-    def _move(self) -> bool:
-        before = self.window_target
-        target = before + self._direction * self.step
-        self.window_target = min(self.capacity * WINDOW_MAX_FRACTION, max(0.0, target))
-        self.adjustments += 1
-        return self.window_target != before
+    def on_evict(self, region: int, hashes: list) -> None:
+        """Eviction took these blocks (tails last) from `region` (WINDOW or MAIN)."""
+
+    def catch_up(self) -> None:
+        """Do the bookkeeping `on_lookup` left for later (the caller holds the cache's lock)."""
+
+    def behind_lru(self, ratio: float) -> bool:
+        """Over the last whole sample, did the cache match fewer blocks than `ratio` x
+        what a same-size LRU would have? (The thrash gauge; never, for a tuner that
+        keeps no LRU to compare with.)"""
+        return False
 
 
 class ShadowLru:
@@ -252,7 +198,7 @@ class ShadowLru:
     It answers one question per lookup: how many blocks would plain LRU (what every
     engine ships) have matched here? The thrash gauge compares the cache with it (a
     same-size one, or a quarter-size one on a 1-in-4 sample of the blocks: see
-    `MiniatureTuner`), and the `LruReferenceTuner` ablation steers the window by a
+    `MiniatureTuner`); the simulator's LRU-steering ablation steers the window by a
     same-size one. Costs one dict operation per block it is given and ~100 bytes per
     slot.
     """
@@ -289,71 +235,6 @@ class ShadowLru:
             for _ in range(over):
                 pop(False)  # the oldest
         return min(hit, limit)
-
-
-class LruReferenceTuner:
-    """Moves the window's share so the cache never does worse than LRU would (the
-    `kvtier-lru-steering` ablation; the shipped policy uses `MiniatureTuner`).
-
-    Every sample (lookups covering `capacity` blocks) compares the blocks this cache
-    matched with what a same-size `ShadowLru` matched. Behind LRU: the window grows
-    by `REFERENCE_RETREAT_STEPS` steps (toward LRU, which a full-size window is).
-    Ahead of LRU: it shrinks by a step (toward stricter frequency admission, which is
-    where the cache gains over LRU). Level: it holds (a tie says nothing), except at
-    a whole-cache window, where the cache is LRU and can only ever be level, so a
-    step down is the only way to start exploring. A sample in which the shadow LRU
-    evicted nothing holds the window: while the cache has room, the window's share
-    decides nothing, and exploring then only costs hit rate later. The sign of a
-    whole sample's difference is a steadier signal than the change of the hit rate
-    between two samples (Caffeine's climb), because LRU's hit rate over the same
-    lookups cancels the workload's own swings.
-    """
-
-    __slots__ = ("capacity", "shadow", "window_target", "step", "adjustments", "symmetric", "last_ours",
-                 "last_lru", "_evictions", "_looked", "_ours", "_lru")
-
-    def __init__(self, capacity_blocks: int, window_fraction: float = WINDOW_INITIAL_FRACTION,
-                 symmetric: bool = False) -> None:
-        self.capacity = capacity_blocks
-        self.shadow = ShadowLru(capacity_blocks)
-        self._looked = self._ours = self._lru = 0
-        self.last_ours = self.last_lru = 0  # the last whole sample's matched blocks (the thrash gauge's)
-        self.symmetric = symmetric  # the ablation: one step either way, holding when level
-        self.window_target = capacity_blocks * window_fraction
-        self.step = capacity_blocks * REFERENCE_STEP_FRACTION
-        self._evictions = 0  # the shadow's, when the sample began
-        self.adjustments = 0
-
-    def record(self, hashes: list, limit: int, matched: int) -> bool:
-        """Account one lookup (all its full blocks' hashes, the last-token limit and
-        the blocks this cache matched). Returns True when the window target moved."""
-        if not self._sample_ended(hashes, limit, matched):
-            return False
-        behind, level = self.last_ours < self.last_lru, self.last_ours == self.last_lru
-        full = self.shadow.evictions > self._evictions
-        self._evictions = self.shadow.evictions
-        before = self.window_target
-        if not full:
-            target = before  # not even LRU evicted: no sample says anything about the window
-        elif self.symmetric:
-            target = before + (self.step if behind else 0.0 if level else -self.step)
-        else:
-            target = before + (REFERENCE_RETREAT_STEPS * self.step if behind
-                               else 0.0 if level and before < self.capacity else -self.step)
-        self.window_target = min(float(self.capacity), max(0.0, target))
-        self.adjustments += 1
-        return self.window_target != before
-
-    def _sample_ended(self, hashes: list, limit: int, matched: int) -> bool:
-        """Account one lookup; True when it ended a sample (then `last_*` are its)."""
-        self._lru += self.shadow.access(hashes, limit)
-        self._ours += matched
-        self._looked += len(hashes)
-        if self._looked < self.capacity * CLIMB_SAMPLE_FACTOR:
-            return False
-        self.last_ours, self.last_lru = self._ours, self._lru
-        self._looked = self._ours = self._lru = 0
-        return True
 
 
 class MiniatureCache:
@@ -405,7 +286,7 @@ class MiniatureCache:
         self.hits += hits
 
 
-class MiniatureTuner:
+class MiniatureTuner(WindowTuner):
     """Chooses the window's share by miniature simulations (see the module docstring).
 
     Every sample (lookups covering `capacity` blocks) each miniature's hits feed an
@@ -424,15 +305,13 @@ class MiniatureTuner:
     are what replaying at each lookup would give.
     """
 
-    __slots__ = ("capacity", "window_target", "adjustments", "windows", "minis", "min_sightings", "scores",
-                 "counts", "shadow", "last_ours", "last_lru", "_mask", "_shadow_sampled", "_sightings",
-                 "_reset_at", "_pending", "_pending_blocks", "_looked", "_ours", "_lru")
+    __slots__ = ("windows", "minis", "min_sightings", "scores", "counts", "shadow", "last_ours", "last_lru",
+                 "_mask", "_shadow_sampled", "_sightings", "_reset_at", "_pending", "_pending_blocks", "_looked",
+                 "_ours", "_lru")
 
     def __init__(self, capacity_blocks: int, min_sightings: int, windows: tuple[float, ...] = MINI_WINDOWS,
                  window_fraction: float = WINDOW_INITIAL_FRACTION) -> None:
-        self.capacity = capacity_blocks
-        self.window_target = capacity_blocks * window_fraction
-        self.adjustments = 0
+        WindowTuner.__init__(self, capacity_blocks, window_fraction)
         mini_slots = max(MINI_MIN_SLOTS, capacity_blocks >> MINI_SAMPLE_BITS)
         self.windows = sorted(windows)  # ascending: a tie goes to the later, larger window
         if self.windows[-1] != 1.0:
@@ -451,13 +330,11 @@ class MiniatureTuner:
         self._pending_blocks = 0
         self._looked = self._ours = self._lru = 0
 
-    def record(self, hashes: list, limit: int, matched: int) -> bool:
-        """Account one lookup (all its full blocks' hashes, the last-token limit and
-        the blocks this cache matched). Returns True when the window target moved."""
+    def on_lookup(self, hashes: list, limit: int, matched: int, cached: int) -> bool:
         self._pending.append((hashes, limit, matched))  # sampled later, in `catch_up`
         self._pending_blocks += len(hashes)
         self._looked += len(hashes)
-        if self._looked < self.capacity * CLIMB_SAMPLE_FACTOR:
+        if self._looked < self.capacity * SAMPLE_FACTOR:
             if self._pending_blocks > MINI_PENDING_BLOCKS:
                 self.catch_up()
             return False
@@ -475,6 +352,9 @@ class MiniatureTuner:
         self.window_target = self.capacity * self.windows[best]
         self.adjustments += 1
         return self.window_target != before
+
+    def behind_lru(self, ratio: float) -> bool:
+        return self.last_ours < ratio * self.last_lru
 
     def catch_up(self) -> None:
         """Replay the queued lookups' sampled blocks through the miniatures (and the
@@ -510,63 +390,28 @@ class MiniatureTuner:
         self.counts = {h: c >> 1 for h, c in self.counts.items() if c > 1}
 
 
-class GhostTuner:
-    """ARC's adaptation (Megiddo & Modha, FAST'03), applied to the window's share.
+TunerFactory = Callable[[int, float, int], WindowTuner]
+"""(capacity in blocks, starting window fraction, min_sightings) -> a fresh tuner."""
 
-    Two ghost lists hold the hashes of blocks recently evicted from the window and
-    from main (hashes only, no KV). A ghost block counts only if its region could
-    have grown enough to keep it: the window's ghost holds at most what the window
-    could gain (capacity - window), main's at most what main could gain (the
-    window's share). A prompt whose uncached blocks are found in a ghost list would
-    have hit had that region been larger: each block found in the window's ghost
-    grows the window by max(1, |main ghost| / |window ghost|) blocks, each found in
-    main's ghost shrinks it by max(1, |window ghost| / |main ghost|). Every such
-    event moves the share, so there is no sample to be noisy over. An ablation
-    (`adapt="ghost"`), measured against the shipped miniature simulations in
-    docs/TRACE_REPLAY.md.
-    """
+_TUNERS: dict[str, TunerFactory] = {}
 
-    __slots__ = ("capacity", "window_target", "ghosts", "adjustments")
 
-    def __init__(self, capacity_blocks: int, window_fraction: float = WINDOW_INITIAL_FRACTION) -> None:
-        self.capacity = capacity_blocks
-        self.window_target = capacity_blocks * window_fraction
-        self.ghosts: tuple[OrderedDict, OrderedDict] = (OrderedDict(), OrderedDict())  # [WINDOW], [MAIN]
-        self.adjustments = 0
+def register_tuner(adapt: str, factory: TunerFactory) -> None:
+    """Make `PolicyConfig(adapt=adapt)` build its caches' tuners with `factory` (the
+    core registers what it ships; the simulator its ablations)."""
+    _TUNERS[adapt] = factory
 
-    def evicted(self, region: int, hashes: list) -> None:
-        """Eviction took these blocks from `region` (the index's `on_evict` hook)."""
-        ghost = self.ghosts[region]
-        for h in hashes:
-            ghost[h] = None
-        self._trim()
 
-    def missed(self, hashes: list) -> bool:
-        """A lookup missed these blocks (the prompt's blocks after its cached prefix,
-        in order). Returns True when the window's share moved."""
-        gw, gm = self.ghosts
-        grow = shrink = 0
-        for h in hashes:
-            if h in gw:
-                del gw[h]
-                grow += 1
-            elif h in gm:
-                del gm[h]
-                shrink += 1
-            else:
-                break
-        if not grow and not shrink:
-            return False
-        delta = grow * max(1.0, len(gm) / max(1, len(gw))) - shrink * max(1.0, len(gw) / max(1, len(gm)))
-        before = self.window_target
-        self.window_target = min(float(self.capacity), max(0.0, before + delta))
-        self.adjustments += 1
-        self._trim()
-        return self.window_target != before
+def adaptations() -> tuple[str, ...]:
+    """The `adapt` values registered so far."""
+    return tuple(_TUNERS)
 
-    def _trim(self) -> None:
-        gw, gm = self.ghosts
-        for _ in range(len(gw) - int(self.capacity - self.window_target)):
-            gw.popitem(last=False)
-        for _ in range(len(gm) - int(self.window_target)):
-            gm.popitem(last=False)
+
+def make_tuner(policy: PolicyConfig, capacity_blocks: int, min_sightings: int) -> WindowTuner:
+    """The window tuner `policy` names, for a cache of `capacity_blocks` blocks."""
+    return _TUNERS[policy.adapt](capacity_blocks, policy.window_fraction, min_sightings)
+
+
+register_tuner("mini", lambda capacity, window, min_sightings: MiniatureTuner(capacity, min_sightings,
+                                                                              window_fraction=window))
+register_tuner("off", lambda capacity, window, min_sightings: WindowTuner(capacity, window))

@@ -117,7 +117,7 @@ class PrefixIndex:
         # Blocks the hot (pinned) tier may hold; beyond it, the least recent hot
         # leaves cool back to ordinary (the owner sets it).
         self.hot_budget = float("inf")
-        # Told (region, hashes) of every block eviction takes: the ghost lists.
+        # Told (region, hashes) of every block eviction takes (the owner's removal log and window tuner).
         self.on_evict: Callable[[int, list[BlockHash]], None] | None = None
         self.num_blocks = 0
         self.dead_blocks = 0

@@ -17,6 +17,8 @@ Modules, one concern each:
               occupancy; turns tokens into replica-seconds.
 - `caches`    what a replica's cache is in the simulation: kvtier's LocalCache, a
               plain LRU, and the oracle (infinite capacity, perfect routing).
+- `tuners`    the window tuners only the simulator selects (ablations), registered
+              with the core on import.
 - `policies`  routing policies behind one interface.
 - `engine`    the event loop.
 - `scenarios` steady state, join/leave, rollout, thrash, capacity sweep.
@@ -26,3 +28,5 @@ Modules, one concern each:
 - `tracegen`  synthetic traces of other shapes, in the same format.
 - `report`  terminal tables and JSON (the front-ends and plots live in `kvtier_app`).
 """
+
+from kvtier.sim import tuners as _tuners  # noqa: E402,F401  (registers the ablation tuners)

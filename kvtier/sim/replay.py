@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.eviction import CAFFEINE_WINDOW_FRACTION, PolicyConfig
+from kvtier.eviction import PolicyConfig
 from kvtier.keys import KeyRoot
 from kvtier.sim.caches import KvtierCache, LruCache, OracleCache, _hit_blocks
 from kvtier.sim.trace import DEFAULT_BLOCK_ELEMS, Trace, TraceError, TracePrompts
+from kvtier.sim.tuners import CAFFEINE_WINDOW_FRACTION
 
 if TYPE_CHECKING:
     from kvtier.sim.engine import ProgressFactory

@@ -8,8 +8,9 @@ import pytest
 
 import kvtier.cache as cache_mod
 from kvtier.cache import MAX_TENANT_COUNTERS, Hit, LocalCache, Miss
-from kvtier.eviction import CAFFEINE_WINDOW_FRACTION, PolicyConfig
+from kvtier.eviction import PolicyConfig
 from kvtier.keys import KeyRoot
+from kvtier.sim.tuners import CAFFEINE_WINDOW_FRACTION
 
 B = 16
 BB = 64  # bytes per block: small, so payloads are cheap to check

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from kvtier.cache import Hit, LocalCache
-from kvtier.eviction import ADAPTATIONS, PolicyConfig
+from kvtier.eviction import PolicyConfig
 from kvtier.keys import KeyRoot
+from kvtier.sim.tuners import ADAPTATIONS
 
 BS = 4
 BB = 32

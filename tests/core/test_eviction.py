@@ -3,25 +3,28 @@ miniature simulations and the window tuners."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 
 from kvtier.eviction import (
     DecayedFrequencyPolicy,
     FrequencyState,
-    GhostTuner,
-    HillClimber,
     MAIN,
     WINDOW,
-    LruReferenceTuner,
     MINI_SAMPLE_BITS,
     MiniatureCache,
     MiniatureTuner,
     PolicyConfig,
     SHADOW_SAMPLED_SLOTS,
     ShadowLru,
+    WindowTuner,
+    adaptations,
     admits,
+    make_tuner,
 )
+from kvtier.sim.tuners import ADAPTATIONS, GhostTuner, HillClimber, LruReferenceTuner
 
 
 def test_frequency_halves_every_half_life():
@@ -58,29 +61,29 @@ def test_shadow_lru_matches_prefixes_caps_at_the_limit_and_evicts_tails_first():
 def test_reference_tuner_starts_as_lru_shrinks_while_ahead_and_retreats_twice_as_fast_while_behind():
     t = LruReferenceTuner(100, window_fraction=1.0)
     assert t.window_target == 100.0
-    moved = [t.record([f"h{i}"], limit=1, matched=0) for i in range(100)]   # filling: LRU evicts nothing
+    moved = [t.on_lookup([f"h{i}"], limit=1, matched=0, cached=0) for i in range(100)]  # filling: LRU evicts nothing
     assert not any(moved) and t.window_target == 100.0                      # a sample with room says nothing
-    moved = [t.record([f"g{i}"], limit=1, matched=0) for i in range(100)]   # LRU misses and evicts: level
+    moved = [t.on_lookup([f"g{i}"], limit=1, matched=0, cached=0) for i in range(100)]  # LRU misses and evicts: level
     assert moved[-1] and not any(moved[:-1])                                # one move per sample
     assert t.window_target == 100.0 - t.step                                # level at LRU explores: a step down
     for i in range(100):                                                    # level below a whole-cache window
-        t.record([f"k{i}"], limit=1, matched=0)
+        t.on_lookup([f"k{i}"], limit=1, matched=0, cached=0)
     assert t.window_target == 100.0 - t.step                                # holds: a tie says nothing
     for i in range(100 * 2):                                                # we hit what LRU misses: ahead
-        t.record([f"new{i}"], limit=1, matched=1)
+        t.on_lookup([f"new{i}"], limit=1, matched=1, cached=0)
     assert t.window_target == 100.0 - 3 * t.step
     for i in range(50):                                                     # LRU hits, we miss: behind
-        t.record(["same", f"x{i}"], limit=2, matched=0)
+        t.on_lookup(["same", f"x{i}"], limit=2, matched=0, cached=0)
     assert t.window_target == 100.0 - t.step                                # two steps back up
     for i in range(100 * 20):
-        t.record([f"more{i}"], limit=1, matched=1)
+        t.on_lookup([f"more{i}"], limit=1, matched=1, cached=0)
     assert t.window_target == 0.0
 
 
 def test_window_target_stays_within_the_capacity():
     t = LruReferenceTuner(10, window_fraction=1.0)
     for i in range(200):
-        t.record(["k", f"new{i}"], limit=2, matched=0)      # always behind, LRU evicting
+        t.on_lookup(["k", f"new{i}"], limit=2, matched=0, cached=0)  # always behind, LRU evicting
     assert t.window_target == 10.0
 
 
@@ -102,10 +105,30 @@ def test_policy_config_rejects_bad_values(kw):
         PolicyConfig(**kw)
 
 
+def test_an_unknown_adapt_is_refused_naming_the_registered_tuners():
+    with pytest.raises(ValueError, match=r"adapt must be one of mini, off.*got 'sometimes'"):
+        PolicyConfig(adapt="sometimes")
+
+
+def test_the_core_ships_only_the_tuners_production_selects():
+    code = ("import sys, kvtier.cache, kvtier.eviction as e; "
+            "print(e.adaptations(), any(m.startswith('kvtier.sim') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["('mini',", "'off')", "False"]
+
+
+def test_the_simulator_registers_its_ablation_tuners_with_the_core():
+    assert set(ADAPTATIONS) == set(adaptations())
+    for adapt in ADAPTATIONS:
+        tuner = make_tuner(PolicyConfig(window_fraction=0.5, adapt=adapt), 100, 2)
+        assert isinstance(tuner, WindowTuner) and tuner.window_target == 50.0
+
+
 def test_arc_ghost_tuner_grows_the_window_on_its_ghost_hits_and_shrinks_it_on_mains():
     t = GhostTuner(100, window_fraction=0.5)
-    t.evicted(WINDOW, ["w1", "w2"])
-    t.evicted(MAIN, ["m1"])
+    t.on_evict(WINDOW, ["w1", "w2"])
+    t.on_evict(MAIN, ["m1"])
     assert t.missed(["w1", "w2", "x"])            # two blocks a larger window would have kept
     grown = t.window_target
     assert grown > 50 and "w1" not in t.ghosts[WINDOW]
@@ -115,8 +138,8 @@ def test_arc_ghost_tuner_grows_the_window_on_its_ghost_hits_and_shrinks_it_on_ma
 
 def test_arc_ghost_lists_hold_only_what_their_region_could_have_gained():
     t = GhostTuner(10, window_fraction=0.8)       # the window could gain 2 blocks, main 8
-    t.evicted(WINDOW, [f"w{i}" for i in range(5)])
-    t.evicted(MAIN, [f"m{i}" for i in range(12)])
+    t.on_evict(WINDOW, [f"w{i}" for i in range(5)])
+    t.on_evict(MAIN, [f"m{i}" for i in range(12)])
     assert list(t.ghosts[WINDOW]) == ["w3", "w4"]
     assert len(t.ghosts[MAIN]) == 8 and "m11" in t.ghosts[MAIN]
 
@@ -124,13 +147,13 @@ def test_arc_ghost_lists_hold_only_what_their_region_could_have_gained():
 def test_symmetric_reference_tuner_holds_when_level_and_steps_once_either_way():
     t = LruReferenceTuner(100, window_fraction=0.5, symmetric=True)
     for i in range(200):
-        t.record([f"h{i}"], limit=1, matched=0)                 # filling, then level
+        t.on_lookup([f"h{i}"], limit=1, matched=0, cached=0)    # filling, then level
     assert t.window_target == 50.0
     for i in range(50):
-        t.record(["same", f"x{i}"], limit=2, matched=0)         # behind: one step up
+        t.on_lookup(["same", f"x{i}"], limit=2, matched=0, cached=0)  # behind: one step up
     assert t.window_target == 50.0 + t.step
     for i in range(100):
-        t.record([f"new{i}"], limit=1, matched=1)               # ahead: one step down
+        t.on_lookup([f"new{i}"], limit=1, matched=1, cached=0)  # ahead: one step down
     assert t.window_target == 50.0
 
 
@@ -175,7 +198,7 @@ def test_a_miniature_counts_hits_only_along_the_prompts_cached_prefix():
 
 def _run(t: MiniatureTuner, requests) -> None:
     for blocks in requests:
-        t.record(blocks, limit=len(blocks), matched=0)
+        t.on_lookup(blocks, limit=len(blocks), matched=0, cached=0)
 
 
 def test_the_miniature_tuner_starts_as_lru_and_stays_there_while_its_miniatures_tie():
@@ -207,9 +230,9 @@ def test_the_miniatures_choose_the_same_whether_they_catch_up_at_each_lookup_or_
     requests = [_sampled(i % 60) + _sampled(1_000 + i) + _unsampled(i) for i in range(6_000)]
     targets = []
     for blocks in requests:
-        eager.record(blocks, limit=len(blocks), matched=0)
+        eager.on_lookup(blocks, limit=len(blocks), matched=0, cached=0)
         eager.catch_up()                                   # as a release after every lookup does
-        lazy.record(blocks, limit=len(blocks), matched=0)  # replayed only when a sample ends
+        lazy.on_lookup(blocks, limit=len(blocks), matched=0, cached=0)  # replayed only when a sample ends
         assert round(eager.window_target) == round(lazy.window_target)   # the same share chosen
         targets.append(round(lazy.window_target))
     assert min(targets) < 400                              # the choice did move
@@ -273,11 +296,11 @@ def test_a_large_caches_thrash_gauge_samples_and_agrees_with_an_exact_lru():
     assert t.shadow.capacity == slots >> MINI_SAMPLE_BITS
     prompts = _conversations(0, 40_000, lambda i: hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest())
     for hashes in prompts:
-        t.record(hashes, len(hashes) - 1, exact.access(hashes, len(hashes) - 1))  # a cache that is LRU
+        t.on_lookup(hashes, len(hashes) - 1, exact.access(hashes, len(hashes) - 1), cached=0)  # a cache that is LRU
     assert t.adjustments > 0 and t.last_lru > 100 and exact.evictions > 0
     assert 0.9 * t.last_lru <= t.last_ours <= 1.1 * t.last_lru  # the sampled estimate of the same LRU
     samples, recent = t.adjustments, prompts[-300:]
     for i in range(10_000):                                # a whole sample of a cache matching nothing ...
-        t.record(recent[i % 300], len(recent[i % 300]) - 1, 0)
+        t.on_lookup(recent[i % 300], len(recent[i % 300]) - 1, 0, cached=0)
     assert t.adjustments >= samples + 2
     assert t.last_ours == 0 < t.last_lru                   # ... reads as far behind LRU
