@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -123,6 +124,13 @@ def test_the_simulator_registers_its_ablation_tuners_with_the_core():
     for adapt in ADAPTATIONS:
         tuner = make_tuner(PolicyConfig(window_fraction=0.5, adapt=adapt), 100, 2)
         assert isinstance(tuner, WindowTuner) and tuner.window_target == 50.0
+
+
+def test_the_cache_drives_its_tuner_only_through_the_interface():
+    source = (Path(__file__).resolve().parents[2] / "kvtier" / "cache.py").read_text()
+    assert ".adapt" not in source                  # chosen once, by make_tuner
+    for name in ("MiniatureTuner", "LruReferenceTuner", "HillClimber", "GhostTuner"):
+        assert name not in source
 
 
 def test_arc_ghost_tuner_grows_the_window_on_its_ghost_hits_and_shrinks_it_on_mains():
