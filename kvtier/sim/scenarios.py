@@ -546,27 +546,39 @@ def design_rollout(n_tenants: int = 200, n_requests: int | None = None, progress
     return rep
 
 
-def trace_rollout(path, n_replicas: int = 4, capacity: str = "0.1", progress: ProgressFactory | None = None,
-                  warm_tokens: int = WARM_BEFORE_READY_TOKENS) -> ScenarioReport:
-    """The shipped trace (one tenant: a trace names no tenants) across `n_replicas`
-    replicas of `capacity` each (a `kvtier simulate trace` capacity: a share of the
-    trace's distinct blocks, or a token count), rolled onto new weights from a third
-    of the way in, pods 30 s apart, each step waiting 30 s."""
+def trace_rollout(path, n_replicas: int = 8, n_tenants: int = 64, capacity: str = "0.1",
+                  progress: ProgressFactory | None = None,
+                  warm_tokens: int = WARM_BEFORE_READY_TOKENS, bucket_s: float = 60.0) -> ScenarioReport:
+    """The shipped trace across `n_replicas` replicas of `capacity` each (a `kvtier
+    simulate trace` capacity: a share of the trace's distinct blocks, or a token
+    count), rolled onto new weights from a third of the way in, pods 30 s apart, each
+    step waiting 30 s. A trace names no tenants: each conversation (its second block
+    id; the first is one system prompt every request shares) is given to one of
+    `n_tenants` tenants by its id, so a conversation's turns share their prefix as in
+    the trace and tenants spread over the fleet's homes as a multi-tenant fleet's do.
+    Buckets of 60 s: at ~3.4 requests/s a 10-s bucket is a handful of requests."""
+    import numpy as np
+
     from kvtier.sim import replay
     from kvtier.sim.trace import load_trace
 
     trace = load_trace(path)
     block_elems = replay.DEFAULT_BLOCK_ELEMS
     unit = trace.block_tokens // block_elems
-    spec = WorkloadSpec(n_requests=len(trace), n_tenants=1, token_unit=unit)
+    spec = WorkloadSpec(n_requests=len(trace), n_tenants=n_tenants, token_unit=unit)
     blocks = replay.capacity_blocks(capacity, trace)
     fleet = replace(FleetSpec(), n_replicas=n_replicas)
     fleet = replace(fleet, dram_bytes=blocks * trace.block_tokens * fleet.kv_bytes_per_token)
     workload = replay.TraceWorkload(trace, spec, block_elems)
+    conversation = np.array([int(a[1]) if a.size > 1 else 0 for a in trace.ids], dtype=np.int64)
+    workload.tenant = (conversation * 2654435761 % 2**32 % n_tenants).astype(np.int32)
+    workload.template_elems = np.zeros((n_tenants, 1), dtype=np.int64)
     start_s = float(workload.time_s[-1]) / 3
     rep = rollout(spec, fleet, start_s=start_s, gate_s=30.0, pod_s=30.0, block_tokens=trace.block_tokens,
-                  progress=progress, warm_tokens=warm_tokens, name="rollout-trace", workload=workload)
+                  bucket_s=bucket_s, progress=progress, warm_tokens=warm_tokens, name="rollout-trace",
+                  workload=workload)
     rep.params.update({"trace": trace.source, "requests": len(trace), "replicas": n_replicas,
+                       "tenants": f"{n_tenants}, each conversation given to one by its id",
                        "blocks_per_replica": blocks, "tokens_per_replica": blocks * trace.block_tokens})
     return rep
 

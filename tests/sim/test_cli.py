@@ -37,3 +37,24 @@ def test_bad_flags_exit_2_and_name_the_flag(capsys):
     assert cli.main(["simulate", "capacity", "--dram-gib", "5,x"]) == 2
     assert "--dram-gib" in capsys.readouterr().err
     assert cli.main(["simulate", "no-such-scenario"]) == 2
+
+
+def test_simulate_rollout_design_notes_reports_the_dip_figures(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = cli.main(["simulate", "rollout-design-notes", "--tenants", "20", "--requests", "2500", "--json", str(out),
+                   "--no-progress"])
+    assert rc == 0
+    assert "hit-rate dip depth ratio, warmed before ready at the same extra prefill / cold rolling" in \
+        capsys.readouterr().out
+    rep = json.loads(out.read_text())[0]
+    assert rep["name"] == "rollout-design-notes" and rep["params"]["warm_before_ready_tokens"] == 655
+    assert any(r["label"] == "no rollout (control)" for r in rep["results"])
+
+
+def test_simulate_rollout_bad_flags_exit_2(capsys):
+    assert cli.main(["simulate", "rollout-design-notes", "--warm-tokens", "-1"]) == 2
+    assert "--warm-tokens" in capsys.readouterr().err
+    assert cli.main(["simulate", "rollout-design-notes", "--tenants", "0"]) == 2
+    assert "--tenants" in capsys.readouterr().err
+    assert cli.main(["simulate", "rollout-trace", "--trace", "/no/such/file"]) == 2
+    assert "--trace" in capsys.readouterr().err
