@@ -5,8 +5,10 @@ notes' workload (44 replicas, 2,000 tenants x 5 templates x 1,500 tokens, 320
 KiB/token, 500 GiB DRAM) against an oracle (infinite capacity, perfect routing) and
 against random routing, with its max/mean replica load; kvtier's admission against
 plain LRU under thrash; a rolling weights rollout's peak extra prefill against an
-all-at-once change, and its hit-rate dip with each pod warmed before ready against
-the cold rolling one; and the wall time of the >= 1M-request design-notes run. The
+all-at-once change; the hit-rate dip of a rollout with each pod warmed before ready
+(the operator's warm-up, at the cold rolling rollout's extra prefill per pod) against
+the cold rolling one, on the design-notes fleet (1/10 scale) and on the shipped
+trace; and the wall time of the >= 1M-request design-notes run. The
 routing comparison against every competitor policy is written to
 bench/notes/sim-policies.md (included in BENCHMARKS.md), with where each does better.
 """
@@ -107,6 +109,9 @@ def _dip_result(what: str, rep) -> Result:
              if name.startswith("hit-rate dip depth, ")}
     at_once = depth["all at once"]
     scaled = f"; {rep.params['scaled']}" if "scaled" in rep.params else ""
+    what_if = figs.get("hit-rate dip depth ratio, what-if warm-up at the same extra prefill / cold rolling")
+    if what_if is not None:
+        scaled += f"; {what_if.note.split(';')[0]}: ratio {what_if.value:.2f}"
     return Result(f"{what}: hit-rate dip depth, warmed before ready vs cold rolling steps, same extra prefill",
                   same.value * same.baseline, "of steady hit rate", WARM_DIP_FRACTION, "lower",
                   baseline=same.baseline, baseline_name="cold rolling steps",

@@ -84,7 +84,8 @@ class SimConfig:
     of each of its tenants (then one other home). `warm_trim`: a what-if the operator
     does not do today either: each prompt is cut to the whole blocks it shares with
     another prompt of its tenant (`warm_trim_shared`), so a template is replayed once
-    instead of once per one-off question appended to it.
+    instead of once per one-off question appended to it, and the budget goes to the
+    tenants whose first home the pod is.
     """
 
     workload: WorkloadSpec
@@ -326,7 +327,12 @@ class Simulation:
         entry["warmed_blocks"] = warmed
 
     def _tenants_of(self, r: int) -> list[str]:
+        """The tenants whose homes include pod r; with `warm_trim` (the what-if) only
+        those whose FIRST home it is: the router sends a tenant there unless it spills,
+        so those are the tenants whose traffic the pod gets back."""
         table, me = self.policy.table, self.fleet.names[r]
+        if self.cfg.warm_trim:
+            return [t for t in self.roots.tenant_names if table.homes_for(t)[:1] == [me]]
         return [t for t in self.roots.tenant_names if me in table.homes_for(t)]
 
     def _own_prompts(self, r: int) -> dict[str, list]:

@@ -48,7 +48,7 @@ WARM_DIP_TARGET = 0.2
 DIP_FLOOR = 0.95
 NO_ROLLOUT = "no rollout (control)"
 WHAT_IF = ("what-if: each pod's own sidecar read before it restarts, prompts cut to the prefixes its tenants "
-           "share (not what the operator does)")
+           "share, the budget for the tenants whose first home it is (not what the operator does)")
 
 
 @dataclass(slots=True)
