@@ -55,14 +55,14 @@ def stateful_set(version: str, port: int, engine: str = "front", delay_s: float 
     return sidecar_fleet.stateful_set(APP, REPLICAS, container, version=version)
 
 
-def warm_policy(warmup: dict | None) -> dict:
+def warm_policy(warmup: dict | None, **spec) -> dict:
     rollout = {"canaryPods": 1, "steps": [50, 100],
                "recovery": {"threshold": 0.5, "window": "10m", "minLookups": 40}}
     if warmup is not None:
         rollout["warmup"] = warmup
     # Every pod a home of every tenant: the canary serves (and is warmed for) both.
     return tiny_policy("wllm", APP, workloadRef={"kind": "StatefulSet", "name": APP}, rollout=rollout,
-                       affinity={"homes": REPLICAS})
+                       affinity={"homes": REPLICAS}, **spec)
 
 
 class Fleet:
@@ -89,8 +89,9 @@ class Fleet:
         return self.agent.wait_ready(REPLICAS, selector=f"app={APP}", timeout_s=TIMEOUT_S)
 
 
-def start(kubectl: Kubectl, agent, warmup: dict | None, port: int, **sts) -> Fleet:
-    kubectl.apply(warm_policy(warmup))
+def start(kubectl: Kubectl, agent, warmup: dict | None, port: int, policy_spec: dict | None = None,
+          **sts) -> Fleet:
+    kubectl.apply(warm_policy(warmup, **(policy_spec or {})))
     wait_for("sidecar ConfigMap", lambda: kubectl.run(
         "get", "configmap", names.sidecar_config_map("wllm"), check=False).returncode == 0)
     kubectl.apply(stateful_set(OLD, port, **sts))
@@ -375,3 +376,85 @@ def test_an_engine_answering_errors_releases_the_gate_as_failed_with_its_answer(
     assert (record["outcome"], record["prompts"], record["tokens"], record["coldTenants"]) == (
         rw.FAILED, 0, 0, len(TENANTS))
     fleet.ready()
+
+
+# The new pods' first minute, shortened: the window a test waits out.
+FIRST_MINUTE_S = 10
+# A slow engine by the capacity estimate: 1e-5 TFLOPS on the tiny model's 1e6 params is
+# 5 prefill tokens/s, so a 90s warm-up may prefill 5 x 90 x 0.5 = 225 tokens, not 4,096.
+SLOW_HARDWARE = {"hardware": {"denseTflopsPerGpu": 1e-5}}
+CAPACITY_TOKENS = 225
+
+
+@pytest.mark.parametrize("operator", [{"first_minute_s": FIRST_MINUTE_S}], indirect=True, ids=["short-minute"])
+def test_the_capacity_estimate_caps_the_budget_and_the_history_records_the_first_minute_hit_rate(
+        operator, kubectl, node_agent_factory):
+    from kvtier.policy import FirstMinute
+    from kvtier_operator import first_minute
+
+    port = free_port()
+    agent = node_agent_factory(workdir=short_workdir(), containers=("kvtier-sidecar", "engine"))
+    fleet = start(kubectl, agent, {"maxTokens": 4096, "timeout": "90s", "enginePort": port}, port,
+                  policy_spec=SLOW_HARDWARE)
+    roll_out(kubectl)
+    canary = canary_on_new(fleet)["metadata"]["name"]
+    released = wait_for("the canary's gate released", lambda: (
+        (p := fleet.pod(canary)) is not None and (gate(p) or {}).get("status") == "True" and p), timeout_s=TIMEOUT_S)
+    assert gate(released)["reason"] == rw.WARMED, gate(released)
+
+    # Budget: what the estimate allows, not maxTokens. Each tenant's even share (113,
+    # 112) fits one 64-token prefix; the 97 they leave fits one more: 3 prefixes.
+    record = wait_for("the warm-up record", lambda: warmups(kubectl).get(canary))
+    assert (record["budgetTokens"], record["capacityTokens"], record["prompts"], record["tokens"]) == (
+        CAPACITY_TOKENS, CAPACITY_TOKENS, 3, 3 * MATCHED_TOKENS), record
+    stated = (f"each new pod prefills up to {CAPACITY_TOKENS} prompt tokens of its tenants' hottest prefixes within "
+              f"90s before it takes traffic (capacity estimate {CAPACITY_TOKENS} = 5 prefill tokens/s x 90s x 0.5, "
+              f"under policy maxTokens 4,096)")
+    [started] = events(kubectl, "wllm", "RolloutStarted")
+    assert stated in started["message"], started["message"]
+
+    # The canary's first minute: its window opens once it serves, from its counters then.
+    fleet.ready()
+    wait_for("the canary's first-minute window open", lambda: canary in {
+        w["pod"] for w in (status_of(kubectl, "wllm").get("rollout") or {}).get("firstMinutePods") or []},
+        timeout_s=TIMEOUT_S)
+    sc = fleet.sidecar(canary)
+    client = SidecarClient(sc.socket)
+    try:  # every prompt of both tenants once: the 3 warmed ones hit (64 of 72 tokens), the others miss
+        outcomes = []
+        for tenant in TENANTS:
+            for i in range(PROMPTS):
+                hit, _ = engine_io.request(client, root(NEW, tenant), tenant_tokens(tenant, i), BLOCK_BYTES)
+                outcomes.append(isinstance(hit, Hit))
+                client.release(hit)
+    finally:
+        client.close()
+    assert sum(outcomes) == 3, outcomes
+    figure = wait_for("step 1's first-minute figure", lambda: (
+        (status_of(kubectl, "wllm").get("rollout") or {}).get("firstMinutes") or [None])[0], timeout_s=TIMEOUT_S)
+    status = status_of(kubectl, "wllm")
+    prompt = len(TENANTS) * PROMPTS * len(tenant_tokens("acme", 0))
+    assert (figure["step"], figure["pods"], figure["warmPods"], figure["coldPods"], figure["podNames"]) == (
+        1, 1, 1, 0, [canary])
+    assert (figure["lookups"], figure["promptTokens"], figure["loadedTokens"]) == (
+        len(TENANTS) * PROMPTS, prompt, 3 * MATCHED_TOKENS)
+    assert figure["hitRate"] == figure["warmHitRate"] == round(3 * MATCHED_TOKENS / prompt, 4)
+    assert (figure["baselineHitRate"], figure["baselineSource"]) == (status["rollout"]["baselineHitRate"], "oldPods")
+    assert figure["windowS"] == FIRST_MINUTE_S and status["phase"] == "RollingOut" and status["rollout"]["step"] == 1
+    [event] = events(kubectl, "wllm", "RolloutFirstMinute")
+    expected = first_minute.text(FirstMinute.model_validate(figure))
+    assert event["message"] == expected and "1 warm, 0 cold" in expected
+
+    # Enough traffic for the step to recover (>= 40 lookups): its history entry and
+    # Event carry the figure.
+    for tenant in TENANTS + TENANTS:
+        serve_tenant(sc, tenant, NEW)
+    step = wait_for("step 1 recorded", lambda: next((h for h in (status_of(kubectl, "wllm").get("rollout") or {})
+                                                    .get("history") or [] if h["step"] == 1), None), timeout_s=TIMEOUT_S)
+    assert step["outcome"] == "recovered" and step["firstMinute"]["hitRate"] == figure["hitRate"], step
+    assert "podNames" not in step["firstMinute"] or not step["firstMinute"]["podNames"]
+    assert expected in step["message"]
+    [moved] = [e for e in events(kubectl, "wllm", "RolloutStep") if "step 1 recovered" in e["message"]]
+    assert expected in moved["message"]
+    shown = kubectl.run("get", "kvcp", "wllm", "-o", "yaml").stdout
+    assert "firstMinute:" in shown and "firstMinutes:" in shown
