@@ -37,6 +37,9 @@ WARM_SOURCES_PER_TENANT = 2
 # A restarted pod's first minute of traffic: its hit rate then is what the rollout
 # history records per step.
 FIRST_MINUTE_S = 60.0
+# The operator's per-pod warm-up deadline (spec.rollout.warmup.timeout, default 2m):
+# prompts not prefilled by then are not replayed.
+WARM_TIMEOUT_S = 120.0
 # Where a warm-up reads its prompts: "homes" (the operator: the tenant's other homes)
 # or "own" (what-if: the restarted pod's own sidecar first, read before the restart).
 WARM_SOURCES = ("homes", "own")
@@ -375,7 +378,10 @@ class Simulation:
             ranked[tenant] = warm_rank(warm_trim_shared(answers, cfg.block_elems) if cfg.warm_trim else answers)
         tenant_index = {t: i for i, t in enumerate(self.roots.tenant_names)}
         cache, prefilled, replayed, warmed = self.caches[r].cache, 0, 0, set()
+        deadline_elems = WARM_TIMEOUT_S * fleet.spec.prefill_tokens_per_s / unit
         for tenant, prompt in warm_replay_order(warm_spend(ranked, budget)):
+            if prefilled >= deadline_elems:
+                break  # out of time: the gate opens with the rest not warmed (WarmupTimedOut)
             tokens = np.asarray(prompt.tokens, dtype=np.int64)
             res = cache.reserve(self.roots.root(tenant_index[tenant], version), tokens, force=True)
             replayed += len(tokens)
