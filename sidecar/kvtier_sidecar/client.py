@@ -26,6 +26,7 @@ the blocks once every rank has written its part.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import struct
 import threading
@@ -39,7 +40,7 @@ from kvtier.keys import BLOCK_HASH_BYTES, KeyRoot, as_token_array
 from kvtier.layout import shard_for_rank
 
 from .arena import Arena, ArenaError
-from .engine_proto import FRAME, EngineOp, FrameError, decode_header, encode, encode_json, split_body
+from .engine_proto import FRAME, MAX_BODY_BYTES, EngineOp, FrameError, encode, encode_json, split_body
 
 # How long a dead sidecar is left alone before the next reconnect attempt.
 RECONNECT_BACKOFF_S = 0.5
@@ -52,6 +53,11 @@ UNAVAILABLE = "sidecar unavailable"
 RECV_BUFFER_BYTES = 1 << 16
 # Key roots whose LOOKUP JSON is kept ready (an engine serves a handful).
 ROOT_JSON_CACHE = 256
+# The sidecar's LOOKUP answer without digests, exactly as engine_server formats it
+# (anything else is parsed as JSON): hit id, matched tokens, tier, DRAM tokens.
+_PLAIN_HIT = re.compile(rb'\{"hit":(0|[1-9][0-9]{0,18}),"matched_tokens":(0|[1-9][0-9]{0,18}),"tier":"(dram|peer)",'
+                        rb'"dram_tokens":(0|[1-9][0-9]{0,18})\}')
+_U32 = np.dtype("<u4")
 
 
 @dataclass(slots=True)
@@ -128,6 +134,9 @@ class SidecarClient:
         self.last_store_removals: int | None = None  # its answer's removal-log position
         self._rbuf = bytearray(RECV_BUFFER_BYTES)
         self._lookup_json: dict[KeyRoot, bytes] = {}  # root -> the plain LOOKUP's JSON payload
+        self._json_len = 0  # the last answer's JSON length (`_exchange`)
+        self._last_lookup: tuple[KeyRoot | None, bytes] = (None, b"")  # the last root and its JSON
+        self._instance_name = ""  # str(info["instance"])
 
     # -- connection ---------------------------------------------------------------------
 
@@ -154,6 +163,7 @@ class SidecarClient:
                                       bytes.fromhex(info["arena_tag"]))
             self.generation += 1
         self.info = info
+        self._instance_name = str(info.get("instance", ""))
 
     def _drop(self) -> None:
         self.faults += 1
@@ -168,49 +178,90 @@ class SidecarClient:
 
     def _call_locked(self, op: EngineOp, payload: dict | bytes, tail=None) -> tuple[dict, np.ndarray]:
         """One request, one answer. `payload`: a dict, or its JSON already encoded."""
-        if self._sock is None:
-            self._connect()
-        sock = self._sock
-        rid = self._next_id
-        self._next_id = (self._next_id + 1) & 0xFFFFFFFF
-        sock.sendall(encode_json(op, rid, payload, tail) if type(payload) is bytes else encode(op, rid, payload, tail))
-        # The answer usually arrives whole in one recv; the header says how much is left.
-        buf = self._rbuf
-        view = memoryview(buf)
-        got = sock.recv_into(view)
-        while got < FRAME.size:
-            got = self._recv_more(sock, view, got)
-        body_len, rop, rrid, json_len = decode_header(view[: FRAME.size])
-        total = FRAME.size + body_len - 4
-        if total > len(buf):
-            buf = self._rbuf = bytearray(max(total, 2 * len(buf)))
-            buf[:got] = view[:got]
-            view.release()
-            view = memoryview(buf)
-        while got < total:
-            got = self._recv_more(sock, view, got)
-        if got != total:
-            raise FrameError("the sidecar sent more than one answer")
-        if rop != op or rrid != rid:
-            raise FrameError("answer does not match the request")
-        answer, tail_out = split_body(bytes(view[FRAME.size : total]), json_len)
+        end = self._exchange(op, payload, tail)
+        answer, tail_out = split_body(bytes(self._rbuf[FRAME.size : end]), self._json_len)
         if "error" in answer:
             raise ValueError(f"sidecar refused {op.name}: {answer['error']}")
         return answer, tail_out
 
-    @staticmethod
-    def _recv_more(sock: socket.socket, view: memoryview, got: int) -> int:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("the sidecar closed the connection")
-        return got + k
+    def _exchange(self, op: EngineOp, payload: dict | bytes, tail=None) -> int:
+        """Send one request and receive its answer whole into `_rbuf`: the answer's end
+        there (its JSON's length in `_json_len`)."""
+        if self._sock is None:
+            self._connect()
+        sock = self._sock
+        rid = self._next_id
+        self._next_id = (rid + 1) & 0xFFFFFFFF
+        if type(payload) is bytes:
+            if type(tail) is np.ndarray and tail.dtype is _U32:  # token ids, as as_token_array makes them
+                sock.sendall(FRAME.pack(4 + len(payload) + tail.nbytes, op, rid, len(payload)) + payload
+                             + tail.tobytes())
+            else:
+                sock.sendall(encode_json(op, rid, payload, tail))
+        else:
+            sock.sendall(encode(op, rid, payload, tail))
+        # The answer usually arrives whole in one recv; the header says how much is left.
+        buf = self._rbuf
+        got = sock.recv_into(buf)
+        if got < FRAME.size:
+            view = memoryview(buf)
+            while got < FRAME.size:
+                got = self._recv_more(sock, view, got)
+            view.release()
+        body_len, rop, rrid, json_len = FRAME.unpack_from(buf)
+        if body_len > MAX_BODY_BYTES or json_len + 4 > body_len:
+            raise FrameError(f"frame lengths out of range (body {body_len}, json {json_len})")
+        total = FRAME.size + body_len - 4
+        if got < total:
+            if total > len(buf):
+                grown = bytearray(max(total, 2 * len(buf)))
+                grown[:got] = buf[:got]
+                buf = self._rbuf = grown
+            view = memoryview(buf)
+            while got < total:
+                got = self._recv_more(sock, view, got)
+            view.release()
+        if got != total:
+            raise FrameError("the sidecar sent more than one answer")
+        if rop != op or rrid != rid:
+            raise FrameError("answer does not match the request")
+        self._json_len = json_len
+        return total
+
+    def _lookup_answer(self, end: int) -> "Hit | Miss":
+        """The LOOKUP answer in `_rbuf` as a Hit or a Miss (under the lock)."""
+        buf = self._rbuf
+        head = FRAME.size + self._json_len
+        m = _PLAIN_HIT.fullmatch(buf, FRAME.size, head)  # the sidecar's usual answer, read without json
+        if m is None:
+            answer, slots = split_body(bytes(buf[FRAME.size : end]), self._json_len)
+            if "error" in answer:
+                raise ValueError(f"sidecar refused LOOKUP: {answer['error']}")
+            if not answer.get("hit"):
+                return Miss(answer.get("reason", "miss"))
+            sums = answer.get("digests")
+            return Hit(int(answer["matched_tokens"]), slots.tolist(), answer["tier"],
+                       int(answer["hit"]), self.arena, self.generation, self._instance_name,
+                       [int(d) for d in sums] if sums is not None else None, self.connection,
+                       int(answer["dram_tokens"]) if "dram_tokens" in answer else None)
+        if (end - head) % 4:
+            raise FrameError("tail is not a whole number of uint32")
+        hit_id, matched, tier, dram = m.groups()
+        if hit_id == b"0":
+            return Miss()
+        return Hit(int(matched), np.frombuffer(buf, _U32, (end - head) >> 2, head).tolist(), tier.decode(),
+                   int(hit_id), self.arena, self.generation, self._instance_name, None, self.connection, int(dram))
 
     def _lookup_payload(self, root: KeyRoot) -> bytes:
+        last = self._last_lookup  # one attribute read: callers on other threads replace it whole
+        if last[0] is root:  # the same root object as the last lookup's: no hashing
+            return last[1]
         raw = self._lookup_json.get(root)
         if raw is None:
             if len(self._lookup_json) >= ROOT_JSON_CACHE:
                 self._lookup_json.clear()
             raw = self._lookup_json[root] = json.dumps({"root": root_payload(root)}, separators=(",", ":")).encode()
+        self._last_lookup = (root, raw)  # a KeyRoot is immutable (frozen)
         return raw
 
     def _call(self, op: EngineOp, payload: dict | bytes, tail=None) -> tuple[dict, np.ndarray] | None:
@@ -222,6 +273,19 @@ class SidecarClient:
                 raise
             except _BackingOff:
                 return None  # not a new fault: dropping again would push the retry back forever
+            except (OSError, ConnectionError, FrameError, ArenaError, KeyError, TypeError):
+                self._drop()
+                return None
+
+    def _call_lookup(self, payload: dict | bytes, tokens: np.ndarray) -> "Hit | Miss | None":
+        """`_call` of a LOOKUP, its answer read straight out of the receive buffer."""
+        with self._lock:
+            try:
+                return self._lookup_answer(self._exchange(EngineOp.LOOKUP, payload, tokens))
+            except ValueError:
+                raise
+            except _BackingOff:
+                return None
             except (OSError, ConnectionError, FrameError, ArenaError, KeyError, TypeError):
                 self._drop()
                 return None
@@ -263,17 +327,8 @@ class SidecarClient:
                 payload["local_tokens"] = int(local_tokens)
         else:
             payload = self._lookup_payload(root)  # the same bytes as the dict's JSON, kept
-        got = self._call(EngineOp.LOOKUP, payload, tokens)
-        if got is None:
-            return Miss(UNAVAILABLE)
-        answer, slots = got
-        if not answer.get("hit"):
-            return Miss(answer.get("reason", "miss"))
-        sums = answer.get("digests")
-        return Hit(int(answer["matched_tokens"]), slots.tolist(), answer["tier"],
-                   int(answer["hit"]), self.arena, self.generation, str(self.info.get("instance", "")),
-                   [int(d) for d in sums] if sums is not None else None, self.connection,
-                   int(answer["dram_tokens"]) if "dram_tokens" in answer else None)
+        got = self._call_lookup(payload, tokens)
+        return Miss(UNAVAILABLE) if got is None else got
 
     def report(self, loaded_bytes: int = 0, load_errors: int = 0, **counts: int) -> bool:
         """Tell the sidecar what only the engine knows since the last report (see

@@ -106,42 +106,73 @@ class Sidecar:
                      local_tokens: int = 0) -> LookupAnswer | None:
         """`local_tokens`: what the engine's own prefix cache holds; a peer is asked only
         for a prefix longer than that (and not at all when it covers the prompt)."""
-        hit = self.tier.lookup(root, tokens)
-        tier_name = "dram" if hit else None
-        peer_bytes = 0
-        max_blocks = (len(tokens) - 1) // self.block_size  # rule: last-token
-        have = hit.matched_tokens // self.block_size if hit else 0
+        answer = self.lookup_now(root, tokens, owner, local_tokens)
+        if answer is None or type(answer) is LookupAnswer:
+            return answer
+        return await answer
+
+    def lookup_now(self, root: KeyRoot, tokens: np.ndarray, owner: object = None, local_tokens: int = 0):
+        """`lookup` without a coroutine when the local tiers answer it (no peer to ask):
+        the answer (a LookupAnswer, or None for a miss), else a coroutine that asks the
+        peers and answers (the caller awaits it)."""
+        hit = self.tier.lookup(root, tokens)  # None, or a hit of at least one block
+        block_size = self.block_size
+        max_blocks = (len(tokens) - 1) // block_size  # rule: last-token
+        if hit is not None:
+            have = hit.matched_tokens // block_size
+            if have >= max_blocks:  # all a lookup may match: no platform copy or peer can add to it
+                matched = hit.matched_tokens
+                self.metrics.dram_hit(root.tenant, len(tokens), matched,
+                                      matched // block_size * self.tier.block_bytes)
+                hit_id = next(self._ids)
+                self._hits[hit_id] = hit
+                self._hit_owners[hit_id] = owner
+                return LookupAnswer(hit_id, matched, hit.slots, "dram", matched)
+            tier_name = "dram"
+        else:
+            have, tier_name = 0, None
         if have < max_blocks:
             platform = self.platform.hit(root, tokens, have)
             if platform is not None:
-                if hit:
+                if hit is not None:
                     self.tier.release(hit.handle)
                 hit, tier_name = platform, "dram"
-                have = hit.matched_tokens // self.block_size
-        dram_tokens = have * self.block_size
-        local_blocks = local_tokens // self.block_size
+                have = hit.matched_tokens // block_size
+        local_blocks = local_tokens // block_size
         if max(have, local_blocks) < max_blocks and self.index is not None and self.transport is not None:
-            fetched, peer_bytes = await self.fetcher.from_peers(root, tokens, have, max_blocks, beyond=local_blocks)
-            if fetched:
-                again = self.tier.lookup(root, tokens)
-                if again and again.matched_tokens > have * self.block_size:
-                    if hit:
-                        self.tier.release(hit.handle)
-                    hit, tier_name = again, "peer"
-                elif again:
-                    self.tier.release(again.handle)
+            return self._lookup_peers(root, tokens, owner, hit, tier_name, have, max_blocks, local_blocks)
+        return self._answer(root, tokens, owner, hit, tier_name, have * block_size, 0)
+
+    async def _lookup_peers(self, root: KeyRoot, tokens: np.ndarray, owner: object, hit: TierHit | None,
+                            tier_name: str | None, have: int, max_blocks: int,
+                            local_blocks: int) -> LookupAnswer | None:
+        fetched, peer_bytes = await self.fetcher.from_peers(root, tokens, have, max_blocks, beyond=local_blocks)
+        if fetched:
+            again = self.tier.lookup(root, tokens)
+            if again and again.matched_tokens > have * self.block_size:
+                if hit:
+                    self.tier.release(hit.handle)
+                hit, tier_name = again, "peer"
+            elif again:
+                self.tier.release(again.handle)
+        return self._answer(root, tokens, owner, hit, tier_name, have * self.block_size, peer_bytes)
+
+    def _answer(self, root: KeyRoot, tokens: np.ndarray, owner: object, hit: TierHit | None,
+                tier_name: str | None, dram_tokens: int, peer_bytes: int) -> LookupAnswer | None:
+        """Count the lookup and hand out its hit (pinned, owned by `owner`)."""
         matched = hit.matched_tokens if hit else 0
         if tier_name == "dram":
             dram_tokens = matched
+        block_bytes = self.tier.block_bytes
         self.metrics.lookup(root.tenant, len(tokens), tier_name, matched, peer_bytes,
-                            served_bytes=matched // self.block_size * self.tier.block_bytes,
-                            dram_tokens=dram_tokens, token_bytes=self.tier.block_bytes // self.block_size)
+                            served_bytes=matched // self.block_size * block_bytes,
+                            dram_tokens=dram_tokens, token_bytes=block_bytes // self.block_size)
         if not hit:
             return None
         hit_id = next(self._ids)
         self._hits[hit_id] = hit
         self._hit_owners[hit_id] = owner
-        return LookupAnswer(hit_id, hit.matched_tokens, hit.slots, tier_name or "dram", dram_tokens)
+        return LookupAnswer(hit_id, matched, hit.slots, tier_name or "dram", dram_tokens)
 
     def release(self, hit_id: int, owner: object = None) -> bool:
         """Unpin a hit; only the connection that looked it up may (OwnershipError)."""
