@@ -34,6 +34,9 @@ class RolloutGauges:
     current_hit_rate: float | None
     recovery_bar: float | None
     step_started_s: float | None
+    # Each step's new pods in their first minute of traffic: (step, pods) -> hit rate,
+    # pods "all", "warm" or "cold" (status.rollout.firstMinutes).
+    first_minute: tuple[tuple[int, str, float], ...] = ()
 
 
 class RolloutMetrics:
@@ -51,9 +54,12 @@ class RolloutMetrics:
             self.rollouts.pop((namespace, policy), None)
             return
         bar = None if r.baseline_hit_rate is None else round(threshold * r.baseline_hit_rate, 4)
+        first = tuple((f.step, pods, rate) for f in r.first_minutes
+                      for pods, rate in (("all", f.hit_rate), ("warm", f.warm_hit_rate), ("cold", f.cold_hit_rate))
+                      if rate is not None)
         self.rollouts[(namespace, policy)] = RolloutGauges(
             r.target_version, r.step, steps, r.canary_percent, status.phase, r.baseline_hit_rate, r.current_hit_rate,
-            bar, r.step_started_at.timestamp() if r.step_started_at else None)
+            bar, r.step_started_at.timestamp() if r.step_started_at else None, first)
 
     def decided(self, namespace: str, policy: str, kind: str) -> None:
         self.decisions[(namespace, policy, kind)] += 1
@@ -83,8 +89,13 @@ class RolloutMetrics:
                                                 "When the current step started", labels=labels),
         }
         phase = GaugeMetricFamily("kvtier_rollout_phase", "1 for the rollout's phase", labels=labels + ["phase"])
+        first = GaugeMetricFamily("kvtier_rollout_first_minute_hit_rate",
+                                  "A step's new pods' hit rate in their first minute of traffic (pods: all, warm, cold)",
+                                  labels=labels + ["step", "pods"])
         for (ns, pol), g in sorted(self.rollouts.items()):
             key = [ns, pol, g.target_version]
+            for step, pods, rate in g.first_minute:
+                first.add_metric(key + [str(step), pods], rate)
             for name, fam in fams.items():
                 value = getattr(g, name)
                 if value is not None:
@@ -93,6 +104,7 @@ class RolloutMetrics:
                 phase.add_metric(key + [p], float(g.phase == p))
         yield from fams.values()
         yield phase
+        yield first
         decisions = CounterMetricFamily("kvtier_rollout_decisions", "Rollout actions taken, by kind",
                                         labels=["namespace", "policy", "decision"])
         for (ns, pol, kind), n in sorted(self.decisions.items()):

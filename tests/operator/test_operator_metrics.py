@@ -59,3 +59,18 @@ def test_warm_ups_are_counted_by_outcome_with_their_tokens():
     assert by_outcome == {"Warmed": 2.0, "WarmupTimedOut": 1.0}
     [tokens] = [s for s in got["kvtier_rollout_warmup_tokens"] if s.name == "kvtier_rollout_warmup_tokens_total"]
     assert (tokens.labels, tokens.value) == ({"namespace": "ns", "policy": "llm"}, 400.0)
+
+
+def test_each_steps_first_minute_hit_rate_is_exported_for_all_warm_and_cold_pods():
+    from kvtier.policy import FirstMinute
+
+    status = rolling()
+    figure = FirstMinute(step=1, window_s=60, pods=3, warm_pods=2, cold_pods=1, hit_rate=0.6, warm_hit_rate=0.85,
+                         cold_hit_rate=0.1, started_at=T0, measured_at=T0)
+    status.rollout.first_minutes.append(figure)
+    m = RolloutMetrics()
+    m.observe("ns", "llm", status, steps=3, threshold=0.8)
+    got = {(s.labels["step"], s.labels["pods"]): s.value for s in parsed(m)["kvtier_rollout_first_minute_hit_rate"]}
+    assert got == {("1", "all"): 0.6, ("1", "warm"): 0.85, ("1", "cold"): 0.1}
+    m.observe("ns", "llm", rolling("Ready"), steps=3, threshold=0.8)
+    assert parsed(m)["kvtier_rollout_first_minute_hit_rate"] == []
