@@ -58,6 +58,7 @@ ROOT_JSON_CACHE = 256
 _PLAIN_HIT = re.compile(rb'\{"hit":(0|[1-9][0-9]{0,18}),"matched_tokens":(0|[1-9][0-9]{0,18}),"tier":"(dram|peer)",'
                         rb'"dram_tokens":(0|[1-9][0-9]{0,18})\}')
 _U32 = np.dtype("<u4")
+_TIERS = {b"dram": "dram", b"peer": "peer"}
 
 
 @dataclass(slots=True)
@@ -249,7 +250,7 @@ class SidecarClient:
         hit_id, matched, tier, dram = m.groups()
         if hit_id == b"0":
             return Miss()
-        return Hit(int(matched), np.frombuffer(buf, _U32, (end - head) >> 2, head).tolist(), tier.decode(),
+        return Hit(int(matched), np.frombuffer(buf, _U32, (end - head) >> 2, head).tolist(), _TIERS[tier],
                    int(hit_id), self.arena, self.generation, self._instance_name, None, self.connection, int(dram))
 
     def _lookup_payload(self, root: KeyRoot) -> bytes:
