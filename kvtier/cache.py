@@ -411,10 +411,10 @@ class LocalCache:
         """Allocate slots for the prompt's not-yet-cached full blocks.
 
         Returns None when everything is already cached or no slot can be freed.
-        The blocks go to the window as its most recent, like every stored block;
-        `force=True` (warm-up of prefixes hot elsewhere, a peer's copy) only lets them
-        take slots whatever their sightings, so a whole-cache window stays exactly
-        LRU. The caller writes the blocks into the arena and then `commit`s.
+        The blocks go to the window as its most recent, like every stored block (so
+        a whole-cache window stays exactly LRU); `force=True` (warm-up of prefixes hot
+        elsewhere, a peer's copy) only lets them take slots whatever their sightings.
+        The caller writes the blocks into the arena and then `commit`s.
         """
         tokens = as_token_array(token_ids)
         n_full = len(tokens) // self.block_size
