@@ -178,8 +178,12 @@ class Window:
     idle_s: float
     window_s: float
 
+    counted: int | None = None  # read from server_out once the server has exited
+
     def server_instructions(self) -> int:
-        return instructions(self.server_out)
+        if self.counted is None:
+            self.counted = instructions(self.server_out)
+        return self.counted
 
     def idle_share(self) -> float:
         """The server's idle rate over the request window: its timers' work (a sidecar's
