@@ -35,6 +35,14 @@ VALUES = {
     "metrics-protected": {"controlAuth": {"protectMetrics": True,
                                           "metricsUsers": ["system:serviceaccount:monitoring:prometheus"]}},
     "redis-secret": {"redisSecrets": [{"namespace": "serving", "name": "redis-auth"}]},
+    # the kvtier Endpoint Picker (tests/helm/test_endpoint_picker.py), with its InferencePool
+    "endpoint-picker": {"endpointPicker": {"enabled": True, "inferencePool": "always", "pools": [
+        {"name": "llama", "namespace": "serving", "policy": "llama-70b", "selector": {"app": "vllm"},
+         "redisUrl": "redis://kvtier-redis.serving:6379"}]}},
+    "endpoint-picker-ha-pinned": {"endpointPicker": {
+        "enabled": True, "replicas": 2, "secureServing": False,
+        "image": {"repository": "ghcr.io/kvtier/kvtier-epp", "digest": DIGEST, "pullPolicy": "Always"},
+        "pools": [{"name": "llama", "policy": "llama-70b", "selector": {"app": "vllm"}}]}},
 }
 
 

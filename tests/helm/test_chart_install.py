@@ -149,3 +149,28 @@ def test_install_with_bad_values_fails_with_the_schema_message_and_creates_nothi
         raise AssertionError("helm install accepted webhook.failurePolicy=Sometimes")
     assert helm.run("status", release, check=False).returncode != 0, "no release was recorded"
     assert not exists(kubectl, "serviceaccount", f"{release}-kvtier-operator")
+
+
+def test_install_with_the_endpoint_picker_skips_the_pool_without_its_crd(helm, kubectl, namespace):
+    """endpointPicker on, on an API server without the Gateway API Inference Extension's
+    CRDs: the picker's objects are created, the InferencePool is left out (no failed
+    install), and uninstall removes them."""
+    release = f"kvt-{uuid.uuid4().hex[:6]}"
+    epp = f"{release}-pool-epp"
+    cluster = kubectl.in_namespace(None)
+    has_crd = exists(cluster, "crd", "inferencepools.inference.networking.k8s.io")
+    values = {"webhook": {"namespaceSelector": only_namespace(namespace)},
+              "endpointPicker": {"enabled": True, "pools": [
+                  {"name": f"{release}-pool", "policy": "llama", "selector": {"app": "vllm"}}]}}
+    helm.install(release, CHART, values=values)
+    try:
+        for kind in ("serviceaccount", "role", "rolebinding", "configmap", "deployment", "service", "networkpolicy"):
+            assert exists(kubectl, kind, epp), kind
+        deployment = kubectl.get_json("deployment", epp)
+        assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == epp
+        manifest = helm.run("get", "manifest", release).stdout
+        assert ("kind: InferencePool" in manifest) == has_crd
+    finally:
+        helm.run("uninstall", release, "--wait")
+    for kind in ("serviceaccount", "role", "configmap", "deployment", "service"):
+        assert not exists(kubectl, kind, epp), kind

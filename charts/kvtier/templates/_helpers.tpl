@@ -109,3 +109,29 @@ changes the caBundle under running pods. `helm template` has no cluster: it gene
 {{- define "kvtier.controlCaName" -}}
 {{- .Values.controlTls.caSecretName | default (printf "%s-control-ca" (include "kvtier.fullname" .)) -}}
 {{- end -}}
+
+{{/* The kvtier EPP's image. */}}
+{{- define "kvtier.eppImage" -}}
+{{- $img := .Values.endpointPicker.image -}}
+{{- if $img.digest -}}
+{{- printf "%s@%s" $img.repository $img.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $img.repository (default .Chart.AppVersion $img.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* An EPP pool's selector labels; the argument is (dict "root" $ "pool" $pool). */}}
+{{- define "kvtier.eppSelectorLabels" -}}
+app.kubernetes.io/name: kvtier-epp
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+kvtier.io/inference-pool: {{ .pool.name }}
+{{- end -}}
+
+{{- define "kvtier.eppLabels" -}}
+{{ include "kvtier.eppSelectorLabels" . }}
+app.kubernetes.io/component: endpoint-picker
+app.kubernetes.io/part-of: kvtier
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+{{- end -}}
