@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+import subprocess
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import pytest
+import yaml
 
 from helm_chart import CHART, ROOT, SA_DIR
 from kvtier_testenv import polling
@@ -174,3 +180,52 @@ def test_install_with_the_endpoint_picker_skips_the_pool_without_its_crd(helm, k
         helm.run("uninstall", release, "--wait")
     for kind in ("serviceaccount", "role", "configmap", "deployment", "service"):
         assert not exists(kubectl, kind, epp), kind
+
+
+def _gie_crds() -> list[Path]:
+    """The Gateway API Inference Extension's CRDs, from the module router/epp pins (in Go's
+    module cache; [] when it is not there)."""
+    version = re.search(r"sigs\.k8s\.io/gateway-api-inference-extension (v\S+)",
+                        (ROOT / "router" / "epp" / "go.mod").read_text()).group(1)
+    try:
+        cache = subprocess.run(["go", "env", "GOMODCACHE"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return sorted((Path(cache) / f"sigs.k8s.io/gateway-api-inference-extension@{version}/config/crd/bases").glob("*.yaml"))
+
+
+def test_install_with_the_endpoint_picker_creates_the_pool_where_its_crd_is_served(helm, kubectl, namespace):
+    """With the GIE CRDs installed, `inferencePool: auto` finds the API and creates the
+    InferencePool, which the CRD's own schema accepts."""
+    crds = _gie_crds()
+    if not crds:
+        pytest.skip("the GIE module is not in Go's module cache "
+                    "(cd router/epp && go mod download sigs.k8s.io/gateway-api-inference-extension)")
+    cluster = kubectl.in_namespace(None)
+    created = []
+    for crd in crds:
+        name = yaml.safe_load(crd.read_text())["metadata"]["name"]
+        if not exists(cluster, "crd", name):
+            cluster.run("apply", "--server-side", "-f", str(crd))
+            created.append(name)
+    release = f"kvt-{uuid.uuid4().hex[:6]}"
+    pool = f"{release}-pool"
+    try:
+        wait_for("InferencePools served", lambda: kubectl.run("get", "inferencepools.inference.networking.k8s.io",
+                                                               check=False).returncode == 0)
+        values = {"webhook": {"namespaceSelector": only_namespace(namespace)},
+                  "endpointPicker": {"enabled": True, "pools": [
+                      {"name": pool, "policy": "llama", "selector": {"app": "vllm"}, "targetPort": 8001}]}}
+        helm.install(release, CHART, values=values)
+        try:
+            spec = kubectl.get_json("inferencepools.inference.networking.k8s.io", pool)["spec"]
+            assert spec["selector"]["matchLabels"] == {"app": "vllm"}
+            assert spec["targetPorts"] == [{"number": 8001}]
+            assert (spec["endpointPickerRef"]["name"], spec["endpointPickerRef"]["port"]) == (
+                f"{pool}-epp", {"number": 9002})
+        finally:
+            helm.run("uninstall", release, "--wait")
+        assert not exists(kubectl, "inferencepools.inference.networking.k8s.io", pool)
+    finally:
+        for name in created:  # leave the shared API server as it was
+            cluster.run("delete", "crd", name, "--wait=false", check=False)
