@@ -187,3 +187,70 @@ def test_the_http_port_never_opens_to_a_whole_namespace():
         http_rule = next(r for r in body["spec"]["ingress"] if r["ports"][0]["port"] == HTTP)
         assert [p["podSelector"] for p in http_rule["from"]] == [
             {"matchLabels": {"app.kubernetes.io/name": "kvtier-operator"}}]
+
+
+def egress_allowed(policies: list[dict], ns_labels: dict[str, dict], src: dict, dst: dict, port: int) -> bool:
+    """`allowed` for the source's side: the Egress rules of the policies selecting `src`."""
+    src_ns = src["metadata"]["namespace"]
+    selecting = [p for p in policies if p["metadata"]["namespace"] == src_ns
+                 and "Egress" in p["spec"].get("policyTypes", [])
+                 and selector_matches(p["spec"]["podSelector"], src["metadata"].get("labels") or {})]
+    if not selecting:
+        return True
+    dst_ns_labels = ns_labels[dst["metadata"]["namespace"]]
+    for p in selecting:
+        for rule in p["spec"].get("egress") or []:
+            if not port_matches(rule.get("ports"), port):
+                continue
+            peers = rule.get("to")
+            if not peers or any(peer_matches(peer, dst, dst_ns_labels, src_ns) for peer in peers):
+                return True
+    return False
+
+
+def test_endpoint_picker_policy_admits_the_gateway_and_reaches_only_its_pool(control_plane, namespace):
+    """The kvtier EPP's NetworkPolicy (endpointPicker.*), applied and read back: ext_proc
+    from the gateway's namespace only, metrics from the monitoring namespace only; out,
+    the serving pods' engine port (metrics scrape) but not their sidecar ports."""
+    admin = Kubectl(control_plane.kubeconfig)
+    suffix = uuid.uuid4().hex[:6]
+    gw_ns, mon_ns, other_ns = f"gw-{suffix}", f"mon-{suffix}", f"other-{suffix}"
+    for ns in (gw_ns, mon_ns, other_ns):
+        admin.run("create", "namespace", ns)
+    try:
+        values = {"networkPolicy": {"monitoringNamespace": mon_ns}, "endpointPicker": {
+            "enabled": True, "gatewayFrom": [{"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": gw_ns}}}],
+            "pools": [{"name": "llama", "namespace": namespace, "policy": "tiny", "selector": {"app": "llm"},
+                       "targetPort": ENGINE, "redisUrl": "redis://redis:6390"}]}}
+        rendered = helm("template", "kvtier", str(CHART), "--namespace", "kvtier-system", values=values).stdout
+        objects = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(rendered) if d}
+        admin.run("apply", "-f", "-", input=json.dumps(objects[("NetworkPolicy", "llama-epp")]))
+        epp_labels = objects[("Deployment", "llama-epp")]["spec"]["template"]["metadata"]["labels"]
+        pods = {"epp": (namespace, epp_labels), "llm-0": (namespace, {"app": "llm"}),
+                "redis": (namespace, {"app": "redis"}), "envoy": (gw_ns, {"app": "envoy"}),
+                "prometheus": (mon_ns, {"app": "prometheus"}), "intruder": (other_ns, {"app": "llm"})}
+        for name, (ns, labels) in pods.items():
+            admin.run("-n", ns, "apply", "-f", "-", input=json.dumps(pod(name, labels)))
+        live = {name: admin.get_json("pod", name, "-n", ns) for name, (ns, _) in pods.items()}
+        stored = [admin.get_json("networkpolicy", "llama-epp", "-n", namespace)]
+        ns_labels = {ns: admin.get_json("namespace", ns)["metadata"]["labels"]
+                     for ns in {ns for ns, _ in pods.values()}}
+
+        def who_reaches(dst: str, port: int) -> set[str]:
+            return {s for s in live if s != dst and allowed(stored, ns_labels, live[s], live[dst], port)}
+
+        def reached_from_epp(port: int) -> set[str]:
+            return {d for d in live if d != "epp" and egress_allowed(stored, ns_labels, live["epp"], live[d], port)}
+
+        assert who_reaches("epp", 9002) == {"envoy"}
+        assert who_reaches("epp", 9090) == {"prometheus"}
+        assert who_reaches("epp", 8080) == set()
+        assert reached_from_epp(ENGINE) == {"llm-0"}  # its pool's pods, not another namespace's
+        assert reached_from_epp(HTTP) == set() and reached_from_epp(PEER) == set()
+        assert reached_from_epp(6390) == set(live) - {"epp"}  # Redis's port, wherever Redis runs
+        assert reached_from_epp(53) == set(live) - {"epp"}
+        assert who_reaches("llm-0", ENGINE) == set(live) - {"llm-0"}  # the serving pods are not isolated by it
+    finally:
+        for ns in (gw_ns, mon_ns, other_ns):
+            admin.delete("namespace", ns, wait=False)
