@@ -65,6 +65,9 @@ fi
 # `go test` runs offline. A no-op once downloaded.
 command -v go >/dev/null 2>&1 || { log "ERROR: go is not installed (router/ needs Go >= 1.26 on PATH)"; exit 1; }
 (cd router && GOTOOLCHAIN=local GOFLAGS=-mod=readonly go mod download && GOTOOLCHAIN=local go build ./...)
+# The Endpoint Picker's upstream module alone (not its ~13-min build, hack/epp.sh): the chart
+# tests read its runner's flags and its InferencePool CRD from the module's source.
+(cd router/epp && GOTOOLCHAIN=local GOFLAGS=-mod=readonly go mod download sigs.k8s.io/gateway-api-inference-extension)
 
 # --- checkov (chart lint), in its own venv -------------------------------------------
 bash hack/checkov.sh
