@@ -333,6 +333,18 @@ def test_the_flags_and_the_env_read_back_as_the_model():
         OperatorOptions.from_env({"KVTIER_OPERATOR_SIDECAR_AUTH": "none"})
 
 
+def test_operator_settings_no_flag_gives_come_from_the_env(monkeypatch):
+    """The chart's operator.extraEnv reaches the deployed operator: `kvtier-operator`
+    takes KVTIER_OPERATOR_<FIELD> for what its flags leave unset; a flag wins."""
+    from kvtier_operator.main import _parser
+    from kvtier_operator.options import OperatorOptions
+
+    monkeypatch.setenv("KVTIER_OPERATOR_FIRST_MINUTE_S", "20")
+    parser = _parser()
+    assert OperatorOptions.from_args(parser.parse_args([])).first_minute_s == 20
+    assert OperatorOptions.from_args(parser.parse_args(["--first-minute-s=5"])).first_minute_s == 5
+
+
 def test_the_deployed_operators_flags_parse_as_settings():
     import yaml
 

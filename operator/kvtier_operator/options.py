@@ -144,7 +144,7 @@ class OperatorOptions(BaseSettings):
                                    dotenv_settings: PydanticBaseSettingsSource,
                                    file_secret_settings: PydanticBaseSettingsSource,
                                    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings,)  # the environment only through from_env
+        return (init_settings,)  # the environment only through from_env and from_args
 
     def sidecar_access(self) -> "SidecarAccess | None":
         """What the per-policy NetworkPolicy allows; None when they are off."""
@@ -203,10 +203,11 @@ class OperatorOptions(BaseSettings):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **override: Any) -> "OperatorOptions":
-        """The settings a command line parsed with `add_flags` gave; the defaults for
-        the rest. `override`: fields a caller derived from other flags."""
+        """The settings a command line parsed with `add_flags` gave; for the rest, the
+        process's env (`KVTIER_OPERATOR_<FIELD>`, e.g. the chart's operator.extraEnv),
+        else the defaults. `override`: fields a caller derived from other flags."""
         given = {name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)}
-        return cls(**{**given, **override})
+        return cls(**{**_EnvOf(cls, os.environ)(), **given, **override})
 
     def to_argv(self) -> list[str]:
         """Flags that `from_args` reads back as these settings (defaults left out)."""

@@ -12,10 +12,18 @@ the whole product on an embedded Kubernetes.
          routed by the published affinity table (kvtier.routing.pick)
       -> scale to 4: the operator warms the moved tenants on their new home,
          then publishes a new epoch; the replay goes on under it
+      -> two homes per tenant for the rollouts (the old version's pods then hold every
+         tenant's hot prefixes while one of its homes restarts), tenant traffic routed
+         to its homes among the Ready pods
       -> roll out weights version v2, gated on the KVTierHitRateDrop alarm in a real
          Prometheus (which discovers the sidecars and the operator through the
          apiserver and evaluates the chart's rules): canary -> its hit rate recovers
-         -> 50% -> 100% -> complete
+         -> 50% -> 100% -> complete. Warm-before-ready: each new pod is held out of
+         traffic (readiness gate kvtier.io/warm) until the operator has replayed its
+         tenants' hottest prefixes through the pod's engine (the reference engine's
+         OpenAI-compatible front, kvtier_testenv.engine_front); per step, the new pods'
+         first-minute hit rate next to the old version's (target >= 0.8x), with the
+         prefill the warm-up spent
       -> roll out v3, whose prompts share no prefix: its hit rate stays at 0, the
          alarm fires in Prometheus, and the operator rolls it back by itself
       -> `kubectl get kvcp`, per-tier hit rates, the epoch, the moved tenants, and
@@ -43,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import control_api
+from kvtier import names
 from kvtier.control_api import pod_audience
 from kvtier.names import WEIGHTS_VERSION_ANNOTATION
 from kvtier.policy import API_VERSION, ModelSpec
@@ -74,8 +83,33 @@ SIDECAR_HTTP_PORT = 8081  # the injected sidecar's default (kvtier.sidecar_confi
 GOOD_VERSION = "sha256:" + "2" * 64
 BAD_VERSION = "sha256:" + "3" * 64
 # The chart's alert rules, with windows that suit a demo of a few minutes: a version
-# must stay below 0.8 x the best version's hit rate for 10 s to fire.
-DEMO_RULES = {"window": "10s", "for": "10s", "minLookupsPerSecond": 0.5, "rolloutStalledAfterSeconds": 600}
+# must stay below 0.8 x the best version's hit rate for 20 s to fire. `for` outlasts
+# the rate window: a new pod's warm-up prefill is lookups that miss by design (before
+# the pod takes traffic), which drag its version's windowed hit rate down for one
+# window; with `for` == window that burst alone fired the alarm on the good version.
+DEMO_RULES = {"window": "10s", "for": "20s", "minLookupsPerSecond": 0.5, "rolloutStalledAfterSeconds": 600}
+# Warm-before-ready on the rollouts (issue #24): each new pod prefills up to this many
+# prompt tokens of its tenants' hottest prefixes (within the capacity estimate and the
+# deadline) before its readiness gate lets traffic in. Enough for every prefix the
+# rollout traffic sends a pod's tenants (~3-6 tenants x ~2.4k tokens, plus templates).
+WARMUP_MAX_TOKENS = 32768
+WARMUP_TIMEOUT = "60s"
+# The new pods' "first minute" of traffic, shortened for a demo of a few minutes (the
+# operator's default is 60 s): the chart's operator.extraEnv sets its env variable.
+FIRST_MINUTE_S = 20
+FIRST_MINUTE_ENV = "KVTIER_OPERATOR_FIRST_MINUTE_S"
+# Issue #24's target: a warmed new pod's first-minute hit rate >= 0.8x the old version's.
+FIRST_MINUTE_TARGET = 0.8
+# Homes per tenant for the rollouts. With one home, the pod a step restarts is the only
+# one holding its tenants' hot prefixes, so its warm-up finds them nowhere (only what
+# other pods saw of those tenants while it restarted); with two, the other home holds them.
+ROLLOUT_HOMES = 2
+# Old-version traffic before the first rollout, so each tenant's prompts are hot on both homes.
+PRE_ROLLOUT_TRAFFIC_S = 12.0
+# The rollout traffic: per tenant, this many prompts (whole blocks + 1 token: 65..129
+# tokens), picked with Zipf-like popularity. A cold pod misses each one it has not seen.
+TRAFFIC_PROMPTS = 24
+TRAFFIC_BLOCKS = (4, 8)
 # Rollouts take minutes: each step restarts pods and waits for the alarm to stay quiet.
 ROLLOUT_TIMEOUT_S = 300.0
 # Generous ceilings for a cold 2-core machine; each step normally takes seconds.
@@ -104,10 +138,12 @@ class Phase:
     per_member_requests: dict[str, int] = field(default_factory=dict)
 
 
-def policy_manifest(oracle: Any, redis_url: str, prometheus_url: str) -> dict[str, Any]:
+def policy_manifest(oracle: Any, redis_url: str, prometheus_url: str, engine_port: int | None = None
+                    ) -> dict[str, Any]:
     """A KVCachePolicy whose model identity is the reference engine's own, so the
     sidecars' key roots are exactly the ones the engine clients compute; rollouts of
-    the StatefulSet are gated on the chart's hit-rate alarm in Prometheus."""
+    the StatefulSet are gated on the chart's hit-rate alarm in Prometheus, and warm
+    each new pod through its engine on `engine_port` before it takes traffic."""
     s = oracle.shape
     model = oracle.model
     return {
@@ -125,12 +161,27 @@ def policy_manifest(oracle: Any, redis_url: str, prometheus_url: str) -> dict[st
             "workloadRef": {"kind": "StatefulSet", "name": WORKLOAD},
             "rollout": {"canaryPods": 1, "steps": [50, 100], "recovery": {
                 "source": "alarm", "alarm": {"url": prometheus_url, "api": "prometheus"},
-                "window": "2m", "interval": "2s", "count": 3, "minLookups": 20, "inconclusiveLimit": 1000}},
+                "window": "2m", "interval": "2s", "count": 3, "minLookups": 20, "inconclusiveLimit": 1000},
+                **({"warmup": {"maxTokens": WARMUP_MAX_TOKENS, "timeout": WARMUP_TIMEOUT, "enginePort": engine_port}}
+                   if engine_port else {})},
         },
     }
 
 
-def statefulset_manifest(replicas: int, version: str) -> dict[str, Any]:
+def engine_container(oracle: Any, port: int) -> dict[str, Any]:
+    """The serving engine: the reference engine's OpenAI-compatible front
+    (`kvtier_testenv.engine_front`), whose prefill goes through the pod's own sidecar;
+    the rollout's warm-up calls its `POST /v1/completions` with each tenant's cache_salt."""
+    s = oracle.shape
+    return {"name": "engine", "image": "example.com/llm-engine:1",
+            "command": [sys.executable, "-m", "kvtier_testenv.engine_front", "--port", str(port),
+                        "--block-bytes", str(oracle.block_bytes), "--kv-dtype", s["kv_dtype"],
+                        "--rope-config-hash", s["rope_config_hash"], "--attn-impl-id", s["attn_impl_id"]],
+            "env": [{"name": names.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+            "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 1}}
+
+
+def statefulset_manifest(replicas: int, version: str, engine: dict[str, Any] | None = None) -> dict[str, Any]:
     labels = {"app": APP_LABEL}
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
@@ -142,9 +193,8 @@ def statefulset_manifest(replicas: int, version: str) -> dict[str, Any]:
                                       "annotations": {WEIGHTS_VERSION_ANNOTATION: version}}, "spec": {
                 "terminationGracePeriodSeconds": 5,
                 "serviceAccountName": SERVING_SERVICE_ACCOUNT,
-                # The serving engine's image: not runnable here, so the node agent
-                # reports it running; the demo's engine clients stand in for it.
-                "containers": [{"name": "engine", "image": "example.com/llm-engine:1"}]}},
+                # Without `engine`, an image the node agent only reports running.
+                "containers": [engine or {"name": "engine", "image": "example.com/llm-engine:1"}]}},
         },
     }
 
@@ -152,9 +202,11 @@ def statefulset_manifest(replicas: int, version: str) -> dict[str, Any]:
 class ClusterDemo:
     """The steps of the demo over one embedded cluster; `close()` tears it all down."""
 
-    # Serving-pod containers the node agent runs as processes (none: reference engines
-    # stand in as clients; `--engine vllm` runs real vLLM servers).
-    engine_containers: tuple[str, ...] = ()
+    # Serving-pod containers the node agent runs as processes: the engine (the
+    # reference engine's HTTP front, which the rollout's warm-up calls; the replays'
+    # reference-engine clients talk to the sidecars directly; `--engine vllm` runs real
+    # vLLM servers).
+    engine_containers: tuple[str, ...] = ("engine",)
 
     def __init__(self, workdir: Path, log: Callable[[str], None]) -> None:
         self.workdir = workdir
@@ -203,8 +255,11 @@ class ClusterDemo:
         self.step("helm install kvtier (CRD, RBAC, operator, webhook in URL mode)")
         self.helm = Helm(self.cp.kubeconfig, namespace=SYSTEM_NAMESPACE, home=self.workdir / "helm")
         webhook_port = free_port()
+        self.engine_port = free_port()
         values = {
-            "operator": {"watchNamespaces": [NAMESPACE], "healthPort": free_port()},
+            # The first-minute window shortened for the demo (FIRST_MINUTE_S).
+            "operator": {"watchNamespaces": [NAMESPACE], "healthPort": free_port(),
+                         "extraEnv": [{"name": FIRST_MINUTE_ENV, "value": str(FIRST_MINUTE_S)}]},
             "webhook": {"url": f"https://127.0.0.1:{webhook_port}/inject-sidecar", "port": webhook_port},
             # The serving pods' sidecars may check the operator's token (TokenReview).
             "controlAuth": {"servingServiceAccounts": [{"namespace": NAMESPACE, "name": SERVING_SERVICE_ACCOUNT}]},
@@ -250,7 +305,7 @@ class ClusterDemo:
 
     def apply_policy(self) -> None:
         self.step(f"kubectl apply KVCachePolicy {POLICY} (the reference engine's model identity)")
-        self.kubectl.apply(policy_manifest(self.oracle, self.redis.url, self.prom.url))
+        self.kubectl.apply(policy_manifest(self.oracle, self.redis.url, self.prom.url, self.engine_port))
         wait_for("tier verdicts in the policy's status", lambda: self.status().get("tiers"))
 
     def status(self) -> dict[str, Any]:
@@ -261,7 +316,8 @@ class ClusterDemo:
         table both say `replicas`. Returns the status then."""
         if replicas == INITIAL_REPLICAS:
             self.step(f"StatefulSet {WORKLOAD} with {replicas} pods; the webhook injects the sidecar")
-            self.kubectl.apply(statefulset_manifest(replicas, self.oracle.shape["weights_version"]))
+            self.kubectl.apply(statefulset_manifest(replicas, self.oracle.shape["weights_version"],
+                                                    engine_container(self.oracle, self.engine_port)))
         else:
             self.step(f"kubectl scale statefulset/{WORKLOAD} --replicas={replicas}")
             self.kubectl.scale(f"statefulset/{WORKLOAD}", replicas)
@@ -367,18 +423,42 @@ class ClusterDemo:
 
     # -- rollouts --
 
-    def root_of(self, version: str):
-        return ServedModel.model_validate({**self.oracle.shape, "weights_version": version}).root("demo-tenant")
+    def root_of(self, version: str, tenant: str = "demo-tenant"):
+        return ServedModel.model_validate({**self.oracle.shape, "weights_version": version}).root(tenant)
 
-    def start_traffic(self):
-        """Steady engine traffic on every ready pod under the version it serves; v3's
-        prompts never repeat (a version whose prompts share no prefix)."""
-        from kvtier_testenv.traffic import Traffic
+    def set_homes(self, homes: int) -> dict[str, Any]:
+        """`spec.affinity.homes` patched; waits for the epoch that publishes it."""
+        self.step(f"kubectl patch kvcp {POLICY}: spec.affinity.homes = {homes} (each tenant on {homes} pods, "
+                  "so a restarting home's tenants stay hot on another)")
+        self.kubectl.run("patch", "kvcp", POLICY, "--type=merge", "-p",
+                         json.dumps({"spec": {"affinity": {"homes": homes}}}))
 
+        def published() -> dict[str, Any] | None:
+            st, table = self.status(), self.table()
+            return st if table and table[0].homes == homes and table[0].epoch == st.get("epoch") else None
+        return wait_for(f"an epoch with {homes} homes per tenant", published)
+
+    def start_traffic(self, tenants: list[str]):
+        """Steady engine traffic: each tenant's requests to its homes among the Ready
+        pods, under the version the pod serves; v3's prompts never repeat (a version
+        whose prompts share no prefix)."""
         modes = {self.oracle.shape["weights_version"]: "hits", GOOD_VERSION: "hits", BAD_VERSION: "misses"}
-        self.traffic = Traffic(self.kubectl, self.agent, f"app={APP_LABEL}", modes, self.root_of,
-                               self.oracle.block_size, self.oracle.block_bytes).start()
+        self.traffic = TenantTraffic(self, tenants, modes).start()
         self.stack.callback(self.traffic.stop)
+
+    def wait_first_minutes(self, version: str, steps: int) -> list[dict[str, Any]]:
+        """The rollout's per-step first-minute figures (status.rollout.firstMinutes),
+        once every step's pods have had their window."""
+        def done() -> list[dict[str, Any]] | None:
+            r = self.status().get("rollout") or {}
+            figs = {f["step"]: f for f in r.get("firstMinutes") or []} if r.get("targetVersion") == version else {}
+            return [figs[i] for i in range(1, steps + 1)] if all(i in figs for i in range(1, steps + 1)) else None
+        try:
+            return polling.wait_for(f"the first-minute figures of {version[:15]}...'s {steps} steps", done,
+                                    FIRST_MINUTE_S + STEP_TIMEOUT_S, POLL_S)
+        except polling.WaitTimeout as exc:
+            raise DemoFailed(f"{exc}: {(self.status().get('rollout') or {}).get('firstMinutes')}\n"
+                             f"{self.operator_log()}") from None
 
     def roll_out(self, version: str, label: str) -> None:
         self.step(f"kubectl patch kvcp {POLICY}: spec.model.weightsVersion = {label}")
@@ -421,6 +501,113 @@ class ClusterDemo:
     def close(self) -> None:
         self.step("tearing down (helm uninstall, pods, control plane, Redis)")
         self.stack.close()
+
+
+class TenantTraffic:
+    """The rollouts' traffic (a `kvtier_testenv.traffic.Traffic` per tenant): round
+    after round, each Ready pod gets requests of the tenants it is a home of (the
+    published table's homes among the Ready pods; a tenant with no Ready home goes to
+    the first Ready pod of its rendezvous order, as the EPP spills), each a prompt of
+    the tenant's `TRAFFIC_PROMPTS` picked by Zipf-like popularity, under the pod's
+    weights version and the tenant's key root. Every hit is checked against the KV the
+    version computes."""
+
+    def __init__(self, demo: ClusterDemo, tenants: list[str], modes: dict[str, str]) -> None:
+        import random
+
+        from kvtier_testenv.traffic import Traffic
+
+        self.demo, self.tenants = demo, list(tenants)
+        self._base = Traffic(demo.kubectl, demo.agent, f"app={APP_LABEL}", modes, demo.root_of,
+                             demo.oracle.block_size, demo.oracle.block_bytes)
+        # The same loop, pod list and checks; rounds of tenant requests.
+        self._base._round = self._round
+        pods = self._base._pods
+        self._ready: list[str] = []
+
+        def ready_pods() -> list[tuple[str, str]]:
+            out = pods()
+            self._ready = [p for p, _ in out]
+            return out
+        self._base._pods = ready_pods
+        self._rng = random.Random(24)
+        self._weights = [1.0 / (i + 1) ** 0.8 for i in range(TRAFFIC_PROMPTS)]
+        self._prompts: dict[tuple[str, int], Any] = {}
+        self._table: tuple[float, Any] = (0.0, None)
+
+    # the Traffic's counters
+    lookups = property(lambda self: self._base.lookups)
+    hits = property(lambda self: self._base.hits)
+    wrong_kv = property(lambda self: self._base.wrong_kv)
+
+    def start(self) -> "TenantTraffic":
+        self._base.start()
+        return self
+
+    def stop(self) -> None:
+        self._base.stop()
+
+    def prompt(self, tenant: str, i: int):
+        import numpy as np
+
+        key = (tenant, i)
+        if key not in self._prompts:
+            rng = np.random.default_rng([self.tenants.index(tenant), i, 24])
+            blocks = int(rng.integers(TRAFFIC_BLOCKS[0], TRAFFIC_BLOCKS[1] + 1))
+            self._prompts[key] = rng.integers(0, self.demo.oracle.vocab, blocks * self.demo.oracle.block_size + 1
+                                              ).astype(np.uint32)
+        return self._prompts[key]
+
+    def tenants_of(self, pod: str, ready: list[str]) -> list[str]:
+        now = time.monotonic()
+        if now - self._table[0] > 2.0 or self._table[1] is None:
+            self._table = (now, self.demo.table()[0])
+        table = self._table[1]
+        out = []
+        for t in self.tenants:
+            homes = [m for m in table.homes_for(t) if m in ready]
+            if not homes:
+                homes = [m for m in table.order_for(t) if m in ready][:1] or sorted(ready)[:1]
+            if pod in homes:
+                out.append((t, len(homes)))
+        return out
+
+    def _round(self, pod: str, version: str, mode: str) -> None:
+        import numpy as np
+
+        from kvtier_sidecar.client import Hit, SidecarClient
+        from kvtier_testenv.synthetic import prefill_kv
+        from kvtier_testenv.traffic import LOOKUPS_PER_ROUND, engine_socket
+
+        base = self._base
+        mine = self.tenants_of(pod, self._ready)
+        if not mine:
+            return
+        # A tenant with two Ready homes sends each half of its requests.
+        weights = [1.0 / n for _, n in mine]
+        client = SidecarClient(engine_socket(self.demo.agent, NAMESPACE, pod))
+        try:
+            for _ in range(LOOKUPS_PER_ROUND):
+                tenant = self._rng.choices([t for t, _ in mine], weights)[0]
+                root = self.demo.root_of(version, tenant)
+                if mode == "hits":
+                    t = self.prompt(tenant, self._rng.choices(range(TRAFFIC_PROMPTS), self._weights)[0])
+                else:
+                    t = np.random.default_rng(next(base._fresh)).integers(
+                        0, self.demo.oracle.vocab, TRAFFIC_BLOCKS[0] * self.demo.oracle.block_size + 1
+                    ).astype(np.uint32)
+                got = client.lookup(root, t)
+                try:
+                    if isinstance(got, Hit):
+                        base._check(client, got, root, t)
+                    engine_io.report(client, len(t), got, len(got.blocks) if got else 0, base.block_bytes)
+                finally:
+                    client.release(got)
+                if mode == "hits" and not got:  # a miss: the engine prefilled; offer it
+                    client.store(root, t, prefill_kv(root, t, base.block_size, base.block_bytes))
+                base.lookups[version] = base.lookups.get(version, 0) + 1
+        finally:
+            client.close()
 
 
 def moved_tenants(before, after, tenants: list[str]) -> dict[str, tuple[str, str]]:
@@ -476,9 +663,20 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         kvcp = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
         status = demo.status()
 
-        demo.start_traffic()
+        demo.set_homes(ROLLOUT_HOMES)
+        demo.start_traffic(tenants)
+        demo.step(f"tenant traffic on the old version for {PRE_ROLLOUT_TRAFFIC_S:g} s (each tenant's prompts hot "
+                  "on both its homes)")
+        time.sleep(PRE_ROLLOUT_TRAFFIC_S)
         demo.roll_out(GOOD_VERSION, "v2")
         good = demo.wait_rollout(GOOD_VERSION, "Ready")
+        demo.step(f"waiting for the last step's pods' first {FIRST_MINUTE_S} s of traffic")
+        steps = [h for h in good["rollout"]["history"] if h["version"] == GOOD_VERSION
+                 and h["outcome"] in ("recovered", "completed")]
+        first_minutes = demo.wait_first_minutes(GOOD_VERSION, len(steps))
+        demo.step("first-minute figures: " + "; ".join(
+            f"step {f['step']} {f.get('hitRate')} vs {f.get('baselineHitRate')}" for f in first_minutes))
+        good = demo.status()
         kvcp_good = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
         demo.roll_out(BAD_VERSION, "v3 (its prompts share no prefix)")
         bad = demo.wait_rollout(BAD_VERSION, "RolledBack")
@@ -499,7 +697,11 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         "kubectl_get_kvcp": kvcp,
         "rollouts": {
             "good": {"version": GOOD_VERSION, "history": good["rollout"]["history"],
-                     "baseline_hit_rate": good["rollout"].get("baselineHitRate"), "kubectl_get_kvcp": kvcp_good},
+                     "baseline_hit_rate": good["rollout"].get("baselineHitRate"), "kubectl_get_kvcp": kvcp_good,
+                     "warmups": [w for w in good["rollout"].get("warmups") or [] if w["version"] == GOOD_VERSION],
+                     "first_minutes": first_minutes,
+                     "first_minute": first_minute_summary(first_minutes),
+                     "warmup_budget": {"maxTokens": WARMUP_MAX_TOKENS, "timeout": WARMUP_TIMEOUT}},
             "bad": {"version": BAD_VERSION, "history": bad["rollout"]["history"], "serving": bad.get("version"),
                     "alert": alarm,
                     "kubectl_get_kvcp": kvcp_bad},
@@ -513,6 +715,45 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         "status": {k: status.get(k) for k in ("phase", "memberCount", "epoch", "movedTenants", "knownTenants",
                                                "fleetHitRate", "tiers")},
     }
+
+
+def first_minute_summary(figures: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue #24's figure over the good rollout's steps: each step's new pods'
+    first-window hit rate over the old version's, and whether every step met the target."""
+    ratios = []
+    for f in figures:
+        rate, base = f.get("hitRate"), f.get("baselineHitRate")
+        ratios.append(round(rate / base, 3) if rate is not None and base else None)
+    return {"window_s": sorted({f["windowS"] for f in figures}), "target_ratio": FIRST_MINUTE_TARGET,
+            "ratios": ratios,
+            "met": bool(ratios) and all(r is not None and r >= FIRST_MINUTE_TARGET for r in ratios)}
+
+
+def render_first_minutes(good: dict[str, Any]) -> list[str]:
+    """Per step: the new pods' first-window hit rate vs the old version's, the ratio,
+    warm/cold pods, the warm-up's prefill (spent and budgeted)."""
+    warm = {w["pod"]: w for w in good["warmups"]}
+    where = {"oldPods": "its pods then", "rolloutStart": "at the rollout's start"}
+    s = good["first_minute"]
+    windows = sorted({f["windowS"] for f in good["first_minutes"]})
+    window = "/".join(f"{w:g}" for w in windows)
+    shortened = "shortened for the demo to " if windows and max(windows) < 60 else ""
+    lines = [f"  first minute ({shortened}each new pod's first {window} s of traffic, after its warm-up; "
+             f"target >= {s['target_ratio']}x the old version's hit rate):"]
+    for f, ratio in zip(good["first_minutes"], s["ratios"]):
+        ws = [warm[p] for p in f.get("podNames") or [] if p in warm]
+        spent, budget = sum(w.get("tokens", 0) for w in ws), sum(w.get("budgetTokens", 0) for w in ws)
+        rate = "n/a" if f.get("hitRate") is None else f"{f['hitRate']:.3f}"
+        base = "n/a" if f.get("baselineHitRate") is None else f"{f['baselineHitRate']:.3f}"
+        lines.append(f"    step {f['step']}: {f['pods']} new pods ({f['warmPods']} warm, {f['coldPods']} cold) "
+                     f"hit {rate} of prompt tokens vs v1's {base} ({where.get(f.get('baselineSource'), '?')}) -> "
+                     f"{'n/a' if ratio is None else f'{ratio:.2f}x'} over {f['lookups']} lookups; warm-up "
+                     f"prefilled {spent:,} of {budget:,} budgeted tokens "
+                     f"({sum(w.get('prompts', 0) for w in ws)} prompts, {sum(w.get('tenants', 0) for w in ws)} "
+                     f"tenant warm-ups)")
+    lines.append(f"  target >= {s['target_ratio']}x the old version: " + (
+        "met at every step" if s["met"] else f"NOT met at every step (ratios {s['ratios']})"))
+    return lines
 
 
 def short(text: str) -> str:
@@ -539,6 +780,7 @@ def render(result: dict[str, Any]) -> str:
     lines += ["", f"rollout of v2 ({GOOD_VERSION[:15]}...), gated on KVTierHitRateDrop in Prometheus:"]
     lines += [f"  step {h['step']} {h['outcome']:<10} hit rate {h.get('hitRate')}" for h in r["good"]["history"]
               if h["version"] == GOOD_VERSION]
+    lines += render_first_minutes(r["good"])
     lines += ["$ kubectl get kvcp -o wide", r["good"]["kubectl_get_kvcp"], "",
               f"rollout of v3 ({BAD_VERSION[:15]}...), whose prompts share no prefix:",
               f"  alert {r['bad']['alert']['labels']['alertname']} fired in Prometheus (active since unix time "

@@ -8,6 +8,7 @@ recompute). The request's `cache_salt` names the tenant (the connector's rule). 
 rollout's warm-before-ready calls; `GET /health` answers once the sidecar's socket does.
 
     python -m kvtier_testenv.engine_front --port P --block-bytes B [--delay-s S]
+        [--kv-dtype D --rope-config-hash H --attn-impl-id A]   (the engine's own identity)
 
 Everything else comes from the pod's environment as the webhook injects it: POD_NAME,
 POD_NAMESPACE and XDG_RUNTIME_DIR locate the sidecar's socket, KVTIER_WEIGHTS_VERSION
@@ -135,10 +136,14 @@ def _handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
 
 
 def engine_from_env(env: dict[str, str], block_bytes: int, delay_s: float = 0.0,
-                    served: str | None = None) -> Engine:
+                    served: str | None = None, own: dict[str, str] | None = None) -> Engine:
+    """`own`: the engine's own parts of its identity (kv_dtype, rope_config_hash,
+    attn_impl_id), which a real engine knows from its model and the connector's config
+    does not carry; unset ones keep ModelIdentity's defaults."""
     extra = json.loads(env.get(names.KV_TRANSFER_CONFIG_ENV) or "{}").get("kv_connector_extra_config") or {}
     identity = ModelIdentity(model_id=extra.get("model_id", ModelIdentity().model_id),
-                             weights_version=env[names.WEIGHTS_VERSION_ENV])
+                             weights_version=env[names.WEIGHTS_VERSION_ENV],
+                             **{k: v for k, v in (own or {}).items() if v})
     cfg = sidecar_config.from_mapping({}, env)
     socket = str(Path(env[names.RUNTIME_DIR_ENV]) / f"kvtier-{cfg.shm_name}.sock")
     return Engine(identity, int(extra.get("block_size", 16)), block_bytes, socket, served or identity.model_id,
@@ -151,9 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-bytes", type=int, required=True)
     ap.add_argument("--delay-s", type=float, default=0.0)
     ap.add_argument("--served-model-name", default=None)
+    # The engine's own KV layout and attention (a real engine knows them from its model).
+    ap.add_argument("--kv-dtype", default=None)
+    ap.add_argument("--rope-config-hash", default=None)
+    ap.add_argument("--attn-impl-id", default=None)
     args = ap.parse_args(argv)
     env = dict(os.environ)
-    engine = engine_from_env(env, args.block_bytes, args.delay_s, args.served_model_name)
+    engine = engine_from_env(env, args.block_bytes, args.delay_s, args.served_model_name,
+                             {"kv_dtype": args.kv_dtype, "rope_config_hash": args.rope_config_hash,
+                              "attn_impl_id": args.attn_impl_id})
     server = ThreadingHTTPServer((env.get(names.POD_IP_ENV, "127.0.0.1"), args.port), _handler(engine))
     server.daemon_threads = True
     sys.stderr.write(f"engine_front: serving {engine.served} on {server.server_address}, sidecar {engine.socket}\n")

@@ -1,7 +1,8 @@
 """The checkout's cluster demo (`./scripts/demo.sh`) end to end: its own control plane, the chart, the
 operator pod, injected sidecars, a scale-up with warm-up, then an alarm-gated rollout
-of a good version that completes and of a bad one that Prometheus' alarm rolls back;
-zero wrong KV."""
+of a good version whose new pods are warmed before ready (each step's first-minute hit
+rate next to the old version's) and that completes, and of a bad one that Prometheus'
+alarm rolls back; zero wrong KV."""
 from __future__ import annotations
 
 import json
@@ -44,6 +45,24 @@ def test_cluster_demo_scales_with_warm_up_rolls_out_and_back_and_serves_no_wrong
     r = result["rollouts"]
     good = [(h["step"], h["outcome"]) for h in r["good"]["history"] if h["version"] == r["good"]["version"]]
     assert good == [(1, "recovered"), (2, "recovered"), (3, "completed")]
+    # Warm-before-ready (issue #24): every pod the good rollout moved prefilled its
+    # tenants' hottest prefixes through its engine (engine_front) within its budget...
+    g = r["good"]
+    assert sorted(w["pod"] for w in g["warmups"]) == ["llm-0", "llm-1", "llm-2", "llm-3"]
+    for w in g["warmups"]:
+        assert w["outcome"] == "Warmed" and w["tenants"] > 0 and w["coldTenants"] == 0, w
+        assert 0 < w["tokens"] <= w["budgetTokens"] == g["warmup_budget"]["maxTokens"], w
+    # ...and each step's new pods were measured over their first window of traffic (the
+    # demo's chart value shortens it to FIRST_MINUTE_S), all warm, next to the old version.
+    figures = g["first_minutes"]
+    assert [f["step"] for f in figures] == [1, 2, 3]
+    assert [f["pods"] for f in figures] == [1, 1, 2]
+    for f in figures:
+        assert f["windowS"] == 20, f
+        assert f["warmPods"] == f["pods"] and f["coldPods"] == 0, f
+        assert f["lookups"] > 0 and f["hitRate"] is not None and f["baselineHitRate"], f
+    # The canary's warmed first window against the old version's hit rate: issue #24's target.
+    assert g["first_minute"]["ratios"][0] >= 0.8, g["first_minute"]
     bad = [h for h in r["bad"]["history"] if h["version"] == r["bad"]["version"]]
     assert [(h["step"], h["outcome"]) for h in bad] == [(1, "rolledBack")]
     assert "alert KVTierHitRateDrop firing for" in bad[0]["message"]
