@@ -93,9 +93,9 @@ _BOTH_PROBES_SET = 0x0101
 """A hash's two doorkeeper bytes read as one uint16: both set (each byte is 0 or 1)."""
 
 _COMPILED = not __file__.endswith(".py") and sys.byteorder == "little"
-"""Whether this module runs compiled (kvtier._compiled), where `_count_sightings` and
-`_estimate_cells` run as typed C loops (admission.pxd). A sketch counts in one of two
-ways: compiled, with `_count_sightings`, which beats numpy at any size; as plain
+"""Whether this module runs compiled (kvtier._compiled), where `_sight_hashes` (and
+`_count_sightings`) and `_estimate_cells` run as typed C loops (admission.pxd). A sketch
+counts in one of two ways: compiled, with `_sight_hashes`, which beats numpy at any size; as plain
 Python, with numpy (`_add_many`), since the loop uncompiled is the slowest way to
 count. `_estimate_cells` serves both builds."""
 
@@ -123,6 +123,50 @@ def _count_sightings(flat, door, stamp, halves, n, width, depth, door_mask, epoc
             door[halves[2 * j + 1] & door_mask] = 1
 
 
+def _sight_hashes(flat, door, stamp, hashes, n, width, depth, door_mask, epoch):
+    """`_count_sightings` over the `n` 16-byte hashes themselves: each hash's halves
+    are read from its bytes (little-endian), so no joined copy or view of them is
+    made per call. The same counts as `_count_sightings` and `_add_many`."""
+    m = width - 1
+    for j in range(n):
+        h = hashes[j]
+        p = h
+        lo = 0
+        hi = 0
+        for k in range(7, -1, -1):
+            lo = (lo << 8) | p[k]
+            hi = (hi << 8) | p[k + 8]
+        if door is not None and not (door[lo & door_mask] and door[hi & door_mask]):
+            continue
+        for i in range(depth):
+            c = i * width + ((lo + i * hi) & m)
+            if stamp[c] != epoch:
+                stamp[c] = epoch
+                flat[c] += 1  # uint32: wraps as the other paths do
+    if door is not None:  # set only now: every probe was read before any was set
+        for j in range(n):
+            h = hashes[j]
+            p = h
+            lo = 0
+            hi = 0
+            for k in range(7, -1, -1):
+                lo = (lo << 8) | p[k]
+                hi = (hi << 8) | p[k + 8]
+            door[lo & door_mask] = 1
+            door[hi & door_mask] = 1
+
+
+def _u32_view(a):
+    """`a` as the typed view the compiled loops take (compiled: made once and kept, so
+    a call does not acquire the array's buffer again); `a` itself as plain Python."""
+    return a
+
+
+def _u8_view(a):
+    """`_u32_view` for the doorkeeper's bytes (None stays None)."""
+    return a
+
+
 def _estimate_cells(flat, door, lo, hi, width, depth, door_mask):
     """The sketch's estimate for the hash with halves (lo, hi): its cells' minimum,
     plus one when the doorkeeper (`door`) has seen it."""
@@ -148,13 +192,13 @@ class CountMinSketch:
     estimate is the table's minimum plus one when the doorkeeper knows the hash.
     Halving clears the doorkeeper. Estimates of a few hashes go through
     `_estimate_cells`, over flat views of the arrays. Compiled (kvtier._compiled),
-    every addition runs the typed loop `_count_sightings`; as plain Python, numpy.
+    every addition runs the typed loop `_sight_hashes`; as plain Python, numpy.
     Both touch the same counters (pinned by a hypothesis test).
     """
 
     __slots__ = ("width", "depth", "table", "additions", "sample_size", "resets", "_mask", "_coef",
                  "_row_base", "_table_flat", "_flat", "door", "_door_flat", "_door_mask", "_door_mask_i64",
-                 "_stamp", "_epoch")
+                 "_stamp", "_epoch", "_views")
 
     def __init__(self, width: int = SKETCH_WIDTH, depth: int = SKETCH_DEPTH,
                  sample_size: int | None = None, doorkeeper: bool = False) -> None:
@@ -183,6 +227,7 @@ class CountMinSketch:
         self._door_mask_i64 = np.int64(self._door_mask)  # < 2**63: masking the int64 view is exact
         self._stamp: np.ndarray | None = None  # `_add_typed`'s, made on its first call
         self._epoch = 0
+        self._views: tuple | None = None  # `_add_typed`'s typed views of (table, door, stamp)
 
     @classmethod
     def for_slots(cls, slots: int, doorkeeper: bool = True) -> CountMinSketch:
@@ -263,14 +308,16 @@ class CountMinSketch:
         return est
 
     def _add_typed(self, hashes: list[BlockHash]) -> None:
-        """`_count_sightings` over the hashes (compiled only: see `_COMPILED`)."""
+        """`_sight_hashes` over the hashes (compiled only: see `_COMPILED`), on typed
+        views of the table, doorkeeper and stamps made once (acquiring three buffers per
+        call cost more than the counting)."""
         self._epoch += 1
         if self._stamp is None or self._epoch > 0xFFFFFFFF:  # first call, or the epoch wraps: start over
             self._stamp = np.zeros(self.width * self.depth, dtype=np.uint32)
             self._epoch = 1
-        halves = memoryview(b"".join(hashes)).cast("Q")
-        _count_sightings(self._table_flat, self.door, self._stamp, halves, len(hashes), self.width, self.depth,
-                         self._door_mask, self._epoch)
+            self._views = (_u32_view(self._table_flat), _u8_view(self.door), _u32_view(self._stamp))
+        flat, door, stamp = self._views  # halving and clearing the doorkeeper are in place: still valid
+        _sight_hashes(flat, door, stamp, hashes, len(hashes), self.width, self.depth, self._door_mask, self._epoch)
 
     def _estimate_few(self, hashes: list[BlockHash]) -> np.ndarray:
         return np.array([self.estimate_one(h) for h in hashes], dtype=np.int64)
