@@ -13,6 +13,7 @@ the loop itself only does what a router and a cache would do.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,11 @@ WARM_TIMEOUT_S = 120.0
 # Where a warm-up reads its prompts: "homes" (the operator: the tenant's other homes)
 # or "own" (what-if: the restarted pod's own sidecar first, read before the restart).
 WARM_SOURCES = ("homes", "own")
+# The operator's `rollout_warmup.OTHER_HOME_WEIGHT` (a tenant's prompts weigh this much
+# on a pod that is one of its homes but not the first) and `ASK_FLOOR_TOKENS` (the
+# least each source is asked for, in real tokens).
+WARM_OTHER_HOME_WEIGHT = 0.1
+WARM_ASK_FLOOR_TOKENS = 8_192
 
 
 class Progress(Protocol):
@@ -77,8 +83,10 @@ class SimConfig:
     what the operator's rollout warm-up does (`operator/kvtier_operator/
     rollout_warmup.py`): for each tenant whose homes include the pod, the hottest
     prompts (`LocalCache.hot_prompts`: frequency x length) of at most two of its
-    other homes, old version first, ranked, the budget split evenly over the tenants
-    (what one leaves goes to the others), replayed on the pod itself under the new
+    other homes, old version first, ranked, then all the tenants' prompts chosen
+    greedily by (the pod's rank in the tenant's homes: first home 1, others
+    `WARM_OTHER_HOME_WEIGHT`) x frequency x the tokens not already warmed, within the
+    budget, replayed on the pod itself under the new
     version while a readiness gate holds it out of traffic; the gate opens when that
     prefill is done (its tenants' requests go to their other homes meanwhile). The
     budget is in prompt tokens, as the operator's `maxTokens`. 0: it comes up cold.
@@ -88,7 +96,7 @@ class SimConfig:
     does not do today either: each prompt is cut to the whole blocks it shares with
     another prompt of its tenant (`warm_trim_shared`), so a template is replayed once
     instead of once per one-off question appended to it, and the budget goes to the
-    tenants whose first home the pod is.
+    tenants whose first home the pod is only.
     """
 
     workload: WorkloadSpec
@@ -290,8 +298,11 @@ class Simulation:
             entry["ready_s"] = {r: ev.time_s for r in ev.replicas}
             if warm:
                 entry["warmed_tokens"] = entry["warmed_prompt_tokens"] = entry["warmed_tenants"] = 0
+                entry["warmed_prompts"] = 0
                 for r in ev.replicas:
-                    prefilled, prompt_tokens, tenants = self._warm_before_ready(r, ev.version, ev.time_s, own.get(r))
+                    prefilled, prompt_tokens, tenants, prompts = self._warm_before_ready(
+                        r, ev.version, ev.time_s, own.get(r))
+                    entry["warmed_prompts"] += prompts
                     entry["warmed_tokens"] += prefilled
                     entry["warmed_prompt_tokens"] += prompt_tokens
                     entry["warmed_tenants"] += tenants
@@ -341,22 +352,26 @@ class Simulation:
     def _own_prompts(self, r: int) -> dict[str, list]:
         """What-if: pod r's own hot prompts per tenant, read before it restarts."""
         tenants = self._tenants_of(r)
-        ask = warm_ask(self.cfg.warm_before_ready_tokens // self.cfg.workload.token_unit, len(tenants))
+        unit = self.cfg.workload.token_unit
+        ask = warm_ask(self.cfg.warm_before_ready_tokens // unit, len(tenants), WARM_ASK_FLOOR_TOKENS // unit)
         return {t: [WarmPrompt(tuple(tokens.tolist()), freq)
                     for _, tokens, freq in self.caches[r].cache.hot_prompts(t, ask)] for t in tenants}
 
     def _warm_before_ready(self, r: int, version: int, now_s: float,
                            own: dict[str, list] | None = None) -> tuple[int, int, int]:
         """Warm pod r (just restarted onto `version`) as the operator does; returns
-        (tokens actually prefilled, prompt tokens replayed, tenants warmed), in real
-        tokens.
+        (tokens actually prefilled, prompt tokens charged to the budget as the operator
+        counts them — a prefix shared with a prompt of the tenant replayed before is not
+        counted again —, tenants warmed, prompts replayed), in real tokens. The two differ by the partial
+        block of a shared prefix, which the engine computes again.
 
         Tenants: those whose homes include the pod. Sources of a tenant: its homes on
         the old version in rendezvous order, then its homes already on the new one
         (the last old pod of a fleet has no old peer left), never the pod itself (its
         sidecar restarted with it), at most `WARM_SOURCES_PER_TENANT`; each is asked
-        for twice the tenant's even share. The answers are ranked and spent exactly as
-        `rollout_warmup.rank` / `spend` / `replay_order` do, and replayed under the new
+        for `warm_ask` tokens. The answers are ranked, weighted by the pod's rank in the
+        tenant's homes and planned across the pod's tenants exactly as
+        `rollout_warmup.rank` / `home_weights` / `plan` do, and replayed under the new
         version's key root; a prompt whose blocks the pod already holds costs only the
         blocks it lacks (the engine's prefix cache)."""
         cfg, fleet, unit = self.cfg, self.fleet, self.cfg.workload.token_unit
@@ -364,8 +379,9 @@ class Simulation:
         index = {n: i for i, n in enumerate(fleet.names)}
         tenants = self._tenants_of(r)
         budget = cfg.warm_before_ready_tokens // unit  # in token elements
-        ask = warm_ask(budget, len(tenants))
-        ranked: dict[str, list[WarmPrompt]] = {}
+        ask = warm_ask(budget, len(tenants), WARM_ASK_FLOOR_TOKENS // unit)
+        me = fleet.names[r]
+        ranked: dict[str, tuple[float, list[WarmPrompt]]] = {}
         for tenant in tenants:
             homes = [index[m] for m in table.homes_for(tenant) if m in index and index[m] != r and fleet.alive[index[m]]]
             old = [h for h in homes if fleet.version[h] != version]
@@ -375,16 +391,20 @@ class Simulation:
             answers += [[WarmPrompt(tuple(tokens.tolist()), freq)
                          for _, tokens, freq in self.caches[src].cache.hot_prompts(tenant, ask)]
                         for src in sources[:WARM_SOURCES_PER_TENANT - len(answers)]]
-            ranked[tenant] = warm_rank(warm_trim_shared(answers, cfg.block_elems) if cfg.warm_trim else answers)
+            weight = 1.0 if table.homes_for(tenant)[:1] == [me] else WARM_OTHER_HOME_WEIGHT
+            ranked[tenant] = (weight, warm_rank(warm_trim_shared(answers, cfg.block_elems) if cfg.warm_trim
+                                                else answers))
         tenant_index = {t: i for i, t in enumerate(self.roots.tenant_names)}
-        cache, prefilled, replayed, warmed = self.caches[r].cache, 0, 0, set()
+        cache, prefilled, replayed, warmed, prompts = self.caches[r].cache, 0, 0, set(), 0
         deadline_elems = WARM_TIMEOUT_S * fleet.spec.prefill_tokens_per_s / unit
-        for tenant, prompt in warm_replay_order(warm_spend(ranked, budget)):
+        for item in warm_plan(ranked, budget):
+            tenant, prompt = item.tenant, item.prompt
             if prefilled >= deadline_elems:
                 break  # out of time: the gate opens with the rest not warmed (WarmupTimedOut)
             tokens = np.asarray(prompt.tokens, dtype=np.int64)
             res = cache.reserve(self.roots.root(tenant_index[tenant], version), tokens, force=True)
-            replayed += len(tokens)
+            replayed += item.new_tokens  # what the operator charges its budget
+            prompts += 1
             warmed.add(tenant)
             # The engine computes what its prefix cache lacks (whole blocks it holds
             # are found; the rest, the partial tail included, is prefilled).
@@ -393,7 +413,7 @@ class Simulation:
             prefilled += len(tokens) - held
             if res is not None:
                 cache.commit(res)
-        return prefilled * unit, replayed * unit, len(warmed)
+        return prefilled * unit, replayed * unit, len(warmed), prompts
 
     # ------------------------------------------------------------------ summary
 
@@ -454,7 +474,7 @@ class Simulation:
 
 # ---------------------------------------------------------------------- the operator's warm-up plan
 # The same rules as operator/kvtier_operator/rollout_warmup.py (`Prompt`, `rank`,
-# `shares`, `spend`, `ask_tokens`, `replay_order`), here because the simulator cannot
+# `ask_tokens`, `home_weights`, `plan`), here because the simulator cannot
 # import the operator; tests/sim pins them to the operator's on the same input.
 
 @dataclass(frozen=True, slots=True)
@@ -467,11 +487,12 @@ class WarmPrompt:
         return self.frequency * len(self.tokens)
 
 
-def warm_ask(max_tokens: int, tenants: int) -> int:
-    """Tokens asked of each source: twice a tenant's even share, at most the budget."""
+def warm_ask(max_tokens: int, tenants: int, floor: int = WARM_ASK_FLOOR_TOKENS) -> int:
+    """Tokens asked of each source: twice a tenant's even share, at least `floor`, at
+    most the budget."""
     if tenants <= 0 or max_tokens <= 0:
         return 0
-    return min(max_tokens, 2 * -(-max_tokens // tenants))
+    return min(max_tokens, max(floor, 2 * -(-max_tokens // tenants)))
 
 
 def warm_rank(answers) -> list[WarmPrompt]:
@@ -509,46 +530,72 @@ def warm_trim_shared(answers, block: int) -> list[list[WarmPrompt]]:
              for p in answer if p.tokens] for answer in answers]
 
 
-def _warm_take(prompts, budget: int, taken: set) -> tuple[list[WarmPrompt], int]:
-    out, spent = [], 0
-    for p in prompts:
-        if p.tokens in taken or spent + len(p.tokens) > budget:
-            continue
-        out.append(p)
-        taken.add(p.tokens)
-        spent += len(p.tokens)
-    return out, spent
-
-
-def warm_spend(ranked: dict[str, list[WarmPrompt]], max_tokens: int) -> dict[str, list[WarmPrompt]]:
-    """Each tenant's prompts within the pod's budget: an even share each (the
-    remainder to the first tenants by name), then what the tenants left, offered
-    again in name order."""
-    ordered = sorted(ranked)
-    if ordered and max_tokens > 0:
-        base, extra = divmod(max_tokens, len(ordered))
-        share = {t: base + (i < extra) for i, t in enumerate(ordered)}
-    else:
-        share = {t: 0 for t in ordered}
-    chosen: dict[str, list[WarmPrompt]] = {}
-    taken: dict[str, set] = {t: set() for t in ordered}
-    left = 0
-    for t in ordered:
-        chosen[t], spent = _warm_take(ranked[t], share[t], taken[t])
-        left += share[t] - spent
-    for t in ordered:
-        if left <= 0:
+def _warm_common(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
             break
-        more, spent = _warm_take(ranked[t], left, taken[t])
-        chosen[t] += more
-        left -= spent
-    return chosen
+        n += 1
+    return n
 
 
-def warm_replay_order(chosen: dict[str, list[WarmPrompt]]) -> list[tuple[str, WarmPrompt]]:
-    """Every chosen prompt, the most valuable first whatever its tenant."""
-    pairs = [(t, p) for t in sorted(chosen) for p in chosen[t]]
-    return sorted(pairs, key=lambda tp: (-tp[1].value, tp[0], tp[1].tokens))
+@dataclass(frozen=True, slots=True)
+class WarmPlanned:
+    tenant: str
+    prompt: WarmPrompt
+    new_tokens: int
+    after: int | None = None
+
+
+def warm_plan(candidates: dict[str, tuple[float, list[WarmPrompt]]], max_tokens: int) -> list[WarmPlanned]:
+    """All the tenants' prompts in one pool (tenant -> (weight, prompts)), chosen
+    greedily by weight x frequency x tokens not already in a chosen prompt of the same
+    tenant, while the tokens charged fit the budget; in the order chosen."""
+    left = max(0, max_tokens)
+    pool, seen = [], set()
+    for t in sorted(candidates):
+        w, prompts = candidates[t]
+        for p in prompts:
+            if p.tokens and (t, p.tokens) not in seen:
+                seen.add((t, p.tokens))
+                pool.append((t, w, p))
+    shared, source, version = [0] * len(pool), [None] * len(pool), [0] * len(pool)
+    by_tenant: dict[str, list[int]] = {}
+    for i, (t, _, _) in enumerate(pool):
+        by_tenant.setdefault(t, []).append(i)
+
+    def entry(i):
+        t, w, p = pool[i]
+        new = len(p.tokens) - shared[i]
+        return (-(w * p.frequency * new), -new, t, p.tokens, version[i], i)
+
+    heap = [entry(i) for i in range(len(pool))]
+    heapq.heapify(heap)
+    done = [False] * len(pool)
+    out: list[WarmPlanned] = []
+    while heap and left > 0:
+        *_, v, i = heapq.heappop(heap)
+        if done[i] or v != version[i]:
+            continue
+        t, _, p = pool[i]
+        new = len(p.tokens) - shared[i]
+        if new <= 0:
+            done[i] = True
+            continue
+        if new > left:
+            continue
+        done[i] = True
+        left -= new
+        out.append(WarmPlanned(t, p, new, source[i]))
+        for j in by_tenant[t]:
+            if done[j]:
+                continue
+            c = _warm_common(pool[j][2].tokens, p.tokens)
+            if c > shared[j]:
+                shared[j], source[j] = c, len(out) - 1
+                version[j] += 1
+                heapq.heappush(heap, entry(j))
+    return out
 
 
 def simulate(cfg: SimConfig, events=(), workload: Workload | None = None, label: str = "") -> SimResult:

@@ -16,12 +16,15 @@ tick (`decide`):
     moved to the target, containers up            -> warm it
 
 Warming a pod: the tenants whose homes include it (`tenants_of_pod`: rendezvous over the
-published table with the pod as a member), each tenant's hottest prefixes read from its
-current homes on the old version (`sources`; their sidecars' `GET /cache/hot`; pods
-already on the new version when no old one holds the tenant), merged
-and ranked by frequency x length (`rank`), the pod's `maxTokens` split over its tenants
-(`spend`: an even share each, what a tenant cannot use goes to the others), replayed as
-prompts through the pod's own engine within `timeout`. The gate is then released
+published table with the pod as a member), each weighted by the pod's rank in its homes
+(`home_weights`: full weight where it is the tenant's first home, which gets the
+tenant's traffic; `OTHER_HOME_WEIGHT` elsewhere), each tenant's hottest prefixes read
+from its current homes on the old version (`sources`; their sidecars' `GET /cache/hot`,
+each asked for at least `ASK_FLOOR_TOKENS`; pods already on the new version when no old
+one holds the tenant), merged (`rank`), then all the tenants' prompts in one pool and
+the pod's `maxTokens` spent greedily on the best by weight x frequency x the tokens
+not already warmed (`plan`), replayed as prompts through the pod's own engine within
+`timeout`, most valuable first. The gate is then released
 whatever happened (`outcome`): Warmed, WarmupFailed (the engine refused or could not be
 reached), WarmupTimedOut. A pod never stays gated because its warm-up went wrong.
 """
@@ -147,44 +150,116 @@ def rank(answers: Iterable[Sequence[Prompt]]) -> list[Prompt]:
     return sorted((Prompt(t, f) for t, f in best.items()), key=lambda p: (-p.value, -len(p.tokens), p.tokens))
 
 
-def shares(max_tokens: int, tenants: Sequence[str]) -> dict[str, int]:
-    """An even split of the pod's budget, the remainder to the first tenants by name."""
-    ordered = sorted(tenants)
-    if not ordered or max_tokens <= 0:
-        return {t: 0 for t in ordered}
-    base, extra = divmod(max_tokens, len(ordered))
-    return {t: base + (i < extra) for i, t in enumerate(ordered)}
+# A tenant's traffic goes to its FIRST home (`kvtier.routing.pick`); its other homes see
+# it only while the first runs hot (spill: occupancy above spillOccupancy and above
+# balanceFactor x the fleet mean, which a fleet sized to ~0.7 mean occupancy under the
+# 0.85 threshold rarely is) or is itself restarted. The routing has no spill model to
+# read a share from, so this is an estimate, on the generous side: a pod that is only
+# another home of a tenant expects about a tenth of its traffic, so a prompt of such a
+# tenant is warmed before a first-home tenant's only if it saves ten times as much.
+OTHER_HOME_WEIGHT = 0.1
+# The least a tenant's sources are asked for, in tokens: one long prompt (a system
+# prompt or a document template of a few thousand tokens, with room to spare). An ask
+# below the tenant's prompt lengths returns nothing at all: the sidecar lists whole
+# prefixes only.
+ASK_FLOOR_TOKENS = 8_192
 
 
-def _take(prompts: Sequence[Prompt], budget: int, taken: set[tuple[int, ...]]) -> tuple[list[Prompt], int]:
-    out, spent = [], 0
-    for p in prompts:
-        if p.tokens in taken or spent + len(p.tokens) > budget:
-            continue
-        out.append(p)
-        taken.add(p.tokens)
-        spent += len(p.tokens)
-    return out, spent
+def home_weights(table: AffinityTable | None, pod: str, weight: float, tenants: Iterable[str]) -> dict[str, float]:
+    """Each tenant's weight on `pod` (the published table with the pod as a member):
+    1.0 where the pod is its first home, `OTHER_HOME_WEIGHT` where it is another home;
+    tenants it is no home of are left out."""
+    if table is None:
+        return {}
+    joined = table.model_copy(update={"members": {**table.members, pod: table.members.get(pod, weight)}})
+    out = {}
+    for t in sorted(set(tenants)):
+        homes = joined.homes_for(t)
+        if pod in homes:
+            out[t] = 1.0 if homes[0] == pod else OTHER_HOME_WEIGHT
+    return out
 
 
-def spend(ranked: Mapping[str, Sequence[Prompt]], max_tokens: int) -> dict[str, list[Prompt]]:
-    """Each tenant's prompts within the pod's budget: first its even share (`shares`),
-    then what the tenants left unspent, offered again in name order. Never more than
-    `max_tokens` prompt tokens in all, never a prompt twice."""
-    share = shares(max_tokens, list(ranked))
-    chosen: dict[str, list[Prompt]] = {}
-    taken: dict[str, set[tuple[int, ...]]] = {t: set() for t in ranked}
-    left = 0
-    for t in sorted(ranked):
-        chosen[t], spent = _take(ranked[t], share[t], taken[t])
-        left += share[t] - spent
-    for t in sorted(ranked):
-        if left <= 0:
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """One prompt to replay: `new_tokens` of it are not already in a prompt replayed
+    before it (what the budget is charged), `after` the index in the plan of the
+    prompt whose prefix it reuses (replay it once that one is done), None if none."""
+
+    tenant: str
+    prompt: Prompt
+    new_tokens: int
+    after: int | None = None
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
             break
-        more, spent = _take(ranked[t], left, taken[t])
-        chosen[t] += more
-        left -= spent
-    return chosen
+        n += 1
+    return n
+
+
+def plan(candidates: Mapping[str, tuple[float, Sequence[Prompt]]], max_tokens: int) -> list[Planned]:
+    """The pod's warm-up: every tenant's candidate prompts (`candidates`: tenant ->
+    (its weight on the pod, `home_weights`; its prompts, `rank`)) in one pool, chosen
+    greedily by expected saving — weight x frequency x the tokens not already warmed
+    (a prompt that shares a prefix with a chosen prompt of its tenant is charged only
+    the rest: the engine finds the shared prefix cached) — while the tokens charged
+    fit `max_tokens`. Returned in the order chosen, the most valuable first (a deadline
+    cuts the least valuable), each prompt once. Prefixes never cross tenants (each
+    tenant's prompts are replayed under its own cache_salt)."""
+    import heapq
+
+    left = max(0, max_tokens)
+    pool: list[tuple[str, float, Prompt]] = []
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    for t in sorted(candidates):
+        w, prompts = candidates[t]
+        for p in prompts:
+            if p.tokens and (t, p.tokens) not in seen:
+                seen.add((t, p.tokens))
+                pool.append((t, w, p))
+    shared = [0] * len(pool)  # tokens of candidate i already in a chosen prompt
+    source: list[int | None] = [None] * len(pool)  # the chosen prompt (plan index) they come from
+    version = [0] * len(pool)
+    by_tenant: dict[str, list[int]] = {}
+    for i, (t, _, _) in enumerate(pool):
+        by_tenant.setdefault(t, []).append(i)
+
+    def entry(i: int) -> tuple:
+        t, w, p = pool[i]
+        new = len(p.tokens) - shared[i]
+        return (-(w * p.frequency * new), -new, t, p.tokens, version[i], i)
+
+    heap = [entry(i) for i in range(len(pool))]
+    heapq.heapify(heap)
+    done = [False] * len(pool)
+    out: list[Planned] = []
+    while heap and left > 0:
+        *_, v, i = heapq.heappop(heap)
+        if done[i] or v != version[i]:
+            continue
+        t, _, p = pool[i]
+        new = len(p.tokens) - shared[i]
+        if new <= 0:
+            done[i] = True
+            continue
+        if new > left:
+            continue  # may fit later, if a prompt chosen after it shares more of it
+        done[i] = True
+        left -= new
+        out.append(Planned(t, p, new, source[i]))
+        for j in by_tenant[t]:
+            if done[j]:
+                continue
+            c = _common(pool[j][2].tokens, p.tokens)
+            if c > shared[j]:
+                shared[j], source[j] = c, len(out) - 1
+                version[j] += 1
+                heapq.heappush(heap, entry(j))
+    return out
 
 
 # A warm-up's budget fills at most this share of its deadline at the engine's estimated
@@ -235,18 +310,14 @@ def budget_text(b: Budget, timeout_s: float) -> str:
 
 
 def ask_tokens(max_tokens: int, tenants: int) -> int:
-    """How many tokens to ask each tenant's sources for: twice its even share (room
-    for what the others leave), never more than the whole budget."""
+    """How many tokens to ask each of a tenant's sources for: twice its even share of
+    the budget, at least `ASK_FLOOR_TOKENS` (an even share can be below one prompt of
+    the tenant's, and the sidecar lists whole prefixes only), never more than the
+    whole budget. So what is asked in all stays within SOURCES x max(2 x budget +
+    2 x tenants, tenants x ASK_FLOOR_TOKENS) token ids, and `plan` picks across it."""
     if tenants <= 0 or max_tokens <= 0:
         return 0
-    return min(max_tokens, 2 * -(-max_tokens // tenants))
-
-
-def replay_order(chosen: Mapping[str, Sequence[Prompt]]) -> list[tuple[str, Prompt]]:
-    """Every chosen prompt, the most valuable first whatever its tenant: a deadline
-    that cuts the warm-up short cuts the least valuable ones."""
-    pairs = [(t, p) for t in sorted(chosen) for p in chosen[t]]
-    return sorted(pairs, key=lambda tp: (-tp[1].value, tp[0], tp[1].tokens))
+    return min(max_tokens, max(ASK_FLOOR_TOKENS, 2 * -(-max_tokens // tenants)))
 
 
 @dataclass(frozen=True, slots=True)

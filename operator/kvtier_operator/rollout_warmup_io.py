@@ -3,7 +3,8 @@
 On every rollout tick (`reconcile`, under the policy's status lock) each gated pod of
 the policy is released or warmed. A warm-up runs as a task of its own, so the tick
 stays short: it reads the tenant's hottest prefixes from the old version's sidecars
-(`SidecarClient.hot`, authenticated like every control call), replays them as prompts
+(`SidecarClient.hot`, authenticated like every control call), picks the best across
+the pod's tenants within its budget (`rollout_warmup.plan`), replays them as prompts
 through the new pod's engine — POST http://<podIP>:<enginePort>/v1/completions with
 `{"model", "prompt": [token ids], "max_tokens": 1, "cache_salt": <tenant>}`, the
 salt the connector reads the tenant from — so the engine prefills them and its
@@ -61,7 +62,10 @@ def _tasks(memo, namespace: str, policy_name: str) -> dict[str, asyncio.Task]:
 
 
 async def stop_all(memo) -> None:
-    """The operator is stopping: its warm-ups end (a successor warms those pods again)."""
+    """The operator is stopping: its warm-ups end (a successor warms those pods again),
+    and no tick starts another (the HTTP session is about to close: a warm-up started
+    now would fail at once and release its pod cold)."""
+    memo["warmups_stopped"] = True
     for tasks in (memo.get("warmups") or {}).values():
         for uid in list(tasks):
             await _cancel(tasks, uid)
@@ -74,6 +78,8 @@ async def _policy_pods(kube, namespace: str, policy_name: str) -> list[dict[str,
 async def reconcile(memo, body: dict[str, Any], status: policy.KVCachePolicyStatus | None = None) -> None:
     """One pass over the policy's gated pods: release or start warming each (see
     `rollout_warmup.decide`); cancel warm-ups whose pod no longer needs one."""
+    if memo.get("warmups_stopped"):
+        return  # the operator is stopping: its successor decides
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     try:
@@ -187,6 +193,8 @@ async def _warm_pod(memo, body: dict[str, Any], spec: policy.KVCachePolicySpec, 
         log.exception("warm-up of %s/%s failed", namespace, pod["metadata"]["name"])
         progress.engine_error = progress.engine_error or f"{type(exc).__name__}: {exc}"
         progress.failed = max(progress.failed, 1)
+    if memo.get("warmups_stopped"):
+        return  # stopped under it (the session closed): the gate stays for the successor
     seconds = time.monotonic() - started
     tally = progress.tally(timed_out)
     reason = rw.outcome(tally)
@@ -222,6 +230,7 @@ async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePoli
             holders.setdefault(t, []).append(s.member)
     weight = pod_view(pod).weight
     tenants = rw.tenants_of_pod(table, pod_name, weight, holders) if table is not None else sorted(holders)
+    weights = rw.home_weights(table, pod_name, weight, tenants) if table is not None else {}
     progress.tenants = len(tenants)
     ask = rw.ask_tokens(budget, len(tenants))
     gate = asyncio.Semaphore(HOT_IN_FLIGHT)
@@ -239,19 +248,27 @@ async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePoli
         return rw.rank(answers)
 
     ranked = dict(zip(tenants, await asyncio.gather(*(prompts_of(t) for t in tenants))))
-    queue = rw.replay_order(rw.spend(ranked, budget))
+    queue = rw.plan({t: (weights.get(t, 1.0), ranked[t]) for t in tenants}, budget)
     url = f"http://{pod['status']['podIP']}:{warmup.engine_port}{COMPLETIONS_PATH}"
     model = warmup.served_model_name or spec.model.id
-    pending = iter(queue)
+    # A prompt that reuses an earlier one's prefix waits for it: the engine then finds
+    # that prefix cached instead of computing it twice side by side.
+    finished = [asyncio.Event() for _ in queue]
+    pending = iter(enumerate(queue))
 
     async def worker() -> None:
-        for tenant, prompt in pending:  # shared: each prompt is taken by one worker
-            if progress.failures_in_a_row >= rw.MAX_ENGINE_FAILURES and not progress.prompts:
-                return  # the engine is down or refusing: WarmupFailed, without the whole deadline
-            if await _prefill(memo.http, url, model, tenant, prompt, progress):
-                progress.tokens += len(prompt.tokens)
-                progress.prompts += 1
-                progress.warmed_tenants.add(tenant)
+        for i, item in pending:  # shared: each prompt is taken by one worker
+            try:
+                if progress.failures_in_a_row >= rw.MAX_ENGINE_FAILURES and not progress.prompts:
+                    return  # the engine is down or refusing: WarmupFailed, without the whole deadline
+                if item.after is not None:
+                    await finished[item.after].wait()
+                if await _prefill(memo.http, url, model, item.tenant, item.prompt, progress):
+                    progress.tokens += item.new_tokens
+                    progress.prompts += 1
+                    progress.warmed_tenants.add(item.tenant)
+            finally:
+                finished[i].set()
 
     await asyncio.gather(*(worker() for _ in range(PREFILLS_IN_FLIGHT)))
 

@@ -1,6 +1,6 @@
 """Warm-before-ready's pure part (`rollout_warmup`): which gated pods are warmed or
 released, which tenants a pod serves and where their prefixes come from, how a pod's
-token budget is spent, what the gate says; and the webhook's gate, the policy's
+token budget is spent across its tenants, what the gate says; and the webhook's gate, the policy's
 bounds and the step message's budget."""
 from __future__ import annotations
 
@@ -114,24 +114,60 @@ def test_rank_merges_sources_and_orders_by_frequency_times_length():
     assert [p.tokens for p in rw.rank([[P((1, 1), 1.0), P((2,), 2.0), P((0, 0), 1.0)]])] == [(0, 0), (1, 1), (2,)]
 
 
-def test_the_budget_is_split_evenly_and_what_a_tenant_leaves_goes_to_the_others():
-    assert rw.shares(10, ["b", "a", "c"]) == {"a": 4, "b": 3, "c": 3}
-    assert rw.shares(0, ["a"]) == {"a": 0} and rw.shares(5, []) == {}
-    ranked = {"a": [P(tuple(range(4)), 9.0), P(tuple(range(10, 14)), 8.0), P(tuple(range(20, 24)), 1.0)],
-              "b": [P((100,), 1.0)]}
-    # 10 tokens: a's share 5 takes one 4-token prompt, b's 5 takes 1; the 5 left go to a.
-    chosen = rw.spend(ranked, 10)
-    assert [p.tokens for p in chosen["a"]] == [tuple(range(4)), tuple(range(10, 14))]
-    assert [p.tokens for p in chosen["b"]] == [(100,)]
-    spent = sum(len(p.tokens) for ps in chosen.values() for p in ps)
-    assert spent <= 10
-    for budget in range(0, 30):
-        chosen = rw.spend(ranked, budget)
-        assert sum(len(p.tokens) for ps in chosen.values() for p in ps) <= budget
-        for ps in chosen.values():
-            assert len({p.tokens for p in ps}) == len(ps)
-    assert rw.spend(ranked, 0) == {"a": [], "b": []}
-    assert rw.spend({}, 100) == {}
+def planned(plan: list[rw.Planned]) -> list[tuple]:
+    return [(x.tenant, x.prompt.tokens, x.new_tokens, x.after) for x in plan]
+
+
+def test_the_budget_goes_to_the_best_prompts_of_all_tenants_shared_prefixes_charged_once():
+    other = rw.OTHER_HOME_WEIGHT
+    assert other == 0.1
+    candidates = {"a": (1.0, [P((1, 2, 3, 4, 6, 7), 1.0), P((1, 2, 3, 4, 5), 1.0)]),  # savings 6, 5
+                  "b": (other, [P((1, 2, 3, 4, 5), 3.0)]),  # 0.1 x 3 x 5 = 1.5: the pod is not b's first home
+                  "c": (1.0, [P((8, 8, 8), 1.0)])}  # 3
+    # a's second prompt shares 4 tokens with its first: charged 1, replayed after it.
+    # b's same ids are another tenant's (another cache_salt): charged whole.
+    assert planned(rw.plan(candidates, 100)) == [
+        ("a", (1, 2, 3, 4, 6, 7), 6, None), ("c", (8, 8, 8), 3, None), ("b", (1, 2, 3, 4, 5), 5, None),
+        ("a", (1, 2, 3, 4, 5), 1, 0)]
+    # 10 tokens: 6 + 3 leave 1, which b's 5 do not fit and a's shared prompt does.
+    assert planned(rw.plan(candidates, 10)) == [
+        ("a", (1, 2, 3, 4, 6, 7), 6, None), ("c", (8, 8, 8), 3, None), ("a", (1, 2, 3, 4, 5), 1, 0)]
+    # A prefix of a chosen prompt adds nothing: not replayed; a prompt twice, once.
+    assert planned(rw.plan({"a": (1.0, [P((1, 2, 3), 5.0), P((1, 2, 3, 4), 1.0), P((1, 2, 3, 4), 1.0)])}, 10)) == [
+        ("a", (1, 2, 3), 3, None), ("a", (1, 2, 3, 4), 1, 0)]
+    assert rw.plan(candidates, 0) == [] and rw.plan({}, 100) == [] and rw.plan({"a": (1.0, [])}, 5) == []
+    for budget in range(0, 20):
+        got = rw.plan(candidates, budget)
+        assert sum(x.new_tokens for x in got) <= budget
+        assert len({(x.tenant, x.prompt.tokens) for x in got}) == len(got)
+        assert all(x.after is None or x.after < i and got[x.after].tenant == x.tenant for i, x in enumerate(got))
+
+
+def test_a_pod_home_to_many_tenants_still_warms_whole_templates_first_homes_first():
+    # The design notes' fleet: a pod is a home of ~136 tenants, and 65,536 / 136 = 482
+    # tokens is under one 1,500-token template. Each source is asked for 8,192 tokens
+    # (not 964, which returned nothing), and the budget buys 43 whole templates, those
+    # of the tenants whose first home the pod is before any other's.
+    assert rw.ask_tokens(65_536, 136) == rw.ASK_FLOOR_TOKENS == 8_192
+    template = lambda t: tuple(range(t * 10_000, t * 10_000 + 1_500))  # noqa: E731
+    candidates = {f"t{t:03d}": (1.0 if t % 3 == 0 else rw.OTHER_HOME_WEIGHT, [P(template(t), 1.0 + t / 1000)])
+                  for t in range(136)}
+    got = rw.plan(candidates, 65_536)
+    assert len(got) == 43 and sum(x.new_tokens for x in got) == 43 * 1_500
+    first = [f"t{t:03d}" for t in range(135, -1, -1) if t % 3 == 0]  # 46 first-home tenants, hottest first
+    assert [x.tenant for x in got] == first[:43]
+
+
+def test_a_tenant_weighs_fully_where_the_pod_is_its_first_home():
+    t = table(["llm-0", "llm-1", "llm-2"])  # llm-3 left the table while gated
+    joined = table(["llm-0", "llm-1", "llm-2", "llm-3"])
+    tenants = [f"t{i}" for i in range(40)]
+    weights = rw.home_weights(t, "llm-3", 1.0, tenants)
+    assert set(weights) == set(rw.tenants_of_pod(t, "llm-3", 1.0, tenants))
+    for tenant, w in weights.items():
+        assert w == (1.0 if joined.homes_for(tenant)[0] == "llm-3" else rw.OTHER_HOME_WEIGHT)
+    assert 1.0 in weights.values() and rw.OTHER_HOME_WEIGHT in weights.values()
+    assert rw.home_weights(None, "llm-3", 1.0, tenants) == {}
 
 
 def spec(**rollout) -> policy.KVCachePolicySpec:
@@ -197,11 +233,11 @@ def test_a_policy_being_deleted_gives_new_pods_no_gate():
         assert any(g["conditionType"] == names.WARM_GATE for g in patch["spec"].get("readinessGates", [])) == gated
 
 
-def test_sources_are_asked_for_twice_a_share_and_replays_go_most_valuable_first():
-    assert rw.ask_tokens(4096, 2) == 4096 and rw.ask_tokens(4096, 8) == 1024 and rw.ask_tokens(10, 3) == 8
+def test_sources_are_asked_for_twice_a_share_at_least_one_long_prompt_within_the_budget():
+    assert rw.ask_tokens(4096, 2) == 4096 and rw.ask_tokens(100_000, 2) == 100_000
+    assert rw.ask_tokens(65_536, 8) == 16_384 and rw.ask_tokens(65_536, 136) == 8_192
+    assert rw.ask_tokens(10, 3) == 10 and rw.ask_tokens(20_000, 100) == 8_192
     assert rw.ask_tokens(0, 3) == 0 and rw.ask_tokens(100, 0) == 0
-    chosen = {"b": [P((1, 2), 5.0), P((3,), 1.0)], "a": [P((4, 5, 6), 1.0)]}
-    assert rw.replay_order(chosen) == [("b", P((1, 2), 5.0)), ("a", P((4, 5, 6), 1.0)), ("b", P((3,), 1.0))]
 
 
 def test_a_steps_history_and_event_sum_up_the_warm_ups_of_its_rollout():

@@ -368,7 +368,7 @@ OLD_WEIGHTS = "sha256:" + "b2" * 32
 
 def test_a_new_version_pod_warmed_through_vllms_http_api_serves_its_tenants_prefixes_from_kvtier(served, tmp_path):
     """Warm-before-ready (#24) against the real engine: the operator's own warm-up steps
-    (the old version's sidecar's `GET /cache/hot`, ranked and spent within the budget,
+    (the old version's sidecar's `GET /cache/hot`, ranked and planned within the budget,
     replayed by `rollout_warmup_io._prefill` as max_tokens=1 completions with the
     tenant's cache_salt) prefill the new version's vLLM; its first request for a warmed
     prefix is a kvtier hit, with the tokens a recompute gives."""
@@ -409,8 +409,8 @@ def test_a_new_version_pod_warmed_through_vllms_http_api_serves_its_tenants_pref
             finally:
                 await control.close()
             assert hot is not None and hot.prefixes, "the old version's sidecar named no hot prefixes"
-            queue = rw.replay_order(rw.spend({tenant: rw.rank([[rw.Prompt(tuple(p.token_ids), p.frequency)
-                                                                for p in hot.prefixes]])}, budget))
+            ranked = rw.rank([[rw.Prompt(tuple(p.token_ids), p.frequency) for p in hot.prefixes]])
+            queue = [(x.tenant, x.prompt) for x in rw.plan({tenant: (1.0, ranked)}, budget)]
             async with aiohttp.ClientSession() as http:
                 for t, p in queue:
                     assert await rwio._prefill(http, f"http://127.0.0.1:{served.port}{rwio.COMPLETIONS_PATH}",
