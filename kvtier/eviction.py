@@ -223,11 +223,11 @@ class ShadowLru:
         # A block is always more recent than its descendants (each prompt touches its
         # blocks tail first), so it outlives them: the blocks held on a prompt's path
         # are a prefix of it, and everything past the first miss is missing too.
-        for i in range(len(hashes) - 1, hit - 1, -1):
-            blocks[hashes[i]] = None
+        for h in reversed(hashes[hit:]):  # tail first (list slices: no per-index work)
+            blocks[h] = None
         to_end = blocks.move_to_end  # bound once, outside the loop
-        for i in range(hit - 1, -1, -1):
-            to_end(hashes[i])
+        for h in reversed(hashes[:hit]):
+            to_end(h)
         over = len(blocks) - self.capacity
         if over > 0:
             self.evictions += over
@@ -364,12 +364,13 @@ class MiniatureTuner(WindowTuner):
         counts, minis, min_sightings, mask = self.counts, self.minis, self.min_sightings, self._mask
         shadow, shadow_sampled = self.shadow, self._shadow_sampled
         for hashes, limit, matched in self._pending:
-            picked = [i for i, h in enumerate(hashes) if not h[0] & mask]
-            sampled = [hashes[i] for i in picked]
             if shadow_sampled:  # both sides count the sampled blocks within their matches
+                picked = [i for i, h in enumerate(hashes) if not h[0] & mask]
+                sampled = [hashes[i] for i in picked]
                 self._lru += shadow.access(sampled, bisect_left(picked, limit))
                 self._ours += bisect_left(picked, matched)
-            else:
+            else:  # the positions are not needed: one pass
+                sampled = [h for h in hashes if not h[0] & mask]
                 self._lru += shadow.access(hashes, limit)
                 self._ours += matched
             if not sampled:
