@@ -397,7 +397,7 @@ class Simulation:
         tenant_index = {t: i for i, t in enumerate(self.roots.tenant_names)}
         cache, prefilled, replayed, warmed, prompts = self.caches[r].cache, 0, 0, set(), 0
         deadline_elems = WARM_TIMEOUT_S * fleet.spec.prefill_tokens_per_s / unit
-        for item in warm_plan(ranked, budget):
+        for item in warm_plan(ranked, budget, cfg.block_elems):
             tenant, prompt = item.tenant, item.prompt
             if prefilled >= deadline_elems:
                 break  # out of time: the gate opens with the rest not warmed (WarmupTimedOut)
@@ -547,11 +547,13 @@ class WarmPlanned:
     after: int | None = None
 
 
-def warm_plan(candidates: dict[str, tuple[float, list[WarmPrompt]]], max_tokens: int) -> list[WarmPlanned]:
+def warm_plan(candidates: dict[str, tuple[float, list[WarmPrompt]]], max_tokens: int,
+              block: int = 1) -> list[WarmPlanned]:
     """All the tenants' prompts in one pool (tenant -> (weight, prompts)), chosen
     greedily by weight x frequency x tokens not already in a chosen prompt of the same
-    tenant, while the tokens charged fit the budget; in the order chosen."""
-    left = max(0, max_tokens)
+    tenant (whole `block`s of it: the engine recomputes a partial one), while the
+    tokens charged fit the budget; in the order chosen."""
+    left, block = max(0, max_tokens), max(1, block)
     pool, seen = [], set()
     for t in sorted(candidates):
         w, prompts = candidates[t]
@@ -590,7 +592,7 @@ def warm_plan(candidates: dict[str, tuple[float, list[WarmPrompt]]], max_tokens:
         for j in by_tenant[t]:
             if done[j]:
                 continue
-            c = _warm_common(pool[j][2].tokens, p.tokens)
+            c = _warm_common(pool[j][2].tokens, p.tokens) // block * block
             if c > shared[j]:
                 shared[j], source[j] = c, len(out) - 1
                 version[j] += 1

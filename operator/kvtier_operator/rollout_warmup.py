@@ -201,7 +201,8 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def plan(candidates: Mapping[str, tuple[float, Sequence[Prompt]]], max_tokens: int) -> list[Planned]:
+def plan(candidates: Mapping[str, tuple[float, Sequence[Prompt]]], max_tokens: int,
+         block: int = 1) -> list[Planned]:
     """The pod's warm-up: every tenant's candidate prompts (`candidates`: tenant ->
     (its weight on the pod, `home_weights`; its prompts, `rank`)) in one pool, chosen
     greedily by expected saving — weight x frequency x the tokens not already warmed
@@ -209,10 +210,13 @@ def plan(candidates: Mapping[str, tuple[float, Sequence[Prompt]]], max_tokens: i
     the rest: the engine finds the shared prefix cached) — while the tokens charged
     fit `max_tokens`. Returned in the order chosen, the most valuable first (a deadline
     cuts the least valuable), each prompt once. Prefixes never cross tenants (each
-    tenant's prompts are replayed under its own cache_salt)."""
+    tenant's prompts are replayed under its own cache_salt). `block`: the engine's KV
+    block in tokens (`spec.blockSize`): it finds a shared prefix's whole blocks cached
+    and computes the partial one again, so only whole blocks count as shared and what
+    is charged is what the engine prefills."""
     import heapq
 
-    left = max(0, max_tokens)
+    left, block = max(0, max_tokens), max(1, block)
     pool: list[tuple[str, float, Prompt]] = []
     seen: set[tuple[str, tuple[int, ...]]] = set()
     for t in sorted(candidates):
@@ -254,7 +258,7 @@ def plan(candidates: Mapping[str, tuple[float, Sequence[Prompt]]], max_tokens: i
         for j in by_tenant[t]:
             if done[j]:
                 continue
-            c = _common(pool[j][2].tokens, p.tokens)
+            c = _common(pool[j][2].tokens, p.tokens) // block * block
             if c > shared[j]:
                 shared[j], source[j] = c, len(out) - 1
                 version[j] += 1

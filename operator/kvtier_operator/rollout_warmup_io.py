@@ -248,7 +248,7 @@ async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePoli
         return rw.rank(answers)
 
     ranked = dict(zip(tenants, await asyncio.gather(*(prompts_of(t) for t in tenants))))
-    queue = rw.plan({t: (weights.get(t, 1.0), ranked[t]) for t in tenants}, budget)
+    queue = rw.plan({t: (weights.get(t, 1.0), ranked[t]) for t in tenants}, budget, spec.block_size)
     url = f"http://{pod['status']['podIP']}:{warmup.engine_port}{COMPLETIONS_PATH}"
     model = warmup.served_model_name or spec.model.id
     # A prompt that reuses an earlier one's prefix waits for it: the engine then finds

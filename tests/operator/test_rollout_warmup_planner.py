@@ -135,6 +135,15 @@ def test_the_budget_goes_to_the_best_prompts_of_all_tenants_shared_prefixes_char
     # A prefix of a chosen prompt adds nothing: not replayed; a prompt twice, once.
     assert planned(rw.plan({"a": (1.0, [P((1, 2, 3), 5.0), P((1, 2, 3, 4), 1.0), P((1, 2, 3, 4), 1.0)])}, 10)) == [
         ("a", (1, 2, 3), 3, None), ("a", (1, 2, 3, 4), 1, 0)]
+    # Blocks of 4: a's prompts share one whole block (1, 2, 3, 4); blocks of 3: one
+    # (1, 2, 3), the 4 is computed again and charged.
+    assert planned(rw.plan(candidates, 100, block=4)) == planned(rw.plan(candidates, 100))
+    assert planned(rw.plan(candidates, 100, block=3)) == [
+        ("a", (1, 2, 3, 4, 6, 7), 6, None), ("c", (8, 8, 8), 3, None), ("a", (1, 2, 3, 4, 5), 2, 0),
+        ("b", (1, 2, 3, 4, 5), 5, None)]
+    assert planned(rw.plan(candidates, 100, block=8)) == [  # nothing whole shared: charged whole
+        ("a", (1, 2, 3, 4, 6, 7), 6, None), ("a", (1, 2, 3, 4, 5), 5, None), ("c", (8, 8, 8), 3, None),
+        ("b", (1, 2, 3, 4, 5), 5, None)]
     assert rw.plan(candidates, 0) == [] and rw.plan({}, 100) == [] and rw.plan({"a": (1.0, [])}, 5) == []
     for budget in range(0, 20):
         got = rw.plan(candidates, budget)
