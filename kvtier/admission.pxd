@@ -2,12 +2,6 @@
 # sketch's two inner loops as typed C; the .py stays plain Python.
 import cython
 
-@cython.locals(m=cython.ulonglong, j=Py_ssize_t, i=Py_ssize_t, lo=cython.ulonglong, hi=cython.ulonglong,
-               c=Py_ssize_t)
-cpdef _count_sightings(unsigned int[::1] flat, unsigned char[::1] door, unsigned int[::1] stamp,
-                       const unsigned long long[::1] halves, Py_ssize_t n, unsigned long long width,
-                       Py_ssize_t depth, unsigned long long door_mask, unsigned int epoch)
-
 @cython.locals(m=cython.ulonglong, i=Py_ssize_t, est=cython.uint, v=cython.uint)
 cpdef unsigned int _estimate_cells(const unsigned int[::1] flat, const unsigned char[::1] door,
                                    unsigned long long lo, unsigned long long hi, unsigned long long width,

@@ -93,40 +93,19 @@ _BOTH_PROBES_SET = 0x0101
 """A hash's two doorkeeper bytes read as one uint16: both set (each byte is 0 or 1)."""
 
 _COMPILED = not __file__.endswith(".py") and sys.byteorder == "little"
-"""Whether this module runs compiled (kvtier._compiled), where `_sight_hashes` (and
-`_count_sightings`) and `_estimate_cells` run as typed C loops (admission.pxd). A sketch
+"""Whether this module runs compiled (kvtier._compiled), where `_sight_hashes` and
+`_estimate_cells` run as typed C loops (admission.pxd). A sketch
 counts in one of two ways: compiled, with `_sight_hashes`, which beats numpy at any size; as plain
 Python, with numpy (`_add_many`), since the loop uncompiled is the slowest way to
 count. `_estimate_cells` serves both builds."""
 
 
-def _count_sightings(flat, door, stamp, halves, n, width, depth, door_mask, epoch):
-    """One sighting of each of the `n` hashes whose (lo, hi) halves are `halves`
-    [2j], [2j + 1]: with a doorkeeper (`door`), a hash whose two probes were not
-    both set before this call only sets them; every other hash adds one to each
-    of its cells, once per distinct cell (`stamp[c] == epoch` marks a cell this call
-    has counted). The same counts as `_add_many`."""
-    m = width - 1
-    for j in range(n):
-        lo = halves[2 * j]
-        hi = halves[2 * j + 1]
-        if door is not None and not (door[lo & door_mask] and door[hi & door_mask]):
-            continue
-        for i in range(depth):
-            c = i * width + ((lo + i * hi) & m)
-            if stamp[c] != epoch:
-                stamp[c] = epoch
-                flat[c] = (flat[c] + 1) & 0xFFFFFFFF
-    if door is not None:  # set only now: every probe was read before any was set
-        for j in range(n):
-            door[halves[2 * j] & door_mask] = 1
-            door[halves[2 * j + 1] & door_mask] = 1
-
-
 def _sight_hashes(flat, door, stamp, hashes, n, width, depth, door_mask, epoch):
-    """`_count_sightings` over the `n` 16-byte hashes themselves: each hash's halves
-    are read from its bytes (little-endian), so no joined copy or view of them is
-    made per call. The same counts as `_count_sightings` and `_add_many`."""
+    """One sighting of each of the `n` 16-byte `hashes`, whose (lo, hi) halves are read
+    from their bytes (little-endian): with a doorkeeper (`door`), a hash whose two
+    probes were not both set before this call only sets them; every other hash adds
+    one to each of its cells, once per distinct cell (`stamp[c] == epoch` marks a cell
+    this call has counted). The same counts as `_add_many`."""
     m = width - 1
     for j in range(n):
         h = hashes[j]
