@@ -177,7 +177,7 @@ def engine_container(oracle: Any, port: int) -> dict[str, Any]:
             "command": [sys.executable, "-m", "kvtier_testenv.engine_front", "--port", str(port),
                         "--block-bytes", str(oracle.block_bytes), "--kv-dtype", s["kv_dtype"],
                         "--rope-config-hash", s["rope_config_hash"], "--attn-impl-id", s["attn_impl_id"]],
-            "env": [{"name": names.POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+            "env": [names.field_env(names.POD_IP_ENV, names.POD_IP_FIELD)],
             "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 1}}
 
 
