@@ -13,7 +13,6 @@ the loop itself only does what a router and a cache would do.
 """
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +26,13 @@ from kvtier.sim.fleet import Fleet, FleetSpec
 from kvtier.sim.policies import KvtierPolicy, RootBook, make_policy
 from kvtier.sim.request import HashCache, SimRequest
 from kvtier.sim.workload import Workload, WorkloadSpec, generate
+from kvtier.warmup_plan import ASK_FLOOR_TOKENS as WARM_ASK_FLOOR_TOKENS
+from kvtier.warmup_plan import OTHER_HOME_WEIGHT as WARM_OTHER_HOME_WEIGHT
+from kvtier.warmup_plan import Planned as WarmPlanned  # noqa: F401 (the simulator's name)
+from kvtier.warmup_plan import Prompt as WarmPrompt
+from kvtier.warmup_plan import ask_tokens as warm_ask
+from kvtier.warmup_plan import plan as warm_plan
+from kvtier.warmup_plan import rank as warm_rank
 
 CACHE_KINDS = ("kvtier", "lru")
 # Requests between progress-bar updates: often enough to look alive, rare enough
@@ -44,11 +50,6 @@ WARM_TIMEOUT_S = 120.0
 # Where a warm-up reads its prompts: "homes" (the operator: the tenant's other homes)
 # or "own" (what-if: the restarted pod's own sidecar first, read before the restart).
 WARM_SOURCES = ("homes", "own")
-# The operator's `rollout_warmup.OTHER_HOME_WEIGHT` (a tenant's prompts weigh this much
-# on a pod that is one of its homes but not the first) and `ASK_FLOOR_TOKENS` (the
-# least each source is asked for, in real tokens).
-WARM_OTHER_HOME_WEIGHT = 0.1
-WARM_ASK_FLOOR_TOKENS = 8_192
 
 
 class Progress(Protocol):
@@ -473,38 +474,7 @@ class Simulation:
 
 
 # ---------------------------------------------------------------------- the operator's warm-up plan
-# The same rules as operator/kvtier_operator/rollout_warmup.py (`Prompt`, `rank`,
-# `ask_tokens`, `home_weights`, `plan`), here because the simulator cannot
-# import the operator; tests/sim pins them to the operator's on the same input.
-
-@dataclass(frozen=True, slots=True)
-class WarmPrompt:
-    tokens: tuple[int, ...]
-    frequency: float
-
-    @property
-    def value(self) -> float:
-        return self.frequency * len(self.tokens)
-
-
-def warm_ask(max_tokens: int, tenants: int, floor: int = WARM_ASK_FLOOR_TOKENS) -> int:
-    """Tokens asked of each source: twice a tenant's even share, at least `floor`, at
-    most the budget."""
-    if tenants <= 0 or max_tokens <= 0:
-        return 0
-    return min(max_tokens, max(floor, 2 * -(-max_tokens // tenants)))
-
-
-def warm_rank(answers) -> list[WarmPrompt]:
-    """Sources' prompts as one list: each token sequence once (its highest frequency),
-    best first by frequency x length, ties longer first."""
-    best: dict[tuple[int, ...], float] = {}
-    for answer in answers:
-        for p in answer:
-            if p.tokens:
-                best[p.tokens] = max(best.get(p.tokens, 0.0), p.frequency)
-    return sorted((WarmPrompt(t, f) for t, f in best.items()), key=lambda p: (-p.value, -len(p.tokens), p.tokens))
-
+# `kvtier.warmup_plan`, the one the operator runs, under the simulator's names.
 
 def warm_trim_shared(answers, block: int) -> list[list[WarmPrompt]]:
     """What-if: every prompt cut to the longest whole-block prefix it shares with
@@ -528,76 +498,6 @@ def warm_trim_shared(answers, block: int) -> list[list[WarmPrompt]]:
         shared[t] = max(near, default=0)
     return [[WarmPrompt(p.tokens[:shared[p.tokens]] if shared[p.tokens] else p.tokens, p.frequency)
              for p in answer if p.tokens] for answer in answers]
-
-
-def _warm_common(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-@dataclass(frozen=True, slots=True)
-class WarmPlanned:
-    tenant: str
-    prompt: WarmPrompt
-    new_tokens: int
-    after: int | None = None
-
-
-def warm_plan(candidates: dict[str, tuple[float, list[WarmPrompt]]], max_tokens: int,
-              block: int = 1) -> list[WarmPlanned]:
-    """All the tenants' prompts in one pool (tenant -> (weight, prompts)), chosen
-    greedily by weight x frequency x tokens not already in a chosen prompt of the same
-    tenant (whole `block`s of it: the engine recomputes a partial one), while the
-    tokens charged fit the budget; in the order chosen."""
-    left, block = max(0, max_tokens), max(1, block)
-    pool, seen = [], set()
-    for t in sorted(candidates):
-        w, prompts = candidates[t]
-        for p in prompts:
-            if p.tokens and (t, p.tokens) not in seen:
-                seen.add((t, p.tokens))
-                pool.append((t, w, p))
-    shared, source, version = [0] * len(pool), [None] * len(pool), [0] * len(pool)
-    by_tenant: dict[str, list[int]] = {}
-    for i, (t, _, _) in enumerate(pool):
-        by_tenant.setdefault(t, []).append(i)
-
-    def entry(i):
-        t, w, p = pool[i]
-        new = len(p.tokens) - shared[i]
-        return (-(w * p.frequency * new), -new, t, p.tokens, version[i], i)
-
-    heap = [entry(i) for i in range(len(pool))]
-    heapq.heapify(heap)
-    done = [False] * len(pool)
-    out: list[WarmPlanned] = []
-    while heap and left > 0:
-        *_, v, i = heapq.heappop(heap)
-        if done[i] or v != version[i]:
-            continue
-        t, _, p = pool[i]
-        new = len(p.tokens) - shared[i]
-        if new <= 0:
-            done[i] = True
-            continue
-        if new > left:
-            continue
-        done[i] = True
-        left -= new
-        out.append(WarmPlanned(t, p, new, source[i]))
-        for j in by_tenant[t]:
-            if done[j]:
-                continue
-            c = _warm_common(pool[j][2].tokens, p.tokens) // block * block
-            if c > shared[j]:
-                shared[j], source[j] = c, len(out) - 1
-                version[j] += 1
-                heapq.heappush(heap, entry(j))
-    return out
 
 
 def simulate(cfg: SimConfig, events=(), workload: Workload | None = None, label: str = "") -> SimResult:
