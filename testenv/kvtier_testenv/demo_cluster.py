@@ -575,8 +575,7 @@ class TenantTraffic:
     def _round(self, pod: str, version: str, mode: str) -> None:
         import numpy as np
 
-        from kvtier_sidecar.client import Hit, SidecarClient
-        from kvtier_testenv.synthetic import prefill_kv
+        from kvtier_sidecar.client import SidecarClient
         from kvtier_testenv.traffic import LOOKUPS_PER_ROUND, engine_socket
 
         base = self._base
@@ -596,16 +595,7 @@ class TenantTraffic:
                     t = np.random.default_rng(next(base._fresh)).integers(
                         0, self.demo.oracle.vocab, TRAFFIC_BLOCKS[0] * self.demo.oracle.block_size + 1
                     ).astype(np.uint32)
-                got = client.lookup(root, t)
-                try:
-                    if isinstance(got, Hit):
-                        base._check(client, got, root, t)
-                    engine_io.report(client, len(t), got, len(got.blocks) if got else 0, base.block_bytes)
-                finally:
-                    client.release(got)
-                if mode == "hits" and not got:  # a miss: the engine prefilled; offer it
-                    client.store(root, t, prefill_kv(root, t, base.block_size, base.block_bytes))
-                base.lookups[version] = base.lookups.get(version, 0) + 1
+                base.serve(client, version, root, t, offer=mode == "hits")
         finally:
             client.close()
 

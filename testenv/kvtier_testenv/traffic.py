@@ -101,20 +101,25 @@ class Traffic:
         root = self.root_of(version)
         try:
             for n in range(LOOKUPS_PER_ROUND):
-                t = tokens(n % PROMPTS if mode == "hits" else next(self._fresh))
-                got = client.lookup(root, t)
-                try:
-                    if isinstance(got, Hit):
-                        self._check(client, got, root, t)
-                    # loaded (every hit is read back) and the prompt, like a serving engine
-                    engine_io.report(client, len(t), got, len(got.blocks) if got else 0, self.block_bytes)
-                finally:
-                    client.release(got)
-                if mode == "hits" and not got:  # a miss: the engine prefilled; offer it
-                    client.store(root, t, prefill_kv(root, t, self.block_size, self.block_bytes))
-                self.lookups[version] = self.lookups.get(version, 0) + 1
+                self.serve(client, version, root, tokens(n % PROMPTS if mode == "hits" else next(self._fresh)),
+                           offer=mode == "hits")
         finally:
             client.close()
+
+    def serve(self, client: SidecarClient, version: str, root: KeyRoot, t: np.ndarray, offer: bool) -> None:
+        """One request as a serving engine makes it: look up, read back and check a hit,
+        report what was loaded and the prompt, release; on a miss the engine prefilled,
+        and with `offer` it offers the prompt's KV for storing."""
+        got = client.lookup(root, t)
+        try:
+            if isinstance(got, Hit):
+                self._check(client, got, root, t)
+            engine_io.report(client, len(t), got, len(got.blocks) if got else 0, self.block_bytes)
+        finally:
+            client.release(got)
+        if offer and not got:
+            client.store(root, t, prefill_kv(root, t, self.block_size, self.block_bytes))
+        self.lookups[version] = self.lookups.get(version, 0) + 1
 
     def _check(self, client: SidecarClient, hit: Hit, root: KeyRoot, t: np.ndarray) -> None:
         dst = np.zeros(len(hit.blocks) * self.block_bytes, np.uint8)
