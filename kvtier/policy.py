@@ -6,7 +6,7 @@ cross-field rules are declared once (`CelRule`: a CEL expression for the apiserv
 beside the same predicate in Python), so a policy the apiserver accepts is a policy
 the operator can parse, and a mistake is named with the same message in both places.
 
-Field names are snake_case in Python and camelCase on the wire (Kubernetes style);
+Field names are snake_case in Python and camelCase in JSON (Kubernetes style);
 both spellings are accepted on input.
 """
 from __future__ import annotations
@@ -19,8 +19,7 @@ from pydantic import ConfigDict, Field
 
 from kvtier import names, presets
 from kvtier.presets import ModelShape
-from kvtier.wire_model import CelRule
-from kvtier.wire_model import WireModel as _Wire
+from kvtier.camel_model import CamelModel, CelRule
 from kvtier.admission import DEFAULT_MIN_SIGHTINGS
 from kvtier.admission import THRASH_RATIO as DEFAULT_THRASH_RATIO
 from kvtier.affinity import DEFAULT_BALANCE_FACTOR, DEFAULT_HOMES, DEFAULT_HYSTERESIS, DEFAULT_SPILL_OCCUPANCY
@@ -124,7 +123,7 @@ REDIS_URL_PATTERN = r"^(redis|rediss|unix)://.+$"
 LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 
 
-def _section(cls: type["_Wire"]) -> Any:
+def _section(cls: type["CamelModel"]) -> Any:
     """An optional sub-object whose default is its fully defaulted form (the apiserver
     checks a default against the CEL rules as written, without defaulting inside it)."""
     return Field(default_factory=cls, json_schema_extra=lambda schema: schema.update(default=cls().wire()))
@@ -137,7 +136,7 @@ def _name(**kw: Any) -> Any:
 # --- selector ------------------------------------------------------------------------
 
 
-class LabelSelectorRequirement(_Wire):
+class LabelSelectorRequirement(CamelModel):
     """One `matchExpressions` term of a Kubernetes label selector."""
 
     key: str = _name(pattern=LABEL_KEY_PATTERN)
@@ -162,7 +161,7 @@ class LabelSelectorRequirement(_Wire):
         return inside if self.operator == "In" else not inside
 
 
-class LabelSelector(_Wire):
+class LabelSelector(CamelModel):
     """The serving pods of one model, in the policy's namespace. Must not be empty:
     an empty selector would inject the sidecar into every pod of the namespace."""
 
@@ -186,7 +185,7 @@ class LabelSelector(_Wire):
         return all(term.matches(labels) for term in self.match_expressions)
 
 
-class WorkloadRef(_Wire):
+class WorkloadRef(CamelModel):
     """The serving workload the rollout drives (StatefulSet partition, or a Deployment
     by a stable/canary pair)."""
 
@@ -197,7 +196,7 @@ class WorkloadRef(_Wire):
 # --- model and hardware ----------------------------------------------------------------
 
 
-class ModelSpec(_Wire):
+class ModelSpec(CamelModel):
     """The served model: its cache key root and its shape (explicit, or a preset)."""
 
     id: str = _name()
@@ -239,7 +238,7 @@ class ModelSpec(_Wire):
                 "ropeConfigHash": identity.rope_config_hash, "attnImpl": identity.attn_impl_id}
 
 
-class Media(_Wire):
+class Media(CamelModel):
     """Achievable fetch bandwidth of each medium, GB/s, per fetch."""
 
     dram_gbps: float = Field(DEFAULT_DRAM_GBPS, gt=0)
@@ -247,7 +246,7 @@ class Media(_Wire):
     nvme_gbps: float = Field(DEFAULT_NVME_GBPS, gt=0)
 
 
-class Hardware(_Wire):
+class Hardware(CamelModel):
     """The GPUs recompute runs on: a preset, or dense TFLOP/s per GPU (never the 2:4
     sparsity figure), and the tensor-parallel degree."""
 
@@ -272,7 +271,7 @@ class Hardware(_Wire):
 MIN_DRAM_CAPACITY = "1Mi"
 
 
-class DramTier(_Wire):
+class DramTier(CamelModel):
     capacity: str = Field("1Gi", max_length=32, pattern=QUANTITY_PATTERN, description=f"e.g. 64Gi; at least {MIN_DRAM_CAPACITY}")
     sidecar_memory_headroom: str | None = Field(
         default=None, max_length=32, pattern=QUANTITY_PATTERN,
@@ -289,11 +288,11 @@ class DramTier(_Wire):
     )
 
 
-class PeerTier(_Wire):
+class PeerTier(CamelModel):
     enabled: bool = True
 
 
-class NvmeTier(_Wire):
+class NvmeTier(CamelModel):
     """`off`; `shadow`: the sidecar measures real NVMe bandwidth and reports it without
     serving from it; `on`: serve from NVMe (batch traffic only)."""
 
@@ -304,18 +303,18 @@ class NvmeTier(_Wire):
     )
 
 
-class Tiers(_Wire):
+class Tiers(CamelModel):
     dram: DramTier = _section(DramTier)
     peer: PeerTier = _section(PeerTier)
     nvme: NvmeTier = _section(NvmeTier)
 
 
-class Admission(_Wire):
+class Admission(CamelModel):
     min_sightings: int = Field(DEFAULT_MIN_SIGHTINGS, ge=1, le=16)
     thrash_ratio: float = Field(DEFAULT_THRASH_RATIO, gt=0, le=1)
 
 
-class Affinity(_Wire):
+class Affinity(CamelModel):
     """Rendezvous homes and spill; and the warm-up that precedes each new epoch: every
     moved tenant's hottest prefixes, at most `warmMaxBytes` each, copied to its new homes
     from its old ones, all within `warmTimeout` (then the epoch is published anyway)."""
@@ -341,7 +340,7 @@ class Affinity(_Wire):
 # --- rollout -----------------------------------------------------------------------------
 
 
-class PrometheusSource(_Wire):
+class PrometheusSource(CamelModel):
     """A PromQL query whose value is the new version's hit rate. Placeholders:
     `{{namespace}}`, `{{policy}}`, `{{version}}` (the version judged: the new one, or
     the old one for the baseline), `{{window}}` (the rate window: `analysisWindow`) and
@@ -351,7 +350,7 @@ class PrometheusSource(_Wire):
     query: str = Field(DEFAULT_HIT_RATE_QUERY, min_length=1, max_length=4096)
 
 
-class AlarmSource(_Wire):
+class AlarmSource(CamelModel):
     """A named alert that fails a step while it fires for the new version (labels
     namespace, policy and version), read from Prometheus' alerts API or Alertmanager."""
 
@@ -360,7 +359,7 @@ class AlarmSource(_Wire):
     alert_name: str = Field(DEFAULT_ALARM_ALERT, min_length=1, max_length=253, pattern=r"^[A-Za-z_:][A-Za-z0-9_:]*$")
 
 
-class Recovery(_Wire):
+class Recovery(CamelModel):
     """When a rollout step counts as recovered: new-version pods' hit rate back to
     `threshold` x the old baseline within `window`, over at least `minLookups`.
 
@@ -409,7 +408,7 @@ class Recovery(_Wire):
         return parse_duration_s(self.interval)
 
 
-class Warmup(_Wire):
+class Warmup(CamelModel):
     """Warm-before-ready: each pod a rollout moves to the new weights version is held
     out of traffic by the readiness gate `kvtier.io/warm` until it has prefilled its
     tenants' hottest prefixes (from their current homes' sidecars, ranked by frequency x
@@ -438,7 +437,7 @@ class Warmup(_Wire):
         return parse_duration_s(self.timeout)
 
 
-class Rollout(_Wire):
+class Rollout(CamelModel):
     """Weights-version rollout: `canaryPods` new-version pods first, then `steps`
     (percent of the fleet, strictly increasing, ending at 100)."""
 
@@ -474,12 +473,12 @@ class Rollout(_Wire):
 # --- redis and shared prefixes --------------------------------------------------------------
 
 
-class SecretKeyRef(_Wire):
+class SecretKeyRef(CamelModel):
     name: str = _name()
     key: str = Field("url", min_length=1, max_length=_MAX_NAME)
 
 
-class RedisSpec(_Wire):
+class RedisSpec(CamelModel):
     """Where the global block index lives: a URL, or a Secret holding one."""
 
     url: str | None = Field(default=None, max_length=2048, pattern=REDIS_URL_PATTERN)
@@ -499,7 +498,7 @@ class RedisSpec(_Wire):
     )
 
 
-class SharedPrefix(_Wire):
+class SharedPrefix(CamelModel):
     """A platform-owned prefix (e.g. the platform's own system prompt) that may be
     shared across tenants (rule: tenant-isolation); every other prefix stays per tenant."""
 
@@ -559,7 +558,7 @@ def _dram_block_message(spec: "KVCachePolicySpec") -> str:
 # --- spec ----------------------------------------------------------------------------------
 
 
-class KVCachePolicySpec(_Wire):
+class KVCachePolicySpec(CamelModel):
     """What the operator keeps true for the pods `selector` picks."""
 
     selector: LabelSelector
@@ -612,7 +611,7 @@ class KVCachePolicySpec(_Wire):
 # --- status --------------------------------------------------------------------------------
 
 
-class Condition(_Wire):
+class Condition(CamelModel):
     """The Kubernetes Condition shape (metav1.Condition)."""
 
     type: str = Field(min_length=1, max_length=316)
@@ -623,7 +622,7 @@ class Condition(_Wire):
     message: str = Field("", max_length=32768)
 
 
-class TierVerdict(_Wire):
+class TierVerdict(CamelModel):
     """One medium against the break-even bandwidth: does fetching beat recomputing?"""
 
     tier: Literal["dram", "peer", "nvme"]
@@ -640,7 +639,7 @@ class TierVerdict(_Wire):
 MAX_FIRST_MINUTE_PODS = 128
 
 
-class Counters(_Wire):
+class Counters(CamelModel):
     """A pod's sidecar counters (since its cache started): lookups, and the hit figure's
     tokens, loaded (as the engine reported them) over prompt (looked up)."""
 
@@ -649,7 +648,7 @@ class Counters(_Wire):
     prompt_tokens: int = Field(0, ge=0)
 
 
-class PodFirstMinute(_Wire):
+class PodFirstMinute(CamelModel):
     """One new-version pod in its first minute of traffic: its counters when it first
     served (its warm-up's own prefill before that is not counted), and once the window
     is over, what it counted over it."""
@@ -662,7 +661,7 @@ class PodFirstMinute(_Wire):
     window: Counters | None = Field(default=None, description="counted over the window (set when it is over)")
 
 
-class FirstMinute(_Wire):
+class FirstMinute(CamelModel):
     """A rollout step's new pods over their first minute of traffic each (from their
     sidecars' loaded-token counters, the recovery check's figure), next to the old
     version's hit rate then, the pods counted warm (warmed before Ready) vs cold."""
@@ -688,7 +687,7 @@ class FirstMinute(_Wire):
                                  json_schema_extra={"items": {"type": "string", "maxLength": _MAX_NAME}})
 
 
-class RolloutRecord(_Wire):
+class RolloutRecord(CamelModel):
     """One finished or abandoned step of a rollout, for `status.rollout.history`."""
 
     version: str = Field(max_length=80)
@@ -705,7 +704,7 @@ class RolloutRecord(_Wire):
 MAX_WARMUPS = 64
 
 
-class PodWarmup(_Wire):
+class PodWarmup(CamelModel):
     """How one pod's warm-before-ready went (`spec.rollout.warmup`): what it prefilled
     through its engine before its readiness gate was released."""
 
@@ -725,7 +724,7 @@ class PodWarmup(_Wire):
     message: str = Field("", max_length=1024)
 
 
-class AnalysisStatus(_Wire):
+class AnalysisStatus(CamelModel):
     """The measurements of the current step (prometheus and alarm sources)."""
 
     successes: int = Field(0, ge=0)
@@ -738,7 +737,7 @@ class AnalysisStatus(_Wire):
     message: str = Field("", max_length=1024)
 
 
-class RolloutStatus(_Wire):
+class RolloutStatus(CamelModel):
     """Where a weights-version rollout stands; the operator resumes from it."""
 
     target_version: str | None = Field(default=None, max_length=80)
@@ -764,7 +763,7 @@ class RolloutStatus(_Wire):
         description="per step of this rollout: its new pods' hit rate in their first minute of traffic")
 
 
-class KVCachePolicyStatus(_Wire):
+class KVCachePolicyStatus(CamelModel):
     """What the operator observed and decided. Everything it needs to resume after a
     restart lives here or in `kvtier.io/` annotations."""
 
@@ -796,7 +795,7 @@ class KVCachePolicyStatus(_Wire):
     rollout: RolloutStatus | None = None
 
 
-class KVCachePolicy(_Wire):
+class KVCachePolicy(CamelModel):
     """The whole object as the operator reads it (metadata kept as a plain mapping)."""
 
     model_config = ConfigDict(extra="ignore")

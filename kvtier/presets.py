@@ -13,7 +13,7 @@ from pydantic import Field
 from pydantic.json_schema import SkipJsonSchema
 
 from kvtier.dtypes import KvDtype
-from kvtier.wire_model import CelRule, WireModel
+from kvtier.camel_model import CamelModel, CelRule
 
 
 KV_PLANES = 2
@@ -58,7 +58,7 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: i
 # break-even calculator; it owns KV bytes per token for a dtype. `active_params` is what a mixture-of-experts runs per token
 # (recompute uses it); `kv_elements_per_token` overrides 2 x layers x kv_heads x
 # head_dim for caches that are not plain K and V, e.g. multi-head latent attention.
-class ModelShape(WireModel):
+class ModelShape(CamelModel):
     """The dimensions that decide KV bytes per token and recompute FLOPs per token."""
 
     # A label for reports (the preset's or the policy's model id); never on the wire.

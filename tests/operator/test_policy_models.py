@@ -12,7 +12,7 @@ from operator_cases import example_paths, invalid_cases
 CEL_MESSAGES = {
     rule.message
     for cls in vars(policy).values()
-    if isinstance(cls, type) and issubclass(cls, policy._Wire)
+    if isinstance(cls, type) and issubclass(cls, policy.CamelModel)
     for rule in cls.__dict__.get("CEL_RULES", ())
 }
 

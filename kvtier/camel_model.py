@@ -1,4 +1,4 @@
-"""The base of every model stored in Kubernetes: camelCase on the wire, strict keys,
+"""The base of every model stored in Kubernetes: camelCase field names, strict keys,
 and cross-field rules stated once — as CEL the apiserver enforces (emitted into the
 CRD schema by `kvtier crd`) and as Python the operator enforces on parse."""
 from __future__ import annotations
@@ -32,8 +32,8 @@ class CelRule:
         return self.describe(model) if self.describe is not None else self.message
 
 
-class WireModel(BaseModel):
-    """Base for every part of the resource: camelCase on the wire, strict keys, and
+class CamelModel(BaseModel):
+    """Base for every part of the resource: camelCase keys in JSON, strict keys, and
     `CEL_RULES` both emitted into the schema and enforced on parse."""
 
     model_config = ConfigDict(
@@ -45,7 +45,7 @@ class WireModel(BaseModel):
     CEL_RULES: ClassVar[tuple[CelRule, ...]] = ()
 
     @model_validator(mode="after")
-    def _cel_rules_hold(self) -> "WireModel":
+    def _cel_rules_hold(self) -> "CamelModel":
         for rule in self.CEL_RULES:
             if not rule.holds(self):
                 raise ValueError(rule.explain(self))

@@ -1,0 +1,60 @@
+"""One word, one meaning (issue #20): a name retired because it said several things
+stays retired. Each guard reads the sources, the tests and the docs (or imports the
+module that held the name) and fails naming where an old name came back.
+
+    WireModel, wire_model   -> kvtier.camel_model.CamelModel (the CRD's camelCase base;
+                               "wire" is the peer protocol's word)
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# What ships, what drives it, what tests it, what documents it.
+TEXT_DIRS = ("kvtier", "sidecar/kvtier_sidecar", "connector/kvtier_vllm", "operator/kvtier_operator",
+             "apps/kvtier_app", "testenv/kvtier_testenv", "bench", "tests", "docs", "charts")
+TEXT_FILES = ("README.md", "pyproject.toml")
+SUFFIXES = {".py", ".pyx", ".pxd", ".md", ".toml", ".yaml", ".yml", ".tpl", ".json"}
+
+# Words that must not appear anywhere (they meant nothing else).
+RETIRED_WORDS = ("WireModel", "wire_model")
+# (module, retired name, the name now): the module holds the new name, not the old.
+RENAMED = [
+    ("kvtier.camel_model", "WireModel", "CamelModel"),
+]
+
+
+def _texts() -> Iterator[tuple[str, str]]:
+    me = Path(__file__).resolve()
+    paths = [ROOT / f for f in TEXT_FILES]
+    for top in TEXT_DIRS:
+        paths.extend(p for p in sorted((ROOT / top).rglob("*")) if p.suffix in SUFFIXES and p.is_file())
+    for path in paths:
+        if path.resolve() != me and "__pycache__" not in path.parts:
+            yield path.relative_to(ROOT).as_posix(), path.read_text(errors="replace")
+
+
+def _mentions(pattern: re.Pattern[str]) -> list[str]:
+    return [f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}"
+            for rel, text in _texts() for m in pattern.finditer(text)]
+
+
+@pytest.mark.parametrize("word", RETIRED_WORDS)
+def test_a_retired_word_is_not_spelled_anywhere(word):
+    assert _mentions(re.compile(rf"\b{re.escape(word)}\b")) == []
+
+
+@pytest.mark.parametrize("module, old, new", RENAMED)
+def test_a_renamed_class_answers_to_its_new_name_only(module, old, new):
+    held = importlib.import_module(module)
+    assert isinstance(getattr(held, new, None), type), f"{module}.{new} is gone"
+    assert not hasattr(held, old), f"{module}.{old} is back: the class is {new}"
+
+
+def test_the_guard_sees_a_retired_word():
+    assert _mentions(re.compile(r"\bCamelModel\b")), "the scan reads no source at all"
