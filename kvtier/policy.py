@@ -309,7 +309,8 @@ class Tiers(CamelModel):
     nvme: NvmeTier = _section(NvmeTier)
 
 
-class Admission(CamelModel):
+class AdmissionSpec(CamelModel):
+    # The policy's admission section (kvtier.admission.Admission is the runtime filter).
     min_sightings: int = Field(DEFAULT_MIN_SIGHTINGS, ge=1, le=16)
     thrash_ratio: float = Field(DEFAULT_THRASH_RATIO, gt=0, le=1)
 
@@ -568,7 +569,7 @@ class KVCachePolicySpec(CamelModel):
     traffic_class: Literal["interactive", "batch"] = "interactive"
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, le=1024)
     tiers: Tiers = _section(Tiers)
-    admission: Admission = _section(Admission)
+    admission: AdmissionSpec = _section(AdmissionSpec)
     affinity: Affinity = _section(Affinity)
     rollout: Rollout = _section(Rollout)
     redis: RedisSpec | None = None

@@ -4,9 +4,12 @@ module that held the name) and fails naming where an old name came back.
 
     WireModel, wire_model   -> kvtier.camel_model.CamelModel (the CRD's camelCase base;
                                "wire" is the peer protocol's word)
+    kvtier.policy.Admission -> AdmissionSpec (the CRD's admission section; JSON unchanged;
+                               kvtier.admission.Admission is the runtime filter)
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 from collections.abc import Iterator
@@ -26,6 +29,7 @@ RETIRED_WORDS = ("WireModel", "wire_model")
 # (module, retired name, the name now): the module holds the new name, not the old.
 RENAMED = [
     ("kvtier.camel_model", "WireModel", "CamelModel"),
+    ("kvtier.policy", "Admission", "AdmissionSpec"),
 ]
 
 
@@ -54,6 +58,20 @@ def test_a_renamed_class_answers_to_its_new_name_only(module, old, new):
     held = importlib.import_module(module)
     assert isinstance(getattr(held, new, None), type), f"{module}.{new} is gone"
     assert not hasattr(held, old), f"{module}.{old} is back: the class is {new}"
+
+
+@pytest.mark.parametrize("module, old, new", RENAMED)
+def test_nothing_imports_or_names_a_renamed_class_by_its_old_name(module, old, new):
+    leaf = module.rsplit(".", 1)[-1]
+    spelled = re.compile(rf"\b{re.escape(leaf)}\.{re.escape(old)}\b")
+    found = _mentions(spelled)
+    for rel, text in _texts():
+        if rel.endswith(".py"):
+            for node in ast.walk(ast.parse(text, filename=rel)):
+                if isinstance(node, ast.ImportFrom) and node.module == (leaf if node.level else module):
+                    found += [f"{rel}:{node.lineno}: from {module} import {old}"
+                              for alias in node.names if alias.name == old]
+    assert found == [], f"use {module}.{new}"
 
 
 def test_the_guard_sees_a_retired_word():

@@ -78,7 +78,7 @@ def test_crd_identity_columns_and_status_subresource():
 
 def test_nested_sections_default_to_their_fully_defaulted_form():
     spec = crd.openapi_schema()["properties"]["spec"]["properties"]
-    for section, model in (("tiers", policy.Tiers), ("admission", policy.Admission),
+    for section, model in (("tiers", policy.Tiers), ("admission", policy.AdmissionSpec),
                            ("affinity", policy.Affinity), ("rollout", policy.Rollout)):
         assert spec[section]["default"] == model().wire()
     assert spec["rollout"]["default"]["recovery"]["source"] == "sidecar"
