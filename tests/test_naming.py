@@ -6,6 +6,8 @@ module that held the name) and fails naming where an old name came back.
                                "wire" is the peer protocol's word)
     kvtier.policy.Admission -> AdmissionSpec (the CRD's admission section; JSON unchanged;
                                kvtier.admission.Admission is the runtime filter)
+    AdmissionPolicies       -> kvtier_operator.admission_policies.WebhookAdmissionPolicies
+                               (the policies the injection webhook decides a pod from)
 """
 from __future__ import annotations
 
@@ -25,11 +27,12 @@ TEXT_FILES = ("README.md", "pyproject.toml")
 SUFFIXES = {".py", ".pyx", ".pxd", ".md", ".toml", ".yaml", ".yml", ".tpl", ".json"}
 
 # Words that must not appear anywhere (they meant nothing else).
-RETIRED_WORDS = ("WireModel", "wire_model")
+RETIRED_WORDS = ("WireModel", "wire_model", "AdmissionPolicies")
 # (module, retired name, the name now): the module holds the new name, not the old.
 RENAMED = [
     ("kvtier.camel_model", "WireModel", "CamelModel"),
     ("kvtier.policy", "Admission", "AdmissionSpec"),
+    ("kvtier_operator.admission_policies", "AdmissionPolicies", "WebhookAdmissionPolicies"),
 ]
 
 

@@ -48,7 +48,7 @@ def entries_of(items: Iterable[dict[str, Any]]) -> list[Entry]:
     return [entry(i["metadata"]["name"], i.get("spec") or {}, i["metadata"]) for i in items]
 
 
-class AdmissionPolicies:
+class WebhookAdmissionPolicies:
     """The webhook's view of a namespace's policies: the apiserver until the index is
     loaded, the index afterwards (kept in kopf's memo, one per operator run)."""
 

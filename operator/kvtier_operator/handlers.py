@@ -75,7 +75,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         _pod_tokens(memo.kube, options.sidecar_token_service_account),
         ControlTls.from_ca(memo.control_certs.ca.cert_pem) if memo.control_certs else None)
     memo.policies = PolicyRegistry()
-    memo.admission = admission_policies.AdmissionPolicies()
+    memo.admission = admission_policies.WebhookAdmissionPolicies()
     memo.http = aiohttp.ClientSession()  # rollout analysis: Prometheus and Alertmanager
     memo.rollout_metrics = metrics.RolloutMetrics()
     memo.metrics_runner = None

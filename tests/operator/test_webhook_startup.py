@@ -29,7 +29,7 @@ def test_until_the_index_is_loaded_the_webhook_reads_policies_from_the_apiserver
     kubectl.apply(tiny_policy("early", "llm"))
     kube = operator_kube(operator_kubeconfig, monkeypatch)
     try:
-        source = admission_policies.AdmissionPolicies()
+        source = admission_policies.WebhookAdmissionPolicies()
         empty_index: list[admission_policies.Entry] = []  # what a still-loading index holds
         listed = asyncio.run(source.entries(kube, namespace, empty_index))
         assert [name for name, _spec, _created in listed] == ["early"]
@@ -48,7 +48,7 @@ def test_the_webhook_handler_injects_from_the_apiserver_while_its_index_is_still
     kubectl.apply(tiny_policy("early", "llm"))
     memo = kopf.Memo()
     memo.kube = operator_kube(operator_kubeconfig, monkeypatch)
-    memo.admission = admission_policies.AdmissionPolicies()  # a fresh operator: nothing loaded
+    memo.admission = admission_policies.WebhookAdmissionPolicies()  # a fresh operator: nothing loaded
     memo.options = operator_options(tmp_path)
     pod = serving_pod("llm-0", "llm")
     pod["metadata"]["namespace"] = namespace
@@ -68,7 +68,7 @@ def test_a_failed_list_falls_back_to_the_index(namespace, kubectl, control_plane
     kube = operator_kube(control_plane.kubeconfig_for_service_account(namespace, "no-rights"), monkeypatch)
     try:
         index = [admission_policies.entry("p", {"selector": {}}, {})]
-        assert asyncio.run(admission_policies.AdmissionPolicies().entries(kube, namespace, index)) == index
+        assert asyncio.run(admission_policies.WebhookAdmissionPolicies().entries(kube, namespace, index)) == index
     finally:
         kube.close()
 
