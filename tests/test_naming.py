@@ -8,6 +8,8 @@ module that held the name) and fails naming where an old name came back.
                                kvtier.admission.Admission is the runtime filter)
     AdmissionPolicies       -> kvtier_operator.admission_policies.WebhookAdmissionPolicies
                                (the policies the injection webhook decides a pod from)
+    kvtier_sidecar.client.Hit -> EngineHit (what the engine client's lookup returns;
+                               kvtier.cache.Hit is the core's, dram.TierHit the DRAM tier's)
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ RENAMED = [
     ("kvtier.camel_model", "WireModel", "CamelModel"),
     ("kvtier.policy", "Admission", "AdmissionSpec"),
     ("kvtier_operator.admission_policies", "AdmissionPolicies", "WebhookAdmissionPolicies"),
+    ("kvtier_sidecar.client", "Hit", "EngineHit"),
 ]
 
 

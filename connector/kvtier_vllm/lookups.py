@@ -3,7 +3,7 @@ circuit breaker: kvtier may miss, it never makes the scheduler wait.
 
     start(root, prompt, local)  -> PendingLookup, queued for the lookup thread
                                    (None: the breaker is open, the request is a miss)
-    settle(pending, wait_s)     -> the Hit / None once known; PENDING while the lookup
+    settle(pending, wait_s)     -> the EngineHit / None once known; PENDING while the lookup
                                    runs and its deadline has not passed; None (a miss)
                                    after the deadline, the lookup abandoned
     release(hit)                -> queued too: a hung sidecar never blocks a release
@@ -120,7 +120,7 @@ class PendingLookup:
     digests: bool
     deadline: float
     done: threading.Event = field(default_factory=threading.Event)
-    hit: Any = None             # the client's Hit, or None (a miss)
+    hit: Any = None             # the client's EngineHit, or None (a miss)
     abandoned: bool = False     # the request stopped waiting: the thread releases the hit
     judged: bool = False        # counted for the breaker once (in time, late or faulted)
 

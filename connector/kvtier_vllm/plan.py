@@ -98,7 +98,7 @@ class _Request:
     root: KeyRoot
     prompt: list[int]
     local: int = 0              # vLLM's own (block-aligned) hit when asked
-    hit: object = None          # a pinned client Hit, or None
+    hit: object = None          # a pinned client EngineHit, or None
     pending: PendingLookup | None = None  # the lookup, until it is settled
     asked: bool = True          # looked up, not allocated yet: a re-ask reuses the hit
     block_ids: list[int] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """The engine-side library: talk to the local sidecar, copy KV straight out of shared memory.
 
     client = SidecarClient("/tmp/kvtier-....sock")
-    hit = client.lookup(root, token_ids)            # Hit | Miss, never raises for faults
+    hit = client.lookup(root, token_ids)            # EngineHit | Miss, never raises for faults
     if hit: client.materialize(hit, dst)            # block runs copied out of the arena
     client.release(hit)                             # when the request finishes
     client.store(root, token_ids, kv_blocks)        # best effort; admission applies
@@ -62,9 +62,10 @@ _TIERS = {b"dram": "dram", b"peer": "peer"}
 
 
 @dataclass(slots=True)
-class Hit:
-    """`matched_tokens` leading tokens are cached in arena `blocks` (one slot per block),
-    pinned until `release`. Truthy, unlike `Miss`."""
+class EngineHit:
+    """What `SidecarClient.lookup` gives the engine: `matched_tokens` leading tokens are
+    cached in arena `blocks` (one slot per block), pinned until `release`. Truthy,
+    unlike `Miss`."""
 
     matched_tokens: int
     blocks: list[int]
@@ -229,8 +230,8 @@ class SidecarClient:
         self._json_len = json_len
         return total
 
-    def _lookup_answer(self, end: int) -> "Hit | Miss":
-        """The LOOKUP answer in `_rbuf` as a Hit or a Miss (under the lock)."""
+    def _lookup_answer(self, end: int) -> "EngineHit | Miss":
+        """The LOOKUP answer in `_rbuf` as an EngineHit or a Miss (under the lock)."""
         buf = self._rbuf
         head = FRAME.size + self._json_len
         m = _PLAIN_HIT.fullmatch(buf, FRAME.size, head)  # the sidecar's usual answer, read without json
@@ -241,7 +242,7 @@ class SidecarClient:
             if not answer.get("hit"):
                 return Miss(answer.get("reason", "miss"))
             sums = answer.get("digests")
-            return Hit(int(answer["matched_tokens"]), slots.tolist(), answer["tier"],
+            return EngineHit(int(answer["matched_tokens"]), slots.tolist(), answer["tier"],
                        int(answer["hit"]), self.arena, self.generation, self._instance_name,
                        [int(d) for d in sums] if sums is not None else None, self.connection,
                        int(answer["dram_tokens"]) if "dram_tokens" in answer else None)
@@ -250,7 +251,7 @@ class SidecarClient:
         hit_id, matched, tier, dram = m.groups()
         if hit_id == b"0":
             return Miss()
-        return Hit(int(matched), np.frombuffer(buf, _U32, (end - head) >> 2, head).tolist(), _TIERS[tier],
+        return EngineHit(int(matched), np.frombuffer(buf, _U32, (end - head) >> 2, head).tolist(), _TIERS[tier],
                    int(hit_id), self.arena, self.generation, self._instance_name, None, self.connection, int(dram))
 
     def _lookup_payload(self, root: KeyRoot) -> bytes:
@@ -278,7 +279,7 @@ class SidecarClient:
                 self._drop()
                 return None
 
-    def _call_lookup(self, payload: dict | bytes, tokens: np.ndarray) -> "Hit | Miss | None":
+    def _call_lookup(self, payload: dict | bytes, tokens: np.ndarray) -> "EngineHit | Miss | None":
         """`_call` of a LOOKUP, its answer read straight out of the receive buffer."""
         with self._lock:
             try:
@@ -314,7 +315,7 @@ class SidecarClient:
 
     # -- engine API ---------------------------------------------------------------------
 
-    def lookup(self, root: KeyRoot, token_ids, digests: bool = False, local_tokens: int = 0) -> Hit | Miss:
+    def lookup(self, root: KeyRoot, token_ids, digests: bool = False, local_tokens: int = 0) -> EngineHit | Miss:
         """The longest cached prefix, pinned. With `digests`, the hit carries each
         block's checksum so the engine can verify the bytes it copies. `local_tokens`:
         the leading tokens the engine already holds itself; the sidecar fetches from
@@ -345,29 +346,29 @@ class SidecarClient:
         """Names the sidecar process a hit or ticket came from: another one refuses it."""
         return {"instance": str(self.info.get("instance", ""))}
 
-    def release(self, hit: Hit | Miss) -> None:
-        if not isinstance(hit, Hit) or hit.connection != self.connection:
+    def release(self, hit: EngineHit | Miss) -> None:
+        if not isinstance(hit, EngineHit) or hit.connection != self.connection:
             return  # a miss, or a hit whose connection is gone (its pins went with it)
         self._call(EngineOp.RELEASE, {"hit": hit.hit_id, **self._instance()})
 
-    def materialize(self, hit: Hit, dst: np.ndarray, tp: int = 1, rank: int = 0) -> int:
+    def materialize(self, hit: EngineHit, dst: np.ndarray, tp: int = 1, rank: int = 0) -> int:
         """Copy the hit's blocks into `dst` (uint8-viewable, C-contiguous, at least
         len(blocks) * block bytes of this rank's shard); returns bytes copied.
 
         tp == 1 copies each contiguous slot run with one copy; tp > 1 takes this rank's
         kv heads of each canonical block."""
-        if not isinstance(hit, Hit):
-            raise ValueError("materialize needs a Hit")
+        if not isinstance(hit, EngineHit):
+            raise ValueError("materialize needs an EngineHit")
         self._check_pinned(hit)
         copied = self._copy_out(hit, _as_bytes(dst), tp, rank)
         self._check_pinned(hit)  # still pinned after the copy: it copied pinned bytes
         return copied
 
-    def _check_pinned(self, hit: Hit) -> None:
+    def _check_pinned(self, hit: EngineHit) -> None:
         if hit.connection != self.connection:
             raise StaleHit("the hit's connection to the sidecar is gone (its pins with it); recompute")
 
-    def _copy_out(self, hit: Hit, out: np.ndarray, tp: int, rank: int) -> int:
+    def _copy_out(self, hit: EngineHit, out: np.ndarray, tp: int, rank: int) -> int:
         arena = hit.arena
         bb = arena.block_bytes
         if tp == 1:

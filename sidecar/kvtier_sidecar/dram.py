@@ -30,6 +30,10 @@ STAMP_BYTES = 8
 
 @dataclass(slots=True)
 class TierHit:
+    """The DRAM tier's answer to a lookup, inside the sidecar: `slots` of the arena,
+    pinned by the core cache's `handle` until `DramTier.release(handle)` (the engine
+    gets an `EngineHit` over the socket)."""
+
     matched_tokens: int
     slots: list[int]
     handle: Hit

@@ -33,7 +33,7 @@ import numpy as np
 from kvtier import names, sidecar_config
 from kvtier.identity import ModelIdentity
 from kvtier.keys import KeyRoot
-from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.client import EngineHit, SidecarClient
 from kvtier_testenv import engine_io
 from kvtier_testenv.synthetic import prefill_kv
 
@@ -69,7 +69,7 @@ class Engine:
         client = SidecarClient(self.socket)
         try:
             hit, _loaded = engine_io.request(client, root, tokens, self.block_bytes)
-            matched = hit.matched_tokens if isinstance(hit, Hit) else 0
+            matched = hit.matched_tokens if isinstance(hit, EngineHit) else 0
             client.release(hit)
             whole = len(tokens) // self.block_size * self.block_size
             if whole > matched:

@@ -9,15 +9,15 @@ from __future__ import annotations
 import numpy as np
 
 from kvtier.keys import KeyRoot
-from kvtier_sidecar.client import Hit, Miss, SidecarClient
+from kvtier_sidecar.client import EngineHit, Miss, SidecarClient
 
 
-def report(client: SidecarClient, prompt_tokens: int, hit: Hit | Miss | None = None, loaded_blocks: int = 0,
+def report(client: SidecarClient, prompt_tokens: int, hit: EngineHit | Miss | None = None, loaded_blocks: int = 0,
            block_bytes: int = 0) -> bool:
     """Tell the sidecar this request's prompt tokens and the first `loaded_blocks` of
     `hit` that the engine loaded (by the tier each came from)."""
     counts = {"prompt_tokens": prompt_tokens}
-    if isinstance(hit, Hit) and loaded_blocks:
+    if isinstance(hit, EngineHit) and loaded_blocks:
         block_size = hit.matched_tokens // len(hit.blocks)
         for tier, n in hit.split(0, loaded_blocks * block_size).items():
             counts[f"loaded_tokens_{tier}"] = n
@@ -26,12 +26,12 @@ def report(client: SidecarClient, prompt_tokens: int, hit: Hit | Miss | None = N
 
 
 def request(client: SidecarClient, root: KeyRoot, tokens: np.ndarray, block_bytes: int,
-            load: bool = True) -> tuple[Hit | Miss, np.ndarray | None]:
+            load: bool = True) -> tuple[EngineHit | Miss, np.ndarray | None]:
     """One request: lookup, the hit's blocks copied out (`load`), reported. Returns the
     hit (still pinned: release it) and the bytes loaded (None on a miss or no load)."""
     hit = client.lookup(root, tokens)
     loaded = None
-    if isinstance(hit, Hit) and load:
+    if isinstance(hit, EngineHit) and load:
         loaded = np.zeros(len(hit.blocks) * block_bytes, np.uint8)
         client.materialize(hit, loaded)
     report(client, len(tokens), hit, len(hit.blocks) if loaded is not None else 0, block_bytes)

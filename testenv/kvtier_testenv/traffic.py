@@ -25,7 +25,7 @@ import numpy as np
 from kvtier.keys import KeyRoot
 from kvtier.names import WEIGHTS_VERSION_ANNOTATION
 from kvtier.sidecar_config import SidecarConfig
-from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.client import EngineHit, SidecarClient
 from kvtier_testenv import engine_io
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.synthetic import prefill_kv
@@ -112,7 +112,7 @@ class Traffic:
         and with `offer` it offers the prompt's KV for storing."""
         got = client.lookup(root, t)
         try:
-            if isinstance(got, Hit):
+            if isinstance(got, EngineHit):
                 self._check(client, got, root, t)
             engine_io.report(client, len(t), got, len(got.blocks) if got else 0, self.block_bytes)
         finally:
@@ -121,7 +121,7 @@ class Traffic:
             client.store(root, t, prefill_kv(root, t, self.block_size, self.block_bytes))
         self.lookups[version] = self.lookups.get(version, 0) + 1
 
-    def _check(self, client: SidecarClient, hit: Hit, root: KeyRoot, t: np.ndarray) -> None:
+    def _check(self, client: SidecarClient, hit: EngineHit, root: KeyRoot, t: np.ndarray) -> None:
         dst = np.zeros(len(hit.blocks) * self.block_bytes, np.uint8)
         client.materialize(hit, dst)
         want = prefill_kv(root, t, self.block_size, self.block_bytes).reshape(-1)[: len(dst)]

@@ -17,7 +17,7 @@ import numpy as np
 from kvtier.keys import KeyRoot
 from kvtier.sidecar_config import ServedModel
 
-from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.client import EngineHit, SidecarClient
 from . import engine_io
 from .synthetic import prefill_kv
 
@@ -198,7 +198,7 @@ def _one(client: SidecarClient, req: Request, oracle, stats: ReplayStats) -> Non
     hit = client.lookup(root, tokens)
     stats.lookup_s.append(time.perf_counter() - t0)
     expected = oracle.kv(root, tokens)  # the recompute
-    if isinstance(hit, Hit):
+    if isinstance(hit, EngineHit):
         try:
             dst = np.empty(len(hit.blocks) * block_bytes, dtype=np.uint8)
             n = client.materialize(hit, dst)

@@ -12,7 +12,7 @@ import numpy as np
 from kvtier import sidecar_config
 from kvtier.keys import KeyRoot
 from kvtier_operator import names
-from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.client import EngineHit, SidecarClient
 from kvtier_testenv import engine_io
 from kvtier_testenv.control_client import ControlEndpoint
 from kvtier_testenv.synthetic import prefill_kv
@@ -151,7 +151,7 @@ class PodSidecar:
                 tokens = prompt(tenant, i)
                 hit, dst = engine_io.request(client, root(tenant), tokens, BLOCK_BYTES)
                 try:
-                    if not isinstance(hit, Hit) or hit.matched_tokens != MATCHED_TOKENS:
+                    if not isinstance(hit, EngineHit) or hit.matched_tokens != MATCHED_TOKENS:
                         return False
                     if not np.array_equal(dst, kv_of(tenant, tokens)[: len(dst)]):
                         raise AssertionError(f"wrong KV for {tenant} prompt {i} on {self.name}")

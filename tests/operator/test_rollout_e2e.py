@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.keys import KeyRoot
 from kvtier_operator import names, rollout_handlers
-from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.client import EngineHit, SidecarClient
 from kvtier_testenv import engine_io
 from kvtier_testenv.synthetic import prefill_kv
 from kvtier_testenv.kubectl import Kubectl
@@ -85,7 +85,7 @@ def hits(sidecar: PodSidecar, version: str, i: int) -> bool:
     try:
         got, _ = engine_io.request(client, root(version), tokens(i), BLOCK_BYTES)
         client.release(got)
-        return isinstance(got, Hit)
+        return isinstance(got, EngineHit)
     finally:
         client.close()
 
@@ -97,7 +97,7 @@ def serves_right_kv(sidecar: PodSidecar, version: str, i: int) -> bool:
     try:
         got = client.lookup(root(version), tokens(i))
         try:
-            if not isinstance(got, Hit):
+            if not isinstance(got, EngineHit):
                 return False
             dst = np.zeros(len(got.blocks) * BLOCK_BYTES, np.uint8)
             client.materialize(got, dst)

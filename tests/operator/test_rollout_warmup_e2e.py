@@ -14,7 +14,7 @@ import pytest
 
 from kvtier_operator import names
 from kvtier_operator import rollout_warmup as rw
-from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.client import EngineHit, SidecarClient
 from kvtier_testenv import engine_io
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.podenv import is_ready
@@ -129,7 +129,7 @@ def first_request_hits_with_recomputed_kv(sc: PodSidecar, tenant: str, i: int, v
         t = tenant_tokens(tenant, i)
         hit, loaded = engine_io.request(client, root(version, tenant), t, BLOCK_BYTES)
         try:
-            if not isinstance(hit, Hit) or hit.matched_tokens != MATCHED_TOKENS:
+            if not isinstance(hit, EngineHit) or hit.matched_tokens != MATCHED_TOKENS:
                 return False
             want = prefill_kv(root(version, tenant), t, BLOCK_SIZE, BLOCK_BYTES)[: len(loaded)]
             other = prefill_kv(root(OLD, tenant), t, BLOCK_SIZE, BLOCK_BYTES)[: len(loaded)]
@@ -210,7 +210,7 @@ def test_a_new_version_pod_is_held_out_until_warmed_then_serves_its_tenants_hott
     client = SidecarClient(sc.socket)
     try:  # beta's token ids were warmed for beta, never under acme's key root
         miss = client.lookup(root(NEW, "acme"), tenant_tokens("beta", 0))
-        assert not isinstance(miss, Hit)
+        assert not isinstance(miss, EngineHit)
         client.release(miss)
     finally:
         client.close()
@@ -425,7 +425,7 @@ def test_the_capacity_estimate_caps_the_budget_and_the_history_records_the_first
         for tenant in TENANTS:
             for i in range(PROMPTS):
                 hit, _ = engine_io.request(client, root(NEW, tenant), tenant_tokens(tenant, i), BLOCK_BYTES)
-                outcomes.append(isinstance(hit, Hit))
+                outcomes.append(isinstance(hit, EngineHit))
                 client.release(hit)
     finally:
         client.close()

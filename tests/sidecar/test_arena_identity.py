@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvtier_sidecar.arena import Arena, ArenaError
-from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.client import EngineHit, SidecarClient
 
 from .test_sidecar_process import prompt, seed_cache
 
@@ -27,7 +27,7 @@ def test_a_twin_with_the_same_identity_refuses_to_start_and_engines_keep_their_s
     late = SidecarClient(a.socket)  # an engine (re)connecting to `a` now
     for client in (late, first):
         hit = client.lookup(root, tokens)
-        assert isinstance(hit, Hit) and hit.matched_tokens == 112
+        assert isinstance(hit, EngineHit) and hit.matched_tokens == 112
         dst = np.zeros(7 * BB, np.uint8)
         client.materialize(hit, dst)
         assert np.array_equal(dst, expected[: 7 * BB])

@@ -12,7 +12,7 @@ import time
 import redis as redis_sync
 
 from kvtier.keys import block_hashes
-from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.client import EngineHit, SidecarClient
 from kvtier_sidecar.service import MAX_WARM_JOBS, WARM_RETRY_AFTER_S
 
 from .test_sidecar_process import poll, prompt, seed_cache
@@ -33,7 +33,7 @@ def peer_lookup_s(client: SidecarClient, root, tokens) -> float:
     t0 = time.perf_counter()
     hit = client.lookup(root, tokens)
     elapsed = time.perf_counter() - t0
-    assert isinstance(hit, Hit) and hit.tier == "peer", hit
+    assert isinstance(hit, EngineHit) and hit.tier == "peer", hit
     client.release(hit)
     return elapsed
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvtier_sidecar.client import Hit, Miss, SidecarClient
+from kvtier_sidecar.client import EngineHit, Miss, SidecarClient
 from kvtier_testenv.kubectl import Kubectl
 
 from .test_sidecar_process import poll, prompt, seed_cache
@@ -60,7 +60,7 @@ def test_only_the_operators_token_opens_the_control_api_and_refusals_change_noth
     engine = SidecarClient(sc.socket)
     root, tokens = oracle.root("t"), prompt(64, seed=11)
     seed_cache(engine, oracle, "t", tokens)
-    assert isinstance(hit := engine.lookup(root, tokens), Hit)
+    assert isinstance(hit := engine.lookup(root, tokens), EngineHit)
     engine.release(hit)
     invalidate = {"model_version": root.weights_version}
 
@@ -79,7 +79,7 @@ def test_only_the_operators_token_opens_the_control_api_and_refusals_change_noth
     # Nothing changed: no job ran, the blocks still serve.
     operator = identities["operator"]
     assert call(sc, "GET", "/cache/jobs", operator) == (200, {})
-    assert isinstance(hit := engine.lookup(root, tokens), Hit)
+    assert isinstance(hit := engine.lookup(root, tokens), EngineHit)
     engine.release(hit)
 
     # Probes and metrics stay open.

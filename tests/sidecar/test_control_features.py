@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from kvtier import presets
 from kvtier import sidecar_config as sc
-from kvtier_sidecar.client import Hit, Miss, SidecarClient
+from kvtier_sidecar.client import EngineHit, Miss, SidecarClient
 from .test_sidecar_process import BB, poll, prompt, seed_cache
 
 
@@ -117,7 +117,7 @@ def test_mla_sidecar_hands_out_single_plane_blocks_and_materializes_them(spawn, 
         client.release(client.lookup(root, tokens))
         client.store(root, tokens, kv)
     hit = client.lookup(root, tokens)
-    assert isinstance(hit, Hit) and hit.matched_tokens == 48
+    assert isinstance(hit, EngineHit) and hit.matched_tokens == 48
     dst = np.zeros(3 * BB // 2, np.uint8)
     client.materialize(hit, dst)
     assert np.array_equal(dst, kv[: 3 * BB // 2])

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.client import EngineHit, SidecarClient
 from .test_sidecar_process import BB, poll, prompt, seed_cache
 
 
@@ -37,7 +37,7 @@ def test_sigterm_drains_not_ready_yet_serves_warm_ups_and_engine_until_drain_don
     assert leaver.stats()["draining"] is True and leaver.proc.poll() is None
     # The engine still hits while draining.
     hit = client.lookup(root, tokens)
-    assert isinstance(hit, Hit) and hit.matched_tokens == 96
+    assert isinstance(hit, EngineHit) and hit.matched_tokens == 96
     client.release(hit)
     # A peer warms the leaver's tenant from it, byte-exact.
     status, body = heir.post("/cache/warm", {"tenant": "moved", "from_peer": leaver.peer, "max_bytes": 1 << 20})
@@ -47,7 +47,7 @@ def test_sigterm_drains_not_ready_yet_serves_warm_ups_and_engine_until_drain_don
     assert done["state"] == "done" and done["bytes"] == 6 * BB
     heir_client = SidecarClient(heir.socket)
     warmed = heir_client.lookup(root, tokens)
-    assert isinstance(warmed, Hit) and warmed.matched_tokens == 96
+    assert isinstance(warmed, EngineHit) and warmed.matched_tokens == 96
     dst = np.zeros(6 * BB, np.uint8)
     heir_client.materialize(warmed, dst)
     assert np.array_equal(dst, oracle.kv(root, tokens)[: 6 * BB])

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from kvtier_sidecar.client import Hit, Miss, SidecarClient, root_payload
+from kvtier_sidecar.client import EngineHit, Miss, SidecarClient, root_payload
 from kvtier_sidecar.engine_proto import EngineOp
 
 from .test_sidecar_process import prompt, seed_cache
@@ -66,7 +66,7 @@ def test_another_connection_cannot_commit_abort_or_join_a_tickets_rank(spawn, or
     again = SidecarClient(sc.socket)
     seed_cache(again, oracle, "t", tokens)
     hit = again.lookup(root, tokens)
-    assert isinstance(hit, Hit)
+    assert isinstance(hit, EngineHit)
     dst = np.zeros(len(hit.blocks) * BB, np.uint8)
     again.materialize(hit, dst)
     assert np.array_equal(dst, kv[: len(dst)])
@@ -78,7 +78,7 @@ def test_another_connection_cannot_release_a_hit_it_does_not_hold(spawn, oracle)
     tokens = prompt(64, seed=7)
     seed_cache(owner, oracle, "t", tokens)
     hit = owner.lookup(oracle.root("t"), tokens)
-    assert isinstance(hit, Hit) and _pinned(sc) == 1
+    assert isinstance(hit, EngineHit) and _pinned(sc) == 1
     assert "another engine connection" in _refused(other, EngineOp.RELEASE, {"hit": hit.hit_id})
     assert _pinned(sc) == 1  # still pinned: its blocks cannot be evicted under the owner
     owner.release(hit)

@@ -11,7 +11,7 @@ import numpy as np
 import redis as redis_sync
 
 from kvtier.keys import block_hashes
-from kvtier_sidecar.client import Hit, Miss, SidecarClient
+from kvtier_sidecar.client import EngineHit, Miss, SidecarClient
 from kvtier_testenv.fleet import run_engines, split_requests
 from kvtier_testenv.workload import make_workload
 
@@ -29,7 +29,7 @@ def assert_peer_serves_the_miss(ca, cb, a_peer: str, index, oracle, tenant: str,
     last = block_hashes(root, tokens, 16)[-1].hex()
     poll(lambda: index.hexists(f"kvt:{{{root.digest().hex()}}}:{last}", a_peer))
     hit = cb.lookup(root, tokens)
-    assert isinstance(hit, Hit) and hit.tier == "peer" and hit.matched_tokens == 192
+    assert isinstance(hit, EngineHit) and hit.tier == "peer" and hit.matched_tokens == 192
     dst = np.zeros(12 * BB, np.uint8)
     cb.materialize(hit, dst)
     assert np.array_equal(dst, oracle.kv(root, tokens)[: 12 * BB])

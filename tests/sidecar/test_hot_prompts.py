@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from kvtier import control_api as api
-from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.client import EngineHit, SidecarClient
 
 from .test_sidecar_process import prompt, seed_cache
 
@@ -22,7 +22,7 @@ def hot(sc, tenant: str | None, max_tokens: str | int | None) -> tuple[int, dict
 def hits(client: SidecarClient, oracle, tenant: str, tokens, times: int) -> None:
     for _ in range(times):
         got = client.lookup(oracle.root(tenant), tokens)
-        assert isinstance(got, Hit)
+        assert isinstance(got, EngineHit)
         client.release(got)
 
 

@@ -10,7 +10,7 @@ import redis as redis_sync
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MovedError, OutOfMemoryError, ReadOnlyError, ResponseError, TryAgainError
 
-from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.client import EngineHit, SidecarClient
 from kvtier_sidecar.global_index import GlobalIndex
 from kvtier_sidecar.redis_health import Breaker, Health, classify, opens_both
 from kvtier_testenv.redis_fixtures import RedisServer
@@ -173,7 +173,7 @@ def test_sidecar_under_redis_oom_keeps_peer_hits_and_shows_the_write_state_in_st
     assert health_series(metrics, "reads", "ok") == 1.0
     # B's lookup of what A registered before the OOM is still a peer hit.
     hit = cb.lookup(oracle.root("t"), before)
-    assert isinstance(hit, Hit) and hit.tier == "peer" and hit.matched_tokens == 192
+    assert isinstance(hit, EngineHit) and hit.tier == "peer" and hit.matched_tokens == 192
     cb.release(hit)
     assert a.get("/readyz")[0] == 200
     admin.config_set("maxmemory", 0)

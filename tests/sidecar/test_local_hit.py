@@ -7,7 +7,7 @@ import numpy as np
 import redis as redis_sync
 
 from kvtier.keys import block_hashes
-from kvtier_sidecar.client import Hit, SidecarClient
+from kvtier_sidecar.client import EngineHit, SidecarClient
 from kvtier_testenv import engine_io
 
 from .test_sidecar_process import poll, prompt, seed_cache
@@ -46,7 +46,7 @@ def test_a_prompt_the_engine_holds_itself_costs_no_peer_bytes(spawn, oracle, red
     # it holds half: the peer holds more, so the whole prefix comes over (the sidecar's
     # tier keeps prefixes whole) and is offered
     half = cb.lookup(root, tokens, local_tokens=96)
-    assert isinstance(half, Hit) and half.tier == "peer" and half.matched_tokens == 192
+    assert isinstance(half, EngineHit) and half.tier == "peer" and half.matched_tokens == 192
     assert _peer_bytes(b) == 12 * BB
     dst = np.zeros(12 * BB, np.uint8)
     cb.materialize(half, dst)
@@ -89,7 +89,7 @@ def test_a_partly_local_hit_counts_its_local_blocks_as_dram_and_only_the_rest_as
     before, served_before = b.stats("acme"), _served(b)
 
     hit = cb.lookup(root, tokens)
-    assert isinstance(hit, Hit) and hit.tier == "peer" and hit.matched_tokens == 192 and hit.dram_tokens == 96
+    assert isinstance(hit, EngineHit) and hit.tier == "peer" and hit.matched_tokens == 192 and hit.dram_tokens == 96
     assert hit.split(0, 192) == {"dram": 96, "peer": 96}
     assert hit.split(64, 160) == {"dram": 32, "peer": 64}
     assert _peer_bytes(b) - peer_before == 6 * BB  # only the blocks b lacked came over

@@ -11,7 +11,7 @@ import numpy as np
 import redis as redis_sync
 
 from kvtier.keys import block_hashes
-from kvtier_sidecar.client import Hit, Miss, SidecarClient
+from kvtier_sidecar.client import EngineHit, Miss, SidecarClient
 from kvtier_sidecar.peer_fetch import MAX_FETCHES_PER_PEER
 
 from .slow_peer import TricklingPeer
@@ -67,7 +67,7 @@ def test_a_trickling_peer_costs_its_own_lookups_a_miss_and_others_are_served(
     client = SidecarClient(sc.socket, timeout_s=10 * DEADLINE_S)
     hit = client.lookup(fast_root, fast_tokens)
     still_trickling = slow.active
-    assert isinstance(hit, Hit) and hit.tier == "peer" and hit.matched_tokens == 192, hit
+    assert isinstance(hit, EngineHit) and hit.tier == "peer" and hit.matched_tokens == 192, hit
     assert still_trickling > 0, "the healthy lookup waited for the slow peer's fetches to end"
     dst = np.zeros(12 * BB, np.uint8)
     client.materialize(hit, dst)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import redis as redis_sync
 
-from kvtier_sidecar.client import Hit, Miss, SidecarClient
+from kvtier_sidecar.client import EngineHit, Miss, SidecarClient
 
 BB = 8192  # SyntheticOracle's block bytes (2 layers, 2 kv heads, head_dim 16, fp32, 16 tokens)
 
@@ -44,7 +44,7 @@ def test_a_store_into_free_space_is_taken_and_hits_materialize_exact_bytes_from_
     assert isinstance(client.lookup(root, tokens), Miss)
     assert client.store(root, tokens, kv) is True   # free space is never refused
     hit = client.lookup(root, tokens)
-    assert isinstance(hit, Hit) and hit.matched_tokens == 96 and hit.tier == "dram"
+    assert isinstance(hit, EngineHit) and hit.matched_tokens == 96 and hit.tier == "dram"
     dst = np.zeros(6 * BB, np.uint8)
     assert client.materialize(hit, dst) == 6 * BB
     assert np.array_equal(dst, kv[: 6 * BB])
@@ -94,7 +94,7 @@ def test_platform_owned_prefix_is_shared_across_tenants(spawn, oracle):
     seed_cache(client, oracle, "tenant-a", a_tokens)
     b_tokens = np.asarray(system + [9, 8] * 20, dtype=np.uint32)
     hit = client.lookup(oracle.root("tenant-b"), b_tokens)
-    assert isinstance(hit, Hit) and hit.matched_tokens == 48
+    assert isinstance(hit, EngineHit) and hit.matched_tokens == 48
     dst = np.zeros(3 * BB, np.uint8)
     client.materialize(hit, dst)
     # The platform prefix's KV is the same whoever computed it only if the key root is
@@ -229,7 +229,7 @@ def test_engine_facing_counters_in_metrics_follow_stores_and_engine_reports(spaw
     matched = 0
     for _ in range(3):  # stored once admission lets it in; later lookups hit
         found = client.lookup(root, tokens)
-        matched += found.matched_tokens if isinstance(found, Hit) else 0
+        matched += found.matched_tokens if isinstance(found, EngineHit) else 0
         client.release(found)
         client.store(root, tokens, oracle.kv(root, tokens))
     assert matched > 0
@@ -418,7 +418,7 @@ def test_the_engine_socket_names_the_blocks_eviction_took_from_the_removal_log(s
     gone = [i for i, h in enumerate(chain) if h in set(removed)]
     assert gone, "filling the arena evicted none of the first prompt's blocks"
     hit = client.lookup(root, tokens)
-    assert (hit.matched_tokens if isinstance(hit, Hit) else 0) <= gone[0] * 16
+    assert (hit.matched_tokens if isinstance(hit, EngineHit) else 0) <= gone[0] * 16
     client.release(hit)
     assert client.removed_since(nxt + 1_000_000)[1] is None
     try:
@@ -426,4 +426,4 @@ def test_the_engine_socket_names_the_blocks_eviction_took_from_the_removal_log(s
         raise AssertionError("a negative position was taken")
     except ValueError as exc:
         assert "since" in str(exc)
-    assert client.removed_since(nxt) is not None and isinstance(client.lookup(root, prompt(100, seed=5)), Hit)
+    assert client.removed_since(nxt) is not None and isinstance(client.lookup(root, prompt(100, seed=5)), EngineHit)

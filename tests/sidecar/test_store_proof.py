@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from kvtier_sidecar.client import Hit, Miss, SidecarClient, StaleHit
+from kvtier_sidecar.client import EngineHit, Miss, SidecarClient, StaleHit
 from kvtier_sidecar.engine_proto import FRAME, EngineOp, decode_header, encode, split_body
 from kvtier_sidecar.engine_server import FRAME_BODY_TIMEOUT_S
 
@@ -62,7 +62,7 @@ def test_a_reservation_from_before_a_sidecar_restart_never_commits_the_successor
     _write(r2, kv2)
     assert c.commit_store(r2) is True
     hit = c.lookup(root, p2)
-    assert isinstance(hit, Hit) and hit.matched_tokens == 96
+    assert isinstance(hit, EngineHit) and hit.matched_tokens == 96
     dst = np.zeros(6 * BB, np.uint8)
     c.materialize(hit, dst)
     assert np.array_equal(dst, kv2[: 6 * BB])
@@ -74,7 +74,7 @@ def test_a_hit_from_before_a_reconnect_is_refused_not_copied(spawn, oracle):
     root, tokens = oracle.root("t"), prompt(100)
     seed_cache(c, oracle, "t", tokens)
     hit = c.lookup(root, tokens)
-    assert isinstance(hit, Hit)
+    assert isinstance(hit, EngineHit)
     c.close()  # the sidecar releases the connection's pins: the slots may be reused
     with pytest.raises(StaleHit):
         c.materialize(hit, np.zeros(6 * BB, np.uint8))
@@ -122,7 +122,7 @@ def test_only_blocks_whose_every_row_was_written_are_published(spawn, oracle):
     res.arena.slot_array(res.slots[3]).reshape(ROWS, TOKENS, ROW_BYTES)[6] = saved
     assert c.commit_store(res) is True  # blocks 0-2 were written whole
     hit = c.lookup(root, tokens)
-    assert isinstance(hit, Hit) and hit.matched_tokens == 48
+    assert isinstance(hit, EngineHit) and hit.matched_tokens == 48
     dst = np.zeros(3 * BB, np.uint8)
     c.materialize(hit, dst)
     assert np.array_equal(dst, kv[: 3 * BB])
