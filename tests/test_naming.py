@@ -10,6 +10,9 @@ module that held the name) and fails naming where an old name came back.
                                (the policies the injection webhook decides a pod from)
     kvtier_sidecar.client.Hit -> EngineHit (what the engine client's lookup returns;
                                kvtier.cache.Hit is the core's, dram.TierHit the DRAM tier's)
+    kvtier_testenv.engine_front.Engine -> ReferenceEngine (the engine the test pods' HTTP
+                               front serves; not the simulator's loop nor the sidecar's
+                               engine socket, EngineServer)
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ RENAMED = [
     ("kvtier.policy", "Admission", "AdmissionSpec"),
     ("kvtier_operator.admission_policies", "AdmissionPolicies", "WebhookAdmissionPolicies"),
     ("kvtier_sidecar.client", "Hit", "EngineHit"),
+    ("kvtier_testenv.engine_front", "Engine", "ReferenceEngine"),
 ]
 
 

@@ -43,7 +43,10 @@ DEFAULT_TENANT = "default"  # the connector's for a request without cache_salt
 MAX_BODY = 8 << 20
 
 
-class Engine:
+class ReferenceEngine:
+    """The reference engine this front serves: its prefill runs through the pod's sidecar
+    (`socket`) as the vLLM connector's would."""
+
     def __init__(self, identity: ModelIdentity, block_size: int, block_bytes: int, socket: str, served: str,
                  delay_s: float = 0.0) -> None:
         self.identity, self.block_size, self.block_bytes = identity, block_size, block_bytes
@@ -84,7 +87,7 @@ class Engine:
                           "total_tokens": int(len(tokens)) + 1, "cached_tokens": int(matched)}}
 
 
-def _handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
+def _handler(engine: ReferenceEngine) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, fmt: str, *args: object) -> None:
             sys.stderr.write(f"engine_front: {fmt % args}\n")
@@ -136,7 +139,7 @@ def _handler(engine: Engine) -> type[BaseHTTPRequestHandler]:
 
 
 def engine_from_env(env: dict[str, str], block_bytes: int, delay_s: float = 0.0,
-                    served: str | None = None, own: dict[str, str] | None = None) -> Engine:
+                    served: str | None = None, own: dict[str, str] | None = None) -> ReferenceEngine:
     """`own`: the engine's own parts of its identity (kv_dtype, rope_config_hash,
     attn_impl_id), which a real engine knows from its model and the connector's config
     does not carry; unset ones keep ModelIdentity's defaults."""
@@ -146,8 +149,8 @@ def engine_from_env(env: dict[str, str], block_bytes: int, delay_s: float = 0.0,
                              **{k: v for k, v in (own or {}).items() if v})
     cfg = sidecar_config.from_mapping({}, env)
     socket = str(Path(env[names.RUNTIME_DIR_ENV]) / f"kvtier-{cfg.shm_name}.sock")
-    return Engine(identity, int(extra.get("block_size", 16)), block_bytes, socket, served or identity.model_id,
-                  delay_s)
+    return ReferenceEngine(identity, int(extra.get("block_size", 16)), block_bytes, socket,
+                           served or identity.model_id, delay_s)
 
 
 def main(argv: list[str] | None = None) -> int:
