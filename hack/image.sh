@@ -69,7 +69,7 @@ mounts=()
 [ -f /etc/pip.conf ] && mounts+=(--volume /etc/pip.conf:/etc/pip.conf:ro)
 started=$(date +%s)
 log "building $name from the Dockerfile on $base_image (stamp $stamp)"
-buildah build --quiet --isolation chroot --network host --pull-never \
+buildah build --quiet --layers --isolation chroot --network host --pull-never \
   --build-arg "BASE_IMAGE=$base_image" "${mounts[@]}" \
   --tag "$name" --file Dockerfile . >/dev/null || die "buildah build failed (see above)"
 tmp=$(mktemp "$cache/.kvtier-XXXXXX.tar")

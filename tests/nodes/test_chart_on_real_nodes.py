@@ -98,7 +98,11 @@ def test_helm_install_runs_the_operator_pod_whose_webhook_injects_a_restricted_s
 
     # The image stays the chart's default; the sidecar is a native one on this 1.33 API server.
     helm.install(RELEASE, CHART, "--create-namespace", values={"sidecar": {"native": "auto"}})
-    [operator] = wait_pods_ready(kubectl, OPERATOR_NS, "app.kubernetes.io/name=kvtier", 1, node_cluster)
+    # The operator pods are the ones the chart's Deployment selects.
+    [deployment] = kubectl.get_json("-n", OPERATOR_NS, "deployments",
+                                    "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+    selector = ",".join(f"{k}={v}" for k, v in deployment["spec"]["selector"]["matchLabels"].items())
+    [operator] = wait_pods_ready(kubectl, OPERATOR_NS, selector, 1, node_cluster)
     assert operator["spec"]["nodeName"] == node_cluster.node_name
     [op_container] = operator["spec"]["containers"]
     assert op_container["image"] == image
