@@ -60,7 +60,13 @@ def source_path(module: str, package_dir: Path = _PACKAGE_DIR) -> Path:
 
 
 def source_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """SHA-256 of the source and, where there is one, of the `.pxd` beside it (its types
+    are part of the build: an edited `.pxd` makes the extension stale too)."""
+    h = hashlib.sha256(path.read_bytes())
+    pxd = path.with_suffix(".pxd")
+    if pxd.is_file():
+        h.update(pxd.read_bytes())
+    return h.hexdigest()
 
 
 class _SourceFinder(importlib.abc.MetaPathFinder):

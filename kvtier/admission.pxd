@@ -15,3 +15,11 @@ cpdef _sight_hashes(unsigned int[::1] flat, unsigned char[::1] door, unsigned in
 
 cpdef unsigned int[::1] _u32_view(unsigned int[::1] a)
 cpdef unsigned char[::1] _u8_view(unsigned char[::1] a)
+
+# The sketch and the filter as extension types (see radix.pxd).
+cdef class CountMinSketch:
+    cdef public object width, depth, table, additions, sample_size, resets, _mask, _coef, _row_base, _table_flat
+    cdef public object _flat, door, _door_flat, _door_mask, _door_mask_i64, _stamp, _epoch, _views
+
+cdef class Admission:
+    cdef public object sketch, min_sightings, rejects, admits
