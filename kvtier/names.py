@@ -93,3 +93,31 @@ def weights_version_env() -> dict[str, Any]:
     """WEIGHTS_VERSION_ENV from the pod's weights annotation: the rollout sets the
     annotation on the template, every container of the pod reads the same digest."""
     return field_env(WEIGHTS_VERSION_ENV, WEIGHTS_VERSION_FIELD)
+
+
+# --- a request's purpose ---------------------------------------------------------------
+# The rollout's warm-before-ready replays hot prefixes through a new pod's engine; those
+# requests are marked so that their lookups (misses, by design: the pod is cold) are
+# counted apart from traffic and never in the hit rate the alarms, the recovery check
+# and the first-minute figure read. The marker rides in the completion request's body
+# as `kv_transfer_params` (vLLM hands it to the KV connector as
+# `request.kv_transfer_params`; the reference engine's HTTP front reads the same), and
+# on the engine socket as the LOOKUP's `purpose` field. No marker: traffic.
+KV_TRANSFER_PARAMS_FIELD = "kv_transfer_params"
+KV_TRANSFER_PARAMS_KEY = "kvtier"  # our entry in kv_transfer_params (other connectors own theirs)
+PURPOSE_FIELD = "purpose"
+WARMUP_PURPOSE = "warmup"
+
+
+def warmup_kv_transfer_params() -> dict[str, Any]:
+    """The `kv_transfer_params` of a warm-up request: {"kvtier": {"purpose": "warmup"}}."""
+    return {KV_TRANSFER_PARAMS_KEY: {PURPOSE_FIELD: WARMUP_PURPOSE}}
+
+
+def is_warmup(kv_transfer_params: Any) -> bool:
+    """Whether a request's `kv_transfer_params` (any JSON value, or None) marks it as a
+    warm-up; anything else, malformed included, is traffic."""
+    if not isinstance(kv_transfer_params, dict):
+        return False
+    ours = kv_transfer_params.get(KV_TRANSFER_PARAMS_KEY)
+    return isinstance(ours, dict) and ours.get(PURPOSE_FIELD) == WARMUP_PURPOSE

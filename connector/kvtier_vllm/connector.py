@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvtier.names import is_warmup
 from kvtier.keys import block_hashes
 from kvtier_sidecar.client import SidecarClient
 from kvtier_sidecar.engine_proto import MAX_REMOVED_PER_ANSWER
@@ -187,7 +188,8 @@ class KvtierConnector(KVConnectorBase_V1):
             if len(prompt) <= self.block_size:
                 return 0, False
             started = time.perf_counter()
-            n = self.book.matched(request.request_id, root, prompt, num_computed_tokens, self._step_wait_s)
+            warmup = is_warmup(getattr(request, "kv_transfer_params", None))
+            n = self.book.matched(request.request_id, root, prompt, num_computed_tokens, self._step_wait_s, warmup)
             self._step_wait_s = max(0.0, self._step_wait_s - (time.perf_counter() - started))
             if self._events_on and not self.book.described(request.request_id):
                 self._describe(request, len(prompt))
@@ -470,7 +472,9 @@ class KvtierConnector(KVConnectorBase_V1):
         mapped = self._mapped
         if loaded and mapped is not None:
             counts["loaded_bytes"] = loaded * mapped[1].block_bytes // self.tp
-            if self.rank == 0:  # tokens once per engine, not once per TP rank
+            if self.rank == 0 and spec.warmup:  # the rollout's warm-up: no hit of traffic
+                self.stats.add("warmup_loaded_tokens", loaded * self.block_size)
+            elif self.rank == 0:  # tokens once per engine, not once per TP rank
                 for tier, blocks in spec.blocks_by_tier(loaded).items():
                     if blocks:
                         counts[f"loaded_tokens_{tier}"] = blocks * self.block_size

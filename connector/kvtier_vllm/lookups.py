@@ -119,6 +119,7 @@ class PendingLookup:
     local_tokens: int
     digests: bool
     deadline: float
+    purpose: str | None = None  # `kvtier.names.WARMUP_PURPOSE` for the rollout's warm-up; None: traffic
     done: threading.Event = field(default_factory=threading.Event)
     hit: Any = None             # the client's EngineHit, or None (a miss)
     abandoned: bool = False     # the request stopped waiting: the thread releases the hit
@@ -153,11 +154,12 @@ class AsyncLookups:
 
     # -- scheduler thread ---------------------------------------------------------------
 
-    def start(self, root: KeyRoot, prompt: list[int], local_tokens: int, digests: bool) -> PendingLookup | None:
+    def start(self, root: KeyRoot, prompt: list[int], local_tokens: int, digests: bool,
+              purpose: str | None = None) -> PendingLookup | None:
         if not self.breaker.allow():
             self._count("lookups_skipped")
             return None
-        pending = PendingLookup(root, prompt, local_tokens, digests, self.clock() + self.budget_s)
+        pending = PendingLookup(root, prompt, local_tokens, digests, self.clock() + self.budget_s, purpose)
         try:
             self._queue.put_nowait(pending)
         except queue.Full:
@@ -283,7 +285,11 @@ class AsyncLookups:
                 p.judged = True  # the sidecar answers; it is only the wrong one
                 p.done.set()
             return
-        hit = self.client.lookup(p.root, p.prompt, digests=p.digests, local_tokens=p.local_tokens)
+        if p.purpose is None:  # traffic: the lookup as every release sends it
+            hit = self.client.lookup(p.root, p.prompt, digests=p.digests, local_tokens=p.local_tokens)
+        else:
+            hit = self.client.lookup(p.root, p.prompt, digests=p.digests, local_tokens=p.local_tokens,
+                                     purpose=p.purpose)
         faulted = not hit and getattr(hit, "reason", "") == UNAVAILABLE
         with self._lock:
             in_time = self.clock() <= p.deadline and not p.abandoned

@@ -27,14 +27,18 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from kvtier.keys import KeyRoot
+from kvtier.names import WARMUP_PURPOSE
 from pydantic import BaseModel, ConfigDict
 
 from .lookups import PENDING, AsyncLookups, PendingLookup
 
 
-COUNTS = ("lookups", "prompt_tokens", "local_hit_tokens", "hit_tokens")
+COUNTS = ("lookups", "prompt_tokens", "local_hit_tokens", "hit_tokens", "warmup_lookups", "warmup_prompt_tokens")
 """The scheduler side's counts: lookups asked, prompt tokens of new requests, tokens
-vLLM's own prefix cache held when they were scheduled, tokens offered and accepted."""
+vLLM's own prefix cache held when they were scheduled, tokens offered and accepted —
+of traffic; the rollout's warm-up requests (`kvtier.names.is_warmup`) are counted
+apart (warmup_lookups, warmup_prompt_tokens) and in none of the others, so they never
+reach the hit figure (`connector.SCHEDULER_REPORTED`)."""
 PIN_STEPS = 2
 """Steps a loaded hit stays pinned: its own, plus the one vLLM may schedule while it runs."""
 
@@ -56,6 +60,7 @@ class LoadSpec(BaseModel):
     # A "peer" hit's blocks before this one were already in the sidecar's DRAM (a
     # partly local hit): only the blocks from here on count as the peer's.
     peer_from_block: int = 0
+    warmup: bool = False  # the rollout's warm-up request: its loads are not hits of traffic
 
     def blocks_by_tier(self, loaded: int) -> dict[str, int]:
         """The first `loaded` blocks of this load by the tier they came from."""
@@ -104,6 +109,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     stored: bool = False
     event: dict[str, Any] | None = None  # events.describe of the prompt's full blocks
+    warmup: bool = False        # the rollout's warm-up request: counted apart from traffic
 
 
 class SchedulerBook:
@@ -121,21 +127,28 @@ class SchedulerBook:
     # -- lookup -------------------------------------------------------------------------
 
     def matched(self, req_id: str, root: KeyRoot, prompt: Sequence[int], local_tokens: int,
-                wait_s: float = 0.0) -> int | None:
+                wait_s: float = 0.0, warmup: bool = False) -> int | None:
         """External tokens beyond `local_tokens` (vLLM's block-aligned local hit); None
         while the lookup runs within its budget (vLLM asks again next step). Waits at
-        most `wait_s` for the answer."""
+        most `wait_s` for the answer. `warmup`: the rollout's warm-up request, looked up
+        with that purpose and counted apart from traffic."""
         req = self._requests.get(req_id)
         if req is not None and not req.asked:
             # Preempted and asked again: vLLM freed its blocks; start over.
             self._release(req)
             req = None
         if req is None:
-            req = _Request(root, list(prompt))
+            req = _Request(root, list(prompt), warmup=warmup)
             self._requests[req_id] = req
-            req.pending = self.lookups.start(root, req.prompt, local_tokens, self.verify_checksums)
-            self.counts["lookups"] += req.pending is not None
-            self.counts["prompt_tokens"] += len(req.prompt)
+            if warmup:
+                req.pending = self.lookups.start(root, req.prompt, local_tokens, self.verify_checksums,
+                                                 WARMUP_PURPOSE)
+                self.counts["warmup_lookups"] += req.pending is not None
+                self.counts["warmup_prompt_tokens"] += len(req.prompt)
+            else:
+                req.pending = self.lookups.start(root, req.prompt, local_tokens, self.verify_checksums)
+                self.counts["lookups"] += req.pending is not None
+                self.counts["prompt_tokens"] += len(req.prompt)
         if req.pending is not None:
             hit = self.lookups.settle(req.pending, wait_s)
             if hit is PENDING:
@@ -153,7 +166,8 @@ class SchedulerBook:
             return
         req.block_ids = list(block_ids)
         req.asked = False
-        self.counts["local_hit_tokens"] += req.local
+        if not req.warmup:
+            self.counts["local_hit_tokens"] += req.local
         if external_tokens <= 0 or req.hit is None:
             self._release(req)
             return
@@ -164,8 +178,10 @@ class SchedulerBook:
         self._pending_loads.append(LoadSpec(req_id=req_id, instance=hit.instance, first_block=first,
                                             slots=hit.blocks[first : first + n], block_ids=req.block_ids,
                                             digests=digests, tier=hit.tier,
-                                            peer_from_block=(getattr(hit, "dram_tokens", None) or 0) // self.block_size))
-        self.counts["hit_tokens"] += external_tokens
+                                            peer_from_block=(getattr(hit, "dram_tokens", None) or 0) // self.block_size,
+                                            warmup=req.warmup))
+        if not req.warmup:
+            self.counts["hit_tokens"] += external_tokens
 
     # -- per step -----------------------------------------------------------------------
 

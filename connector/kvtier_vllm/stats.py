@@ -14,13 +14,15 @@ COUNTERS = ("lookups", "prompt_tokens", "local_hit_tokens", "hit_tokens", "looku
             "lookups_skipped", "breaker_trips", "breaker_recoveries",
             "loaded_blocks", "loaded_bytes", "loaded_tokens_dram", "loaded_tokens_peer", "load_seconds",
             "load_errors", "saved_blocks", "saved_bytes", "store_declined", "store_cached", "stores_skipped",
-            "sidecar_unreachable", "weights_version_mismatch")
+            "sidecar_unreachable", "weights_version_mismatch", "warmup_lookups", "warmup_prompt_tokens",
+            "warmup_loaded_tokens")
 """What the scheduler side counts (lookups through breaker_recoveries: `plan.COUNTS`,
 `lookups.AsyncLookups.counts`, the breaker's trips) and the workers (the rest).
 
 A hit is `loaded_tokens_{tier}`: prompt tokens a worker really copied in from kvtier.
 `hit_tokens` is what vLLM accepted from the lookups (offered), `local_hit_tokens` what
-its own prefix cache already held, `prompt_tokens` the prompts' length."""
+its own prefix cache already held, `prompt_tokens` the prompts' length. The rollout's
+warm-up requests (`kvtier.names.is_warmup`) are in none of those: `warmup_*` count them."""
 
 
 @dataclass
@@ -70,6 +72,9 @@ PROM_HELP = {
     "stores_skipped": "Stores skipped: no sidecar connection, or staging full behind a slow sidecar",
     "sidecar_unreachable": "Times a worker found the sidecar's engine socket not answering",
     "weights_version_mismatch": "Workers whose sidecar is configured for other weights than the engine serves",
+    "warmup_lookups": "Sidecar lookups of the rollout's warm-up requests (not in lookups)",
+    "warmup_prompt_tokens": "Prompt tokens of the rollout's warm-up requests (not in prompt_tokens)",
+    "warmup_loaded_tokens": "Prompt tokens the rollout's warm-up requests loaded from kvtier (not in loaded_tokens_*)",
 }
 
 

@@ -19,6 +19,7 @@ from kvtier.names import (  # noqa: F401
     INJECTED_LABEL,
     INJECTION_SKIPPED_ANNOTATION,
     KV_TRANSFER_CONFIG_ENV,
+    KV_TRANSFER_PARAMS_FIELD,
     OPT_OUT_LABEL,
     PEER_SECRET_FILE_ENV,
     PENDING_EPOCH_ANNOTATION,
@@ -38,6 +39,7 @@ from kvtier.names import (  # noqa: F401
     WEIGHTS_VERSION_ANNOTATION,
     WEIGHTS_VERSION_ENV,
     field_env,
+    warmup_kv_transfer_params,
     weights_version_env,
 )
 

@@ -6,9 +6,14 @@ stays short: it reads the tenant's hottest prefixes from the old version's sidec
 (`SidecarClient.hot`, authenticated like every control call), picks the best across
 the pod's tenants within its budget (`rollout_warmup.plan`), replays them as prompts
 through the new pod's engine — POST http://<podIP>:<enginePort>/v1/completions with
-`{"model", "prompt": [token ids], "max_tokens": 1, "cache_salt": <tenant>}`, the
-salt the connector reads the tenant from — so the engine prefills them and its
-sidecar stores their KV under the new version (most valuable first, a few in flight;
+`{"model", "prompt": [token ids], "max_tokens": 1, "cache_salt": <tenant>,
+"kv_transfer_params": {"kvtier": {"purpose": "warmup"}}}` (`warmup_request`), the salt
+the connector reads the tenant from — so the engine prefills them and its sidecar
+stores their KV under the new version. The `kv_transfer_params` marker
+(`names.warmup_kv_transfer_params`) travels with the request to the connector and on
+to the sidecar's lookup: the warm-up's lookups (misses by design) are counted apart
+and never in the new version's hit rate (`kvtier_warmup_lookups_total`, not
+`kvtier_lookups_total`) (most valuable first, a few in flight;
 after `MAX_ENGINE_FAILURES` refusals with nothing warmed it gives up). Within the
 policy's budget and deadline; then the outcome is recorded in `status.rollout.warmups` (and an Event), and
 the gate released, in that order: a restart in between warms the pod again, which its
@@ -273,9 +278,16 @@ async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePoli
     await asyncio.gather(*(worker() for _ in range(PREFILLS_IN_FLIGHT)))
 
 
+def warmup_request(model: str, tenant: str, tokens) -> dict[str, Any]:
+    """The completion request that prefills one prompt on the engine being warmed,
+    marked as the warm-up (`kv_transfer_params`) so it is not counted as traffic."""
+    return {"model": model, "prompt": list(tokens), "max_tokens": 1, "cache_salt": tenant,
+            names.KV_TRANSFER_PARAMS_FIELD: names.warmup_kv_transfer_params()}
+
+
 async def _prefill(http: aiohttp.ClientSession, url: str, model: str, tenant: str, prompt: rw.Prompt,
                    progress: _Progress) -> bool:
-    body = {"model": model, "prompt": list(prompt.tokens), "max_tokens": 1, "cache_salt": tenant}
+    body = warmup_request(model, tenant, prompt.tokens)
     try:
         async with http.post(url, json=body) as resp:
             if 200 <= resp.status < 300:

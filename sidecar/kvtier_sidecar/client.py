@@ -38,6 +38,7 @@ import numpy as np
 from kvtier.blockpool import slot_runs
 from kvtier.keys import BLOCK_HASH_BYTES, KeyRoot, as_token_array
 from kvtier.layout import shard_for_rank
+from kvtier.names import PURPOSE_FIELD
 
 from .arena import Arena, ArenaError
 from .engine_proto import FRAME, MAX_BODY_BYTES, EngineOp, FrameError, encode, encode_json, split_body
@@ -315,18 +316,22 @@ class SidecarClient:
 
     # -- engine API ---------------------------------------------------------------------
 
-    def lookup(self, root: KeyRoot, token_ids, digests: bool = False, local_tokens: int = 0) -> EngineHit | Miss:
+    def lookup(self, root: KeyRoot, token_ids, digests: bool = False, local_tokens: int = 0,
+               purpose: str | None = None) -> EngineHit | Miss:
         """The longest cached prefix, pinned. With `digests`, the hit carries each
         block's checksum so the engine can verify the bytes it copies. `local_tokens`:
         the leading tokens the engine already holds itself; the sidecar fetches from
-        peers only what lies beyond them."""
+        peers only what lies beyond them. `purpose`: why the engine asks, when it is not
+        traffic (`kvtier.names.WARMUP_PURPOSE`: the rollout's warm-up, counted apart)."""
         tokens = as_token_array(token_ids)
-        if digests or local_tokens:
+        if digests or local_tokens or purpose:
             payload = {"root": root_payload(root)}
             if digests:
                 payload["digests"] = True
             if local_tokens:
                 payload["local_tokens"] = int(local_tokens)
+            if purpose:
+                payload[PURPOSE_FIELD] = str(purpose)
         else:
             payload = self._lookup_payload(root)  # the same bytes as the dict's JSON, kept
         got = self._call_lookup(payload, tokens)

@@ -31,6 +31,11 @@ class Count(StrEnum):
     ENGINE_PROMPT_TOKENS = "engine_prompt_tokens"
     ENGINE_LOOKUP_TIMEOUTS = "engine_lookup_timeouts"  # lookups the engine stopped waiting for
     ENGINE_BREAKER_TRIPS = "engine_breaker_trips"  # the engine stopped asking for a back-off
+    # The rollout's warm-up requests (the LOOKUP's purpose "warmup"), counted apart from
+    # the traffic's lookups: their misses are by design (the pod is cold).
+    WARMUP_LOOKUPS = "warmup_lookups"
+    WARMUP_TOKENS_HIT = "warmup_tokens_hit"  # prompt tokens a warm-up lookup matched
+    WARMUP_TOKENS_MISS = "warmup_tokens_miss"  # and those it did not (the engine prefills them)
     WARM_REFUSED = "warm_refused"  # warm-ups answered 429: the queue was full
     PEER_SECRET_ROTATIONS = "peer_secret_rotations"  # the mounted peer secret changed
     TOKEN_REVIEWS = "token_reviews"  # control-API tokens sent to the API server's TokenReview

@@ -9,7 +9,7 @@ slot ids in their answers. KV bytes never cross this socket: the engine copies t
 out of (or into) the shared-memory arena named in the HELLO answer.
 
     HELLO        {}                                   -> {arena..., instance}
-    LOOKUP       {root, digests?, local_tokens?} + tokens
+    LOOKUP       {root, digests?, local_tokens?, purpose?} + tokens
                                                       -> {hit, matched_tokens, tier, digests?} + slots
     RELEASE      {hit, instance?}                     -> {}
     STORE_BEGIN  {root, tp, rank}  + tokens           -> {ticket, first_block} + slots (ticket 0: declined)
@@ -26,6 +26,15 @@ the lookups it gave up on. The sidecar counts them for its /metrics.
 `local_tokens` (optional, default 0) is the engine's own prefix-cache hit: the
 sidecar fetches blocks from a peer only when the peer holds more than that, so a
 prompt the engine already holds costs no peer bytes.
+
+`purpose` (optional, `kvtier.names.PURPOSE_FIELD`) says why the engine looks up:
+"warmup" (`names.WARMUP_PURPOSE`) for the rollout's warm-up requests, which the sidecar
+counts in its warm-up counters (`kvtier_warmup_lookups_total`,
+`kvtier_warmup_tokens_total{result}`) and in none of the traffic's (lookups, hits, the
+hit figure); their stores are stored as any. Absent, or a purpose the sidecar does not
+know: traffic (so engines and sidecars of either release work together; an older
+sidecar ignores the field and counts the lookup as traffic, as before). A LOOKUP with a
+purpose is never the root-only payload of the sidecar's fast path.
 
 `instance` (optional) is the HELLO answer's: a sidecar refuses a hit or ticket
 named for another process (ids restart with the process; a stale one must never

@@ -35,6 +35,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from kvtier.keys import KeyRoot
+from kvtier.names import PURPOSE_FIELD, WARMUP_PURPOSE
 
 from .engine_proto import (
     FRAME, MAX_BODY_BYTES, MAX_REMOVED_PER_ANSWER, EngineOp, EngineReport, FrameError, encode, encode_json,
@@ -185,8 +186,12 @@ class EngineServer:
                 if tail_arr.size == 0:
                     raise ValueError("token ids missing")
                 tokens = tail_arr
-                local = _int(payload, "local_tokens", 0, len(tokens), default=0) if len(payload) > 1 else 0
-                answer = self.service.lookup_now(root, tokens, conn, local)
+                if len(payload) > 1:  # a root-only LOOKUP (the fast path's) has neither
+                    local = _int(payload, "local_tokens", 0, len(tokens), default=0)
+                    warmup = _warmup(payload)
+                else:
+                    local, warmup = 0, False
+                answer = self.service.lookup_now(root, tokens, conn, local, warmup)
                 if answer is not None and type(answer) is not LookupAnswer:
                     return self._answer_later(conn, rid, payload, answer)
                 head, out_tail = self._lookup_reply(conn, payload, answer)
@@ -428,6 +433,18 @@ def _int(payload: dict, name: str, lo: int, hi: int, default: int | None = None)
     if not lo <= value <= hi:
         raise ValueError(f"{name} must be in {lo}..{hi}, got {value}")
     return value
+
+
+def _warmup(payload: dict) -> bool:
+    """Whether a LOOKUP is the rollout's warm-up (`purpose`: "warmup"). No purpose, or
+    one this sidecar does not know, is traffic (an older or newer engine's lookups keep
+    being counted as they were); a purpose that is not a string is refused."""
+    purpose = payload.get(PURPOSE_FIELD)
+    if purpose is None:
+        return False
+    if not isinstance(purpose, str):
+        raise ValueError(f"{PURPOSE_FIELD} must be a string, got {type(purpose).__name__}")
+    return purpose == WARMUP_PURPOSE
 
 
 def _slot_bytes(slots: list[int]) -> bytes:

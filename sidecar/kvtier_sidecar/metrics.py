@@ -48,7 +48,8 @@ TIERS = ("dram", "peer")
 _TYPED_COUNTERS = frozenset({"peer_fetches", "peer_fetch_errors", "peer_checksum_mismatches", "stored_bytes",
                              "engine_loaded_bytes", "engine_load_errors", "engine_loaded_tokens_dram",
                              "engine_loaded_tokens_peer", "engine_local_hit_tokens", "engine_prompt_tokens",
-                             "engine_lookup_timeouts", "engine_breaker_trips"})
+                             "engine_lookup_timeouts", "engine_breaker_trips", "warmup_lookups",
+                             "warmup_tokens_hit", "warmup_tokens_miss"})
 # Global index operations, exported at 0 before their first failure (so rates exist).
 INDEX_OPERATIONS = ("lookup", "register", "heartbeat")
 # The states `kvtier_index_health` reports per kind of operation (redis_health.Health).
@@ -349,6 +350,16 @@ def _sidecar_families(s: SidecarState) -> Iterable:
                   s.counters.get("engine_lookup_timeouts", 0))
     yield counter("kvtier_engine_breaker_trips", "Times the engine stopped asking this sidecar for a back-off "
                   "period", s.counters.get("engine_breaker_trips", 0))
+    # The rollout's warm-up requests, apart from the traffic's lookups (none of the
+    # series above counts them): exported at 0 so that a pod never warmed has them too.
+    yield counter("kvtier_warmup_lookups", "Lookups of the rollout's warm-up requests (not traffic: not in "
+                  "kvtier_lookups_total nor in any hit figure)", s.counters.get("warmup_lookups", 0))
+    warmup_tokens = CounterMetricFamily("kvtier_warmup_tokens", "Prompt tokens of the rollout's warm-up lookups, "
+                                        "by result: hit (matched) or miss (the engine prefills them)",
+                                        labels=["version", "result"])
+    for result in ("hit", "miss"):
+        warmup_tokens.add_metric([s.version, result], s.counters.get(f"warmup_tokens_{result}", 0))
+    yield warmup_tokens
     for name, value in sorted(s.counters.items()):
         if name not in _TYPED_COUNTERS:
             yield counter(f"kvtier_{name}", name.replace("_", " "), value)

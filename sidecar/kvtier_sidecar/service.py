@@ -103,15 +103,18 @@ class Sidecar:
     # -- engine path --------------------------------------------------------------------
 
     async def lookup(self, root: KeyRoot, tokens: np.ndarray, owner: object = None,
-                     local_tokens: int = 0) -> LookupAnswer | None:
+                     local_tokens: int = 0, warmup: bool = False) -> LookupAnswer | None:
         """`local_tokens`: what the engine's own prefix cache holds; a peer is asked only
-        for a prefix longer than that (and not at all when it covers the prompt)."""
-        answer = self.lookup_now(root, tokens, owner, local_tokens)
+        for a prefix longer than that (and not at all when it covers the prompt).
+        `warmup`: the request is the rollout's warm-up (`names.WARMUP_PURPOSE`), counted
+        in the warm-up counters, never in the traffic's (`_count_warmup`)."""
+        answer = self.lookup_now(root, tokens, owner, local_tokens, warmup)
         if answer is None or type(answer) is LookupAnswer:
             return answer
         return await answer
 
-    def lookup_now(self, root: KeyRoot, tokens: np.ndarray, owner: object = None, local_tokens: int = 0):
+    def lookup_now(self, root: KeyRoot, tokens: np.ndarray, owner: object = None, local_tokens: int = 0,
+                   warmup: bool = False):
         """`lookup` without a coroutine when the local tiers answer it (no peer to ask):
         the answer (a LookupAnswer, or None for a miss), else a coroutine that asks the
         peers and answers (the caller awaits it)."""
@@ -122,8 +125,11 @@ class Sidecar:
             have = hit.matched_tokens // block_size
             if have >= max_blocks:  # all a lookup may match: no platform copy or peer can add to it
                 matched = hit.matched_tokens
-                self.metrics.dram_hit(root.tenant, len(tokens), matched,
-                                      matched // block_size * self.tier.block_bytes)
+                if warmup:
+                    self._count_warmup(len(tokens), matched)
+                else:
+                    self.metrics.dram_hit(root.tenant, len(tokens), matched,
+                                          matched // block_size * self.tier.block_bytes)
                 hit_id = next(self._ids)
                 self._hits[hit_id] = hit
                 self._hit_owners[hit_id] = owner
@@ -140,12 +146,12 @@ class Sidecar:
                 have = hit.matched_tokens // block_size
         local_blocks = local_tokens // block_size
         if max(have, local_blocks) < max_blocks and self.index is not None and self.transport is not None:
-            return self._lookup_peers(root, tokens, owner, hit, tier_name, have, max_blocks, local_blocks)
-        return self._answer(root, tokens, owner, hit, tier_name, have * block_size, 0)
+            return self._lookup_peers(root, tokens, owner, hit, tier_name, have, max_blocks, local_blocks, warmup)
+        return self._answer(root, tokens, owner, hit, tier_name, have * block_size, 0, warmup)
 
     async def _lookup_peers(self, root: KeyRoot, tokens: np.ndarray, owner: object, hit: TierHit | None,
                             tier_name: str | None, have: int, max_blocks: int,
-                            local_blocks: int) -> LookupAnswer | None:
+                            local_blocks: int, warmup: bool = False) -> LookupAnswer | None:
         fetched, peer_bytes = await self.fetcher.from_peers(root, tokens, have, max_blocks, beyond=local_blocks)
         if fetched:
             again = self.tier.lookup(root, tokens)
@@ -155,24 +161,37 @@ class Sidecar:
                 hit, tier_name = again, "peer"
             elif again:
                 self.tier.release(again.handle)
-        return self._answer(root, tokens, owner, hit, tier_name, have * self.block_size, peer_bytes)
+        return self._answer(root, tokens, owner, hit, tier_name, have * self.block_size, peer_bytes, warmup)
 
     def _answer(self, root: KeyRoot, tokens: np.ndarray, owner: object, hit: TierHit | None,
-                tier_name: str | None, dram_tokens: int, peer_bytes: int) -> LookupAnswer | None:
+                tier_name: str | None, dram_tokens: int, peer_bytes: int,
+                warmup: bool = False) -> LookupAnswer | None:
         """Count the lookup and hand out its hit (pinned, owned by `owner`)."""
         matched = hit.matched_tokens if hit else 0
         if tier_name == "dram":
             dram_tokens = matched
         block_bytes = self.tier.block_bytes
-        self.metrics.lookup(root.tenant, len(tokens), tier_name, matched, peer_bytes,
-                            served_bytes=matched // self.block_size * block_bytes,
-                            dram_tokens=dram_tokens, token_bytes=block_bytes // self.block_size)
+        if warmup:
+            self._count_warmup(len(tokens), matched)
+        else:
+            self.metrics.lookup(root.tenant, len(tokens), tier_name, matched, peer_bytes,
+                                served_bytes=matched // self.block_size * block_bytes,
+                                dram_tokens=dram_tokens, token_bytes=block_bytes // self.block_size)
         if not hit:
             return None
         hit_id = next(self._ids)
         self._hits[hit_id] = hit
         self._hit_owners[hit_id] = owner
         return LookupAnswer(hit_id, matched, hit.slots, tier_name or "dram", dram_tokens)
+
+    def _count_warmup(self, prompt_tokens: int, matched_tokens: int) -> None:
+        """A warm-up lookup: its own counters (`kvtier_warmup_lookups_total`,
+        `kvtier_warmup_tokens_total{result}`), none of the traffic's (the tenants'
+        lookups and hits: `kvtier_lookups_total`, `/cache/stats` "lookups", what the
+        hit-rate alarm's sample size and the rollout's recovery check read)."""
+        self.counters.add(Count.WARMUP_LOOKUPS)
+        self.counters.add(Count.WARMUP_TOKENS_HIT, matched_tokens)
+        self.counters.add(Count.WARMUP_TOKENS_MISS, prompt_tokens - matched_tokens)
 
     def release(self, hit_id: int, owner: object = None) -> bool:
         """Unpin a hit; only the connection that looked it up may (OwnershipError)."""

@@ -4,8 +4,11 @@ with a prompt of token ids runs the reference engine's prefill through the pod's
 sidecar, as the vLLM connector would — look the prompt up, load a hit, report, and store
 the KV of every whole block the sidecar did not give (`synthetic.prefill_kv`: the KV is
 a pure function of the key root and the tokens, so a test can check bytes against a
-recompute). The request's `cache_salt` names the tenant (the connector's rule). What the
-rollout's warm-before-ready calls; `GET /health` answers once the sidecar's socket does.
+recompute). The request's `cache_salt` names the tenant (the connector's rule), and its
+`kv_transfer_params` may mark it as the rollout's warm-up (`names.is_warmup`, as the
+connector reads it): its lookup then carries purpose "warmup" and it is not reported,
+so the sidecar counts it apart from traffic. What the rollout's warm-before-ready
+calls; `GET /health` answers once the sidecar's socket does.
 
     python -m kvtier_testenv.engine_front --port P --block-bytes B [--delay-s S]
         [--kv-dtype D --rope-config-hash H --attn-impl-id A]   (the engine's own identity)
@@ -64,14 +67,15 @@ class ReferenceEngine:
         except OSError:
             return False
 
-    def complete(self, tokens: np.ndarray, tenant: str) -> dict:
-        """One prefill: the sidecar's hit loaded and reported, the rest computed and stored."""
+    def complete(self, tokens: np.ndarray, tenant: str, warmup: bool = False) -> dict:
+        """One prefill: the sidecar's hit loaded and reported, the rest computed and stored
+        (a warm-up's: looked up as one, not reported, stored all the same)."""
         if self.delay_s:
             time.sleep(self.delay_s)
         root = self.root(tenant)
         client = SidecarClient(self.socket)
         try:
-            hit, _loaded = engine_io.request(client, root, tokens, self.block_bytes)
+            hit, _loaded = engine_io.request(client, root, tokens, self.block_bytes, warmup=warmup)
             matched = hit.matched_tokens if isinstance(hit, EngineHit) else 0
             client.release(hit)
             whole = len(tokens) // self.block_size * self.block_size
@@ -129,8 +133,9 @@ def _handler(engine: ReferenceEngine) -> type[BaseHTTPRequestHandler]:
             salt = body.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 return self._error(400, "cache_salt must be a string")
+            warmup = names.is_warmup(body.get(names.KV_TRANSFER_PARAMS_FIELD))
             try:
-                answer = engine.complete(np.asarray(prompt, dtype=np.uint32), salt or DEFAULT_TENANT)
+                answer = engine.complete(np.asarray(prompt, dtype=np.uint32), salt or DEFAULT_TENANT, warmup)
             except (OSError, ValueError) as exc:
                 return self._error(500, f"prefill failed: {exc}")
             self._send(200, answer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvtier import names
 from kvtier.keys import KeyRoot
 from kvtier_sidecar.client import EngineHit, Miss, SidecarClient
 
@@ -26,15 +27,19 @@ def report(client: SidecarClient, prompt_tokens: int, hit: EngineHit | Miss | No
 
 
 def request(client: SidecarClient, root: KeyRoot, tokens: np.ndarray, block_bytes: int,
-            load: bool = True) -> tuple[EngineHit | Miss, np.ndarray | None]:
+            load: bool = True, warmup: bool = False) -> tuple[EngineHit | Miss, np.ndarray | None]:
     """One request: lookup, the hit's blocks copied out (`load`), reported. Returns the
-    hit (still pinned: release it) and the bytes loaded (None on a miss or no load)."""
-    hit = client.lookup(root, tokens)
+    hit (still pinned: release it) and the bytes loaded (None on a miss or no load).
+    `warmup`: the rollout's warm-up request (`names.is_warmup` of its
+    kv_transfer_params): looked up with purpose "warmup", and not reported (its prompt
+    and loads are no part of the hit figure), as the connector does."""
+    hit = client.lookup(root, tokens, purpose=names.WARMUP_PURPOSE if warmup else None)
     loaded = None
     if isinstance(hit, EngineHit) and load:
         loaded = np.zeros(len(hit.blocks) * block_bytes, np.uint8)
         client.materialize(hit, loaded)
-    report(client, len(tokens), hit, len(hit.blocks) if loaded is not None else 0, block_bytes)
+    if not warmup:
+        report(client, len(tokens), hit, len(hit.blocks) if loaded is not None else 0, block_bytes)
     return hit, loaded
 
 

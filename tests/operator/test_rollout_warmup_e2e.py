@@ -201,12 +201,25 @@ def test_a_new_version_pod_is_held_out_until_warmed_then_serves_its_tenants_hott
     assert (f"warm {canary:<20} Warmed          {record['tokens']}/4096 tokens, {len(TENANTS)} tenants warm, 0 cold"
             in shown.stdout), shown.stdout
 
+    # The warm-up's requests were marked (kv_transfer_params) and counted apart: before
+    # any traffic the new pod has no traffic lookup and no prompt token in its hit
+    # figure (what the alarm, the recovery check and the first minute read), only
+    # warm-up lookups, which missed (it was cold).
+    sc = fleet.sidecar(canary)
+    before = sc.get("/cache/stats")
+    assert (before["lookups"], before["hits"], before["engine"]["prompt_tokens"]) == (0, 0, 0), before
+    warm_lookups = before["sidecar"].get("warmup_lookups", 0)
+    assert warm_lookups >= len(TENANTS) * PROMPTS, before["sidecar"]
+    assert before["sidecar"].get("warmup_tokens_miss", 0) > 0, before["sidecar"]
+
     # The warmed pod's first requests for its tenants' prompts are hits of the NEW
     # version's KV (bytes equal to a recompute), each tenant under its own root only.
-    sc = fleet.sidecar(canary)
     for tenant in TENANTS:
         for i in range(PROMPTS):
             assert first_request_hits_with_recomputed_kv(sc, tenant, i, NEW), (tenant, i)
+    after = sc.get("/cache/stats")  # traffic counts as traffic; the warm-up's counters stay
+    assert (after["lookups"], after["hits"]) == (len(TENANTS) * PROMPTS, len(TENANTS) * PROMPTS), after
+    assert after["sidecar"]["warmup_lookups"] == warm_lookups
     client = SidecarClient(sc.socket)
     try:  # beta's token ids were warmed for beta, never under acme's key root
         miss = client.lookup(root(NEW, "acme"), tenant_tokens("beta", 0))

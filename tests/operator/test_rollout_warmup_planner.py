@@ -311,3 +311,42 @@ def test_a_zero_budget_is_todays_behaviour_and_the_bounds_are_stated_in_the_crd(
     schema = crd.openapi_schema()
     tokens = schema["properties"]["spec"]["properties"]["rollout"]["properties"]["warmup"]["properties"]["maxTokens"]
     assert (tokens["minimum"], tokens["maximum"]) == (0, policy.MAX_ROLLOUT_WARM_TOKENS)
+
+
+def test_a_warmup_request_is_marked_as_the_warmup_and_prefill_sends_exactly_that():
+    """Every prompt the warm-up replays carries the marker (`kv_transfer_params`) that the
+    connector and the reference engine read, so its lookup is counted apart from traffic."""
+    import asyncio
+
+    from kvtier import names as core_names
+    from kvtier_operator import rollout_warmup_io as io
+
+    body = io.warmup_request("llm", "acme", (5, 6, 7))
+    assert body == {"model": "llm", "prompt": [5, 6, 7], "max_tokens": 1, "cache_salt": "acme",
+                    "kv_transfer_params": {"kvtier": {"purpose": "warmup"}}}
+    assert core_names.is_warmup(body[core_names.KV_TRANSFER_PARAMS_FIELD])
+    assert not core_names.is_warmup(None) and not core_names.is_warmup({"kvtier": "warmup"})
+
+    sent = []
+
+    class Resp:
+        status = 200
+
+        async def read(self) -> bytes:
+            return b"{}"
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc) -> None:
+            return None
+
+    class Http:
+        def post(self, url, json):
+            sent.append((url, json))
+            return Resp()
+
+    progress = io._Progress()
+    ok = asyncio.run(io._prefill(Http(), "http://10.0.0.3:8000/v1/completions", "llm", "acme",
+                                 rw.Prompt((5, 6, 7), 1.0), progress))
+    assert ok and sent == [("http://10.0.0.3:8000/v1/completions", body)]

@@ -284,3 +284,36 @@ def test_the_specs_sent_to_the_workers_cannot_be_changed():
     for spec, name, value in ((load, "first_block", 1), (store, "token_ids", [])):
         with pytest.raises(ValidationError):
             setattr(spec, name, value)
+
+
+def test_a_warmup_request_is_looked_up_as_one_counted_apart_and_still_loads_and_stores(stored):
+    """The rollout's warm-up (`kv_transfer_params` marker, read by the connector): its
+    lookup carries purpose "warmup" (the sidecar counts it apart), the book counts it in
+    warmup_* and in none of the traffic counts it reports as the hit figure's
+    denominator, its load is marked so the worker does not report it as a hit, and its
+    prompt is stored as any."""
+    sc, prompt = stored
+    before = sc.stats()
+    book = PatientBook(SidecarClient(sc.socket), BLOCK, BLOCK, verify_checksums=False)
+    assert SchedulerBook.matched(book, "w1", ROOT, prompt, 0, PATIENT_S, warmup=True) == 5 * BLOCK
+    book.allocated("w1", [1, 2, 3, 4, 5, 6], 5 * BLOCK)
+    specs = book.step_specs(prefill_done=["w1"])
+    (load,) = specs.loads
+    assert load.warmup
+    (store,) = specs.stores
+    assert len(store.token_ids) == len(prompt) // BLOCK * BLOCK
+    counts = book.take_counts()
+    assert (counts["warmup_lookups"], counts["warmup_prompt_tokens"]) == (1, len(prompt))
+    assert (counts["lookups"], counts["prompt_tokens"], counts["hit_tokens"], counts["local_hit_tokens"]) == (0, 0, 0, 0)
+    book.finished("w1")
+    after = sc.stats()
+    assert after["lookups"] == before["lookups"]
+    assert after["sidecar"]["warmup_lookups"] == 1
+    assert after["sidecar"]["warmup_tokens_hit"] == 5 * BLOCK
+
+    # traffic, the same prompt: counted as ever
+    assert book.matched("r1", ROOT, prompt, 0) == 5 * BLOCK
+    counts = book.take_counts()
+    assert (counts["lookups"], counts["prompt_tokens"], counts["warmup_lookups"]) == (1, len(prompt), 0)
+    book.finished("r1")
+    assert sc.stats()["lookups"] == before["lookups"] + 1

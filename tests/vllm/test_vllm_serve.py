@@ -400,6 +400,10 @@ def test_a_new_version_pod_warmed_through_vllms_http_api_serves_its_tenants_pref
         member = Member(MemberName("old-sc"), "127.0.0.3", 1.0, fleet_namespace(tmp_path), "fleet")
         progress = rwio._Progress()
         stores_before = _sidecar_metric(served.sidecar, "kvtier_stores_total", outcome="accepted")
+        # the warm-up is counted apart from traffic (its requests carry the marker)
+        traffic_before = [_sidecar_metric(served.sidecar, m) for m in (
+            "kvtier_lookups_total", "kvtier_engine_prompt_tokens_total")]
+        warmup_before = _sidecar_metric(served.sidecar, "kvtier_warmup_lookups_total")
 
         async def warm() -> list[tuple[str, rw.Prompt]]:
             control = ControlClient.create(tls=ControlTls.from_ca(fleet_tls(tmp_path).ca_pem),
@@ -424,6 +428,10 @@ def test_a_new_version_pod_warmed_through_vllms_http_api_serves_its_tenants_pref
         assert progress.failed == 0 and not progress.engine_error
         wait_for("the warm-up's KV stored by the new pod's sidecar", lambda: _sidecar_metric(
             served.sidecar, "kvtier_stores_total", outcome="accepted") >= stores_before + len(warmed), 30)
+        assert _sidecar_metric(served.sidecar, "kvtier_warmup_lookups_total") >= warmup_before + len(warmed)
+        assert [_sidecar_metric(served.sidecar, m) for m in (
+            "kvtier_lookups_total", "kvtier_engine_prompt_tokens_total")] == traffic_before, \
+            "the warm-up's requests were counted as traffic"
     finally:
         old.kill()
 
