@@ -46,6 +46,20 @@ class ReplicaCache(Protocol):
         """Forget everything (a replica restarted onto new weights)."""
 
 
+class SimClock:
+    """The simulation's clock as a cache reads it (`LocalCache(clock=...)`): the event
+    loop sets `now`, a call returns it (compiled with this module, a read runs no
+    Python frame)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _hit_blocks(matched: int, n_elems: int, block_size: int) -> int:
     """Apply the last-token rule to a count of matched full blocks."""
     if matched * block_size >= n_elems:

@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from kvtier.admission import DEFAULT_MIN_SIGHTINGS
-from kvtier.sim.caches import KvtierCache, LruCache, OracleCache
+from kvtier.sim.caches import KvtierCache, LruCache, OracleCache, SimClock
 from kvtier.sim.fleet import Fleet, FleetSpec
 from kvtier.sim.policies import KvtierPolicy, RootBook, make_policy
 from kvtier.sim.request import HashCache, SimRequest
@@ -195,6 +195,7 @@ class Simulation:
         self.events = sorted(events, key=lambda e: e.time_s)
         self.label = label or f"{cfg.policy}/{cfg.cache}"
         self.now_s = 0.0
+        self._now = SimClock()  # what the caches read: `now_s`, set with it
         self.fleet = Fleet(cfg.fleet)
         spec = cfg.workload
         self.roots = RootBook([f"tenant-{t:05d}" for t in range(spec.n_tenants)])
@@ -215,10 +216,7 @@ class Simulation:
         block_bytes = cfg.block_tokens * cfg.fleet.kv_bytes_per_token
         if cfg.cache == "lru":
             return LruCache(cfg.fleet.dram_bytes // block_bytes, cfg.block_elems)
-        return KvtierCache(cfg.fleet.dram_bytes, block_bytes, cfg.block_elems, self._clock, cfg.min_sightings)
-
-    def _clock(self) -> float:
-        return self.now_s
+        return KvtierCache(cfg.fleet.dram_bytes, block_bytes, cfg.block_elems, self._now, cfg.min_sightings)
 
     # ------------------------------------------------------------------ the loop
 
@@ -239,7 +237,7 @@ class Simulation:
         req = SimRequest(hash_cache=HashCache(cfg.block_elems))
         events = list(self.events)
         next_event_s = events[0].time_s if events else float("inf")
-        version = fleet.version
+        version, clock = fleet.version, self._now
         bar = cfg.progress(n, self.label) if cfg.progress else _Silent()
         reported = 0
         collecting = gc.isenabled()
@@ -252,7 +250,7 @@ class Simulation:
         try:
             for i in range(n):
                 now = times[i]
-                self.now_s = now
+                self.now_s = clock.now = now
                 if now >= next_event_s:
                     while events and events[0].time_s <= now:
                         self._fire(events.pop(0))
