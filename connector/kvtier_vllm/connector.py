@@ -441,6 +441,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def _refresh_mapping(self) -> None:
         """On the calls thread: what the client is connected to now, for the loads."""
         if not self.client.connect():
+            self._mapped = None  # the gone sidecar's arena: unmapped once in-flight loads end
             if not self._unmapped_logged:
                 self._unmapped_logged = True
                 log.error("kvtier: the sidecar's engine socket %s does not answer; loads and stores are "

@@ -154,6 +154,11 @@ class SidecarClient:
         except OSError:
             sock.close()
             self._retry_at = time.monotonic() + RECONNECT_BACKOFF_S
+            # Nobody answers: the sidecar is gone. Unmap its arena (hits handed out keep
+            # their own reference until released): a memory-backed volume sized for one
+            # arena has no room for its restarted successor's while this mapping holds
+            # the old pages.
+            self.arena = None
             raise
         self._sock = sock
         self.connection += 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -72,6 +73,31 @@ def hello_for(config: SidecarConfig, arena: Arena) -> dict:
             "weights_version": m.weights_version}
 
 
+# A restarted sidecar's predecessor's arena holds the pod's memory-backed volume until its
+# engine notices the predecessor is gone and unmaps it (at its next request): wait that
+# long for the space before failing.
+ARENA_SPACE_WAIT_S = 30.0
+ARENA_SPACE_POLL_S = 0.25
+
+
+async def create_arena(name: str, slots: int, block_bytes: int, wait_s: float = ARENA_SPACE_WAIT_S) -> Arena:
+    """`Arena.create`, waiting up to `wait_s` while the volume is full (ENOSPC)."""
+    deadline = time.monotonic() + wait_s
+    logged = False
+    while True:
+        try:
+            return Arena.create(name, slots, block_bytes)
+        except ArenaError as exc:
+            if not (isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ENOSPC) \
+                    or time.monotonic() >= deadline:
+                raise
+            if not logged:
+                logged = True
+                log.warning("arena %s: no room yet (%s); waiting up to %.0fs for the engine to release the "
+                            "previous sidecar's arena", name, exc.__cause__, wait_s)
+        await asyncio.sleep(ARENA_SPACE_POLL_S)
+
+
 class SidecarProcess:
     def __init__(self, config: SidecarConfig, config_path: str | None) -> None:
         self.config = config
@@ -103,7 +129,7 @@ class SidecarProcess:
     async def _start(self, stack: contextlib.AsyncExitStack, ready_file: str | None) -> None:
         c = self.config
         stack.callback(identity_lock.claim(c.shm_name, f"{c.pod_namespace}/{c.pod_name}").release)
-        self.arena = Arena.create(c.shm_name, c.slots, c.block_bytes)
+        self.arena = await create_arena(c.shm_name, c.slots, c.block_bytes)
         stack.callback(self.arena.close)
         tier = DramTier(self.arena, c.block_size, c.min_sightings, c.model.kv_heads, c.thrash_ratio,
                         token_row_bytes=c.model.head_dim * c.model.dtype_bytes)

@@ -49,6 +49,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,6 +231,8 @@ class NodeCluster:
         self._netns_before: set[str] = set()
         self._shims_before: set[str] = set()
         self._made_bridge = False
+        self._kubelet_args: list[str] = []
+        self._kubelet_healthz_port = 0
         self.timings: dict[str, float] = {}
 
     # -- public --
@@ -293,6 +296,34 @@ class NodeCluster:
     def kubectl(self, *args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess:
         return _run(str(self.bins.kubectl), "--kubeconfig", str(self.kubeconfig), *args,
                     timeout=timeout, check=check)
+
+    # -- faults a test inflicts --
+
+    def kill_container(self, container_id: str, sig: str = "SIGKILL") -> None:
+        """Signal a pod's container through containerd, as the kernel's OOM killer or a
+        crash would end it: kubelet sees it exit and restarts it by the pod's policy.
+        `container_id` as a pod's status gives it (`containerd://<id>`) or bare."""
+        self._ctr("tasks", "kill", "--signal", sig, container_id.removeprefix("containerd://"))
+
+    def restart_kubelet(self) -> None:
+        """Stop kubelet (SIGTERM; its pods keep running under containerd) and start it
+        again with the same configuration; returns when the node is Ready again."""
+        [p] = [p for p in self._procs if p.name == "kubelet"]
+        self._terminate(p)
+        self._procs.remove(p)
+        p = self._spawn("kubelet", self._kubelet_args)
+
+        def healthy() -> bool:
+            if p.proc.poll() is not None:
+                raise NodeError(f"kubelet exited with {p.proc.returncode} after its restart:\n{log_tail(p.log)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self._kubelet_healthz_port}/healthz",
+                                            timeout=2) as r:
+                    return r.read() == b"ok"
+            except OSError:
+                return False
+        wait_for("kubelet healthy after its restart", healthy, NODE_READY_TIMEOUT_S, 0.2)
+        self._wait_node_ready()
 
     def stop(self) -> None:
         errors: list[str] = []
@@ -509,6 +540,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         kubeconfig = self._node_kubeconfig("kubelet", f"system:node:{self.node_name}", ("system:nodes",))
         kdir = self.dir / "kubelet"
         kdir.mkdir()
+        self._kubelet_healthz_port = free_port()
         config = self.dir / "kubelet.yaml"
         config.write_text(json.dumps({
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -519,7 +551,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             "port": free_port(),
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",
-            "healthzPort": free_port(),
+            "healthzPort": self._kubelet_healthz_port,
             "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": True},
                                "x509": {"clientCAFile": str(self.control_plane.ca_cert)}},
             "authorization": {"mode": "Webhook"},
@@ -542,7 +574,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             "shutdownGracePeriod": "0s",
             "localStorageCapacityIsolation": True,
         }, indent=2))
-        self._spawn("kubelet", [
+        self._kubelet_args = [
             str(self.artifacts.kubelet),
             f"--config={config}",
             f"--kubeconfig={kubeconfig}",
@@ -551,7 +583,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             f"--hostname-override={self.node_name}",
             f"--node-ip={NODE_IP}",
             "--v=1",
-        ])
+        ]
+        self._spawn("kubelet", self._kubelet_args)
 
     def _start_kube_proxy(self) -> None:
         kubeconfig = self._node_kubeconfig("kube-proxy", "system:kube-proxy", ())

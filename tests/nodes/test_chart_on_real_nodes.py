@@ -14,10 +14,10 @@ from __future__ import annotations
 import ipaddress
 import json
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from kvtier_testenv.kubectl import Helm, Kubectl, KubectlError
@@ -33,6 +33,10 @@ OPERATOR_NS = "kvtier-system"
 # 2-core machine: tens of seconds; beyond this, fail with the pod's story.
 POD_READY_TIMEOUT_S = 240.0
 ENGINE_OK = "ENGINE-OK"
+FAULT_STATS = "ENGINE-STATS"
+# The serving namespaces (one per test) and their pods' ServiceAccount.
+SERVING_NAMESPACES = ("serving-inject", "serving-faults")
+SERVING_SA = "engine"
 
 # The engine container: the project's image running a stand-in engine that does what a
 # serving engine's connector does at start: find the sidecar's socket from the pod
@@ -55,6 +59,64 @@ size = os.stat(f"/dev/shm/{{name}}").st_size
 print("{ENGINE_OK}", path, name, size, client.info["arena_bytes"], flush=True)
 while True:
     time.sleep(3600)
+"""
+
+
+# The serving engine of the fault test: requests over a fixed set of prompts, as a serving
+# engine with a kvtier connector makes them - look up, copy a hit out of the arena, check
+# it, release; on a miss "prefill" and offer the KV. Its prefill is deterministic (block
+# i's bytes a pure function of the chained hash of blocks 0..i, like real KV of a prefix),
+# so every hit is checked byte for byte against a recompute. A sidecar fault must cost
+# misses (recompute), never a wrong hit or a failed request. After every round it prints
+# its running totals.
+FAULT_ENGINE_SCRIPT = f"""
+import json, os, sys, time
+import numpy as np
+from kvtier.identity import ModelIdentity
+from kvtier.keys import block_hashes
+from kvtier.sidecar_config import SidecarConfig
+from kvtier_sidecar.client import SidecarClient, SidecarUnavailable
+
+cfg = SidecarConfig(pod_name=os.environ["POD_NAME"], pod_namespace=os.environ["POD_NAMESPACE"])
+model_id = json.loads(os.environ["KVTIER_KV_TRANSFER_CONFIG"])["kv_connector_extra_config"]["model_id"]
+root = ModelIdentity(model_id=model_id, weights_version=os.environ["KVTIER_WEIGHTS_VERSION"]).root("tenant-a")
+client = SidecarClient(cfg.engine_socket_path())
+prompts = [np.arange(i * 10_000, i * 10_000 + 5 * cfg.block_size + 7, dtype=np.int64) for i in range(8)]
+t = dict(rounds=0, requests=0, hits=0, hit_blocks=0, misses=0, stale=0, stores=0, wrong=0, errors=0)
+
+def prefill(tokens, block_bytes):
+    return np.concatenate([np.random.Generator(np.random.PCG64(int.from_bytes(h, "little"))).integers(
+        0, 256, size=block_bytes, dtype=np.uint8) for h in block_hashes(root, tokens, cfg.block_size)])
+
+while True:
+    for tokens in prompts:
+        t["requests"] += 1
+        try:
+            got = client.lookup(root, tokens)
+            if got:
+                try:
+                    bb = client.info["block_bytes"]
+                    dst = np.zeros(len(got.blocks) * bb, np.uint8)
+                    client.materialize(got, dst)
+                    if np.array_equal(dst, prefill(tokens, bb)[: dst.size]):
+                        t["hits"] += 1
+                        t["hit_blocks"] += len(got.blocks)
+                    else:
+                        t["wrong"] += 1
+                except SidecarUnavailable:
+                    t["stale"] += 1  # the sidecar went away mid-hit: recompute
+                finally:
+                    client.release(got)
+            else:
+                t["misses"] += 1
+                if client.connect():
+                    t["stores"] += bool(client.store(root, tokens, prefill(tokens, client.info["block_bytes"])))
+        except Exception as e:
+            t["errors"] += 1
+            print("ERROR", repr(e), flush=True)
+    t["rounds"] += 1
+    print("{FAULT_STATS}", json.dumps(t), flush=True)
+    time.sleep(0.2)
 """
 
 
@@ -85,7 +147,9 @@ def wait_pods_ready(kubectl: Kubectl, namespace: str, selector: str, count: int,
         raise AssertionError(f"{e}\n{pod_story(kubectl, namespace)}\n{cluster.describe_logs(20)}") from None
 
 
-def test_helm_install_runs_the_operator_pod_whose_webhook_injects_a_restricted_statefulset(node_cluster):
+@pytest.fixture(scope="module")
+def chart(node_cluster) -> dict[str, Any]:
+    """The chart installed with its default image; the operator pod Ready on the node."""
     started = time.monotonic()
     kubectl = Kubectl(node_cluster.kubeconfig)
     helm = Helm(node_cluster.kubeconfig, OPERATOR_NS)
@@ -97,12 +161,74 @@ def test_helm_install_runs_the_operator_pod_whose_webhook_injects_a_restricted_s
         f"{image} is not in the node's containerd: {node_cluster.images()}"
 
     # The image stays the chart's default; the sidecar is a native one on this 1.33 API server.
-    helm.install(RELEASE, CHART, "--create-namespace", values={"sidecar": {"native": "auto"}})
+    # The serving pods run as a ServiceAccount of their own, which the chart lets create
+    # TokenReviews (their sidecars check the operator's control-API tokens with it).
+    helm.install(RELEASE, CHART, "--create-namespace", values={
+        "sidecar": {"native": "auto"},
+        "controlAuth": {"servingServiceAccounts": [{"namespace": ns, "name": SERVING_SA}
+                                                   for ns in SERVING_NAMESPACES]}})
     # The operator pods are the ones the chart's Deployment selects.
     [deployment] = kubectl.get_json("-n", OPERATOR_NS, "deployments",
                                     "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
     selector = ",".join(f"{k}={v}" for k, v in deployment["spec"]["selector"]["matchLabels"].items())
     [operator] = wait_pods_ready(kubectl, OPERATOR_NS, selector, 1, node_cluster)
+    return {"kubectl": kubectl, "image": image, "operator": operator, "started": started}
+
+
+def restricted_namespace_with_policy(kubectl: Kubectl, ns: str, app: str) -> dict[str, Any]:
+    """Namespace `ns` enforcing PodSecurity `restricted`, its serving ServiceAccount, and
+    the minimal example policy selecting `app=<app>`, once the operator has rendered
+    its sidecar ConfigMap."""
+    kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {
+        "pod-security.kubernetes.io/enforce": "restricted",
+        "pod-security.kubernetes.io/enforce-version": "latest"}}})
+    kubectl.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": SERVING_SA, "namespace": ns}})
+    policy = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())
+    policy["metadata"]["namespace"] = ns
+    policy["spec"]["selector"] = {"matchLabels": {"app": app}}
+    policy["spec"].setdefault("tiers", {})["dram"] = {"capacity": "64Mi"}
+    kubectl.apply(policy)
+    # The operator renders the policy's sidecar ConfigMap before pods can be injected.
+    config_map = names.sidecar_config_map(policy["metadata"]["name"])
+    wait_for("the policy's sidecar ConfigMap", lambda: kubectl.run(
+        "-n", ns, "get", "configmap", config_map, check=False).returncode == 0, 120, 0.5)
+    return policy
+
+
+RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+              "readOnlyRootFilesystem": True, "runAsNonRoot": True}
+
+
+def engine_statefulset(ns: str, app: str, image: str, script: str, policy: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": app, "namespace": ns},
+        "spec": {
+            "serviceName": app, "replicas": 1,
+            "selector": {"matchLabels": {"app": app}},
+            "template": {
+                "metadata": {"labels": {"app": app}, "annotations": {
+                    "kvtier.io/weights-version": policy["spec"]["model"]["weightsVersion"]}},
+                "spec": {
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "terminationGracePeriodSeconds": 5,
+                    "serviceAccountName": SERVING_SA,
+                    "containers": [{
+                        "name": "engine", "image": image, "imagePullPolicy": "IfNotPresent",
+                        "command": ["python3", "-c", script],
+                        "securityContext": RESTRICTED,
+                        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"},
+                                      "limits": {"memory": "512Mi"}},
+                    }],
+                },
+            },
+        },
+    }
+
+
+def test_helm_install_runs_the_operator_pod_whose_webhook_injects_a_restricted_statefulset(node_cluster, chart):
+    kubectl, image, operator, started = chart["kubectl"], chart["image"], chart["operator"], chart["started"]
     assert operator["spec"]["nodeName"] == node_cluster.node_name
     [op_container] = operator["spec"]["containers"]
     assert op_container["image"] == image
@@ -111,45 +237,9 @@ def test_helm_install_runs_the_operator_pod_whose_webhook_injects_a_restricted_s
     # A real container: the kubelet gave it the pod network's address.
     assert ipaddress.ip_address(operator["status"]["podIP"]) in ipaddress.ip_network(POD_CIDR)
 
-    ns = f"serving-{uuid.uuid4().hex[:6]}"
-    kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {
-        "pod-security.kubernetes.io/enforce": "restricted",
-        "pod-security.kubernetes.io/enforce-version": "latest"}}})
-    policy = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())
-    policy["metadata"]["namespace"] = ns
-    policy["spec"]["selector"] = {"matchLabels": {"app": "engine"}}
-    policy["spec"].setdefault("tiers", {})["dram"] = {"capacity": "64Mi"}
-    kubectl.apply(policy)
-    # The operator renders the policy's sidecar ConfigMap before pods can be injected.
-    config_map = names.sidecar_config_map(policy["metadata"]["name"])
-    wait_for("the policy's sidecar ConfigMap", lambda: kubectl.run(
-        "-n", ns, "get", "configmap", config_map, check=False).returncode == 0, 120, 0.5)
-
-    restricted = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-                  "readOnlyRootFilesystem": True, "runAsNonRoot": True}
-    kubectl.apply({
-        "apiVersion": "apps/v1", "kind": "StatefulSet",
-        "metadata": {"name": "engine", "namespace": ns},
-        "spec": {
-            "serviceName": "engine", "replicas": 1,
-            "selector": {"matchLabels": {"app": "engine"}},
-            "template": {
-                "metadata": {"labels": {"app": "engine"}, "annotations": {
-                    "kvtier.io/weights-version": policy["spec"]["model"]["weightsVersion"]}},
-                "spec": {
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
-                                        "seccompProfile": {"type": "RuntimeDefault"}},
-                    "containers": [{
-                        "name": "engine", "image": image, "imagePullPolicy": "IfNotPresent",
-                        "command": ["python3", "-c", ENGINE_SCRIPT],
-                        "securityContext": restricted,
-                        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"},
-                                      "limits": {"memory": "512Mi"}},
-                    }],
-                },
-            },
-        },
-    })
+    ns = SERVING_NAMESPACES[0]
+    policy = restricted_namespace_with_policy(kubectl, ns, "engine")
+    kubectl.apply(engine_statefulset(ns, "engine", image, ENGINE_SCRIPT, policy))
     [pod] = wait_pods_ready(kubectl, ns, "app=engine", 1, node_cluster)
     init = {c["name"]: c for c in pod["spec"].get("initContainers", [])}
     assert names.SIDECAR_CONTAINER in init, \
@@ -186,6 +276,102 @@ def test_helm_install_runs_the_operator_pod_whose_webhook_injects_a_restricted_s
         assert "violates PodSecurity" in e.stderr, e.stderr
     print(json.dumps({"helm_install_to_injected_pod_ready_s": round(time.monotonic() - started, 1),
                       **{k: round(v, 1) for k, v in node_cluster.timings.items()}}))
+
+
+def engine_stats(kubectl: Kubectl, ns: str, pod: str, previous: bool = False) -> dict[str, int] | None:
+    """The fault engine's last printed totals (of its previous run with `previous`)."""
+    out = kubectl.run("-n", ns, "logs", pod, "-c", "engine", "--tail=50", *(["--previous"] if previous else []),
+                      check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(FAULT_STATS)]
+    return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
+
+
+def container_status(kubectl: Kubectl, ns: str, pod: str, name: str) -> dict[str, Any]:
+    status = kubectl.get_json("-n", ns, "pod", pod)["status"]
+    [c] = [c for c in status.get("containerStatuses", []) + status.get("initContainerStatuses", [])
+           if c["name"] == name]
+    return c
+
+
+def test_faults_on_the_real_node_degrade_to_recompute_never_wrong_kv(node_cluster, chart):
+    """Real faults under a running engine, every hit checked against a recompute: the
+    sidecar container SIGKILLed (kubelet restarts the native sidecar; the engine's
+    lookups miss meanwhile, its requests never fail), the engine container SIGKILLed
+    (the sidecar keeps the KV: the restarted engine hits at once), kubelet restarted
+    (the pod runs on), the pod deleted (its StatefulSet makes a new one that refills).
+    Wrong KV and failed requests stay 0 throughout."""
+    kubectl, image = chart["kubectl"], chart["image"]
+    ns = SERVING_NAMESPACES[1]
+    policy = restricted_namespace_with_policy(kubectl, ns, "faulty")
+    kubectl.apply(engine_statefulset(ns, "faulty", image, FAULT_ENGINE_SCRIPT, policy))
+    [pod] = wait_pods_ready(kubectl, ns, "app=faulty", 1, node_cluster)
+    name = pod["metadata"]["name"]
+
+    def story() -> str:
+        return pod_story(kubectl, ns)
+
+    def stats_when(what: str, cond, previous: bool = False) -> dict[str, int]:
+        def check() -> dict[str, int] | None:
+            st = engine_stats(kubectl, ns, name, previous)
+            return st if st is not None and cond(st) else None
+        try:
+            return wait_for(what, check, 120, 0.5)
+        except WaitTimeout as e:
+            raise AssertionError(f"{e}; last stats {engine_stats(kubectl, ns, name, previous)}\n{story()}\n"
+                                 f"{node_cluster.describe_logs(30)}") from None
+
+    def until(what: str, cond, timeout_s: float = 120) -> Any:
+        try:
+            return wait_for(what, cond, timeout_s, 0.5)
+        except WaitTimeout as e:
+            raise AssertionError(f"{e}\n{story()}\n{node_cluster.describe_logs(30)}") from None
+
+    def clean(st: dict[str, int]) -> None:
+        assert st["wrong"] == 0 and st["errors"] == 0, f"{st}\n{story()}"
+
+    warm = stats_when("the engine's hits from its own stores", lambda st: st["hits"] >= 8)
+    clean(warm)
+
+    # 1. The sidecar container dies (SIGKILL: no clean-up of its own).
+    before = engine_stats(kubectl, ns, name)
+    sidecar = container_status(kubectl, ns, name, names.SIDECAR_CONTAINER)
+    node_cluster.kill_container(sidecar["containerID"])
+    until("the native sidecar restarted by kubelet", lambda: (
+        (c := container_status(kubectl, ns, name, names.SIDECAR_CONTAINER))["restartCount"] >= 1
+        and c.get("ready")))
+    # Its KV went with it: the engine misses, recomputes, stores again and hits again.
+    after_sidecar = stats_when("hits again after the sidecar's restart", lambda st: (
+        st["misses"] > before["misses"] and st["hits"] >= before["hits"] + 8))
+    clean(after_sidecar)
+    assert container_status(kubectl, ns, name, "engine")["restartCount"] == 0, "the engine must not fail with its sidecar"
+
+    # 2. The engine container dies: the sidecar keeps its KV, the new engine hits at once.
+    engine = container_status(kubectl, ns, name, "engine")
+    node_cluster.kill_container(engine["containerID"])
+    until("the engine restarted by kubelet", lambda: (
+        container_status(kubectl, ns, name, "engine")["restartCount"] >= 1))
+    clean(stats_when("the killed engine's last totals", lambda st: True, previous=True))
+    fresh = stats_when("the restarted engine's first round", lambda st: st["rounds"] >= 1)
+    clean(fresh)
+    assert fresh["hits"] > 0 and fresh["misses"] == 0 and fresh["stores"] == 0, \
+        f"the sidecar's KV should outlive the engine's crash: {fresh}"
+
+    # 3. kubelet restarts: the pod and its containers run on.
+    rounds = engine_stats(kubectl, ns, name)["rounds"]
+    node_cluster.restart_kubelet()
+    clean(stats_when("rounds after kubelet's restart", lambda st: st["rounds"] >= rounds + 5))
+    assert container_status(kubectl, ns, name, "engine")["restartCount"] == 1
+    assert container_status(kubectl, ns, name, names.SIDECAR_CONTAINER)["restartCount"] == 1
+
+    # 4. The pod is deleted: its StatefulSet makes a new one, which refills from recompute.
+    uid = pod["metadata"]["uid"]
+    kubectl.run("-n", ns, "delete", "pod", name, "--wait=false")
+    until("the StatefulSet's new pod", lambda: (
+        (p := kubectl.get_json("-n", ns, "pods", "-l", "app=faulty")["items"])
+        and p[0]["metadata"]["uid"] != uid and p[0]["status"].get("phase") == "Running"), 180)
+    refilled = stats_when("the new pod's hits", lambda st: st["hits"] >= 8)
+    clean(refilled)
+    assert refilled["misses"] >= 1 and refilled["stores"] >= 1, refilled
 
 
 def test_zz_the_network_rule_held(node_cluster):

@@ -11,6 +11,8 @@ import pytest
 from kvtier_sidecar.arena import Arena, ArenaError
 from kvtier_sidecar.client import EngineHit, SidecarClient
 
+from kvtier_testenv.polling import wait_for
+
 from .test_sidecar_process import prompt, seed_cache
 
 BB = 8192
@@ -44,3 +46,78 @@ def test_attach_refuses_a_segment_whose_tag_is_not_its_creators():
             Arena.attach(owner.name, owner.size, BB, bytes(len(owner.tag)))
     finally:
         owner.close()
+
+
+def _mapped(name: str) -> bool:
+    """This process maps the segment `name` (unlinked or not)."""
+    with open("/proc/self/maps") as maps:
+        return any(f"/dev/shm/{name}" in line for line in maps)
+
+
+def test_an_engine_unmaps_a_dead_sidecars_arena_so_its_restart_finds_room(spawn, oracle):
+    """A pod's memory-backed volume is sized for one arena. When the sidecar dies
+    (SIGKILL: it unlinks nothing), the engine's client must drop the dead sidecar's
+    arena as soon as a reconnect finds nobody, or the restarted sidecar can never
+    reserve its own (ENOSPC) and the pod stays without a cache. Then the restart maps
+    afresh and serves checked hits again."""
+    a = spawn("a", "127.0.0.2", pod_name="phoenix")
+    client = SidecarClient(a.socket)
+    root, tokens = oracle.root("t"), prompt(120)
+    seed_cache(client, oracle, "t", tokens)
+    name, instance = client.info["shm_name"], client.info["instance"]
+    assert _mapped(name)
+    a.kill()
+
+    def released() -> bool:
+        return not client.lookup(root, tokens) and client.arena is None and not _mapped(name)
+    wait_for("the client to unmap the dead sidecar's arena", released, 30, 0.1)
+
+    a.start()  # the same identity restarted, as kubelet restarts a container
+    seed_cache(client, oracle, "t", tokens)
+    assert client.info["instance"] != instance and _mapped(name)
+    hit = client.lookup(root, tokens)
+    assert hit and hit.matched_tokens == 112
+    dst = np.zeros(7 * BB, np.uint8)
+    client.materialize(hit, dst)
+    assert np.array_equal(dst, oracle.kv(root, tokens)[: 7 * BB])
+    client.release(hit)
+
+
+def test_a_restarted_sidecar_waits_for_room_in_its_volume_then_fails_clearly(monkeypatch):
+    """`create_arena` rides out ENOSPC (the predecessor's arena still mapped by the
+    engine) until its deadline; any other failure, and ENOSPC past the deadline, raise
+    the arena's own error at once."""
+    import asyncio
+    import errno
+
+    from kvtier_sidecar import main as sidecar_main
+
+    calls = {"n": 0}
+
+    def full_twice(name, slots, block_bytes):
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            raise ArenaError(f"arena {name}: no room") from OSError(errno.ENOSPC, "No space left on device")
+        return "arena"
+    monkeypatch.setattr(sidecar_main.Arena, "create", full_twice)
+    monkeypatch.setattr(sidecar_main, "ARENA_SPACE_POLL_S", 0.01)
+    assert asyncio.run(sidecar_main.create_arena("kvt-x", 4, BB, wait_s=10)) == "arena"
+    assert calls["n"] == 3
+
+    def always_full(name, slots, block_bytes):
+        calls["n"] += 1
+        raise ArenaError("full") from OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(sidecar_main.Arena, "create", always_full)
+    calls["n"] = 0
+    with pytest.raises(ArenaError, match="full"):
+        asyncio.run(sidecar_main.create_arena("kvt-x", 4, BB, wait_s=0.05))
+    assert calls["n"] >= 2
+
+    def refused(name, slots, block_bytes):
+        calls["n"] += 1
+        raise ArenaError("bad") from OSError(errno.EACCES, "Permission denied")
+    monkeypatch.setattr(sidecar_main.Arena, "create", refused)
+    calls["n"] = 0
+    with pytest.raises(ArenaError, match="bad"):
+        asyncio.run(sidecar_main.create_arena("kvt-x", 4, BB, wait_s=10))
+    assert calls["n"] == 1
