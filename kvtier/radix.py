@@ -25,7 +25,7 @@ Invariants, kept where state changes:
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import heapq
@@ -40,29 +40,42 @@ Duel = Callable[["Node", "Node"], bool]
 """(window candidate, main victim) -> does the candidate move into main?"""
 
 
-@dataclass(slots=True, eq=False)
 class Node:
     """One edge of the tree: a run of blocks after `parent`'s last block.
 
     The root sentinel of a tree has no blocks and no parent. `start_block` is the
-    index, in the prompt, of this edge's first block.
+    index, in the prompt, of this edge's first block. Compared by identity. (A plain
+    class rather than a dataclass: compiled, it is an extension type whose fields the
+    index's loops read directly, radix.pxd.)
     """
 
-    root: KeyRoot
-    parent: Node | None
-    tokens: bytes
-    slots: list[int]
-    hashes: list[BlockHash]
-    start_block: int
-    children: dict[bytes, Node] = field(default_factory=dict)
-    pins: int = 0
-    freq: FrequencyState = field(default_factory=FrequencyState)
-    last_access_s: float = 0.0
-    hot: bool = False
-    region: int = WINDOW
-    alive: bool = True
-    version: int = 0
-    queued: int = -1  # the version last queued as an eviction victim
+    __slots__ = ("root", "parent", "tokens", "slots", "hashes", "start_block", "children", "pins", "freq",
+                 "last_access_s", "hot", "region", "alive", "version", "queued")
+
+    def __init__(self, root: KeyRoot, parent: Node | None, tokens: bytes, slots: list[int],
+                 hashes: list[BlockHash], start_block: int, children: dict[bytes, Node] | None = None,
+                 pins: int = 0, freq: FrequencyState | None = None, last_access_s: float = 0.0,
+                 hot: bool = False, region: int = WINDOW, alive: bool = True, version: int = 0,
+                 queued: int = -1) -> None:
+        self.root = root
+        self.parent = parent
+        self.tokens = tokens
+        self.slots = slots
+        self.hashes = hashes
+        self.start_block = start_block
+        self.children = {} if children is None else children
+        self.pins = pins
+        self.freq = FrequencyState() if freq is None else freq
+        self.last_access_s = last_access_s
+        self.hot = hot
+        self.region = region
+        self.alive = alive
+        self.version = version
+        self.queued = queued  # the version last queued as an eviction victim
+
+    def __repr__(self) -> str:
+        return (f"Node(start_block={self.start_block}, blocks={len(self.slots)}, pins={self.pins}, "
+                f"region={self.region}, hot={self.hot}, alive={self.alive})")
 
     @property
     def num_blocks(self) -> int:
