@@ -27,9 +27,6 @@ from kvtier import _compiled
 # child processes included (scripts/setup.sh rebuilds it; the compiled tests flag it).
 _compiled.run_stale_from_source()
 
-# The real-node cluster (tests/nodes: kubelet, containerd, the image built from the
-# Dockerfile) is not yet part of the suite: `KVTIER_REAL_NODES=1 ./scripts/test.sh tests/nodes`.
-collect_ignore = [] if os.environ.get("KVTIER_REAL_NODES") == "1" else ["nodes"]
 
 _SHM = Path("/dev/shm")
 # What the suite's processes leave in /dev/shm when SIGKILLed, large enough to matter:
