@@ -51,7 +51,7 @@ class CamelModel(BaseModel):
                 raise ValueError(rule.explain(self))
         return self
 
-    def wire(self) -> dict[str, Any]:
+    def k8s_json(self) -> dict[str, Any]:
         """The camelCase JSON form, as stored in Kubernetes."""
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 

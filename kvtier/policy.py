@@ -126,7 +126,7 @@ LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0
 def _section(cls: type["CamelModel"]) -> Any:
     """An optional sub-object whose default is its fully defaulted form (the apiserver
     checks a default against the CEL rules as written, without defaulting inside it)."""
-    return Field(default_factory=cls, json_schema_extra=lambda schema: schema.update(default=cls().wire()))
+    return Field(default_factory=cls, json_schema_extra=lambda schema: schema.update(default=cls().k8s_json()))
 
 
 def _name(**kw: Any) -> Any:

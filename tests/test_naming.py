@@ -13,6 +13,8 @@ module that held the name) and fails naming where an old name came back.
     kvtier_testenv.engine_front.Engine -> ReferenceEngine (the engine the test pods' HTTP
                                front serves; not the simulator's loop nor the sidecar's
                                engine socket, EngineServer)
+    CamelModel.wire()       -> CamelModel.k8s_json() (the form stored in Kubernetes; the
+                               key root's and the peer protocol's wire forms keep "wire")
 """
 from __future__ import annotations
 
@@ -86,3 +88,11 @@ def test_nothing_imports_or_names_a_renamed_class_by_its_old_name(module, old, n
 
 def test_the_guard_sees_a_retired_word():
     assert _mentions(re.compile(r"\bCamelModel\b")), "the scan reads no source at all"
+
+
+def test_the_camel_models_stored_form_is_k8s_json_not_wire():
+    from kvtier.camel_model import CamelModel
+
+    assert hasattr(CamelModel, "k8s_json") and not hasattr(CamelModel, "wire")
+    assert _mentions(re.compile(r"\.wire\(\)")) == []
+

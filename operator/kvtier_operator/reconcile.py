@@ -66,7 +66,7 @@ async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn,
     measured = _measured_nvme(old) if spec.tiers.nvme.mode != "off" else None
     tiers, observed = economics.verdicts(spec, measured)
     _post_verdict_changes(old, tiers, event)
-    fields: dict[str, Any] = {"observedGeneration": generation, "tiers": [v.wire() for v in tiers]}
+    fields: dict[str, Any] = {"observedGeneration": generation, "tiers": [v.k8s_json() for v in tiers]}
     failure = await _write_sidecar_config(kube, body, spec, fields)
     if spec.tiers.peer.enabled:
         await kube.create_secret_if_absent(_adopted(peer_secret(name, namespace), body))
@@ -85,7 +85,7 @@ async def reconcile_spec(kube: Kube, body: dict[str, Any], event: EventFn,
         before = conditions.find(old.conditions, "Degraded")
         if before is None or before.message != message:
             event("Warning", reason, message)
-    fields["conditions"] = [c.wire() for c in conditions.merge(old.conditions, observed, generation)]
+    fields["conditions"] = [c.k8s_json() for c in conditions.merge(old.conditions, observed, generation)]
     if old.version is None:
         fields["version"] = spec.model.weights_version
     if old.phase is None:
@@ -225,10 +225,10 @@ async def reconcile_membership(
         event("Warning", "SelectorConflict", overlap.message)
     if measured is not None:
         tiers, tier_observations = economics.verdicts(spec, measured)
-        fields["tiers"] = [v.wire() for v in tiers]
+        fields["tiers"] = [v.k8s_json() for v in tiers]
         observed += tier_observations
         _post_verdict_changes(old_status, tiers, event)
-    fields["conditions"] = [c.wire() for c in conditions.merge(
+    fields["conditions"] = [c.k8s_json() for c in conditions.merge(
         old_status.conditions, observed, body["metadata"].get("generation"))]
     epoch_changed = new_epoch or (old_status.epoch or 0) < table.epoch
     if epoch_changed:
@@ -339,7 +339,7 @@ async def _report_broken(kube: Kube, body: dict[str, Any], views: list[membershi
     if problem.reason == "SpecInvalid":
         observed.append(conditions.Observation("Degraded", "True", problem.reason, str(problem)))
     fields: dict[str, Any] = {"uninjectedPods": len(missing), "uninjectedPodNames": missing[:MAX_UNINJECTED_NAMED],
-                              "conditions": [c.wire() for c in conditions.merge(old.conditions, observed,
+                              "conditions": [c.k8s_json() for c in conditions.merge(old.conditions, observed,
                                                                                   meta.get("generation"))]}
     current = body.get("status") or {}
     if any(current.get(k) != v for k, v in fields.items()):

@@ -207,7 +207,7 @@ async def _samples(kube, sidecars, namespace: str, workload: dict[str, Any],
 def _status_fields(plan: rollout.Plan, status: policy.KVCachePolicyStatus, generation: int | None) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if plan.rollout is not None:
-        wire = plan.rollout.wire()
+        wire = plan.rollout.k8s_json()
         # A merge patch keeps keys it does not name: clear the ones the plan emptied.
         fields["rollout"] = {**{f.alias or k: None for k, f in policy.RolloutStatus.model_fields.items()
                                 if (f.alias or k) not in wire}, **wire}
@@ -218,7 +218,7 @@ def _status_fields(plan: rollout.Plan, status: policy.KVCachePolicyStatus, gener
     if plan.conditions:
         merged = conditions.merge(status.conditions, list(plan.conditions), generation)
         if merged != status.conditions:
-            fields["conditions"] = [c.wire() for c in merged]
+            fields["conditions"] = [c.k8s_json() for c in merged]
     return fields
 
 

@@ -322,7 +322,7 @@ async def _record(memo, body: dict[str, Any], pod: dict[str, Any], tally: rw.Tal
                 return
             rollout = (current.get("status") or {}).get("rollout") or {}
             kept = [w for w in rollout.get("warmups") or [] if w.get("pod") != record.pod]
-            warmups = (kept + [record.wire()])[-policy.MAX_WARMUPS:]
+            warmups = (kept + [record.k8s_json()])[-policy.MAX_WARMUPS:]
             await memo.kube.patch_status(namespace, name, {"rollout": {"warmups": warmups}})
         kind = "Normal" if reason == rw.WARMED else "Warning"
         await memo.kube.create_event_once(events.once(current, f"warm/{pod['metadata']['uid']}", kind,

@@ -38,7 +38,7 @@ def test_apiserver_defaults_equal_the_model_defaults(kvcp_crd, kubectl):
     path = next(p for p in example_paths() if p.stem == "minimal")
     kubectl.apply(path)
     stored = kubectl.get_json("kvcp", "minimal")["spec"]
-    from_models = _drop_empty(policy.parse_policy(yaml.safe_load(path.read_text())).spec.wire())
+    from_models = _drop_empty(policy.parse_policy(yaml.safe_load(path.read_text())).spec.k8s_json())
     assert stored == from_models
     assert stored["rollout"]["steps"] == [10, 50, 100] and stored["affinity"]["spillOccupancy"] == 0.85
 

@@ -80,7 +80,7 @@ def test_nested_sections_default_to_their_fully_defaulted_form():
     spec = crd.openapi_schema()["properties"]["spec"]["properties"]
     for section, model in (("tiers", policy.Tiers), ("admission", policy.AdmissionSpec),
                            ("affinity", policy.Affinity), ("rollout", policy.Rollout)):
-        assert spec[section]["default"] == model().wire()
+        assert spec[section]["default"] == model().k8s_json()
     assert spec["rollout"]["default"]["recovery"]["source"] == "sidecar"
     assert spec["affinity"]["properties"]["spillOccupancy"]["default"] == 0.85
     assert spec["rollout"]["properties"]["steps"]["default"] == [10, 50, 100]

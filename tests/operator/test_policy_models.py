@@ -54,7 +54,7 @@ def test_minimal_policy_gets_the_design_defaults():
 def test_camel_case_on_the_wire_and_snake_case_in_python_round_trip():
     body = yaml.safe_load((example_paths()[0].parent / "batch-nvme.yaml").read_text())
     parsed = policy.parse_policy(body)
-    wire = parsed.spec.wire()
+    wire = parsed.spec.k8s_json()
     assert wire["trafficClass"] == "batch" and wire["tiers"]["nvme"]["mode"] == "on"
     assert wire["rollout"]["recovery"]["prometheus"]["url"].startswith("http://")
     assert policy.KVCachePolicySpec.model_validate(wire) == parsed.spec

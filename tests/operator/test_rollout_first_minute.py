@@ -127,7 +127,7 @@ def test_the_figure_goes_into_the_steps_history_entry_written_before_or_after_it
     assert advanced.rollout.history[-1].first_minute == fm.for_history(f)
     assert fm.text(f) in advanced.event[2] and fm.text(f) in advanced.rollout.history[-1].message
     assert advanced.rollout.first_minutes == [f]
-    wire = advanced.rollout.wire()
+    wire = advanced.rollout.k8s_json()
     assert wire["history"][-1]["firstMinute"]["hitRate"] == 0.8 and wire["firstMinutes"][0]["podNames"] == ["llm-3"]
     assert policy.RolloutStatus.model_validate(wire) == advanced.rollout
 
@@ -148,6 +148,6 @@ def test_the_plugins_status_shows_each_steps_first_minute():
                                             window=Counters(lookups=9, loaded_tokens=45, prompt_tokens=50))],
                   old_pods(), None, at(60), 60)
     body = {"metadata": {"namespace": "ns", "name": "llm"}, "spec": {},
-            "status": {"rollout": status(first_minutes=[f]).wire()}}
+            "status": {"rollout": status(first_minutes=[f]).k8s_json()}}
     assert ("  first minute step  1: hit rate 0.9000 vs baseline 0.9000, 1 warm / 0 cold pods, 9 lookups in 60s"
             in status_lines(body))
