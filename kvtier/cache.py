@@ -448,7 +448,7 @@ class LocalCache:
                 self._pool.give_back(res.slots[n:])
             unused, _ = self._index.insert(res.root, res._token_bytes, res.first_block,
                                            res.slots[:n], res._hashes[:n], hot=res.tier == TIER_PINNED,
-                                           after=res._parent)
+                                           main=False, after=res._parent)
             if unused:
                 self._pool.give_back(unused)
             added = n - len(unused)

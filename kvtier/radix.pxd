@@ -23,15 +23,20 @@ cdef class PrefixIndex:
     cdef public object num_blocks, dead_blocks, hot_blocks, num_nodes
     cdef public dict tenant_blocks, tenant_evictions
 
+    cpdef match(self, root, token_bytes, limit_blocks)
     cpdef match_after(self, Node node, token_bytes, limit_blocks)
     @cython.locals(child=Node)
     cpdef _walk(self, Node node, within, pos, token_bytes, limit_blocks)
+    @cython.locals(node=Node)
+    cpdef truncate(self, m, blocks)
     @cython.locals(node=Node, n=Node)
     cpdef pin(self, m, touch=*)
     @cython.locals(n=Node)
     cpdef unpin(self, Node node)
     @cython.locals(node=Node, new=Node, n=Node)
     cpdef insert(self, root, token_bytes, first_block, slots, hashes, hot=*, main=*, after=*)
+    @cython.locals(cand=Node, victim=Node, other=Node, node=Node)
+    cpdef evict(self, num_blocks, duel=*, incoming=*)
     @cython.locals(n=Node, found=Node)
     cpdef _window_candidate(self)
     cpdef _to_main(self, Node n)
