@@ -216,6 +216,7 @@ OTHER_SERVERS = {
     ("operator/kvtier_operator/metrics.py", "/metrics"),  # the operator's own Prometheus endpoint
     ("testenv/kvtier_testenv/controlplane.py", "/readyz"),  # kube-apiserver's
     ("testenv/kvtier_testenv/vllm_serve.py", "/metrics"),  # vllm serve's
+    ("testenv/kvtier_testenv/nodes.py", "/healthz"),  # kubelet's
 }
 
 
@@ -269,13 +270,13 @@ def test_every_figure_the_sidecar_counts_has_a_field_in_the_stats_answer():
 # The operator's flags and env names as the chart, operator/deploy/ and the tests pass
 # them: each must keep working.
 OPERATOR_FLAGS = {
-    "--sidecar-image", "--native-sidecars", "--webhook-host", "--webhook-port", "--webhook-cert", "--webhook-key",
+    "--sidecar-image", "--sidecar-image-pull-policy", "--native-sidecars", "--webhook-host", "--webhook-port", "--webhook-cert", "--webhook-key",
     "--warms-per-target", "--sidecar-auth", "--sidecar-auth-user", "--sidecar-protect-metrics",
     "--sidecar-metrics-user", "--sidecar-token-file", "--sidecar-token-service-account", "--sidecar-plain-http",
     "--control-ca-secret", "--network-policies", "--operator-namespace", "--operator-pod-labels",
     "--monitoring-namespace", "--close-serving-ports", "--metrics-port", "--metrics-host"}
 OPERATOR_ENV = {"KVTIER_OPERATOR_" + n for n in (
-    "SIDECAR_IMAGE", "WEBHOOK_HOST", "WEBHOOK_PORT", "WEBHOOK_CERT", "WEBHOOK_KEY", "RESYNC_INTERVAL_S", "DEBOUNCE_S",
+    "SIDECAR_IMAGE", "SIDECAR_IMAGE_PULL_POLICY", "WEBHOOK_HOST", "WEBHOOK_PORT", "WEBHOOK_CERT", "WEBHOOK_KEY", "RESYNC_INTERVAL_S", "DEBOUNCE_S",
     "WARMS_PER_TARGET", "SIDECAR_AUTH", "SIDECAR_AUTH_USERS", "SIDECAR_PROTECT_METRICS", "SIDECAR_METRICS_USERS",
     "SIDECAR_TOKEN_FILE", "SIDECAR_TOKEN_SERVICE_ACCOUNT", "SIDECAR_TLS", "CONTROL_CA_SECRET", "NETWORK_POLICIES",
     "OPERATOR_NAMESPACE", "OPERATOR_POD_LABELS", "MONITORING_NAMESPACE", "SERVING_PORTS_OPEN", "METRICS_HOST",
@@ -286,7 +287,7 @@ def _options_unlike_the_defaults():
     from kvtier_operator.options import OperatorOptions
 
     options = OperatorOptions(
-        sidecar_image="registry.example/kvtier:x", native_sidecars="auto", webhook_host="10.0.0.1", webhook_port=1,
+        sidecar_image="registry.example/kvtier:x", sidecar_image_pull_policy="Never", native_sidecars="auto", webhook_host="10.0.0.1", webhook_port=1,
         webhook_cert="/c.pem", webhook_key="/k.pem", resync_interval_s=1.5, debounce_s=0.05, warms_per_target=3,
         first_minute_s=5.0,
         metrics_host="10.0.0.2", metrics_port=9, sidecar_auth="open", sidecar_auth_users=["a:b", "c"],

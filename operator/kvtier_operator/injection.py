@@ -81,7 +81,6 @@ class SidecarImage:
     # server's version allows (`supports_native_sidecars`).
     native: bool = False
     command: tuple[str, ...] = ("kvtier-sidecar",)
-    pull_policy: str = "IfNotPresent"
     resources: dict[str, Any] = field(default_factory=dict)
     image: InitVar[str | None] = None
     tls: InitVar[bool | None] = None
@@ -271,7 +270,7 @@ def _sidecar_container(
     container: dict[str, Any] = {
         "name": names.SIDECAR_CONTAINER,
         "image": image.options.sidecar_image,
-        "imagePullPolicy": image.pull_policy,
+        "imagePullPolicy": image.options.sidecar_image_pull_policy,
         "command": [*image.command, "--config", f"{names.CONFIG_MOUNT_PATH}/{names.CONFIG_KEY}"],
         "env": _env(spec) + _auth_env(image),
         "ports": [

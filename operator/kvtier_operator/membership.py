@@ -17,7 +17,13 @@ from typing import Any, NewType
 from kvtier import policy
 from kvtier.sidecar_config import SidecarConfig
 
-from kvtier_operator.names import INJECTED_ANNOTATION, INJECTION_SKIPPED_ANNOTATION, OPT_OUT_LABEL, WEIGHT_ANNOTATION
+from kvtier_operator.names import (
+    INJECTED_ANNOTATION,
+    INJECTION_SKIPPED_ANNOTATION,
+    OPT_OUT_LABEL,
+    SIDECAR_CONTAINER,
+    WEIGHT_ANNOTATION,
+)
 
 MemberName = NewType("MemberName", str)
 
@@ -40,6 +46,9 @@ class PodView:
     node_selector: tuple[tuple[str, str], ...] = ()  # spec.nodeSelector: where it may be scheduled
     injection_skipped: str | None = None  # "<policy>: <why>": admitted without the sidecar
     namespace: str = ""
+    # "<reason>: <message>" while the injected sidecar container cannot run (its image
+    # missing, a crash loop, a bad config): kubelet's own words, from the pod's status.
+    sidecar_problem: str | None = None
 
     def selected_by(self, selector: policy.LabelSelector) -> bool:
         return selector.matches(dict(self.labels))
@@ -89,7 +98,37 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         node_selector=tuple(sorted(((body.get("spec") or {}).get("nodeSelector") or {}).items())),
         injection_skipped=(meta.get("annotations") or {}).get(INJECTION_SKIPPED_ANNOTATION),
         namespace=meta.get("namespace", ""),
+        sidecar_problem=sidecar_problem(status),
     )
+
+
+# Waiting reasons that mean the container will not run until someone acts (kubelet keeps
+# retrying, so none of them ends by itself): ContainerCreating and PodInitializing are
+# the normal start.
+STUCK_REASONS = frozenset({
+    "ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName", "CrashLoopBackOff",
+    "CreateContainerConfigError", "CreateContainerError", "RunContainerError", "PreCreateHookError",
+    "PostStartHookError",
+})
+MAX_PROBLEM_CHARS = 300
+
+
+def sidecar_problem(status: Mapping[str, Any]) -> str | None:
+    """Why the pod's sidecar container is stuck (waiting for a reason in STUCK_REASONS),
+    as kubelet says it, or None. It is an init container when native, else a container."""
+    for c in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+        if c.get("name") != SIDECAR_CONTAINER:
+            continue
+        waiting = (c.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason") or ""
+        if reason not in STUCK_REASONS:
+            return None
+        message = waiting.get("message") or ""
+        if not message and reason == "CrashLoopBackOff":
+            last = (c.get("lastState") or {}).get("terminated") or {}
+            message = f"last exit {last.get('exitCode')} ({last.get('reason') or 'no reason'})" if last else ""
+        return f"{reason}: {message}"[:MAX_PROBLEM_CHARS] if message else reason
+    return None
 
 
 def members(views: Iterable[PodView], selector: policy.LabelSelector) -> dict[MemberName, Member]:
@@ -134,6 +173,12 @@ def skipped(views: Iterable[PodView], selector: policy.LabelSelector, policy_nam
     return {v.name: v.injection_skipped[len(prefix):] for v in sorted(views, key=lambda v: v.name)
             if v.injection_skipped and v.injection_skipped.startswith(prefix) and v.injected_by is None
             and not v.deleting and v.selected_by(selector)}
+
+
+def stuck_sidecars(views: Iterable[PodView], selector: policy.LabelSelector) -> dict[str, str]:
+    """Selected pods (not leaving) whose sidecar container cannot run: pod -> why."""
+    return {v.name: v.sidecar_problem for v in sorted(views, key=lambda v: v.name)
+            if v.sidecar_problem and v.selected_by(selector) and not v.deleting}
 
 
 def nodes(views: Iterable[PodView], selector: policy.LabelSelector) -> list[str]:

@@ -78,6 +78,8 @@ class OperatorOptions(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, frozen=True, extra="forbid")
 
     sidecar_image: str = Field(DEFAULT_SIDECAR_IMAGE, description="image of the injected sidecar")
+    sidecar_image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = Field(
+        "IfNotPresent", description="imagePullPolicy of the injected sidecar (Never: nodes hold the image already)")
     native_sidecars: Literal["auto", "never"] = Field(
         "never", description="auto: inject a native sidecar (init container, restartPolicy Always) where the "
                              "API server is >= 1.29; never: a plain container")

@@ -218,6 +218,7 @@ async def reconcile_membership(
     observed = [conditions.Observation("AffinityPublished", "True", "Published",
                                        f"epoch {table.epoch}, {len(members)} members, {len(tenants)} known tenants"),
                 overlap, foreign, _injection_observation(missing, old_status, event, membership.skipped(views, spec.selector, name)),
+                _sidecars_running_observation(membership.stuck_sidecars(views, spec.selector), old_status, event),
                 await _dram_fit_observation(kube, spec, views, old_status, event)]
     fields.update(uninjectedPods=len(missing), uninjectedPodNames=missing[:MAX_UNINJECTED_NAMED])
     before = conditions.find(old_status.conditions, overlap.type)
@@ -281,6 +282,8 @@ async def _candidate_nodes(kube: Kube, unscheduled: dict[str, tuple[tuple[str, s
 
 # Pods named in status and in the condition; the count covers the rest.
 MAX_UNINJECTED_NAMED = 20
+# Pods named with their reasons in SidecarsRunning (each reason up to 300 characters).
+MAX_STUCK_NAMED = 3
 
 
 def _named(pods: list[str]) -> str:
@@ -310,6 +313,27 @@ def _injection_observation(missing: list[str], old: policy.KVCachePolicyStatus, 
     if old.uninjected_pod_names != missing[:MAX_UNINJECTED_NAMED] or old.uninjected_pods != len(missing):
         event("Warning", reason, message)
     return conditions.Observation("SidecarsInjected", "False", reason, message)
+
+
+def _sidecars_running_observation(stuck: dict[str, str], old: policy.KVCachePolicyStatus,
+                                  event: EventFn) -> conditions.Observation:
+    """SidecarsRunning: False names each selected pod whose injected sidecar cannot run
+    and why, in kubelet's words (an image missing from the node, a crash loop): the pod
+    serves without kvtier until it is fixed, and the policy says so instead of waiting.
+    A Warning event when the story changes."""
+    if not stuck:
+        return conditions.Observation("SidecarsRunning", "True", "Running",
+                                      "no selected pod's sidecar is stuck")
+    shown = list(stuck.items())[:MAX_STUCK_NAMED]
+    more = f" and {len(stuck) - len(shown)} more" if len(stuck) > len(shown) else ""
+    message = (f"{len(stuck)} selected pods' sidecar cannot run, so they serve without kvtier: "
+               + "; ".join(f"{pod}: {why}" for pod, why in shown) + more
+               + "; check that the sidecar image (the chart's sidecar.image) is on the nodes or pullable, "
+                 "and the sidecar's log")
+    before = conditions.find(old.conditions, "SidecarsRunning")
+    if before is None or before.message != message:
+        event("Warning", "SidecarNotRunning", message)
+    return conditions.Observation("SidecarsRunning", "False", "SidecarNotRunning", message)
 
 
 async def _report_broken(kube: Kube, body: dict[str, Any], views: list[membership.PodView], state: PolicyState,

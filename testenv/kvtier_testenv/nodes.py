@@ -305,6 +305,11 @@ class NodeCluster:
         `container_id` as a pod's status gives it (`containerd://<id>`) or bare."""
         self._ctr("tasks", "kill", "--signal", sig, container_id.removeprefix("containerd://"))
 
+    def remove_image(self, ref: str) -> None:
+        """Delete an image from the node's containerd, as a node that never had it (a
+        running container keeps its snapshot; a new one cannot start from it)."""
+        self._ctr("images", "rm", ref)
+
     def restart_kubelet(self) -> None:
         """Stop kubelet (SIGTERM; its pods keep running under containerd) and start it
         again with the same configuration; returns when the node is Ready again."""

@@ -35,7 +35,7 @@ POD_READY_TIMEOUT_S = 240.0
 ENGINE_OK = "ENGINE-OK"
 FAULT_STATS = "ENGINE-STATS"
 # The serving namespaces (one per test) and their pods' ServiceAccount.
-SERVING_NAMESPACES = ("serving-inject", "serving-faults")
+SERVING_NAMESPACES = ("serving-inject", "serving-faults", "serving-noimage")
 SERVING_SA = "engine"
 
 # The engine container: the project's image running a stand-in engine that does what a
@@ -163,8 +163,11 @@ def chart(node_cluster) -> dict[str, Any]:
     # The image stays the chart's default; the sidecar is a native one on this 1.33 API server.
     # The serving pods run as a ServiceAccount of their own, which the chart lets create
     # TokenReviews (their sidecars check the operator's control-API tokens with it).
+    # Nothing is ever pulled (no registry is reachable, and a pull would leave the
+    # machine): every image is on the node or the pod says so.
     helm.install(RELEASE, CHART, "--create-namespace", values={
-        "sidecar": {"native": "auto"},
+        "image": {"pullPolicy": "Never"},
+        "sidecar": {"native": "auto", "image": {"pullPolicy": "Never"}},
         "controlAuth": {"servingServiceAccounts": [{"namespace": ns, "name": SERVING_SA}
                                                    for ns in SERVING_NAMESPACES]}})
     # The operator pods are the ones the chart's Deployment selects.
@@ -215,7 +218,7 @@ def engine_statefulset(ns: str, app: str, image: str, script: str, policy: dict[
                     "terminationGracePeriodSeconds": 5,
                     "serviceAccountName": SERVING_SA,
                     "containers": [{
-                        "name": "engine", "image": image, "imagePullPolicy": "IfNotPresent",
+                        "name": "engine", "image": image, "imagePullPolicy": "Never",
                         "command": ["python3", "-c", script],
                         "securityContext": RESTRICTED,
                         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"},
@@ -372,6 +375,36 @@ def test_faults_on_the_real_node_degrade_to_recompute_never_wrong_kv(node_cluste
     refilled = stats_when("the new pod's hits", lambda st: st["hits"] >= 8)
     clean(refilled)
     assert refilled["misses"] >= 1 and refilled["stores"] >= 1, refilled
+
+
+def test_a_sidecar_image_missing_from_the_node_is_named_in_the_policys_status(node_cluster, chart):
+    """Runs after the tests that need the image: it deletes the chart's image from the
+    node's containerd. A new serving pod's sidecar then cannot start; kubelet says why in
+    the pod's events, and the policy's status says it too (SidecarsRunning=False with
+    kubelet's reason, a SidecarNotRunning Event) instead of a silent Pending pod."""
+    kubectl, image = chart["kubectl"], chart["image"]
+    ns = SERVING_NAMESPACES[2]
+    policy = restricted_namespace_with_policy(kubectl, ns, "noimage")
+    name = policy["metadata"]["name"]
+    node_cluster.remove_image(image)
+    assert not any(ref == image for ref in node_cluster.images())
+    kubectl.apply(engine_statefulset(ns, "noimage", image, ENGINE_SCRIPT, policy))
+
+    def stuck() -> dict[str, Any] | None:
+        status = kubectl.get_json("-n", ns, "kvcp", name).get("status") or {}
+        cond = next((c for c in status.get("conditions", []) if c["type"] == "SidecarsRunning"), None)
+        return cond if cond and cond["status"] == "False" else None
+    try:
+        cond = wait_for("SidecarsRunning=False in the policy's status", stuck, 120, 0.5)
+    except WaitTimeout as e:
+        raise AssertionError(f"{e}\n{pod_story(kubectl, ns)}") from None
+    assert cond["reason"] == "SidecarNotRunning"
+    assert "noimage-0: ErrImageNeverPull" in cond["message"] and image in cond["message"], cond
+    events = kubectl.get_json("-n", ns, "events")["items"]
+    assert any(e["reason"] == "SidecarNotRunning" and e["involvedObject"]["kind"] == "KVCachePolicy"
+               for e in events), [e["reason"] for e in events]
+    assert any(e["reason"] in ("ErrImageNeverPull", "Failed") and e["involvedObject"]["name"] == "noimage-0"
+               and image in e.get("message", "") for e in events), [(e["reason"], e.get("message")) for e in events]
 
 
 def test_zz_the_network_rule_held(node_cluster):

@@ -11,7 +11,7 @@ import yaml
 
 from kvtier import control_api, policy
 from kvtier.affinity import AffinityTable, TenantMove, plan_membership_change
-from kvtier_operator import conditions, conflicts, hit_rate, injection, membership, names, publish, warmup
+from kvtier_operator import conditions, conflicts, hit_rate, injection, membership, names, publish, reconcile, warmup
 from kvtier_operator.sidecar_client import FleetStats, parse_stats
 from operator_cases import EXAMPLES_DIR
 
@@ -118,6 +118,60 @@ def test_members_are_ready_selected_pods_with_an_ip_not_being_deleted():
     members = membership.members(views, sel)
     assert list(members) == ["a", "f"]
     assert membership.weights(members) == {"a": 1.0, "f": 2.0}
+
+
+def _with_sidecar(state: dict, native: bool = True, last: dict | None = None, name: str = "a", **meta) -> dict:
+    body = _ready(ready="False")
+    status = {"name": names.SIDECAR_CONTAINER, "state": state, "ready": False, "restartCount": 3}
+    if last:
+        status["lastState"] = {"terminated": last}
+    engine = {"name": "engine", "state": {"running": {}}, "ready": True}
+    body["status"].update(initContainerStatuses=[status], containerStatuses=[engine]) if native else \
+        body["status"].update(containerStatuses=[engine, status])
+    body["metadata"].update(name=name, labels={"app": "llm"}, **meta)
+    return body
+
+
+def test_a_sidecar_that_cannot_run_is_named_with_kubelets_reason_native_or_plain():
+    never = {"waiting": {"reason": "ErrImageNeverPull",
+                         "message": 'Container image "ghcr.io/kvtier/kvtier:absent" is not present with pull policy of Never'}}
+    for native in (True, False):
+        view = membership.pod_view(_with_sidecar(never, native))
+        assert view.sidecar_problem == ('ErrImageNeverPull: Container image "ghcr.io/kvtier/kvtier:absent" is not '
+                                        'present with pull policy of Never')
+    crash = membership.pod_view(_with_sidecar({"waiting": {"reason": "CrashLoopBackOff"}},
+                                              last={"exitCode": 1, "reason": "Error"}))
+    assert crash.sidecar_problem == "CrashLoopBackOff: last exit 1 (Error)"
+    # Starting up, running, or a pod without the sidecar: nothing to report.
+    for state in ({"waiting": {"reason": "ContainerCreating"}}, {"waiting": {"reason": "PodInitializing"}},
+                  {"running": {"startedAt": "2026-12-06T00:00:00Z"}}):
+        assert membership.pod_view(_with_sidecar(state)).sidecar_problem is None
+    assert membership.pod_view(_ready()).sidecar_problem is None
+    long = membership.pod_view(_with_sidecar({"waiting": {"reason": "ErrImagePull", "message": "x" * 5000}}))
+    assert len(long.sidecar_problem) == membership.MAX_PROBLEM_CHARS
+
+    sel = policy.LabelSelector(match_labels={"app": "llm"})
+    views = [membership.pod_view(_with_sidecar(never, name="b")), crash,
+             membership.pod_view(_with_sidecar(never, name="gone", deletionTimestamp="2026-01-01T00:00:00Z")),
+             membership.pod_view({**_with_sidecar(never, name="other"), "metadata": {"name": "other",
+                                                                                    "labels": {"app": "web"}}})]
+    stuck = membership.stuck_sidecars(views, sel)
+    assert list(stuck) == ["a", "b"]  # sorted; not the leaving pod, not another policy's
+
+    events: list[tuple[str, str, str]] = []
+    old = policy.KVCachePolicyStatus()
+    obs = reconcile._sidecars_running_observation(stuck, old, lambda *e: events.append(e))
+    assert (obs.type, obs.status, obs.reason) == ("SidecarsRunning", "False", "SidecarNotRunning")
+    assert "2 selected pods' sidecar cannot run" in obs.message and "b: ErrImageNeverPull" in obs.message
+    assert "a: CrashLoopBackOff: last exit 1" in obs.message and "sidecar.image" in obs.message
+    assert [e[:2] for e in events] == [("Warning", "SidecarNotRunning")]
+    # The same story again: no second event; fixed: True, no event.
+    same = policy.KVCachePolicyStatus(conditions=[policy.Condition(
+        type="SidecarsRunning", status="False", reason="SidecarNotRunning", message=obs.message,
+        last_transition_time="2026-12-06T00:00:00Z")])
+    reconcile._sidecars_running_observation(stuck, same, lambda *e: events.append(e))
+    ok = reconcile._sidecars_running_observation({}, same, lambda *e: events.append(e))
+    assert ok.status == "True" and len(events) == 1
 
 
 def _members(*names_: str) -> dict[str, membership.Member]:
