@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -28,6 +26,7 @@ from pathlib import Path
 
 from kvtier import control_api
 
+from . import processes
 from .fleet import SidecarHandle, fleet_tls
 from .polling import wait_for
 from .vllm_engine import KV_CACHE_SPACE_GIB, START_TIMEOUT_S, VLLM_BLOCK_SIZE, sidecar_model, vllm_env, vllm_python
@@ -142,14 +141,7 @@ class VllmServer:
         return self.log_path.read_text(errors="replace")
 
     def close(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        processes.stop_group(self.proc, 60)
 
 
 def read_token_stream(lines, out: dict) -> None:
