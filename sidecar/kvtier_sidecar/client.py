@@ -236,6 +236,15 @@ class SidecarClient:
         self._json_len = json_len
         return total
 
+    @staticmethod
+    def _recv_more(sock: socket.socket, view: memoryview, got: int) -> int:
+        """The next piece of an answer that did not arrive whole (a loaded sidecar's
+        answer may come in several writes): into `view` past the `got` bytes so far."""
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("the sidecar closed the connection")
+        return got + k
+
     def _lookup_answer(self, end: int) -> "EngineHit | Miss":
         """The LOOKUP answer in `_rbuf` as an EngineHit or a Miss (under the lock)."""
         buf = self._rbuf

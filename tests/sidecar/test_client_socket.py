@@ -1,14 +1,21 @@
-"""The engine client's socket: its timeouts hold with blocking I/O (SO_RCVTIMEO)."""
+"""The engine client's socket: its timeouts hold with blocking I/O (SO_RCVTIMEO), and
+an answer that arrives in pieces is read whole."""
 from __future__ import annotations
 
+import fcntl
+import os
 import socket
+import struct
+import termios
 import threading
+import time
 
 import numpy as np
 
 from kvtier.keys import KeyRoot
-from kvtier_sidecar.client import UNAVAILABLE, Miss, SidecarClient
-from kvtier_sidecar.engine_proto import FRAME, decode_header
+from kvtier_sidecar.arena import Arena
+from kvtier_sidecar.client import UNAVAILABLE, EngineHit, Miss, SidecarClient
+from kvtier_sidecar.engine_proto import FRAME, EngineOp, decode_header, encode, encode_json
 
 ROOT = KeyRoot("t", "m", "v1", "float16", "rope", "sdpa")
 
@@ -47,3 +54,75 @@ def test_a_sidecar_that_never_answers_is_a_miss_after_the_clients_timeout(tmp_pa
             c.close()
         listener.close()
 
+
+
+def _unread(conn: socket.socket) -> int:
+    """Bytes this end sent that the peer has not read yet (SIOCOUTQ; on a Unix socket the
+    memory of the queued messages, 0 once the peer took them all)."""
+    return struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+
+
+def _send_in_pieces(conn: socket.socket, frame: bytes, cuts: list[int]) -> None:
+    """Send `frame` cut at `cuts`, each piece only once the client has read the one
+    before: the client's first recv gets the first piece alone, whatever the load."""
+    start = 0
+    for end in [*cuts, len(frame)]:
+        conn.sendall(frame[start:end])
+        start = end
+        deadline = time.monotonic() + 10
+        while _unread(conn) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+def test_an_answer_that_arrives_in_pieces_is_read_whole(tmp_path):
+    """A loaded sidecar's answer may reach the engine in several reads: the header cut
+    short, the body after. The client reads on (it once raised AttributeError there,
+    an error on the engine's request path, seen only on a busy machine)."""
+    block_bytes = 64
+    arena = Arena.create(f"kvtier-test-pieces-{os.getpid()}", 4, block_bytes)
+    path = str(tmp_path / "engine.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    conns = []
+    errors = []
+
+    def read_request(conn):
+        head = conn.recv(FRAME.size, socket.MSG_WAITALL)
+        body_len, op, rid, _ = decode_header(head)
+        conn.recv(body_len - 4, socket.MSG_WAITALL)
+        return op, rid
+
+    def serve():
+        try:
+            conn, _ = listener.accept()
+            conns.append(conn)
+            op, rid = read_request(conn)
+            assert op == EngineOp.HELLO
+            hello = {"shm_name": arena.name, "arena_bytes": arena.size, "block_bytes": block_bytes,
+                     "arena_tag": arena.tag.hex(), "instance": "i-1", "block_size": 16}
+            _send_in_pieces(conn, encode(op, rid, hello), [5])  # inside the header
+            op, rid = read_request(conn)
+            assert op == EngineOp.LOOKUP
+            head = b'{"hit":7,"matched_tokens":32,"tier":"dram","dram_tokens":32}'
+            frame = encode_json(op, rid, head, np.array([2, 3], dtype="<u4"))
+            _send_in_pieces(conn, frame, [FRAME.size, len(frame) - 4])  # header, most of the body, the rest
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        client = SidecarClient(path, timeout_s=5.0)
+        hit = client.lookup(ROOT, np.arange(40, dtype=np.uint32))
+        t.join(10)
+        assert not errors, errors
+        assert isinstance(hit, EngineHit), hit
+        assert (hit.hit_id, hit.matched_tokens, hit.tier, hit.blocks) == (7, 32, "dram", [2, 3])
+        assert client.faults == 0
+    finally:
+        t.join(5)
+        for c in conns:
+            c.close()
+        listener.close()
+        arena.close()
