@@ -21,5 +21,5 @@ cdef class CountMinSketch:
     cdef public object width, depth, table, additions, sample_size, resets, _mask, _coef, _row_base, _table_flat
     cdef public object _flat, door, _door_flat, _door_mask, _door_mask_i64, _stamp, _epoch, _views
 
-cdef class Admission:
+cdef class FrequencyFilter:
     cdef public object sketch, min_sightings, rejects, admits

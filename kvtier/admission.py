@@ -3,7 +3,7 @@
 * `CountMinSketch` counts sightings of block hashes in fixed memory, with TinyLFU's
   periodic halving as decay, so old popularity fades, and a doorkeeper: a block's
   first sighting only sets a bit, so the one-shot majority never occupies counters.
-* `Admission` is TinyLFU's frequency filter: every lookup sights every full block of
+* `FrequencyFilter` is TinyLFU's frequency filter: every lookup sights every full block of
   the prompt, and when the cache is full a block leaving the window enters the main
   region only if the sketch has seen it at least as often as main's victim is
   still being hit (see `kvtier.eviction`). Stores themselves are never refused: free space is always
@@ -312,7 +312,7 @@ def placement(sightings: int, prefix_bytes: int, bar: int, pin_max_bytes: int,
     return Placement.DRAM
 
 
-class Admission:
+class FrequencyFilter:
     """The frequency filter: the sketch, the least sightings a block needs to enter a
     full main region, and how the duels went."""
 

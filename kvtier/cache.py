@@ -47,7 +47,7 @@ from kvtier.admission import (
     DEFAULT_MIN_SIGHTINGS,
     THRASH_RATIO,
     HOT_SIGHTINGS,
-    Admission,
+    FrequencyFilter,
     CountMinSketch,
     Placement,
     StoreQueue,
@@ -59,7 +59,7 @@ from kvtier.eviction import (
     MAIN,
     WINDOW,
     DecayedFrequencyPolicy,
-    PolicyConfig,
+    EvictionConfig,
     WindowTuner,
     make_tuner,
 )
@@ -243,7 +243,7 @@ class LocalCache:
                  drain_budget_s: float = DEFAULT_DRAIN_BUDGET_S,
                  half_life_s: float = DEFAULT_HALF_LIFE_S, hot_sightings: int = HOT_SIGHTINGS,
                  pinned_fraction: float = PINNED_FRACTION, pin_max_bytes: int | None = None,
-                 sketch: CountMinSketch | None = None, policy: PolicyConfig | None = None,
+                 sketch: CountMinSketch | None = None, policy: EvictionConfig | None = None,
                  thrash_ratio: float = THRASH_RATIO) -> None:
         for name, v in (("capacity_bytes", capacity_bytes), ("block_bytes", block_bytes)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -268,8 +268,8 @@ class LocalCache:
         self._arena = self._make_arena(arena)
         self._pool = BlockPool(self.num_slots)
         self._index = PrefixIndex(self.block_size, DecayedFrequencyPolicy(half_life_s), self.clock)
-        self.policy = policy or PolicyConfig()
-        self._admission = Admission(min_sightings, sketch=sketch or CountMinSketch.for_slots(
+        self.policy = policy or EvictionConfig()
+        self._admission = FrequencyFilter(min_sightings, sketch=sketch or CountMinSketch.for_slots(
             self.num_slots, doorkeeper=self.policy.doorkeeper))
         self._tuner: WindowTuner = make_tuner(self.policy, self.num_slots, min_sightings)
         # Every block eviction takes from the tree, named in a bounded log for readers

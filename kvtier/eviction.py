@@ -98,7 +98,7 @@ hold few blocks."""
 
 
 @dataclass(frozen=True, slots=True)
-class PolicyConfig:
+class EvictionConfig:
     """The W-TinyLFU knobs. Defaults are the shipped policy; the others exist to
     measure what each part buys (ablation), not for tuning per deployment. `adapt`
     names a registered `WindowTuner` (`register_tuner`)."""
@@ -398,7 +398,7 @@ _TUNERS: dict[str, TunerFactory] = {}
 
 
 def register_tuner(adapt: str, factory: TunerFactory) -> None:
-    """Make `PolicyConfig(adapt=adapt)` build its caches' tuners with `factory` (the
+    """Make `EvictionConfig(adapt=adapt)` build its caches' tuners with `factory` (the
     core registers what it ships; the simulator its ablations)."""
     _TUNERS[adapt] = factory
 
@@ -408,7 +408,7 @@ def adaptations() -> tuple[str, ...]:
     return tuple(_TUNERS)
 
 
-def make_tuner(policy: PolicyConfig, capacity_blocks: int, min_sightings: int) -> WindowTuner:
+def make_tuner(policy: EvictionConfig, capacity_blocks: int, min_sightings: int) -> WindowTuner:
     """The window tuner `policy` names, for a cache of `capacity_blocks` blocks."""
     return _TUNERS[policy.adapt](capacity_blocks, policy.window_fraction, min_sightings)
 

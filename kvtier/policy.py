@@ -310,7 +310,7 @@ class Tiers(CamelModel):
 
 
 class AdmissionSpec(CamelModel):
-    # The policy's admission section (kvtier.admission.Admission is the runtime filter).
+    # The policy's admission section (kvtier.admission.FrequencyFilter is the runtime filter).
     min_sightings: int = Field(DEFAULT_MIN_SIGHTINGS, ge=1, le=16)
     thrash_ratio: float = Field(DEFAULT_THRASH_RATIO, gt=0, le=1)
 

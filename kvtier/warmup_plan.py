@@ -1,7 +1,7 @@
 """A warm-up's plan (rule: warm-up plan): which prompts a pod about to take traffic
 replays through its own engine, within a token budget. Pure: the operator's
 warm-before-ready (kvtier_operator.rollout_warmup) and the simulator's model of it
-(kvtier.sim.engine) both run this one definition."""
+(kvtier.sim.loop) both run this one definition."""
 from __future__ import annotations
 
 import heapq

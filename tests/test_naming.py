@@ -5,7 +5,7 @@ module that held the name) and fails naming where an old name came back.
     WireModel, wire_model   -> kvtier.camel_model.CamelModel (the CRD's camelCase base;
                                "wire" is the peer protocol's word)
     kvtier.policy.Admission -> AdmissionSpec (the CRD's admission section; JSON unchanged;
-                               kvtier.admission.Admission is the runtime filter)
+                               kvtier.admission.FrequencyFilter is the runtime filter)
     AdmissionPolicies       -> kvtier_operator.admission_policies.WebhookAdmissionPolicies
                                (the policies the injection webhook decides a pod from)
     kvtier_sidecar.client.Hit -> EngineHit (what the engine client's lookup returns;
@@ -13,6 +13,12 @@ module that held the name) and fails naming where an old name came back.
     kvtier_testenv.engine_front.Engine -> ReferenceEngine (the engine the test pods' HTTP
                                front serves; not the simulator's loop nor the sidecar's
                                engine socket, EngineServer)
+    kvtier.admission.Admission -> FrequencyFilter (TinyLFU's frequency filter; the CRD's
+                               section is AdmissionSpec)
+    kvtier.sim.engine       -> kvtier.sim.loop (the simulator's event loop)
+    kvtier.sim.policies     -> kvtier.sim.routers; RoutingPolicy -> Router, <X>Policy ->
+                               <X>Router ("policy" is the CRD)
+    kvtier.eviction.PolicyConfig -> EvictionConfig
     CamelModel.wire()       -> CamelModel.k8s_json() (the form stored in Kubernetes; the
                                key root's and the peer protocol's wire forms keep "wire")
 """
@@ -34,7 +40,8 @@ TEXT_FILES = ("README.md", "pyproject.toml")
 SUFFIXES = {".py", ".pyx", ".pxd", ".md", ".toml", ".yaml", ".yml", ".tpl", ".json"}
 
 # Words that must not appear anywhere (they meant nothing else).
-RETIRED_WORDS = ("WireModel", "wire_model", "AdmissionPolicies")
+RETIRED_WORDS = ("WireModel", "wire_model", "AdmissionPolicies", "sim.engine", "sim/engine.py", "sim.policies",
+                 "sim/policies.py", "RoutingPolicy", "KvtierPolicy", "make_policy", "PolicyConfig")
 # (module, retired name, the name now): the module holds the new name, not the old.
 RENAMED = [
     ("kvtier.camel_model", "WireModel", "CamelModel"),
@@ -42,6 +49,9 @@ RENAMED = [
     ("kvtier_operator.admission_policies", "AdmissionPolicies", "WebhookAdmissionPolicies"),
     ("kvtier_sidecar.client", "Hit", "EngineHit"),
     ("kvtier_testenv.engine_front", "Engine", "ReferenceEngine"),
+    ("kvtier.admission", "Admission", "FrequencyFilter"),
+    ("kvtier.sim.routers", "RoutingPolicy", "Router"),
+    ("kvtier.eviction", "PolicyConfig", "EvictionConfig"),
 ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from kvtier.sim.engine import Progress, ProgressFactory
+from kvtier.sim.loop import Progress, ProgressFactory
 
 
 def tqdm_progress(total: int, label: str) -> Progress:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from kvtier.sim import scenarios
-from kvtier.sim.policies import POLICIES
+from kvtier.sim.routers import ROUTERS
 from kvtier_app.progress import terminal_progress
 
 SCENARIOS = ("design-notes", "compare", "capacity", "membership", "rollout", "rollout-design-notes",
@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="what to simulate (default: design-notes)")
     p.add_argument("--requests", type=int, help="requests per run (default depends on the scenario)")
     p.add_argument("--policies", help=f"comma-separated routing policies for compare/capacity/design-notes "
-                                      f"(known: {', '.join(POLICIES)})")
+                                      f"(known: {', '.join(ROUTERS)})")
     p.add_argument("--cache", choices=("kvtier", "lru"), default="kvtier",
                    help="replica cache for compare: kvtier's LocalCache (admission) or plain LRU (default kvtier)")
     p.add_argument("--dram-gib", help="comma-separated DRAM sizes per replica for capacity (GiB)")
@@ -74,10 +74,10 @@ def main(argv: list[str]) -> int:
     policies = None
     if args.policies:
         policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-        unknown = [p for p in policies if p not in POLICIES]
+        unknown = [p for p in policies if p not in ROUTERS]
         if unknown or not policies:
             return _fail("--policies", f"unknown policy {', '.join(unknown) or '(none given)'}; "
-                                       f"choose from {', '.join(POLICIES)}")
+                                       f"choose from {', '.join(ROUTERS)}")
     dram = None
     if args.dram_gib:
         try:

@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvtier.sim.policies import POLICIES
+from kvtier.sim.routers import ROUTERS
 from kvtier.sim.replay import (
     BASELINES,
     DEFAULT_CAPACITIES,
@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                         "with --fleet")
     p.add_argument("--policies", help="comma-separated: cache policies for one cache "
                                       f"({', '.join(SINGLE_POLICIES)}), routing policies with --fleet "
-                                      f"({', '.join(POLICIES)})")
+                                      f"({', '.join(ROUTERS)})")
     p.add_argument("--ablation", action="store_true", help="add every kvtier-* variant (one part switched off)")
     p.add_argument("--fleet", type=int, metavar="N", help="replay across N replicas, one run per routing policy")
     p.add_argument("--requests", type=int, help="replay only the first N requests")
@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
                         ("--jobs", args.jobs)):
         if value is not None and value < 1:
             return _fail(flag, f"must be >= 1, got {value}")
-    known = POLICIES if args.fleet else SINGLE_POLICIES
+    known = ROUTERS if args.fleet else SINGLE_POLICIES
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip()) if args.policies else \
         (DEFAULT_FLEET_POLICIES if args.fleet else DEFAULT_SINGLE_POLICIES)
     unknown = [p for p in policies if p not in known]

@@ -19,8 +19,8 @@ Modules, one concern each:
               plain LRU, and the oracle (infinite capacity, perfect routing).
 - `tuners`    the window tuners only the simulator selects (ablations), registered
               with the core on import.
-- `policies`  routing policies behind one interface.
-- `engine`    the event loop.
+- `routers`   the routing policies, each a `Router` behind one interface.
+- `loop`      the event loop.
 - `scenarios` steady state, join/leave, rollout, thrash, capacity sweep.
 - `trace`     recorded traces (Mooncake/Dynamo JSONL): parsing, and prompts built
               from hash ids.

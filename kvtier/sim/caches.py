@@ -22,7 +22,7 @@ from typing import Protocol
 
 from kvtier.admission import DEFAULT_MIN_SIGHTINGS
 from kvtier.cache import LocalCache
-from kvtier.eviction import PolicyConfig
+from kvtier.eviction import EvictionConfig
 from kvtier.keys import KeyRoot
 from kvtier.sim.request import SimRequest
 
@@ -157,7 +157,7 @@ class KvtierCache:
     needs_hashes = False
 
     def __init__(self, capacity_bytes: int, block_bytes: int, block_size: int, clock,
-                 min_sightings: int = DEFAULT_MIN_SIGHTINGS, policy: PolicyConfig | None = None) -> None:
+                 min_sightings: int = DEFAULT_MIN_SIGHTINGS, policy: EvictionConfig | None = None) -> None:
         self.cache = LocalCache(capacity_bytes, block_bytes, block_size, min_sightings,
                                 metadata_only=True, clock=clock, drain_budget_s=0.0, policy=policy)
         self.block_size = block_size

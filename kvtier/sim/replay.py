@@ -26,31 +26,31 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.eviction import PolicyConfig
+from kvtier.eviction import EvictionConfig
 from kvtier.keys import KeyRoot
 from kvtier.sim.caches import KvtierCache, LruCache, OracleCache, _hit_blocks
 from kvtier.sim.trace import DEFAULT_BLOCK_ELEMS, Trace, TraceError, TracePrompts
 from kvtier.sim.tuners import CAFFEINE_WINDOW_FRACTION
 
 if TYPE_CHECKING:
-    from kvtier.sim.engine import ProgressFactory
+    from kvtier.sim.loop import ProgressFactory
 
 ROOT = KeyRoot("trace", "model", "weights", "fp16", "rope", "attn")
 """Every request of a trace shares one key root: one model, one tenant."""
 
-KVTIER_VARIANTS: dict[str, PolicyConfig] = {
-    "kvtier": PolicyConfig(),
-    "kvtier-lru-steering": PolicyConfig(adapt="shadow"),
-    "kvtier-hill-climb": PolicyConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="climb"),
-    "kvtier-fixed-window": PolicyConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="off"),
-    "kvtier-symmetric-shadow": PolicyConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="symmetric"),
-    "kvtier-window-50": PolicyConfig(window_fraction=0.5, adapt="off"),
-    "kvtier-window-75": PolicyConfig(window_fraction=0.75, adapt="off"),
-    "kvtier-lru-window": PolicyConfig(window_fraction=1.0, adapt="off"),
-    "kvtier-arc-window": PolicyConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="ghost"),
-    "kvtier-no-window": PolicyConfig(window_fraction=0.0, adapt="off"),
-    "kvtier-no-doorkeeper": PolicyConfig(doorkeeper=False),
-    "kvtier-no-duel": PolicyConfig(duel=False),
+KVTIER_VARIANTS: dict[str, EvictionConfig] = {
+    "kvtier": EvictionConfig(),
+    "kvtier-lru-steering": EvictionConfig(adapt="shadow"),
+    "kvtier-hill-climb": EvictionConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="climb"),
+    "kvtier-fixed-window": EvictionConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="off"),
+    "kvtier-symmetric-shadow": EvictionConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="symmetric"),
+    "kvtier-window-50": EvictionConfig(window_fraction=0.5, adapt="off"),
+    "kvtier-window-75": EvictionConfig(window_fraction=0.75, adapt="off"),
+    "kvtier-lru-window": EvictionConfig(window_fraction=1.0, adapt="off"),
+    "kvtier-arc-window": EvictionConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="ghost"),
+    "kvtier-no-window": EvictionConfig(window_fraction=0.0, adapt="off"),
+    "kvtier-no-doorkeeper": EvictionConfig(doorkeeper=False),
+    "kvtier-no-duel": EvictionConfig(duel=False),
 }
 """The shipped policy and, for the ablation, each part of it switched off or replaced;
 lru-steering is the window steered against a same-size shadow LRU (from the whole
@@ -330,7 +330,7 @@ def fleet(trace: Trace, replicas: int, blocks_per_replica: int, policies, block_
     kvtier's LocalCache on every replica; a `ScenarioReport`."""
     from dataclasses import replace
 
-    from kvtier.sim.engine import SimConfig, simulate
+    from kvtier.sim.loop import SimConfig, simulate
     from kvtier.sim.fleet import FleetSpec
     from kvtier.sim.scenarios import ScenarioReport
     from kvtier.sim.workload import WorkloadSpec

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from kvtier.affinity import DEFAULT_HOMES
 from kvtier.policy import DEFAULT_ROLLOUT_WARM_TOKENS
-from kvtier.sim.engine import Event, ProgressFactory, SimConfig, SimResult, simulate
+from kvtier.sim.loop import Event, ProgressFactory, SimConfig, SimResult, simulate
 from kvtier.sim.fleet import FleetSpec
 from kvtier.sim.workload import WorkloadSpec, generate
 

@@ -1,7 +1,7 @@
 """The window tuners only the simulator selects: ablations of the shipped one.
 
 Each is a `kvtier.eviction.WindowTuner` and registers its `adapt` name with the core
-when this module is imported (`kvtier.sim` imports it), so `PolicyConfig(adapt=...)`
+when this module is imported (`kvtier.sim` imports it), so `EvictionConfig(adapt=...)`
 and `LocalCache` take them like the core's own ("mini", the shipped miniature
 simulations, and "off", a fixed window). What each measured against the shipped
 tuner: docs/TRACE_REPLAY.md.

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvtier.admission import (
     THRASH_RATIO,
-    Admission,
+    FrequencyFilter,
     CountMinSketch,
     Placement,
     StoreQueue,
@@ -81,7 +81,7 @@ def test_sketch_for_a_cache_grows_with_its_slots_within_bounds():
 
 
 def test_a_candidate_moves_into_main_only_once_seen_min_sightings_times():
-    adm = Admission(min_sightings=2, sketch=CountMinSketch(width=4096, doorkeeper=True))
+    adm = FrequencyFilter(min_sightings=2, sketch=CountMinSketch(width=4096, doorkeeper=True))
     seen_once, seen_twice, unseen = hashes(0, 1), hashes(900, 1), hashes(1800, 1)
     adm.sight(seen_once)
     for _ in range(2):
@@ -121,7 +121,7 @@ def test_placement_is_inferred_from_reuse():
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_min_sightings_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="min_sightings"):
-        Admission(min_sightings=bad)
+        FrequencyFilter(min_sightings=bad)
 
 
 @pytest.mark.parametrize("doorkeeper", [False, True])
@@ -263,7 +263,7 @@ def test_placement_edges_hot_at_the_fourth_sighting_and_at_exactly_the_pin_bound
 
 
 def test_the_default_admission_needs_two_sightings_and_keeps_first_ones_in_a_doorkeeper():
-    adm = Admission()
+    adm = FrequencyFilter()
     once, twice = hashes(0, 1), hashes(900, 1)
     adm.sight(once)
     assert adm.sketch.door is not None and adm.sketch.table.sum() == 0
@@ -271,7 +271,7 @@ def test_the_default_admission_needs_two_sightings_and_keeps_first_ones_in_a_doo
     adm.sight(twice)
     assert adm.bar == 2 and adm.frequency(twice[0]) == 2
     assert not adm.duel(once[0]) and adm.duel(twice[0])
-    lenient = Admission(min_sightings=1, sketch=CountMinSketch(width=1024, doorkeeper=True))
+    lenient = FrequencyFilter(min_sightings=1, sketch=CountMinSketch(width=1024, doorkeeper=True))
     lenient.sight(once)
     assert lenient.duel(once[0]) and (lenient.admits, lenient.rejects) == (1, 0)
 

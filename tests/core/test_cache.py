@@ -8,7 +8,7 @@ import pytest
 
 import kvtier.cache as cache_mod
 from kvtier.cache import MAX_TENANT_COUNTERS, Hit, LocalCache, Miss
-from kvtier.eviction import PolicyConfig
+from kvtier.eviction import EvictionConfig
 from kvtier.keys import KeyRoot
 from kvtier.sim.tuners import CAFFEINE_WINDOW_FRACTION
 
@@ -18,7 +18,7 @@ ROOT = KeyRoot("acme", "m", "w1", "fp16", "rope", "flash")
 OTHER_TENANT = KeyRoot("globex", "m", "w1", "fp16", "rope", "flash")
 
 
-SMALL_WINDOW = PolicyConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="off")
+SMALL_WINDOW = EvictionConfig(window_fraction=CAFFEINE_WINDOW_FRACTION, adapt="off")
 """W-TinyLFU with Caffeine's 1% window and no tuner: the duel decides every eviction
 (the shipped policy starts as LRU and moves there only while it keeps up)."""
 

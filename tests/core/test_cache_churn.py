@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvtier.cache import Hit, LocalCache
-from kvtier.eviction import PolicyConfig
+from kvtier.eviction import EvictionConfig
 from kvtier.keys import KeyRoot
 from kvtier.sim.tuners import ADAPTATIONS
 
@@ -45,7 +45,7 @@ class Churn:
     def __init__(self, seed: int) -> None:
         self.rng = rng = random.Random(seed)
         self.seed = seed
-        policy = PolicyConfig(window_fraction=rng.choice([0.0, 0.01, 0.2, 1.0]), adapt=rng.choice(ADAPTATIONS),
+        policy = EvictionConfig(window_fraction=rng.choice([0.0, 0.01, 0.2, 1.0]), adapt=rng.choice(ADAPTATIONS),
                               doorkeeper=rng.random() < 0.5, duel=rng.random() < 0.7)
         self.cache = LocalCache(rng.choice([6, 12, 24, 64]) * BB, BB, BS, min_sightings=rng.choice([1, 2, 3]),
                                 drain_budget_s=rng.choice([0.0, 0.0005]), policy=policy)

@@ -17,7 +17,7 @@ from kvtier.eviction import (
     MINI_SAMPLE_BITS,
     MiniatureCache,
     MiniatureTuner,
-    PolicyConfig,
+    EvictionConfig,
     SHADOW_SAMPLED_SLOTS,
     ShadowLru,
     WindowTuner,
@@ -103,12 +103,12 @@ def test_hill_climber_keeps_direction_on_improvement_and_turns_on_loss():
 @pytest.mark.parametrize("kw", [dict(window_fraction=1.5), dict(window_fraction=-0.1), dict(adapt="sometimes")])
 def test_policy_config_rejects_bad_values(kw):
     with pytest.raises(ValueError):
-        PolicyConfig(**kw)
+        EvictionConfig(**kw)
 
 
 def test_an_unknown_adapt_is_refused_naming_the_registered_tuners():
     with pytest.raises(ValueError, match=r"adapt must be one of mini, off.*got 'sometimes'"):
-        PolicyConfig(adapt="sometimes")
+        EvictionConfig(adapt="sometimes")
 
 
 def test_the_core_ships_only_the_tuners_production_selects():
@@ -122,7 +122,7 @@ def test_the_core_ships_only_the_tuners_production_selects():
 def test_the_simulator_registers_its_ablation_tuners_with_the_core():
     assert set(ADAPTATIONS) == set(adaptations())
     for adapt in ADAPTATIONS:
-        tuner = make_tuner(PolicyConfig(window_fraction=0.5, adapt=adapt), 100, 2)
+        tuner = make_tuner(EvictionConfig(window_fraction=0.5, adapt=adapt), 100, 2)
         assert isinstance(tuner, WindowTuner) and tuner.window_target == 50.0
 
 

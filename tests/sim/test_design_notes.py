@@ -7,7 +7,7 @@ together so DRAM still covers ~11% of the working set.
 from dataclasses import replace
 
 from kvtier.sim import scenarios
-from kvtier.sim.engine import SimConfig, simulate
+from kvtier.sim.loop import SimConfig, simulate
 from kvtier.sim.fleet import FleetSpec
 from kvtier.sim.workload import generate
 

@@ -35,7 +35,7 @@ def test_a_rolling_rollout_adds_far_less_prefill_than_all_at_once_and_dips_less(
 def test_a_negative_warm_up_budget_is_refused():
     import pytest
 
-    from kvtier.sim.engine import SimConfig
+    from kvtier.sim.loop import SimConfig
 
     with pytest.raises(ValueError, match="warm_before_ready_tokens"):
         SimConfig(scenarios.design_workload(100), warm_before_ready_tokens=-1)

@@ -4,8 +4,8 @@ import random
 import numpy as np
 import pytest
 
-from kvtier.sim import engine, scenarios
-from kvtier.sim.engine import Event, SimConfig, Simulation, simulate
+from kvtier.sim import loop, scenarios
+from kvtier.sim.loop import Event, SimConfig, Simulation, simulate
 from kvtier.sim.workload import generate
 from kvtier_operator import rollout_warmup as rw
 
@@ -31,28 +31,28 @@ def _run(budget, source="homes", n=6_000, events=None):
 
 def test_the_plan_is_the_operators_on_the_same_prompts():
     rnd = random.Random(7)
-    assert engine.WARM_OTHER_HOME_WEIGHT == rw.OTHER_HOME_WEIGHT
-    assert engine.WARM_ASK_FLOOR_TOKENS == rw.ASK_FLOOR_TOKENS
+    assert loop.WARM_OTHER_HOME_WEIGHT == rw.OTHER_HOME_WEIGHT
+    assert loop.WARM_ASK_FLOOR_TOKENS == rw.ASK_FLOOR_TOKENS
     for _ in range(200):
         tenants = [f"t{i}" for i in range(rnd.randint(1, 6))]
         # Few distinct ids and short prompts: prompts often share a prefix.
         answers = {t: [[(tuple(rnd.randrange(3) for _ in range(rnd.randint(1, 5))), rnd.choice([0.5, 1.0, 2.0]))
                         for _ in range(rnd.randint(0, 6))] for _ in range(rnd.randint(1, 2))] for t in tenants}
-        weights = {t: rnd.choice([1.0, engine.WARM_OTHER_HOME_WEIGHT]) for t in tenants}
+        weights = {t: rnd.choice([1.0, loop.WARM_OTHER_HOME_WEIGHT]) for t in tenants}
         budget = rnd.choice([0, 3, 7, 20, 100])
-        ours = {t: engine.warm_rank([[engine.WarmPrompt(tok, f) for tok, f in a] for a in answers[t]]) for t in tenants}
+        ours = {t: loop.warm_rank([[loop.WarmPrompt(tok, f) for tok, f in a] for a in answers[t]]) for t in tenants}
         theirs = {t: rw.rank([[rw.Prompt(tok, f) for tok, f in a] for a in answers[t]]) for t in tenants}
         assert {t: [(p.tokens, p.frequency) for p in ps] for t, ps in ours.items()} == \
             {t: [(p.tokens, p.frequency) for p in ps] for t, ps in theirs.items()}
         block = rnd.choice([1, 2, 3])
-        a = engine.warm_plan({t: (weights[t], ours[t]) for t in tenants}, budget, block)
+        a = loop.warm_plan({t: (weights[t], ours[t]) for t in tenants}, budget, block)
         b = rw.plan({t: (weights[t], theirs[t]) for t in tenants}, budget, block)
         assert [(x.tenant, x.prompt.tokens, x.new_tokens, x.after) for x in a] == \
             [(x.tenant, x.prompt.tokens, x.new_tokens, x.after) for x in b]
         assert sum(x.new_tokens for x in b) <= budget
-        assert engine.warm_ask(budget, len(tenants)) == rw.ask_tokens(budget, len(tenants))
+        assert loop.warm_ask(budget, len(tenants)) == rw.ask_tokens(budget, len(tenants))
     for budget, n in ((65_536, 136), (65_536, 2), (1_000_000, 10), (6_553, 14), (0, 5)):
-        assert engine.warm_ask(budget, n) == rw.ask_tokens(budget, n)
+        assert loop.warm_ask(budget, n) == rw.ask_tokens(budget, n)
 
 
 def test_a_budget_of_zero_is_the_cold_restart():
@@ -84,14 +84,14 @@ def test_the_warm_up_never_crosses_tenants(source, monkeypatch):
     spec = _spec(4_500)
     w = generate(spec)
     replayed = []
-    real = engine.warm_plan
+    real = loop.warm_plan
 
     def spy(candidates, budget, block=1):
         order = real(candidates, budget, block)
         replayed.extend((x.tenant, x.prompt) for x in order)
         return order
 
-    monkeypatch.setattr(engine, "warm_plan", spy)
+    monkeypatch.setattr(loop, "warm_plan", spy)
     cfg = SimConfig(spec, _fleet(), block_tokens=256, warm_before_ready_tokens=200_000, warm_source=source)
     sim = Simulation(cfg, [Event(RESTART_S, "version", (0,), version=1)], workload=w)
     sim.run()
@@ -110,13 +110,13 @@ def test_the_warm_up_never_crosses_tenants(source, monkeypatch):
 
 
 def test_trimming_keeps_the_prefix_prompts_share_and_leaves_a_lone_prompt_whole():
-    P = engine.WarmPrompt
+    P = loop.WarmPrompt
     template = tuple(range(8))
     answers = [[P(template + (100, 101), 3.0), P(template + (200, 201, 202, 203), 2.0)], [P((50, 51, 52), 1.0)]]
-    trimmed = engine.warm_trim_shared(answers, block=4)
+    trimmed = loop.warm_trim_shared(answers, block=4)
     assert [p.tokens for p in trimmed[0]] == [template, template]  # one template, replayed once after rank
     assert [p.tokens for p in trimmed[1]] == [(50, 51, 52)]
-    assert [p.tokens for p in engine.warm_rank(trimmed)] == [template, (50, 51, 52)]
+    assert [p.tokens for p in loop.warm_rank(trimmed)] == [template, (50, 51, 52)]
 
 
 def test_the_operators_sources_miss_what_only_the_restarted_pod_held_and_the_what_if_recovers_it():

@@ -54,7 +54,7 @@ SGLANG_BALANCE_ABS = 64
 SGLANG_BALANCE_REL = 1.5
 
 
-class RoutingPolicy:
+class Router:
     """Base: `bind` once, `route` per request, `routed` after it, `membership_changed`."""
 
     name = "base"
@@ -91,7 +91,7 @@ class RootBook:
         return roots[tenant]
 
 
-class RandomPolicy(RoutingPolicy):
+class RandomRouter(Router):
     name = "random"
 
     def __init__(self, seed: int = 0) -> None:
@@ -102,7 +102,7 @@ class RandomPolicy(RoutingPolicy):
         return live[self._rng.randrange(len(live))]
 
 
-class RoundRobinPolicy(RoutingPolicy):
+class RoundRobinRouter(Router):
     name = "round-robin"
 
     def __init__(self) -> None:
@@ -114,7 +114,7 @@ class RoundRobinPolicy(RoutingPolicy):
         return live[self._next]
 
 
-class ConsistentHashPolicy(RoutingPolicy):
+class ConsistentHashRouter(Router):
     """A hash ring with virtual nodes, keyed on the tenant or the session id."""
 
     def __init__(self, on: str = "tenant", virtual_nodes: int = VIRTUAL_NODES) -> None:
@@ -202,7 +202,7 @@ class _RoutedBlocks:
                     del self._where[h]
 
 
-class _RoutedBlocksPolicy(RoutingPolicy):
+class _RoutedBlocksRouter(Router):
     """A router that remembers which blocks it sent where (`routed_blocks`), as the
     Gateway API prefix plugin and SGLang's router do, rather than asking the caches."""
 
@@ -218,7 +218,7 @@ class _RoutedBlocksPolicy(RoutingPolicy):
         return None
 
 
-class ApproxPrefixPolicy(_RoutedBlocksPolicy):
+class ApproxPrefixRouter(_RoutedBlocksRouter):
     """Gateway API inference extension prefix plugin, with its queue and KV scorers.
 
     score = w_prefix x matched/total blocks + w_queue x (max_q - q)/(max_q - min_q)
@@ -252,7 +252,7 @@ class ApproxPrefixPolicy(_RoutedBlocksPolicy):
 
 
 
-class PrecisePrefixPolicy(RoutingPolicy):
+class PrecisePrefixRouter(Router):
     """Dynamo KV router / llm-d precise scorer: exact cache contents plus a load term.
 
     cost = overlap_weight x prefill_blocks + decode_blocks, where prefill_blocks are
@@ -282,7 +282,7 @@ class PrecisePrefixPolicy(RoutingPolicy):
         return best
 
 
-class SglangPolicy(_RoutedBlocksPolicy):
+class SglangRouter(_RoutedBlocksRouter):
     """SGLang cache-aware routing: prefix match when balanced, shortest queue when not.
 
     Imbalanced when max_load - min_load > abs_threshold AND max_load > rel_threshold x
@@ -337,7 +337,7 @@ class _MemoTable:
         return order
 
 
-class KvtierPolicy(RoutingPolicy):
+class KvtierRouter(Router):
     """kvtier: the real affinity table and `pick`, fed the fleet's KV occupancy."""
 
     name = "kvtier"
@@ -377,7 +377,7 @@ class KvtierPolicy(RoutingPolicy):
         return plan
 
 
-class OraclePolicy(RoutingPolicy):
+class OracleRouter(Router):
     """Perfect routing over one infinite cache: every replica sees every block, so
     the only thing left to choose is the least-queued replica."""
 
@@ -388,23 +388,23 @@ class OraclePolicy(RoutingPolicy):
         return min(fleet.live, key=lambda r: (fleet.prefill_free_at[r], fleet.active_kv_tokens[r]))
 
 
-POLICIES = {
-    "random": RandomPolicy,
-    "round-robin": RoundRobinPolicy,
-    "chash-tenant": lambda: ConsistentHashPolicy("tenant"),
-    "chash-session": lambda: ConsistentHashPolicy("session"),
-    "approx-prefix": ApproxPrefixPolicy,
-    "precise-prefix": PrecisePrefixPolicy,
-    "sglang": SglangPolicy,
-    "kvtier": KvtierPolicy,
-    "oracle": OraclePolicy,
+ROUTERS = {
+    "random": RandomRouter,
+    "round-robin": RoundRobinRouter,
+    "chash-tenant": lambda: ConsistentHashRouter("tenant"),
+    "chash-session": lambda: ConsistentHashRouter("session"),
+    "approx-prefix": ApproxPrefixRouter,
+    "precise-prefix": PrecisePrefixRouter,
+    "sglang": SglangRouter,
+    "kvtier": KvtierRouter,
+    "oracle": OracleRouter,
 }
 
 
-def make_policy(name: str) -> RoutingPolicy:
+def make_router(name: str) -> Router:
     """A fresh policy by name; ValueError naming the known ones otherwise."""
     try:
-        factory = POLICIES[name]
+        factory = ROUTERS[name]
     except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}") from None
+        raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(ROUTERS)}") from None
     return factory()

@@ -24,7 +24,7 @@ import numpy as np
 from kvtier.admission import DEFAULT_MIN_SIGHTINGS
 from kvtier.sim.caches import KvtierCache, LruCache, OracleCache, SimClock
 from kvtier.sim.fleet import Fleet, FleetSpec
-from kvtier.sim.policies import KvtierPolicy, RootBook, make_policy
+from kvtier.sim.routers import KvtierRouter, RootBook, make_router
 from kvtier.sim.request import HashCache, SimRequest
 from kvtier.sim.workload import Workload, WorkloadSpec, generate
 from kvtier.warmup_plan import ASK_FLOOR_TOKENS as WARM_ASK_FLOOR_TOKENS
@@ -199,7 +199,7 @@ class Simulation:
         self.fleet = Fleet(cfg.fleet)
         spec = cfg.workload
         self.roots = RootBook([f"tenant-{t:05d}" for t in range(spec.n_tenants)])
-        self.policy = make_policy(cfg.policy)
+        self.policy = make_router(cfg.policy)
         if cfg.policy == "oracle":
             shared = OracleCache(cfg.block_elems)
             self.caches = [shared] * cfg.fleet.n_replicas
@@ -471,7 +471,7 @@ class Simulation:
             load_s=[float(x) for x in loads],
             ttft_p50_s=float(np.percentile(ttft, 50)) if n else 0.0,
             ttft_p99_s=float(np.percentile(ttft, 99)) if n else 0.0,
-            spill_rate=spilled / n if n and isinstance(self.policy, KvtierPolicy) else 0.0,
+            spill_rate=spilled / n if n and isinstance(self.policy, KvtierRouter) else 0.0,
             evictions=int(evictions), wall_s=wall, cpu_s=cpu, sim_s=float(t[-1]) if n else 0.0,
             block_tokens=cfg.block_tokens, token_unit=cfg.workload.token_unit, bucket_s=cfg.bucket_s,
             series_t_s=[float(x) for x in np.arange(nb) * cfg.bucket_s],

@@ -5,8 +5,8 @@ import pytest
 from kvtier.affinity import AffinityTable
 from kvtier.routing import homes_for
 from kvtier.sim.fleet import Fleet, FleetSpec
-from kvtier.sim.policies import (ApproxPrefixPolicy, ConsistentHashPolicy, KvtierPolicy, RootBook,
-                                 RoundRobinPolicy, make_policy)
+from kvtier.sim.routers import (ApproxPrefixRouter, ConsistentHashRouter, KvtierRouter, RootBook,
+                                 RoundRobinRouter, make_router)
 from kvtier.sim.request import HashCache, SimRequest
 
 TENANTS = [f"tenant-{i:05d}" for i in range(200)]
@@ -27,7 +27,7 @@ def _req(tenant, tokens=(1, 2, 3, 4, 5, 6, 7, 8, 9)):
 
 
 def test_kvtier_routes_a_cool_tenant_to_its_first_home_in_the_published_table():
-    fleet, policy = _bound(KvtierPolicy())
+    fleet, policy = _bound(KvtierRouter())
     plain = AffinityTable(members={name: 1.0 for name in fleet.names})
     assert policy.table.members == plain.members
     for t in range(50):
@@ -35,7 +35,7 @@ def test_kvtier_routes_a_cool_tenant_to_its_first_home_in_the_published_table():
 
 
 def test_kvtier_spills_off_a_home_that_is_hot_and_above_the_fleet_mean():
-    fleet, policy = _bound(KvtierPolicy())
+    fleet, policy = _bound(KvtierRouter())
     first = policy.route(_req(3), 0.0)
     fleet.occupancy_by_name[fleet.names[first]] = 0.95
     second = policy.route(_req(3), 0.0)
@@ -44,7 +44,7 @@ def test_kvtier_spills_off_a_home_that_is_hot_and_above_the_fleet_mean():
 
 
 def test_kvtier_join_moves_about_one_in_n_of_the_tenants_and_bumps_the_epoch():
-    fleet, policy = _bound(KvtierPolicy(), n=8)
+    fleet, policy = _bound(KvtierRouter(), n=8)
     fleet.join()
     plan = policy.membership_changed()
     assert plan.table.epoch == 1
@@ -53,7 +53,7 @@ def test_kvtier_join_moves_about_one_in_n_of_the_tenants_and_bumps_the_epoch():
 
 
 def test_consistent_hashing_on_tenant_is_sticky_and_moves_few_tenants_on_join():
-    fleet, policy = _bound(ConsistentHashPolicy("tenant"))
+    fleet, policy = _bound(ConsistentHashRouter("tenant"))
     before = [policy.route(_req(t), 0.0) for t in range(200)]
     assert before == [policy.route(_req(t), 0.0) for t in range(200)]
     fleet.join()
@@ -65,12 +65,12 @@ def test_consistent_hashing_on_tenant_is_sticky_and_moves_few_tenants_on_join():
 
 
 def test_round_robin_cycles_through_live_replicas():
-    fleet, policy = _bound(RoundRobinPolicy(), n=4)
+    fleet, policy = _bound(RoundRobinRouter(), n=4)
     assert sorted(policy.route(_req(0), 0.0) for _ in range(4)) == [0, 1, 2, 3]
 
 
 def test_approx_prefix_prefers_the_replica_it_sent_the_prefix_to():
-    fleet, policy = _bound(ApproxPrefixPolicy())
+    fleet, policy = _bound(ApproxPrefixRouter())
     req = _req(0)
     first = policy.route(req, 0.0)
     policy.routed(req, first)
@@ -80,16 +80,16 @@ def test_approx_prefix_prefers_the_replica_it_sent_the_prefix_to():
 
 def test_unknown_policy_is_a_value_error_naming_the_choices():
     with pytest.raises(ValueError, match="kvtier"):
-        make_policy("nope")
+        make_router("nope")
 
 
 def test_precise_prefix_goes_where_the_blocks_really_are_unless_load_outweighs_them():
     from kvtier.sim.caches import LruCache
-    from kvtier.sim.policies import PrecisePrefixPolicy
+    from kvtier.sim.routers import PrecisePrefixRouter
 
     fleet = Fleet(FleetSpec(n_replicas=4))
     caches = [LruCache(100, 4) for _ in range(4)]
-    policy = PrecisePrefixPolicy()
+    policy = PrecisePrefixRouter()
     roots = RootBook(TENANTS)
     policy.bind(fleet, caches, roots)
     req = _req(0, tokens=tuple(range(64)))
@@ -101,9 +101,9 @@ def test_precise_prefix_goes_where_the_blocks_really_are_unless_load_outweighs_t
 
 
 def test_sglang_routes_by_prefix_when_balanced_and_to_the_shortest_queue_when_not():
-    from kvtier.sim.policies import SglangPolicy
+    from kvtier.sim.routers import SglangRouter
 
-    fleet, policy = _bound(SglangPolicy(), n=4)
+    fleet, policy = _bound(SglangRouter(), n=4)
     req = _req(0, tokens=tuple(range(64)))
     policy.routed(req, 1)
     assert policy.route(req, 0.0) == 1
