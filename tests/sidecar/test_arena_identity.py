@@ -92,32 +92,26 @@ def test_a_restarted_sidecar_waits_for_room_in_its_volume_then_fails_clearly(mon
 
     from kvtier_sidecar import main as sidecar_main
 
-    calls = {"n": 0}
-
-    def full_twice(name, slots, block_bytes):
-        calls["n"] += 1
-        if calls["n"] <= 2:
-            raise ArenaError(f"arena {name}: no room") from OSError(errno.ENOSPC, "No space left on device")
-        return "arena"
-    monkeypatch.setattr(sidecar_main.Arena, "create", full_twice)
     monkeypatch.setattr(sidecar_main, "ARENA_SPACE_POLL_S", 0.01)
-    assert asyncio.run(sidecar_main.create_arena("kvt-x", 4, BB, wait_s=10)) == "arena"
-    assert calls["n"] == 3
 
-    def always_full(name, slots, block_bytes):
-        calls["n"] += 1
-        raise ArenaError("full") from OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(sidecar_main.Arena, "create", always_full)
-    calls["n"] = 0
-    with pytest.raises(ArenaError, match="full"):
-        asyncio.run(sidecar_main.create_arena("kvt-x", 4, BB, wait_s=0.05))
-    assert calls["n"] >= 2
+    def run(err: int, failures: int | None, wait_s: float) -> tuple[object, int]:
+        """create_arena over a stand-in Arena.create failing with `err` its first
+        `failures` calls (None: every call): (what it returned, calls made)."""
+        calls = []
 
-    def refused(name, slots, block_bytes):
-        calls["n"] += 1
-        raise ArenaError("bad") from OSError(errno.EACCES, "Permission denied")
-    monkeypatch.setattr(sidecar_main.Arena, "create", refused)
-    calls["n"] = 0
-    with pytest.raises(ArenaError, match="bad"):
-        asyncio.run(sidecar_main.create_arena("kvt-x", 4, BB, wait_s=10))
-    assert calls["n"] == 1
+        def create(name, slots, block_bytes):
+            calls.append(name)
+            if failures is None or len(calls) <= failures:
+                raise ArenaError(f"arena {name}: {os.strerror(err)}") from OSError(err, os.strerror(err))
+            return "arena"
+        monkeypatch.setattr(sidecar_main.Arena, "create", create)
+        try:
+            return asyncio.run(sidecar_main.create_arena("kvt-x", 4, BB, wait_s=wait_s)), len(calls)
+        except ArenaError as exc:
+            return exc, len(calls)
+
+    assert run(errno.ENOSPC, 2, wait_s=10) == ("arena", 3)  # room came: it waited it out
+    gave_up, n = run(errno.ENOSPC, None, wait_s=0.05)        # never: the deadline's error
+    assert isinstance(gave_up, ArenaError) and "No space left" in str(gave_up) and n >= 2
+    refused, n = run(errno.EACCES, None, wait_s=10)          # another failure: at once
+    assert isinstance(refused, ArenaError) and "Permission denied" in str(refused) and n == 1
