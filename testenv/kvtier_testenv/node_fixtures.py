@@ -1,9 +1,10 @@
 """pytest fixtures over a real cluster with a real node (`kvtier_testenv.nodes`).
 
-- `node_cluster` (session): the control plane on the node's bridge address, containerd,
-  kubelet, kube-proxy and kube-scheduler, started once per session (the first test that
-  asks pays its start) and stopped at the end, leaving nothing behind; its logs go to a
-  pytest temp dir. At the end the network rule's counters must still be 0 (a drop means
+- `node_cluster` (module): the control plane on the node's bridge address, containerd,
+  kubelet, kube-proxy and kube-scheduler, started by the first test of a module that asks
+  and stopped after its last, leaving nothing behind (its pods' containers would
+  otherwise run on through the rest of the suite); its logs go to a pytest temp dir.
+  The node tests live in one module, so the suite starts it once. At the end the network rule's counters must still be 0 (a drop means
   a packet for the cluster's ranges tried to leave the machine): the stop raises
   otherwise.
 - `node_kubectl`, `node_helm`: the real binaries with the cluster's admin kubeconfig.
@@ -27,7 +28,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.nodes)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeCluster]:
     cluster = NodeCluster(log_dir=tmp_path_factory.mktemp("node-cluster-logs"))
     cluster.start()
