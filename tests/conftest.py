@@ -36,11 +36,14 @@ _LEFT_BY_KILLED = ("kvt-*", "psm_*", "kvtier-etcd-*")
 
 
 def _in_use() -> set[str]:
-    """Names under /dev/shm some live process has open or mapped (another checkout's
-    run on the same machine keeps its own)."""
+    """Names under /dev/shm some other live process has open or mapped (another
+    checkout's run on the same machine keeps its own). This process's own mappings do
+    not count: they are the tests' engine clients of sidecars already gone, and a
+    mapping outlives the name (unlinking it frees the memory once the last one goes)."""
     used: set[str] = set()
+    me = str(os.getpid())
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+        if not proc.name.isdigit() or proc.name == me:
             continue
         try:
             used.update(line.split("/dev/shm/", 1)[1].split("/")[0].strip()
