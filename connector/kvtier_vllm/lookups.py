@@ -285,11 +285,8 @@ class AsyncLookups:
                 p.judged = True  # the sidecar answers; it is only the wrong one
                 p.done.set()
             return
-        if p.purpose is None:  # traffic: the lookup as every release sends it
-            hit = self.client.lookup(p.root, p.prompt, digests=p.digests, local_tokens=p.local_tokens)
-        else:
-            hit = self.client.lookup(p.root, p.prompt, digests=p.digests, local_tokens=p.local_tokens,
-                                     purpose=p.purpose)
+        hit = self.client.lookup(p.root, p.prompt, digests=p.digests, local_tokens=p.local_tokens,
+                                 purpose=p.purpose)
         faulted = not hit and getattr(hit, "reason", "") == UNAVAILABLE
         with self._lock:
             in_time = self.clock() <= p.deadline and not p.abandoned

@@ -140,15 +140,11 @@ class SchedulerBook:
         if req is None:
             req = _Request(root, list(prompt), warmup=warmup)
             self._requests[req_id] = req
-            if warmup:
-                req.pending = self.lookups.start(root, req.prompt, local_tokens, self.verify_checksums,
-                                                 WARMUP_PURPOSE)
-                self.counts["warmup_lookups"] += req.pending is not None
-                self.counts["warmup_prompt_tokens"] += len(req.prompt)
-            else:
-                req.pending = self.lookups.start(root, req.prompt, local_tokens, self.verify_checksums)
-                self.counts["lookups"] += req.pending is not None
-                self.counts["prompt_tokens"] += len(req.prompt)
+            req.pending = self.lookups.start(root, req.prompt, local_tokens, self.verify_checksums,
+                                             WARMUP_PURPOSE if warmup else None)
+            apart = "warmup_" if warmup else ""
+            self.counts[apart + "lookups"] += req.pending is not None
+            self.counts[apart + "prompt_tokens"] += len(req.prompt)
         if req.pending is not None:
             hit = self.lookups.settle(req.pending, wait_s)
             if hit is PENDING:

@@ -258,16 +258,16 @@ class SidecarClient:
                 return Miss(answer.get("reason", "miss"))
             sums = answer.get("digests")
             return EngineHit(int(answer["matched_tokens"]), slots.tolist(), answer["tier"],
-                       int(answer["hit"]), self.arena, self.generation, self._instance_name,
-                       [int(d) for d in sums] if sums is not None else None, self.connection,
-                       int(answer["dram_tokens"]) if "dram_tokens" in answer else None)
+                             int(answer["hit"]), self.arena, self.generation, self._instance_name,
+                             [int(d) for d in sums] if sums is not None else None, self.connection,
+                             int(answer["dram_tokens"]) if "dram_tokens" in answer else None)
         if (end - head) % 4:
             raise FrameError("tail is not a whole number of uint32")
         hit_id, matched, tier, dram = m.groups()
         if hit_id == b"0":
             return Miss()
         return EngineHit(int(matched), np.frombuffer(buf, _U32, (end - head) >> 2, head).tolist(), _TIERS[tier],
-                   int(hit_id), self.arena, self.generation, self._instance_name, None, self.connection, int(dram))
+                         int(hit_id), self.arena, self.generation, self._instance_name, None, self.connection, int(dram))
 
     def _lookup_payload(self, root: KeyRoot) -> bytes:
         last = self._last_lookup  # one attribute read: callers on other threads replace it whole

@@ -2,6 +2,7 @@
 an answer that arrives in pieces is read whole."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -20,40 +21,49 @@ from kvtier_sidecar.engine_proto import FRAME, EngineOp, decode_header, encode, 
 ROOT = KeyRoot("t", "m", "v1", "float16", "rope", "sdpa")
 
 
-def _server(tmp_path, answer):
-    """A Unix socket that reads one request and lets `answer(conn, header)` reply (or not)."""
+@contextlib.contextmanager
+def _server(tmp_path, serve_conn):
+    """A Unix socket whose one connection `serve_conn(conn)` handles on a thread; yields
+    (path, errors): what the handler raised. Closed, and the thread joined, at exit."""
     path = str(tmp_path / "engine.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)
-    conns = []
+    conns, errors = [], []
 
     def serve():
-        conn, _ = listener.accept()
-        conns.append(conn)
-        head = conn.recv(FRAME.size, socket.MSG_WAITALL)
-        body_len, op, rid, _ = decode_header(head)
-        conn.recv(body_len - 4, socket.MSG_WAITALL)
-        answer(conn, op, rid)
+        try:
+            conn, _ = listener.accept()
+            conns.append(conn)
+            serve_conn(conn)
+        except BaseException as exc:
+            errors.append(exc)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    return path, listener, conns, t
-
-
-def test_a_sidecar_that_never_answers_is_a_miss_after_the_clients_timeout(tmp_path):
-    path, listener, conns, t = _server(tmp_path, lambda conn, op, rid: None)
     try:
-        client = SidecarClient(path, timeout_s=0.2)
-        got = client.lookup(ROOT, np.arange(40, dtype=np.uint32))
-        assert isinstance(got, Miss) and got.reason == UNAVAILABLE
-        assert client.faults == 1
+        yield path, errors
     finally:
-        t.join(5)
+        t.join(10)
         for c in conns:
             c.close()
         listener.close()
 
+
+def _read_request(conn: socket.socket) -> tuple[int, int]:
+    """One request off the socket: (op, request id)."""
+    head = conn.recv(FRAME.size, socket.MSG_WAITALL)
+    body_len, op, rid, _ = decode_header(head)
+    conn.recv(body_len - 4, socket.MSG_WAITALL)
+    return op, rid
+
+
+def test_a_sidecar_that_never_answers_is_a_miss_after_the_clients_timeout(tmp_path):
+    with _server(tmp_path, _read_request) as (path, _errors):
+        client = SidecarClient(path, timeout_s=0.2)
+        got = client.lookup(ROOT, np.arange(40, dtype=np.uint32))
+        assert isinstance(got, Miss) and got.reason == UNAVAILABLE
+        assert client.faults == 1
 
 
 def _unread(conn: socket.socket) -> int:
@@ -80,49 +90,26 @@ def test_an_answer_that_arrives_in_pieces_is_read_whole(tmp_path):
     an error on the engine's request path, seen only on a busy machine)."""
     block_bytes = 64
     arena = Arena.create(f"kvtier-test-pieces-{os.getpid()}", 4, block_bytes)
-    path = str(tmp_path / "engine.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-    conns = []
-    errors = []
 
-    def read_request(conn):
-        head = conn.recv(FRAME.size, socket.MSG_WAITALL)
-        body_len, op, rid, _ = decode_header(head)
-        conn.recv(body_len - 4, socket.MSG_WAITALL)
-        return op, rid
+    def serve_conn(conn):
+        op, rid = _read_request(conn)
+        assert op == EngineOp.HELLO
+        hello = {"shm_name": arena.name, "arena_bytes": arena.size, "block_bytes": block_bytes,
+                 "arena_tag": arena.tag.hex(), "instance": "i-1", "block_size": 16}
+        _send_in_pieces(conn, encode(op, rid, hello), [5])  # inside the header
+        op, rid = _read_request(conn)
+        assert op == EngineOp.LOOKUP
+        head = b'{"hit":7,"matched_tokens":32,"tier":"dram","dram_tokens":32}'
+        frame = encode_json(op, rid, head, np.array([2, 3], dtype="<u4"))
+        _send_in_pieces(conn, frame, [FRAME.size, len(frame) - 4])  # header, most of the body, the rest
 
-    def serve():
-        try:
-            conn, _ = listener.accept()
-            conns.append(conn)
-            op, rid = read_request(conn)
-            assert op == EngineOp.HELLO
-            hello = {"shm_name": arena.name, "arena_bytes": arena.size, "block_bytes": block_bytes,
-                     "arena_tag": arena.tag.hex(), "instance": "i-1", "block_size": 16}
-            _send_in_pieces(conn, encode(op, rid, hello), [5])  # inside the header
-            op, rid = read_request(conn)
-            assert op == EngineOp.LOOKUP
-            head = b'{"hit":7,"matched_tokens":32,"tier":"dram","dram_tokens":32}'
-            frame = encode_json(op, rid, head, np.array([2, 3], dtype="<u4"))
-            _send_in_pieces(conn, frame, [FRAME.size, len(frame) - 4])  # header, most of the body, the rest
-        except BaseException as exc:
-            errors.append(exc)
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
     try:
-        client = SidecarClient(path, timeout_s=5.0)
-        hit = client.lookup(ROOT, np.arange(40, dtype=np.uint32))
-        t.join(10)
+        with _server(tmp_path, serve_conn) as (path, errors):
+            client = SidecarClient(path, timeout_s=5.0)
+            hit = client.lookup(ROOT, np.arange(40, dtype=np.uint32))
         assert not errors, errors
         assert isinstance(hit, EngineHit), hit
         assert (hit.hit_id, hit.matched_tokens, hit.tier, hit.blocks) == (7, 32, "dram", [2, 3])
         assert client.faults == 0
     finally:
-        t.join(5)
-        for c in conns:
-            c.close()
-        listener.close()
         arena.close()

@@ -25,7 +25,7 @@ class CountingClient(SidecarClient):
         super().__init__(path)
         self.held: set[int] = set()
 
-    def lookup(self, root, token_ids, digests=False, local_tokens=0):
+    def lookup(self, root, token_ids, digests=False, local_tokens=0, purpose=None):
         hit = super().lookup(root, token_ids, digests, local_tokens)
         if hit:
             self.held.add(hit.hit_id)
@@ -250,7 +250,7 @@ class PeerRelabellingClient(CountingClient):
         super().__init__(path)
         self.dram_tokens = dram_tokens
 
-    def lookup(self, root, token_ids, digests=False, local_tokens=0):
+    def lookup(self, root, token_ids, digests=False, local_tokens=0, purpose=None):
         hit = super().lookup(root, token_ids, digests, local_tokens)
         if hit:
             hit.tier, hit.dram_tokens = "peer", self.dram_tokens
