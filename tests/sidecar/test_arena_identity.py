@@ -73,8 +73,15 @@ def test_an_engine_unmaps_a_dead_sidecars_arena_so_its_restart_finds_room(spawn,
     wait_for("the client to unmap the dead sidecar's arena", released, 30, 0.1)
 
     a.start()  # the same identity restarted, as kubelet restarts a container
+
+    def reconnected() -> bool:
+        """The client retries no sooner than its backoff after the last failed dial,
+        so the restart is seen by a later call, not necessarily the first."""
+        client.lookup(root, tokens)
+        return client.info.get("instance", instance) != instance
+    wait_for("the client to reconnect to the restarted sidecar", reconnected, 30, 0.1)
     seed_cache(client, oracle, "t", tokens)
-    assert client.info["instance"] != instance and _mapped(name)
+    assert _mapped(name)
     hit = client.lookup(root, tokens)
     assert hit and hit.matched_tokens == 112
     dst = np.zeros(7 * BB, np.uint8)
