@@ -4,7 +4,8 @@
 
 - local materialize through shared memory vs numpy memcpy of the same bytes (>= 0.7x)
 - encrypted peer fetch (AES-256-GCM, the peer protocol's only mode) of a 64 MiB block
-  run between two processes vs raw Python TCP loopback, unencrypted (>= 0.6x), and vs
+  run between two processes vs raw Python TCP loopback, unencrypted (>= 0.6x), vs the
+  same over Python TLS 1.3 with the same cipher (>= 0.9x), and vs
   the same bytes read from a real Redis the way LMCache's Redis connector reads them
   (>= 3x); interleaved rounds, medians (bench.peer_contest)
 - global-index longest-prefix query for a 2,000-token prompt vs a naive pipeline of
@@ -125,18 +126,22 @@ def _peer_results(peer: str, redis_url: str, tokens: np.ndarray, kv: np.ndarray,
             raise AssertionError(f"peer fetch fell short: {out}")
 
     chunk_bytes = pc.LMCACHE_CHUNK_TOKENS * (BLOCK_BYTES // 16)
-    raw = pc.RawTcp(kv)
+    raw, tls = pc.RawTcp(kv), pc.RawTcp(kv, tls=True)
     redis_kv = pc.RedisKv(redis_url, kv, chunk_bytes)
     try:
+        suite = tls.cipher()
         mine = pc.Contestant.of("encrypted peer fetch", fetch, run_bytes)
         tcp = [pc.Contestant.of("raw TCP, connection per transfer", raw.fresh, run_bytes),
                pc.Contestant.of("raw TCP, one kept connection", raw.kept, run_bytes)]
+        tlss = [pc.Contestant.of("TLS 1.3, connection per transfer", tls.fresh, run_bytes),
+                pc.Contestant.of("TLS 1.3, one kept connection", tls.kept, run_bytes)]
         lmc = pc.Contestant.of("Redis, LMCache connector pattern", redis_kv.lmcache, run_bytes)
         plain = pc.Contestant.of("Redis, redis-py GET per chunk", redis_kv.sync_get, run_bytes)
-        everyone = [mine, *tcp, lmc, plain]
+        everyone = [mine, *tcp, *tlss, lmc, plain]
         pc.contest(everyone, kv, rounds)
     finally:
         raw.close()
+        tls.close()
         redis_kv.close()
     tcp_gbps = pc.pooled_median(tcp)
     shape = f"{run_bytes >> 20} MiB, {n_blocks} blocks of {BLOCK_BYTES >> 10} KiB, {rounds} interleaved rounds"
@@ -148,6 +153,12 @@ def _peer_results(peer: str, redis_url: str, tokens: np.ndarray, kv: np.ndarray,
                     f"on one core), xxh3-64 per block verified (hashing alone "
                     f"{pc.hash_gbps(kv, BLOCK_BYTES):.0f} GB/s); per-round ratio median "
                     f"{pc.paired_ratio(mine, tcp)}; " + "; ".join(c.summary() for c in everyone)),
+        Result("encrypted peer fetch of a block run vs TLS", mine.median_gbps, "GB/s", 0.9,
+               baseline=pc.pooled_median(tlss),
+               baseline_name=f"Python TLS 1.3 loopback ({suite}; sendall/recv_into; fresh and kept connections "
+                             f"pooled)",
+               note=f"{shape}; the same encryption strength over the standard transport, so both sides pay a "
+                    f"cipher pass per byte; per-round ratio median {pc.paired_ratio(mine, tlss)}"),
         Result("encrypted peer fetch of a block run vs Redis (LMCache pattern)", mine.median_gbps, "GB/s", 3.0,
                baseline=lmc.median_gbps,
                baseline_name=f"redis.asyncio GETs of {pc.LMCACHE_CHUNK_TOKENS}-token chunks "

@@ -8,6 +8,10 @@ a preallocated, already-touched buffer of this process:
     raw TCP, fresh    a child process sendall()s the bytes from one buffer; we
                       recv_into() the destination; a connection per transfer, as a fetch
     raw TCP, kept     the same over one long-lived connection
+    TLS, fresh/kept   the same two over TLS 1.3 (Python's ssl, OpenSSL, the suite it
+                      negotiates: TLS_AES_256_GCM_SHA384, the fetch's cipher), the
+                      standard encrypted transport: what an encrypted peer path costs
+                      when nobody writes one
     Redis, LMCache    LMCache's redis connector (lmcache/v1/storage_backend/connector/
                       redis_connector.py, RedisConnector): the KV is cut into chunks of
                       LMCACHE_CHUNK_TOKENS tokens; a chunk is two keys, `<key>metadata`
@@ -54,9 +58,15 @@ LMCACHE_MAX_CONNECTIONS = 150
 _SENDER = r"""
 import os, socket, sys, threading
 path, ready, SLICE = sys.argv[1], sys.argv[2], int(sys.argv[3])
+cert = sys.argv[4] if len(sys.argv) > 4 else ""
 with open(path, "rb") as f:
     buf = memoryview(bytearray(f.read()))
 server = socket.create_server(("127.0.0.1", 0))
+if cert:  # TLS 1.3 with this key and certificate
+    import ssl
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(cert, cert + ".key")
 with open(ready + ".tmp", "w") as f:
     f.write(str(server.getsockname()[1]))
 os.replace(ready + ".tmp", ready)
@@ -65,14 +75,23 @@ done = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
 
 def serve(conn):
+    if cert:
+        try:
+            conn = ctx.wrap_socket(conn, server_side=True)
+        except OSError:
+            conn.close()
+            return
     with conn:
-        while op := conn.recv(1):
-            if op == b"q":
-                done.set()
-                server.close()
-                return
-            for start in range(0, len(buf), SLICE):
-                conn.sendall(buf[start : start + SLICE])
+        try:
+            while op := conn.recv(1):
+                if op == b"q":
+                    done.set()
+                    server.close()
+                    return
+                for start in range(0, len(buf), SLICE):
+                    conn.sendall(buf[start : start + SLICE])
+        except OSError:  # the receiver went away (a TLS peer closing without close_notify)
+            return
 
 while not done.is_set():
     try:
@@ -149,17 +168,53 @@ def paired_ratio(mine: Contestant, baselines: list[Contestant]) -> str:
     return f"{q2:.2f}x (quartiles {q1:.2f}..{q3:.2f})"
 
 
-class RawTcp:
-    """Raw Python TCP loopback between two processes: the ceiling a Python peer can reach."""
+def _self_signed(path: str) -> None:
+    """A P-256 key and a certificate for 127.0.0.1 at `path` (+ ".key")."""
+    import datetime
+    import ipaddress
 
-    def __init__(self, payload: np.ndarray) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvtier-bench")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    with open(path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(path + ".key", "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+
+
+class RawTcp:
+    """Raw Python TCP loopback between two processes: the ceiling a Python peer can reach.
+    With `tls`, the same over TLS 1.3, the certificate verified."""
+
+    def __init__(self, payload: np.ndarray, tls: bool = False) -> None:
         self.nbytes = payload.nbytes
         self._dir = tempfile.mkdtemp(prefix="kvtier-rawtcp-")
         path = os.path.join(self._dir, "payload")
         payload.tofile(path)
         ready = os.path.join(self._dir, "port")
-        self.proc = subprocess.Popen([sys.executable, "-c", _SENDER, path, ready, str(RAW_SEND_SLICE_BYTES)],
-                                     stdin=subprocess.PIPE)
+        args = [sys.executable, "-c", _SENDER, path, ready, str(RAW_SEND_SLICE_BYTES)]
+        self._tls = None
+        if tls:
+            import ssl
+
+            cert = os.path.join(self._dir, "cert.pem")
+            _self_signed(cert)
+            args.append(cert)
+            self._tls = ssl.create_default_context(cafile=cert)
+            self._tls.minimum_version = ssl.TLSVersion.TLSv1_3
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE)
         deadline = time.monotonic() + SENDER_READY_TIMEOUT_S
         while not os.path.exists(ready):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -179,20 +234,32 @@ class RawTcp:
                 raise ConnectionError("raw TCP sender went away")
             got += k
 
+    def _connect(self) -> socket.socket:
+        conn = socket.create_connection(("127.0.0.1", self.port))
+        return conn if self._tls is None else self._tls.wrap_socket(conn, server_hostname="127.0.0.1")
+
+    def cipher(self) -> str:
+        """The TLS suite a connection negotiates ("" for plain TCP)."""
+        if self._tls is None:
+            return ""
+        with self._connect() as conn:
+            return conn.cipher()[0]
+
     def fresh(self, dst: np.ndarray) -> None:
-        with socket.create_connection(("127.0.0.1", self.port)) as conn:
+        with self._connect() as conn:
             self._receive(conn, dst)
 
     def kept(self, dst: np.ndarray) -> None:
         if self._kept is None:
-            self._kept = socket.create_connection(("127.0.0.1", self.port))
+            self._kept = self._connect()
         self._receive(self._kept, dst)
 
     def close(self) -> None:
         if self._kept is not None:
             self._kept.close()
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=2) as conn:
+            with self._connect() as conn:
+                conn.settimeout(2)
                 conn.sendall(b"q")
             self.proc.wait(timeout=5)
         except (OSError, subprocess.TimeoutExpired):
