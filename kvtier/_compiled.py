@@ -1,7 +1,7 @@
 """Which core modules are compiled, and making sure a compiled one is never stale.
 
-The hot modules (the index, the policy, the sketch, the cache, and the simulator's
-replay loop and ablation tuners) are plain Python, compiled by Cython when the
+The hot modules (the index, the policy, the sketch, the cache, the routing decision,
+and the simulator's event and replay loops, fleet, workload and ablation tuners) are plain Python, compiled by Cython when the
 package is built (`setup.py`): the same source, about 1.4x as fast, and the same
 decisions (a test replays a trace both ways and compares every match). Where no
 compiler was at hand they run as the Python they are.
@@ -38,9 +38,15 @@ COMPILED_MODULES = (
     "kvtier.eviction",
     "kvtier.keys",
     "kvtier.radix",
+    "kvtier.routing",
     "kvtier.sim.caches",
+    "kvtier.sim.fleet",
+    "kvtier.sim.loop",
     "kvtier.sim.replay",
+    "kvtier.sim.request",
+    "kvtier.sim.routers",
     "kvtier.sim.tuners",
+    "kvtier.sim.workload",
 )
 NATIVE_MODULES = ("kvtier._copy",)
 """Extension modules written in C (`kvtier/_copy.c`), optional like the others: the code

@@ -103,7 +103,7 @@ REMOVAL_LOG_BLOCKS = 1 << 16
 behind is told the log cannot say."""
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, init=False)
 class Hit:
     """A pinned prefix match. `blocks[i]` is the slot of prompt block i.
 
@@ -119,6 +119,18 @@ class Hit:
     _node: Node = field(repr=False)
     _owner: Any = field(repr=False)
     released: bool = False
+
+    def __init__(self, matched_tokens: int, blocks: list[int], tier: str, root: KeyRoot, _node: Node,
+                 _owner: Any, released: bool = False) -> None:
+        # Written out (not the dataclass's): compiled with the module, no interpreted
+        # frame per lookup.
+        self.matched_tokens = matched_tokens
+        self.blocks = blocks
+        self.tier = tier
+        self.root = root
+        self._node = _node
+        self._owner = _owner
+        self.released = released
 
     def __bool__(self) -> bool:
         return True
@@ -140,7 +152,7 @@ _MISS = Miss()
 """Every miss is the same immutable answer: one instance, not one a lookup."""
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, init=False)
 class Reservation:
     """Slots allocated for prompt blocks [first_block, first_block + len(slots)).
 
@@ -161,6 +173,23 @@ class Reservation:
     done: bool = False
     cancelled: bool = False
     _token_bytes: bytes = field(default=b"", repr=False)
+
+    def __init__(self, root: KeyRoot, token_ids: np.ndarray, first_block: int, slots: list[int],
+                 offsets: list[int], tier: str, _hashes: list[BlockHash], _parent: Node | None, _owner: Any,
+                 done: bool = False, cancelled: bool = False, _token_bytes: bytes = b"") -> None:
+        # Written out, as Hit's.
+        self.root = root
+        self.token_ids = token_ids
+        self.first_block = first_block
+        self.slots = slots
+        self.offsets = offsets
+        self.tier = tier
+        self._hashes = _hashes
+        self._parent = _parent
+        self._owner = _owner
+        self.done = done
+        self.cancelled = cancelled
+        self._token_bytes = _token_bytes
 
     @property
     def num_blocks(self) -> int:

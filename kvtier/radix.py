@@ -86,7 +86,7 @@ class Node:
         return self.start_block + len(self.slots)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Match:
     """Where a prompt's walk ended: `node` with its first `within` blocks matched.
 
@@ -96,6 +96,13 @@ class Match:
     node: Node | None
     within: int
     cached_blocks: int
+
+    def __init__(self, node: Node | None, within: int, cached_blocks: int) -> None:
+        # Written out (not the dataclass's): compiled with the module, the two or three
+        # made per request run no interpreted frame.
+        self.node = node
+        self.within = within
+        self.cached_blocks = cached_blocks
 
     def last_hash(self) -> bytes | None:
         """Hash of the last matched block, or None when nothing matched."""

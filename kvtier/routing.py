@@ -71,6 +71,18 @@ def pick(
 
     Raises ValueError if the table has no members: there is nowhere to route.
     """
+    order, chosen = pick_rank(tenant, table, occupancy, state)
+    return Pick(order[chosen], chosen, chosen >= table.homes, table.epoch)
+
+
+def pick_rank(
+    tenant: str,
+    table: AffinityTable,
+    occupancy: Mapping[str, float],
+    state: SpillState | None = None,
+) -> tuple[list[str], int]:
+    """`pick` as (the tenant's order, the chosen member's rank in it), without the
+    `Pick` (a simulator routes a million requests through it)."""
     order = table.order_for(tenant)
     if not order:
         raise ValueError("affinity table has no members: nowhere to route")
@@ -87,7 +99,7 @@ def pick(
             state.moved_to.pop(tenant, None)
         else:
             state.moved_to[tenant] = order[chosen]
-    return Pick(order[chosen], chosen, chosen >= table.homes, table.epoch)
+    return order, chosen
 
 
 def _walk(order: list[str], gate: _Gate, sticky_rank: int | None) -> int:
@@ -107,8 +119,7 @@ class _Gate:
     __slots__ = ("_occ", "_spill", "_low", "_balance_hot", "_balance_low")
 
     def __init__(self, table: AffinityTable, occupancy: Mapping[str, float]):
-        reported = [float(occupancy[m]) for m in table.members if m in occupancy]
-        mean = sum(reported) / len(reported) if reported else 0.0
+        mean = _reported_mean(table.members, occupancy)
         self._occ = occupancy
         self._spill = table.spill_occupancy
         self._low = table.spill_occupancy - table.hysteresis
@@ -122,3 +133,32 @@ class _Gate:
     def cool(self, member: str) -> bool:
         occ = float(self._occ.get(member, 0.0))
         return occ < self._low or occ < self._balance_low
+
+
+def _reported_mean(members, occupancy: Mapping[str, float]) -> float:
+    """Mean occupancy of the members that report one (0.0 when none does), summed in
+    the members' order as `sum` over them would (typed as a C double when compiled)."""
+    if type(occupancy) is dict:
+        return _dict_mean(members, occupancy)
+    total = 0.0
+    n = 0
+    for m in members:
+        if m in occupancy:
+            total += float(occupancy[m])
+            n += 1
+    return total / n if n else 0.0
+
+
+_ABSENT = object()
+
+
+def _dict_mean(members, occupancy: dict[str, float]) -> float:
+    """`_reported_mean` of a plain dict: one lookup per member."""
+    total = 0.0
+    n = 0
+    for m in members:
+        v = occupancy.get(m, _ABSENT)
+        if v is not _ABSENT:
+            total += float(v)
+            n += 1
+    return total / n if n else 0.0

@@ -29,8 +29,11 @@ import numpy as np
 from kvtier.eviction import EvictionConfig
 from kvtier.keys import KeyRoot
 from kvtier.sim.caches import KvtierCache, LruCache, OracleCache, _hit_blocks
+from kvtier.sim.fleet import FleetSpec
+from kvtier.sim.loop import SimConfig, simulate
 from kvtier.sim.trace import DEFAULT_BLOCK_ELEMS, Trace, TraceError, TracePrompts
 from kvtier.sim.tuners import CAFFEINE_WINDOW_FRACTION
+from kvtier.sim.workload import WorkloadSpec
 
 if TYPE_CHECKING:
     from kvtier.sim.loop import ProgressFactory
@@ -330,10 +333,7 @@ def fleet(trace: Trace, replicas: int, blocks_per_replica: int, policies, block_
     kvtier's LocalCache on every replica; a `ScenarioReport`."""
     from dataclasses import replace
 
-    from kvtier.sim.loop import SimConfig, simulate
-    from kvtier.sim.fleet import FleetSpec
     from kvtier.sim.scenarios import ScenarioReport
-    from kvtier.sim.workload import WorkloadSpec
 
     if trace.block_tokens % block_elems:
         raise TraceError(f"fleet mode needs tokens per hash id ({trace.block_tokens}) to be a multiple of "

@@ -34,7 +34,7 @@ import xxhash
 
 from kvtier.affinity import AffinityTable, MembershipPlan, plan_membership_change, with_bounded_loads
 from kvtier.keys import DEFAULT_BLOCK_SIZE, KeyRoot
-from kvtier.routing import SpillState, pick
+from kvtier.routing import SpillState, pick_rank
 from kvtier.sim.fleet import Fleet
 from kvtier.sim.request import SimRequest
 
@@ -364,9 +364,9 @@ class KvtierRouter(Router):
         self._index = {name: i for i, name in enumerate(self.fleet.names)}
 
     def route(self, req, now_s):
-        choice = pick(req.tenant_name, self._memo, self.fleet.occupancy_by_name, self._state)
-        self.spilled += choice.spilled
-        return self._index[choice.member]
+        order, rank = pick_rank(req.tenant_name, self._memo, self.fleet.occupancy_by_name, self._state)
+        self.spilled += rank >= self._memo.homes  # `pick`'s Pick.spilled
+        return self._index[order[rank]]
 
     def membership_changed(self):
         fleet = self.fleet

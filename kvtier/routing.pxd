@@ -1,0 +1,10 @@
+# Types for the compiled build of routing.py (see radix.pxd): the fleet mean each
+# routing decision computes, summed as a C double in the members' order (the same
+# additions `sum` makes over Python floats, so the same value).
+import cython
+
+@cython.locals(total=cython.double, n=Py_ssize_t)
+cpdef double _reported_mean(members, occupancy)
+
+@cython.locals(total=cython.double, n=Py_ssize_t)
+cpdef double _dict_mean(members, dict occupancy)
