@@ -1,29 +1,34 @@
-"""A real Kubernetes cluster on this machine: the control plane of `controlplane` plus a
-node that runs pods in containers (kubelet, containerd + runc, kube-proxy, kube-scheduler).
+"""A real Kubernetes cluster on this machine: the control plane of `controlplane` plus
+two nodes that run pods in containers (a kubelet and a containerd + runc each, one
+kube-proxy, kube-scheduler).
 
     with NodeCluster(log_dir=...) as cluster:
         subprocess.run([kubectl, "--kubeconfig", cluster.kubeconfig, "get", "nodes"])
 
 What it sets up, and takes down again (`stop()`), leaving nothing behind:
 
-- a Linux bridge `BRIDGE` holding the node's address (the first of `POD_CIDR`), which
-  is also where the API server listens, so pods reach it through the `kubernetes`
-  Service; a route sends `SERVICE_CIDR` to the bridge too (never to the default route);
-- pod addresses from `POD_CIDR` and Service addresses from `SERVICE_CIDR`, both in
+- a Linux bridge `BRIDGE` holding each node's address (the first of its pod range,
+  `node_pod_cidr(i)`); node 0's is also where the API server listens, so pods reach it
+  through the `kubernetes` Service; a route sends `SERVICE_CIDR` to the bridge too
+  (never to the default route). A pod reaches another node's pod through its gateway,
+  the host, which routes between the nodes' ranges;
+- pod addresses from `POD_CIDR` (the nodes' ranges together) and Service addresses from `SERVICE_CIDR`, both in
   198.18.0.0/15, which RFC 2544 reserves for benchmarking networks: nothing outside the
   machine uses it. The network rule: an iptables chain `GUARD_CHAIN`, first in OUTPUT
   and FORWARD, drops every packet to or from `GUARDED_RANGE` that would leave through
   any interface but the bridge and loopback; `guard_drops()` reads its counters, which
   a test checks stay 0;
-- containerd with its own root, state, socket and CNI config under the cluster's temp
-  dir (`restrict_oom_score_adj`, since this VM cannot lower oom_score_adj; runc with
-  cgroupfs), the pause image and the project's image imported into it (no registry is
-  reachable: pods name them with pullPolicy IfNotPresent/Never);
-- the bridge + host-local CNI plugins (addresses kept under the temp dir);
-- kubelet (cgroupfs, swap allowed, webhook authentication and authorization against the
-  API server, its client certificate system:node:<name> for the Node authorizer, root,
-  pod logs and volume plugins under the temp dir), kube-proxy in iptables mode,
-  kube-scheduler.
+- per node, a containerd with its own root, state, socket and CNI config under the
+  cluster's temp dir (`restrict_oom_score_adj`, since this VM cannot lower
+  oom_score_adj; runc with cgroupfs), the pause image and the project's image imported
+  into it (no registry is reachable: pods name them with pullPolicy IfNotPresent/Never);
+- the bridge + host-local CNI plugins (each node's addresses from its own range, kept
+  under the temp dir);
+- per node, a kubelet (cgroupfs, swap allowed, webhook authentication and authorization
+  against the API server, its client certificate system:node:<name> for the Node
+  authorizer, root, pod logs and volume plugins under the temp dir; node i > 0 under
+  the cgroup root `/kvtier-node-<i>`, so that no kubelet takes another's pod cgroups
+  for orphans); kube-proxy in iptables mode, kube-scheduler.
 
 `stop()` deletes the pods (kubelet unmounts their volumes, CNI frees their addresses,
 containerd removes their network namespaces), stops every process by its pid, then
@@ -32,9 +37,10 @@ this containerd made, the iptables chains that were not there before (kubelet's 
 kube-proxy's, and the guard), the bridge and its route, the host-sysctls kubelet and
 the bridge change (put back to the values they had), kubelet's cgroups.
 
-One node: a second kubelet on this host would share its iptables with the first
-kube-proxy (two kube-proxies rewrite the same KUBE-SERVICES chains); a second node needs
-its own network namespace, which this module does not make yet.
+The nodes share the host's network namespace, so one kube-proxy programs Services for
+both (two would rewrite the same KUBE-SERVICES chains); it runs as node 0's. What a
+second network namespace per node would add - each node's own iptables - no test here
+needs: no Service uses a node-local traffic policy.
 """
 from __future__ import annotations
 
@@ -71,11 +77,15 @@ IMAGE_SCRIPT = REPO_ROOT / "hack" / "image.sh"
 
 BRIDGE = "kvtier0"
 GUARDED_RANGE = "198.18.0.0/15"
-POD_CIDR = "198.18.0.0/24"
+NODES = 2
+POD_CIDR = "198.18.0.0/23"
+"""Every node's pod range together: node i's is `node_pod_cidr(i)`, 198.18.i.0/24."""
 SERVICE_CIDR = "198.19.0.0/24"
 NODE_IP = "198.18.0.1"
+"""Node 0's address, where the API server listens."""
 GUARD_CHAIN = "KVTIER-GUARD"
 NODE_NAME = "kvtier-node-0"
+NODE_CGROUP_PREFIX = "kvtier-node-"
 CNI_NETWORK = "kvtier"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 CONTAINERD = "/usr/bin/containerd"
@@ -106,6 +116,18 @@ STOP_TIMEOUT_S = 20.0
 SHIM_SOCKET_DIR = Path("/run/containerd/s")
 NETNS_DIR = Path("/run/netns")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def node_pod_cidr(i: int) -> str:
+    return f"198.18.{i}.0/24"
+
+
+def node_ip(i: int) -> str:
+    return f"198.18.{i}.1"
+
+
+def node_name(i: int) -> str:
+    return f"kvtier-node-{i}"
 
 
 class NodeError(ControlPlaneError):
@@ -207,32 +229,61 @@ class _Proc:
     log: Path
 
 
+@dataclass
+class _Node:
+    """One node's pieces: its address and pod range, its containerd and its kubelet."""
+
+    index: int
+    name: str
+    ip: str
+    pod_cidr: str
+    socket: Path
+    dir: Path
+    kubelet_args: list[str]
+    healthz_port: int = 0
+
+    @property
+    def cgroup_root(self) -> str | None:
+        """Node 0 keeps kubelet's default root ("/"); the others get their own."""
+        return None if self.index == 0 else f"/{NODE_CGROUP_PREFIX}{self.index}"
+
+    @property
+    def kubelet(self) -> str:
+        return "kubelet" if self.index == 0 else f"kubelet-{self.index}"
+
+    @property
+    def containerd(self) -> str:
+        return "containerd" if self.index == 0 else f"containerd-{self.index}"
+
+
 class NodeCluster:
-    """A control plane on the bridge address and one real node (see the module doc).
+    """A control plane on the bridge address and `nodes` real nodes (see the module doc).
 
     Invariant: after `stop()` none of its processes is alive, and the host's mounts,
     network namespaces, iptables chains, routes, links and sysctls are as before start.
     """
 
-    def __init__(self, *, log_dir: Path | None = None, node_name: str = NODE_NAME) -> None:
+    def __init__(self, *, log_dir: Path | None = None, nodes: int = NODES) -> None:
+        if not 1 <= nodes <= 2:
+            raise ValueError("1 or 2 nodes: node ranges and the guard are sized for two")
         self.artifacts = find_artifacts()
         self.bins = binaries.find()
-        self.node_name = node_name
         # Short: containerd's socket path must stay under 108 bytes.
         self.dir = Path(tempfile.mkdtemp(prefix="kvtier-nodes-"))
         self.log_dir = Path(log_dir) if log_dir else self.dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.control_plane = ControlPlane(controller_manager=True, log_dir=self.log_dir, host=NODE_IP,
                                           service_cidr=SERVICE_CIDR, real_nodes=True)
-        self.socket = self.dir / "containerd.sock"
+        # Short: containerd's socket path must stay under 108 bytes.
+        self.nodes = [_Node(i, node_name(i), node_ip(i), node_pod_cidr(i), self.dir / f"containerd{i}.sock",
+                            self.dir / f"node{i}", []) for i in range(nodes)]
         self._procs: list[_Proc] = []
         self._sysctls: dict[str, str] = {}
         self._chains_before: dict[tuple[str, str], set[str]] = {}
         self._netns_before: set[str] = set()
         self._shims_before: set[str] = set()
         self._made_bridge = False
-        self._kubelet_args: list[str] = []
-        self._kubelet_healthz_port = 0
+        self._cgroup_dirs: list[Path] = []
         self.timings: dict[str, float] = {}
 
     # -- public --
@@ -240,6 +291,15 @@ class NodeCluster:
     @property
     def kubeconfig(self) -> Path:
         return self.control_plane.kubeconfig
+
+    @property
+    def node_name(self) -> str:
+        """Node 0's name."""
+        return self.nodes[0].name
+
+    @property
+    def node_names(self) -> list[str]:
+        return [n.name for n in self.nodes]
 
     def __enter__(self) -> "NodeCluster":
         return self.start()
@@ -254,7 +314,9 @@ class NodeCluster:
         pool = concurrent.futures.ThreadPoolExecutor(1)
         try:
             self._host_network()
-            self._start_containerd()
+            self._make_cgroup_roots()
+            for node in self.nodes:
+                self._start_containerd(node)
             # Importing (and unpacking) the images takes longest: meanwhile the control
             # plane starts.
             importing = pool.submit(self._import_images)
@@ -264,9 +326,11 @@ class NodeCluster:
             self.timings["images_imported_after_s"] = time.monotonic() - t0
             t2 = time.monotonic()
             self._start_scheduler()
-            self._start_kubelet()
+            for node in self.nodes:
+                self._start_kubelet(node)
             self._start_kube_proxy()
-            self._wait_node_ready()
+            for node in self.nodes:
+                self._wait_node_ready(node)
             self.timings["node_ready_s"] = time.monotonic() - t2
         except BaseException:
             if importing is not None:
@@ -302,33 +366,39 @@ class NodeCluster:
     def kill_container(self, container_id: str, sig: str = "SIGKILL") -> None:
         """Signal a pod's container through containerd, as the kernel's OOM killer or a
         crash would end it: kubelet sees it exit and restarts it by the pod's policy.
-        `container_id` as a pod's status gives it (`containerd://<id>`) or bare."""
-        self._ctr("tasks", "kill", "--signal", sig, container_id.removeprefix("containerd://"))
+        `container_id` as a pod's status gives it (`containerd://<id>`) or bare; it runs
+        under exactly one node's containerd."""
+        cid = container_id.removeprefix("containerd://")
+        outs = [self._ctr(n, "tasks", "kill", "--signal", sig, cid, check=False) for n in self.nodes]
+        if not any(o.returncode == 0 for o in outs):
+            raise NodeError(f"no node's containerd could signal {cid}: " + "; ".join(o.stderr.strip() for o in outs))
 
     def remove_image(self, ref: str) -> None:
         """Delete an image from the node's containerd, as a node that never had it (a
-        running container keeps its snapshot; a new one cannot start from it)."""
-        self._ctr("images", "rm", ref)
+        running container keeps its snapshot; a new one cannot start from it). Every node."""
+        for node in self.nodes:
+            self._ctr(node, "images", "rm", ref)
 
-    def restart_kubelet(self) -> None:
-        """Stop kubelet (SIGTERM; its pods keep running under containerd) and start it
-        again with the same configuration; returns when the node is Ready again."""
-        [p] = [p for p in self._procs if p.name == "kubelet"]
+    def restart_kubelet(self, name: str) -> None:
+        """Stop node `name`'s kubelet (SIGTERM; its pods keep running under containerd)
+        and start it again with the same configuration; returns when the node is Ready again."""
+        [node] = [n for n in self.nodes if n.name == name]
+        [p] = [p for p in self._procs if p.name == node.kubelet]
         self._terminate(p)
         self._procs.remove(p)
-        p = self._spawn("kubelet", self._kubelet_args)
+        p = self._spawn(node.kubelet, node.kubelet_args)
 
         def healthy() -> bool:
             if p.proc.poll() is not None:
                 raise NodeError(f"kubelet exited with {p.proc.returncode} after its restart:\n{log_tail(p.log)}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self._kubelet_healthz_port}/healthz",
+                with urllib.request.urlopen(f"http://127.0.0.1:{node.healthz_port}/healthz",
                                             timeout=2) as r:
                     return r.read() == b"ok"
             except OSError:
                 return False
-        wait_for("kubelet healthy after its restart", healthy, NODE_READY_TIMEOUT_S, 0.2)
-        self._wait_node_ready()
+        wait_for(f"{node.kubelet} healthy after its restart", healthy, NODE_READY_TIMEOUT_S, 0.2)
+        self._wait_node_ready(node)
 
     def stop(self) -> None:
         errors: list[str] = []
@@ -353,6 +423,8 @@ class NodeCluster:
         self._restore_network(errors)
         self._restore_sysctls()
         self._remove_cgroups()
+        if self._cgroup_dirs:
+            errors.append(f"cgroups still hold processes after stop: {[str(d) for d in self._cgroup_dirs]}")
         self._remove_cni_cache()
         self.timings["stop_restored_s"] = time.monotonic() - t0
         if not errors:
@@ -388,8 +460,9 @@ class NodeCluster:
             _run("iptables", "-t", "filter", "-I", chain, "1", "-j", GUARD_CHAIN)
         _run("ip", "link", "add", BRIDGE, "type", "bridge")
         self._made_bridge = True
-        prefix = ipaddress.ip_network(POD_CIDR).prefixlen
-        _run("ip", "addr", "add", f"{NODE_IP}/{prefix}", "dev", BRIDGE)
+        for node in self.nodes:
+            prefix = ipaddress.ip_network(node.pod_cidr).prefixlen
+            _run("ip", "addr", "add", f"{node.ip}/{prefix}", "dev", BRIDGE)
         _run("ip", "link", "set", BRIDGE, "up")
         # Service addresses not rewritten by kube-proxy go to the bridge, never to the
         # default route.
@@ -445,23 +518,26 @@ class NodeCluster:
 
     # -- containerd --------------------------------------------------------------------------
 
-    def _start_containerd(self) -> None:
-        cdir = self.dir / "containerd"
-        cni_conf = self.dir / "cni" / "net.d"
+    def _start_containerd(self, node: _Node) -> None:
+        cdir = node.dir / "containerd"
+        cni_conf = node.dir / "cni" / "net.d"
         cni_conf.mkdir(parents=True)
         (cni_conf / "10-kvtier.conflist").write_text(json.dumps({
             "cniVersion": "0.4.0",
             "name": CNI_NETWORK,
             "plugins": [
-                {"type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False,
+                # The bridge holds every node's gateway address already (_host_network):
+                # as a gateway the plugin would refuse a bridge with another node's
+                # address on it. Pods still route through their node's gateway (IPAM's).
+                {"type": "bridge", "bridge": BRIDGE, "isGateway": False, "ipMasq": False,
                  "hairpinMode": True,
-                 "ipam": {"type": "host-local", "dataDir": str(self.dir / "cni" / "ipam"),
-                          "ranges": [[{"subnet": POD_CIDR, "gateway": NODE_IP}]],
+                 "ipam": {"type": "host-local", "dataDir": str(node.dir / "cni" / "ipam"),
+                          "ranges": [[{"subnet": node.pod_cidr, "gateway": node.ip}]],
                           "routes": [{"dst": "0.0.0.0/0"}]}},
                 {"type": "loopback"},
             ],
         }, indent=2))
-        config = self.dir / "containerd.toml"
+        config = node.dir / "containerd.toml"
         config.write_text(f"""version = 2
 root = "{cdir / 'root'}"
 state = "{cdir / 'state'}"
@@ -470,9 +546,9 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
   "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
   "io.containerd.snapshotter.v1.devmapper", "io.containerd.tracing.processor.v1.otlp"]
 [grpc]
-  address = "{self.socket}"
+  address = "{node.socket}"
 [ttrpc]
-  address = "{self.dir / 'containerd.ttrpc.sock'}"
+  address = "{self.dir / f'ttrpc{node.index}.sock'}"
 [debug]
   address = ""
 [metrics]
@@ -497,27 +573,33 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
     conf_dir = "{cni_conf}"
     max_conf_num = 1
 """)
-        p = self._spawn("containerd", [CONTAINERD, "--config", str(config), "--log-level", "warn"])
+        p = self._spawn(node.containerd, [CONTAINERD, "--config", str(config), "--log-level", "warn"])
         deadline = time.monotonic() + CONTAINERD_READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if p.proc.poll() is not None:
                 break
-            if self.socket.exists() and self._ctr("version", check=False).returncode == 0:
+            if node.socket.exists() and self._ctr(node, "version", check=False).returncode == 0:
                 return
             time.sleep(0.1)
         raise NodeError(f"containerd not ready within {CONTAINERD_READY_TIMEOUT_S:.0f}s; log {p.log}:\n{log_tail(p.log)}")
 
-    def _ctr(self, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess:
-        return _run(CTR, "--address", str(self.socket), "--namespace", "k8s.io", *args, check=check, timeout=timeout)
+    def _ctr(self, node: _Node, *args: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        return _run(CTR, "--address", str(node.socket), "--namespace", "k8s.io", *args, check=check,
+                    timeout=timeout)
 
     def _import_images(self) -> None:
-        for tar in (self.artifacts.pause_tar, self.artifacts.project_image_tar):
-            self._ctr("images", "import", str(tar),
-                      timeout=IMAGE_IMPORT_TIMEOUT_S)
+        """Into every node's containerd, the nodes side by side."""
+        def into(node: _Node) -> None:
+            for tar in (self.artifacts.pause_tar, self.artifacts.project_image_tar):
+                self._ctr(node, "images", "import", str(tar), timeout=IMAGE_IMPORT_TIMEOUT_S)
+        with concurrent.futures.ThreadPoolExecutor(len(self.nodes)) as pool:
+            for f in [pool.submit(into, node) for node in self.nodes]:
+                f.result()
 
     def images(self) -> list[str]:
-        out = self._ctr("images", "list", "--quiet")
-        return out.stdout.split()
+        """The images on every node (one missing on a node is not listed)."""
+        held = [set(self._ctr(node, "images", "list", "--quiet").stdout.split()) for node in self.nodes]
+        return sorted(set.intersection(*held))
 
     # -- kubelet, kube-proxy, kube-scheduler --------------------------------------------------
 
@@ -541,28 +623,47 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             "--v=1",
         ])
 
-    def _start_kubelet(self) -> None:
-        kubeconfig = self._node_kubeconfig("kubelet", f"system:node:{self.node_name}", ("system:nodes",))
-        kdir = self.dir / "kubelet"
-        kdir.mkdir()
-        self._kubelet_healthz_port = free_port()
-        config = self.dir / "kubelet.yaml"
+    def _make_cgroup_roots(self) -> None:
+        """Node i > 0's cgroup root in every hierarchy, cpuset's CPUs and memory nodes
+        inherited (kubelet refuses a root that does not exist)."""
+        for node in self.nodes:
+            if node.cgroup_root is None:
+                continue
+            for controller in sorted(CGROUP_ROOT.iterdir()):
+                d = controller / node.cgroup_root.lstrip("/")
+                if d.is_dir():
+                    raise NodeError(f"cgroup {d} exists already: another cluster runs here, or a killed run "
+                                    "left it (rmdir it after checking it holds no process)")
+                d.mkdir()
+                self._cgroup_dirs.append(d)
+                for name in ("cpuset.cpus", "cpuset.mems"):
+                    if (controller / name).exists():
+                        (d / name).write_text((controller / name).read_text())
+
+    def _start_kubelet(self, node: _Node) -> None:
+        kubeconfig = self._node_kubeconfig(node.kubelet, f"system:node:{node.name}", ("system:nodes",))
+        kdir = node.dir / "kubelet"
+        kdir.mkdir(parents=True)
+        node.healthz_port = free_port()
+        config = node.dir / "kubelet.yaml"
+        root = {"cgroupRoot": node.cgroup_root} if node.cgroup_root else {}
         config.write_text(json.dumps({
+            **root,
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",
             "cgroupDriver": "cgroupfs",
             "failSwapOn": False,
-            "address": NODE_IP,
+            "address": node.ip,
             "port": free_port(),
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",
-            "healthzPort": self._kubelet_healthz_port,
+            "healthzPort": node.healthz_port,
             "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": True},
                                "x509": {"clientCAFile": str(self.control_plane.ca_cert)}},
             "authorization": {"mode": "Webhook"},
-            "containerRuntimeEndpoint": f"unix://{self.socket}",
-            "podLogsDir": str(self.dir / "pod-logs"),
-            "volumePluginDir": str(self.dir / "volume-plugins"),
+            "containerRuntimeEndpoint": f"unix://{node.socket}",
+            "podLogsDir": str(node.dir / "pod-logs"),
+            "volumePluginDir": str(node.dir / "volume-plugins"),
             # No host resolver in pods: a lookup would leave the machine (and hit the guard).
             "resolvConf": "",
             # A shared test machine: never evict or collect images because the disk or
@@ -579,17 +680,17 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             "shutdownGracePeriod": "0s",
             "localStorageCapacityIsolation": True,
         }, indent=2))
-        self._kubelet_args = [
+        node.kubelet_args = [
             str(self.artifacts.kubelet),
             f"--config={config}",
             f"--kubeconfig={kubeconfig}",
             f"--root-dir={kdir}",
-            f"--cert-dir={self.dir / 'kubelet-pki'}",
-            f"--hostname-override={self.node_name}",
-            f"--node-ip={NODE_IP}",
+            f"--cert-dir={node.dir / 'kubelet-pki'}",
+            f"--hostname-override={node.name}",
+            f"--node-ip={node.ip}",
             "--v=1",
         ]
-        self._spawn("kubelet", self._kubelet_args)
+        self._spawn(node.kubelet, node.kubelet_args)
 
     def _start_kube_proxy(self) -> None:
         kubeconfig = self._node_kubeconfig("kube-proxy", "system:kube-proxy", ())
@@ -599,7 +700,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             "kind": "KubeProxyConfiguration",
             "mode": "iptables",
             "clientConnection": {"kubeconfig": str(kubeconfig)},
-            "hostnameOverride": self.node_name,
+            "hostnameOverride": self.nodes[0].name,
             "bindAddress": NODE_IP,
             "clusterCIDR": POD_CIDR,
             "healthzBindAddress": f"127.0.0.1:{free_port()}",
@@ -613,19 +714,19 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         }, indent=2))
         self._spawn("kube-proxy", [str(self.artifacts.kube_proxy), f"--config={config}", "--v=1"])
 
-    def _wait_node_ready(self) -> None:
+    def _wait_node_ready(self, node: _Node) -> None:
         def ready() -> bool:
             self._check_alive()
-            out = self.kubectl("get", "node", self.node_name, "-o", "json", check=False)
+            out = self.kubectl("get", "node", node.name, "-o", "json", check=False)
             if out.returncode != 0:
                 return False
-            node = json.loads(out.stdout)
-            conds = node.get("status", {}).get("conditions", [])
+            obj = json.loads(out.stdout)
+            conds = obj.get("status", {}).get("conditions", [])
             # Schedulable too: the node lifecycle controller lifted the not-ready taint.
             return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds) and not any(
-                t.get("key") == "node.kubernetes.io/not-ready" for t in node.get("spec", {}).get("taints") or [])
+                t.get("key") == "node.kubernetes.io/not-ready" for t in obj.get("spec", {}).get("taints") or [])
         try:
-            wait_for(f"node {self.node_name} Ready", ready, NODE_READY_TIMEOUT_S, 0.5)
+            wait_for(f"node {node.name} Ready", ready, NODE_READY_TIMEOUT_S, 0.5)
         except WaitTimeout as e:
             raise NodeError(f"{e}\n{self.describe_logs()}") from None
 
@@ -633,7 +734,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
 
     def _delete_pods(self) -> None:
         """Every pod's deletion through kubelet (it unmounts volumes and frees addresses)."""
-        if not any(p.name == "kubelet" and p.proc.poll() is None for p in self._procs):
+        if not any(p.name.startswith("kubelet") and p.proc.poll() is None for p in self._procs):
             return
         # The workloads first: their controllers would recreate the pods.
         self.kubectl("delete", "statefulsets,deployments,replicasets,daemonsets,jobs", "--all",
@@ -648,10 +749,11 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             wait_for("all pods deleted", none_left, POD_DELETION_TIMEOUT_S, 0.5)
 
     def _kill_leftover_shims(self) -> None:
-        """containerd-shim processes of this containerd (their -address names its socket)."""
-        for pid in _pids_with_arg(str(self.socket)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        """containerd-shim processes of these containerds (their -address names its socket)."""
+        for node in self.nodes:
+            for pid in _pids_with_arg(str(node.socket)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         if SHIM_SOCKET_DIR.is_dir():
             for name in set(os.listdir(SHIM_SOCKET_DIR)) - self._shims_before:
                 with contextlib.suppress(OSError):
@@ -674,16 +776,23 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             _run("umount", "-l", target, check=False)
 
     def _remove_cgroups(self) -> None:
-        """kubelet's `kubepods` hierarchy, once no process is left in it."""
+        """The kubelets' `kubepods` hierarchies, once no process is left in them, and the
+        nodes' own cgroup roots."""
         for controller in CGROUP_ROOT.iterdir():
-            top = controller / "kubepods"
-            if not top.is_dir():
-                continue
-            for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+            tops = [controller / "kubepods"] + [d / "kubepods" for d in controller.glob(f"{NODE_CGROUP_PREFIX}*")]
+            for top in tops:
+                if not top.is_dir():
+                    continue
+                for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts),
+                                reverse=True):
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
                 with contextlib.suppress(OSError):
-                    d.rmdir()
+                    top.rmdir()
+        for d in reversed(self._cgroup_dirs):
             with contextlib.suppress(OSError):
-                top.rmdir()
+                d.rmdir()
+        self._cgroup_dirs = [d for d in self._cgroup_dirs if d.is_dir()]
 
     @staticmethod
     def _remove_cni_cache() -> None:
@@ -720,6 +829,7 @@ def leftovers() -> list[str]:
     for controller in CGROUP_ROOT.iterdir():
         if (controller / "kubepods").is_dir():
             found.append(f"cgroup {controller / 'kubepods'}")
+        found += [f"cgroup {d}" for d in controller.glob(f"{NODE_CGROUP_PREFIX}*")]
     for line in Path("/proc/self/mounts").read_text().splitlines():
         if "/kvtier-nodes-" in line.split()[1]:
             found.append(f"mount {line.split()[1]}")

@@ -1,11 +1,13 @@
-"""charts/kvtier on a real node: `helm install` with the chart's default image (built
+"""charts/kvtier on real nodes (two: a kubelet and a containerd each): `helm install` with the chart's default image (built
 from the Dockerfile by hack/image.sh and imported into the node's containerd), the
 operator running as the chart's Deployment pod, the API server calling the webhook
 through its Service, and a StatefulSet pod in a namespace that enforces PodSecurity
 `restricted` getting the sidecar injected as a native sidecar (an init container with
 restartPolicy Always, started before the engine): the engine container (the project image,
 acting as an engine through the sidecar's client) reaches the sidecar over the shared
-socket volume and maps its arena in the shared memory emptyDir.
+socket volume and maps its arena in the shared memory emptyDir. Two serving pods kept
+apart by anti-affinity run on the two nodes, and one hits KV the other stored, fetched
+over the peer path between the nodes.
 
 Last in the module: the network rule held (its counters are 0) and nothing of the
 cluster's ranges left the machine."""
@@ -22,8 +24,9 @@ import yaml
 
 from kvtier_testenv.kubectl import Helm, Kubectl, KubectlError
 from kvtier_operator import names
-from kvtier_testenv.nodes import POD_CIDR, NodeCluster
+from kvtier_testenv.nodes import NODE_IP, POD_CIDR, NodeCluster, node_pod_cidr
 from kvtier_testenv.polling import WaitTimeout, wait_for
+from kvtier_testenv.redis_fixtures import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvtier"
@@ -35,7 +38,7 @@ POD_READY_TIMEOUT_S = 240.0
 ENGINE_OK = "ENGINE-OK"
 FAULT_STATS = "ENGINE-STATS"
 # The serving namespaces (one per test) and their pods' ServiceAccount.
-SERVING_NAMESPACES = ("serving-inject", "serving-faults", "serving-noimage")
+SERVING_NAMESPACES = ("serving-inject", "serving-faults", "serving-peers", "serving-noimage")
 SERVING_SA = "engine"
 
 # The engine container: the project's image running a stand-in engine that does what a
@@ -117,6 +120,64 @@ while True:
     t["rounds"] += 1
     print("{FAULT_STATS}", json.dumps(t), flush=True)
     time.sleep(0.2)
+"""
+
+
+# The peer test's engines, one StatefulSet of two on two nodes: ordinal 0 (the writer)
+# makes requests over a fixed set of prompts and stores what it prefilled, as the fault
+# engine does; ordinal 1 (the reader) only looks the same prompts up and never stores,
+# so every hit it gets was fetched from the writer's sidecar on the other node (tier
+# "peer"), or, once fetched, kept in its own. Every hit is checked against a recompute.
+PEER_STATS = "PEER-STATS"
+PEER_ENGINE_SCRIPT = f"""
+import json, os, sys, time
+import numpy as np
+from kvtier.identity import ModelIdentity
+from kvtier.keys import block_hashes
+from kvtier.sidecar_config import SidecarConfig
+from kvtier_sidecar.client import SidecarClient, SidecarUnavailable
+
+cfg = SidecarConfig(pod_name=os.environ["POD_NAME"], pod_namespace=os.environ["POD_NAMESPACE"])
+writer = os.environ["POD_NAME"].endswith("-0")
+model_id = json.loads(os.environ["KVTIER_KV_TRANSFER_CONFIG"])["kv_connector_extra_config"]["model_id"]
+root = ModelIdentity(model_id=model_id, weights_version=os.environ["KVTIER_WEIGHTS_VERSION"]).root("tenant-a")
+client = SidecarClient(cfg.engine_socket_path())
+prompts = [np.arange(i * 10_000, i * 10_000 + 5 * cfg.block_size + 7, dtype=np.int64) for i in range(4)]
+t = dict(role="writer" if writer else "reader", rounds=0, requests=0, misses=0, stores=0, wrong=0, errors=0,
+         tiers={{}})
+
+def prefill(tokens, block_bytes):
+    return np.concatenate([np.random.Generator(np.random.PCG64(int.from_bytes(h, "little"))).integers(
+        0, 256, size=block_bytes, dtype=np.uint8) for h in block_hashes(root, tokens, cfg.block_size)])
+
+while True:
+    for tokens in prompts:
+        t["requests"] += 1
+        try:
+            got = client.lookup(root, tokens)
+            if got:
+                try:
+                    bb = client.info["block_bytes"]
+                    dst = np.zeros(len(got.blocks) * bb, np.uint8)
+                    client.materialize(got, dst)
+                    if np.array_equal(dst, prefill(tokens, bb)[: dst.size]):
+                        t["tiers"][got.tier] = t["tiers"].get(got.tier, 0) + 1
+                    else:
+                        t["wrong"] += 1
+                except SidecarUnavailable:
+                    t["misses"] += 1
+                finally:
+                    client.release(got)
+            else:
+                t["misses"] += 1
+                if writer and client.connect():
+                    t["stores"] += bool(client.store(root, tokens, prefill(tokens, client.info["block_bytes"])))
+        except Exception as e:
+            t["errors"] += 1
+            print("ERROR", repr(e), flush=True)
+    t["rounds"] += 1
+    print("{PEER_STATS}", json.dumps(t), flush=True)
+    time.sleep(0.5)
 """
 
 
@@ -232,7 +293,7 @@ def engine_statefulset(ns: str, app: str, image: str, script: str, policy: dict[
 
 def test_helm_install_runs_the_operator_pod_whose_webhook_injects_a_restricted_statefulset(node_cluster, chart):
     kubectl, image, operator, started = chart["kubectl"], chart["image"], chart["operator"], chart["started"]
-    assert operator["spec"]["nodeName"] == node_cluster.node_name
+    assert operator["spec"]["nodeName"] in node_cluster.node_names
     [op_container] = operator["spec"]["containers"]
     assert op_container["image"] == image
     op_status = operator["status"]["containerStatuses"][0]
@@ -361,7 +422,7 @@ def test_faults_on_the_real_node_degrade_to_recompute_never_wrong_kv(node_cluste
 
     # 3. kubelet restarts: the pod and its containers run on.
     rounds = engine_stats(kubectl, ns, name)["rounds"]
-    node_cluster.restart_kubelet()
+    node_cluster.restart_kubelet(kubectl.get_json("-n", ns, "pod", name)["spec"]["nodeName"])
     clean(stats_when("rounds after kubelet's restart", lambda st: st["rounds"] >= rounds + 5))
     assert container_status(kubectl, ns, name, "engine")["restartCount"] == 1
     assert container_status(kubectl, ns, name, names.SIDECAR_CONTAINER)["restartCount"] == 1
@@ -377,13 +438,78 @@ def test_faults_on_the_real_node_degrade_to_recompute_never_wrong_kv(node_cluste
     assert refilled["misses"] >= 1 and refilled["stores"] >= 1, refilled
 
 
+def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_cluster, chart):
+    """Two serving pods of one StatefulSet, kept apart by required anti-affinity, land on
+    the cluster's two nodes (kubelets of their own, containerds of their own, addresses
+    from each node's range). The policy's Redis (a redis-server on the host, on node 0's
+    bridge address) is the global index: the writer's sidecar registers what its engine
+    stored, and the reader's sidecar, on the other node, fetches those blocks from the
+    writer's peer port - encrypted, authenticated with the policy's peer secret, each
+    block's checksum verified - so the reader's engine hits KV it never prefilled.
+    Every hit equals a recompute; nothing fails."""
+    kubectl, image = chart["kubectl"], chart["image"]
+    ns = SERVING_NAMESPACES[2]
+    redis = RedisServer(host=NODE_IP).start()
+    try:
+        kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {
+            "pod-security.kubernetes.io/enforce": "restricted",
+            "pod-security.kubernetes.io/enforce-version": "latest"}}})
+        kubectl.apply({"apiVersion": "v1", "kind": "ServiceAccount",
+                       "metadata": {"name": SERVING_SA, "namespace": ns}})
+        policy = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())
+        policy["metadata"]["namespace"] = ns
+        policy["spec"]["selector"] = {"matchLabels": {"app": "peers"}}
+        policy["spec"].setdefault("tiers", {})["dram"] = {"capacity": "64Mi"}
+        policy["spec"]["redis"] = {"url": redis.url}
+        kubectl.apply(policy)
+        config_map = names.sidecar_config_map(policy["metadata"]["name"])
+        wait_for("the policy's sidecar ConfigMap", lambda: kubectl.run(
+            "-n", ns, "get", "configmap", config_map, check=False).returncode == 0, 120, 0.5)
+        sts = engine_statefulset(ns, "peers", image, PEER_ENGINE_SCRIPT, policy)
+        sts["spec"]["replicas"] = 2
+        sts["spec"]["podManagementPolicy"] = "Parallel"
+        sts["spec"]["template"]["spec"]["affinity"] = {"podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [{
+                "labelSelector": {"matchLabels": {"app": "peers"}}, "topologyKey": "kubernetes.io/hostname"}]}}
+        kubectl.apply(sts)
+        pods = {p["metadata"]["name"]: p for p in wait_pods_ready(kubectl, ns, "app=peers", 2, node_cluster)}
+        writer, reader = pods["peers-0"], pods["peers-1"]
+        # One pod per node, each addressed from its own node's range.
+        assert {writer["spec"]["nodeName"], reader["spec"]["nodeName"]} == set(node_cluster.node_names), \
+            [(p["metadata"]["name"], p["spec"]["nodeName"]) for p in pods.values()]
+        for p in pods.values():
+            index = node_cluster.node_names.index(p["spec"]["nodeName"])
+            assert ipaddress.ip_address(p["status"]["podIP"]) in ipaddress.ip_network(node_pod_cidr(index)), p["status"]
+
+        def stats(pod: str) -> dict[str, Any] | None:
+            out = kubectl.run("-n", ns, "logs", pod, "-c", "engine", "--tail=20", check=False)
+            lines = [line for line in out.stdout.splitlines() if line.startswith(PEER_STATS)]
+            return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
+
+        def fetched() -> dict[str, Any] | None:
+            st = stats("peers-1")
+            return st if st and st["tiers"].get("peer", 0) >= 1 else None
+        try:
+            got = wait_for("the reader's hits fetched from the writer on the other node", fetched, 180, 1.0)
+        except WaitTimeout as e:
+            raise AssertionError(f"{e}; reader {stats('peers-1')}, writer {stats('peers-0')}\n"
+                                 f"{pod_story(kubectl, ns)}\n{node_cluster.describe_logs(20)}") from None
+        wrote = stats("peers-0")
+        for st in (got, wrote):
+            assert st["wrong"] == 0 and st["errors"] == 0, (got, wrote)
+        assert got["stores"] == 0 and wrote["stores"] >= 1, (got, wrote)
+        print(json.dumps({"reader": got, "writer": wrote}))
+    finally:
+        redis.stop()
+
+
 def test_a_sidecar_image_missing_from_the_node_is_named_in_the_policys_status(node_cluster, chart):
     """Runs after the tests that need the image: it deletes the chart's image from the
     node's containerd. A new serving pod's sidecar then cannot start; kubelet says why in
     the pod's events, and the policy's status says it too (SidecarsRunning=False with
     kubelet's reason, a SidecarNotRunning Event) instead of a silent Pending pod."""
     kubectl, image = chart["kubectl"], chart["image"]
-    ns = SERVING_NAMESPACES[2]
+    ns = SERVING_NAMESPACES[3]
     policy = restricted_namespace_with_policy(kubectl, ns, "noimage")
     name = policy["metadata"]["name"]
     node_cluster.remove_image(image)
