@@ -8,3 +8,10 @@ cpdef double _reported_mean(members, occupancy)
 
 @cython.locals(total=cython.double, n=Py_ssize_t)
 cpdef double _dict_mean(members, dict occupancy)
+
+# The gate as an extension type: its fields read as struct fields.
+cdef class _Gate:
+    cdef public object _occ, _spill, _low, _balance_hot, _balance_low
+
+    cpdef hot(self, member)
+    cpdef cool(self, member)

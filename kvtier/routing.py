@@ -91,7 +91,7 @@ def pick_rank(
         state.epoch = table.epoch
     gate = _Gate(table, occupancy)
     sticky = state.moved_to.get(tenant) if state is not None else None
-    sticky_rank = order.index(sticky) if sticky in order else None
+    sticky_rank = order.index(sticky) if sticky is not None and sticky in order else None
 
     chosen = _walk(order, gate, sticky_rank)
     if state is not None:

@@ -318,14 +318,15 @@ class _MemoTable:
 
     `kvtier.routing.pick` recomputes `order_for(tenant)` on every call (a 1 x n score
     row and an argsort); the order is a pure function of the immutable table, so the
-    simulator memoises it. Everything else is read straight from the real table.
+    simulator memoises it. Everything else is read straight from the real table, the
+    members as a tuple (in the table's order: the fleet mean sums them per decision).
     """
 
     __slots__ = ("table", "members", "homes", "epoch", "spill_occupancy", "balance_factor", "hysteresis", "_orders")
 
     def __init__(self, table: AffinityTable) -> None:
         self.table = table
-        self.members, self.homes, self.epoch = table.members, table.homes, table.epoch
+        self.members, self.homes, self.epoch = tuple(table.members), table.homes, table.epoch
         self.spill_occupancy, self.balance_factor = table.spill_occupancy, table.balance_factor
         self.hysteresis = table.hysteresis
         self._orders: dict[str, list[str]] = {}

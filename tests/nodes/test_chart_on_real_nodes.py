@@ -13,9 +13,11 @@ Last in the module: the network rule held (its counters are 0) and nothing of th
 cluster's ranges left the machine."""
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from kvtier_testenv.kubectl import Helm, Kubectl, KubectlError
 from kvtier_operator import names
 from kvtier_testenv.nodes import NODE_IP, POD_CIDR, NodeCluster, node_pod_cidr
 from kvtier_testenv.polling import WaitTimeout, wait_for
+from kvtier_testenv.prometheus import Prometheus, grant_discovery, sidecar_scrape_config
 from kvtier_testenv.redis_fixtures import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -438,7 +441,18 @@ def test_faults_on_the_real_node_degrade_to_recompute_never_wrong_kv(node_cluste
     assert refilled["misses"] >= 1 and refilled["stores"] >= 1, refilled
 
 
-def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_cluster, chart):
+def control_ca_cert(kubectl: Kubectl, path: Path) -> Path:
+    """The control CA the chart's operator made (the Secret its Deployment names), as a
+    file a scrape job trusts."""
+    [deployment] = kubectl.get_json("-n", OPERATOR_NS, "deployments",
+                                    "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+    args = [a for c in deployment["spec"]["template"]["spec"]["containers"] for a in c.get("args", [])]
+    [secret] = [a.split("=", 1)[1] for a in args if a.startswith("--control-ca-secret=")]
+    path.write_bytes(base64.b64decode(kubectl.get_json("-n", OPERATOR_NS, "secret", secret)["data"]["ca.crt"]))
+    return path
+
+
+def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_cluster, chart, tmp_path):
     """Two serving pods of one StatefulSet, kept apart by required anti-affinity, land on
     the cluster's two nodes (kubelets of their own, containerds of their own, addresses
     from each node's range). The policy's Redis (a redis-server on the host, on node 0's
@@ -446,7 +460,9 @@ def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_clust
     stored, and the reader's sidecar, on the other node, fetches those blocks from the
     writer's peer port - encrypted, authenticated with the policy's peer secret, each
     block's checksum verified - so the reader's engine hits KV it never prefilled.
-    Every hit equals a recompute; nothing fails."""
+    Every hit equals a recompute; nothing fails. A Prometheus on the host finds both
+    sidecars through the API server (pod discovery, the chart's relabelling), scrapes
+    them over TLS on their nodes' addresses, and sees the reader's peer hits."""
     kubectl, image = chart["kubectl"], chart["image"]
     ns = SERVING_NAMESPACES[2]
     redis = RedisServer(host=NODE_IP).start()
@@ -499,6 +515,33 @@ def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_clust
             assert st["wrong"] == 0 and st["errors"] == 0, (got, wrote)
         assert got["stores"] == 0 and wrote["stores"] >= 1, (got, wrote)
         print(json.dumps({"reader": got, "writer": wrote}))
+
+        # Prometheus discovers and scrapes the real pods, one per node.
+        discovery = grant_discovery(node_cluster.control_plane, kubectl)
+        prom = Prometheus(tmp_path / "prometheus").configure(
+            [sidecar_scrape_config(discovery, [ns], control_ca_cert(kubectl, tmp_path / "control-ca.crt"))])
+        prom.start()
+        try:
+            def both_up() -> dict[str, dict[str, str]] | None:
+                up = prom.up_targets("kvtier-sidecars")
+                return up if {labels["pod"] for labels in up.values()} == {"peers-0", "peers-1"} else None
+            try:
+                up = wait_for("Prometheus scraping both sidecars", both_up, 120, 1.0)
+            except WaitTimeout as e:
+                raise AssertionError(f"{e}; targets {prom.targets()}\n{prom.log_tail()}") from None
+            hosts = {labels["pod"]: urllib.parse.urlsplit(url).hostname for url, labels in up.items()}
+            assert hosts == {name: p["status"]["podIP"] for name, p in pods.items()}, (hosts, up)
+
+            def peer_hits() -> list[dict[str, Any]]:
+                return prom.query('sum by (pod) (kvtier_hits_total{tier="peer"}) > 0')
+            try:
+                series = wait_for("the reader's peer hits in Prometheus", peer_hits, 60, 1.0)
+            except WaitTimeout as e:
+                raise AssertionError(f"{e}; {prom.query('kvtier_hits_total')}") from None
+            assert [s["metric"]["pod"] for s in series] == ["peers-1"], series
+            assert float(series[0]["value"][1]) >= got["tiers"]["peer"], (series, got)
+        finally:
+            prom.stop()
     finally:
         redis.stop()
 
