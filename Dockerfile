@@ -1,6 +1,7 @@
 # The image the Helm chart runs: the operator (`kvtier-operator`) and the injected
 # sidecar (`kvtier-sidecar`) share it. Non-root, no build tools left behind, and no
-# test environment: testenv/ is a separate project that never enters the image.
+# test environment: testenv/ is a separate project that never enters it (only the
+# test-only `reference-engine` target below, a separate image).
 #
 # BASE_IMAGE is any Debian-based image with Python >= 3.11 and its venv module:
 # python:3.11-slim by default; hack/image.sh builds on a local Debian bookworm rootfs
@@ -24,6 +25,25 @@ COPY apps apps
 RUN python3 -m venv /opt/build && \
     /opt/build/bin/pip wheel --no-cache-dir --wheel-dir /wheels ".[sidecar,operator]"
 
+# The reference engine (`--target reference-engine`): an image for tests only, never
+# pulled by users. The project's sidecar client plus the test environment's
+# OpenAI-compatible engine front (kvtier_testenv.engine_front), whose prefill goes
+# through the pod's own sidecar. hack/image.sh builds it beside the project's image.
+FROM build AS reference-engine-build
+COPY testenv testenv
+RUN /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels ./testenv
+
+FROM ${BASE_IMAGE} AS reference-engine
+RUN useradd --uid 10001 --create-home kvtier
+COPY --from=reference-engine-build /wheels /wheels
+RUN python3 -m venv /opt/kvtier && \
+    /opt/kvtier/bin/pip install --no-cache-dir --no-index --find-links /wheels "kvtier[sidecar]" kvtier-testenv && \
+    rm -rf /wheels
+ENV PATH=/opt/kvtier/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+USER 10001
+ENTRYPOINT ["python", "-m", "kvtier_testenv.engine_front"]
+
+# The project's image: the last stage, what a build without --target makes.
 FROM ${BASE_IMAGE}
 RUN useradd --uid 10001 --create-home kvtier
 COPY --from=build /wheels /wheels

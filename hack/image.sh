@@ -5,6 +5,10 @@
 # default (image.repository in charts/kvtier/values.yaml : the chart's appVersion), which
 # the test clusters import into containerd. Prints the archive's path.
 #
+# Beside it, the same Dockerfile's `reference-engine` target (a test-only image: the
+# reference engine's HTTP front over the sidecar client, tagged ENGINE_REPOSITORY:tag),
+# saved to its own archive whose stamp adds testenv/ to the project image's.
+#
 # The archive is cached under ${KVTIER_CACHE:-$HOME/.cache/kvtier}/image/, named by a
 # content stamp of the build context (every file the Dockerfile can copy, after
 # .dockerignore), the Dockerfile, .dockerignore and the base image: any change to the
@@ -13,6 +17,7 @@
 # Usage:
 #   hack/image.sh                build when the stamp changed; print the archive's path
 #   hack/image.sh --print-path   print the path for the current sources without building
+#   hack/image.sh --print-engine-path   the same for the reference engine's archive
 set -euo pipefail
 KEEP=4
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,6 +29,8 @@ repository=$(sed -n 's/^  repository: *//p' charts/kvtier/values.yaml | head -n1
 tag=$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' charts/kvtier/Chart.yaml)
 [ -n "$repository" ] && [ -n "$tag" ] || die "cannot read image.repository / appVersion from charts/kvtier"
 name=$repository:$tag
+ENGINE_REPOSITORY=localhost/kvtier-reference-engine
+engine_name=$ENGINE_REPOSITORY:$tag
 images=$(bash hack/nodes.sh --print-images-dir)
 base_image=$(sed -n 's/^base_image=//p' "$images/.complete" 2>/dev/null || true)
 
@@ -36,15 +43,22 @@ stamp=$( {
     sort -z | xargs -0 sha256sum
   sha256sum "$images/base.tar" 2>/dev/null | cut -c1-64 || true
 } | sha256sum | cut -c1-16)
+engine_stamp=$( {
+  echo "$stamp"
+  git ls-files -z -co --exclude-standard -- testenv |
+    grep -zv -e '__pycache__/' -e '\.pyc$' -e '\.egg-info/' | sort -z | xargs -0 sha256sum
+} | sha256sum | cut -c1-16)
 cache=${KVTIER_CACHE:-$HOME/.cache/kvtier}/image
 out=$cache/kvtier-$tag-$stamp.tar
+engine_out=$cache/reference-engine-$tag-$engine_stamp.tar
 
 if [ "${1:-}" = "--print-path" ]; then echo "$out"; exit 0; fi
-[ $# -eq 0 ] || { echo "usage: $0 [--print-path]" >&2; exit 2; }
+if [ "${1:-}" = "--print-engine-path" ]; then echo "$engine_out"; exit 0; fi
+[ $# -eq 0 ] || { echo "usage: $0 [--print-path|--print-engine-path]" >&2; exit 2; }
 
-if [ -s "$out" ]; then
-  touch "$out"
-  log "cached: $out ($name)"
+if [ -s "$out" ] && [ -s "$engine_out" ]; then
+  touch "$out" "$engine_out"
+  log "cached: $out ($name), $engine_out ($engine_name)"
   echo "$out"
   exit 0
 fi
@@ -53,7 +67,7 @@ command -v buildah >/dev/null 2>&1 || die "buildah is not installed (hack/nodes.
 mkdir -p "$cache"
 exec 9>"$cache/.lock"
 flock 9
-if [ -s "$out" ]; then echo "$out"; exit 0; fi
+if [ -s "$out" ] && [ -s "$engine_out" ]; then echo "$out"; exit 0; fi
 if ! buildah inspect --type image "$base_image" >/dev/null 2>&1; then
   log "loading the base image $base_image into buildah's storage"
   buildah pull -q "docker-archive:$images/base.tar" >/dev/null
@@ -68,17 +82,24 @@ mounts=()
   mounts+=(--volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro)
 [ -f /etc/pip.conf ] && mounts+=(--volume /etc/pip.conf:/etc/pip.conf:ro)
 started=$(date +%s)
-log "building $name from the Dockerfile on $base_image (stamp $stamp)"
-buildah build --quiet --layers --isolation chroot --network host --pull-never \
-  --build-arg "BASE_IMAGE=$base_image" "${mounts[@]}" \
-  --tag "$name" --file Dockerfile . >/dev/null || die "buildah build failed (see above)"
 tmp=$(mktemp "$cache/.kvtier-XXXXXX.tar")
 trap 'rm -f "$tmp"' EXIT
-rm -f "$tmp"
-buildah push -q "$name" "docker-archive:$tmp:$name" >/dev/null
-mv "$tmp" "$out"
-# Older stamps: the newest KEEP stay (other checkouts may be on them).
+# build TARGET NAME ARCHIVE: one target of the Dockerfile (the layers the two share are
+# built once), saved as a docker-archive tagged NAME.
+build() {
+  log "building $2 from the Dockerfile${1:+ (target $1)} on $base_image"
+  buildah build --quiet --layers --isolation chroot --network host --pull-never \
+    --build-arg "BASE_IMAGE=$base_image" "${mounts[@]}" ${1:+--target "$1"} \
+    --tag "$2" --file Dockerfile . >/dev/null || die "buildah build of $2 failed (see above)"
+  rm -f "$tmp"
+  buildah push -q "$2" "docker-archive:$tmp:$2" >/dev/null
+  mv "$tmp" "$3"
+}
+[ -s "$out" ] || build "" "$name" "$out"
+[ -s "$engine_out" ] || build reference-engine "$engine_name" "$engine_out"
+# Older stamps: the newest KEEP of each stay (other checkouts may be on them).
 ls -1t "$cache"/kvtier-*.tar 2>/dev/null | tail -n +$((KEEP + 1)) | xargs -r rm -f
+ls -1t "$cache"/reference-engine-*.tar 2>/dev/null | tail -n +$((KEEP + 1)) | xargs -r rm -f
 buildah images --filter dangling=true -q | xargs -r buildah rmi >/dev/null 2>&1 || true
-log "built in $(($(date +%s) - started))s: $out ($name)"
+log "built in $(($(date +%s) - started))s: $out ($name), $engine_out ($engine_name)"
 echo "$out"

@@ -12,8 +12,8 @@
 #   - what a real node needs (hack/nodes.sh): containerd, runc, CNI plugins, iptables,
 #     buildah, mmdebstrap from Debian; kubelet, kube-proxy, kube-scheduler from the same
 #     Kubernetes module; the pause image and a Debian base image, likewise cached,
-#   - the project's image built from the Dockerfile (hack/image.sh), rebuilt when its
-#     sources change,
+#   - the project's image and the test-only reference engine's image, both built from
+#     the Dockerfile (hack/image.sh), rebuilt when their sources change,
 #   - vLLM's CPU build in its own venv, cached the same way (hack/vllm.sh),
 #   - the Go modules of the router package (router/), in Go's module cache.
 # A second run is a no-op that takes a few seconds.
@@ -77,7 +77,7 @@ if [ "${KVTIER_SKIP_CONTROLPLANE:-0}" != 1 ]; then
   bash hack/controlplane.sh
   bash hack/prometheus.sh
 fi
-# --- A real node (tests/nodes: kubelet + containerd running the chart's image) ----------
+# --- Real nodes (tests/nodes: kubelets + containerds running the chart's image) --------
 # KVTIER_SKIP_NODES=1 is for quick dev loops only: the real-node tests fail without it.
 if [ "${KVTIER_SKIP_NODES:-0}" != 1 ]; then
   bash hack/nodes.sh >/dev/null

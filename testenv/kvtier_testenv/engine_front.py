@@ -3,8 +3,8 @@ container (the node agent runs it next to the injected sidecar): `POST /v1/compl
 with a prompt of token ids runs the reference engine's prefill through the pod's own
 sidecar, as the vLLM connector would — look the prompt up, load a hit, report, and store
 the KV of every whole block the sidecar did not give (`synthetic.prefill_kv`: the KV is
-a pure function of the key root and the tokens, so a test can check bytes against a
-recompute). The request's `cache_salt` names the tenant (the connector's rule), and its
+a pure function of the key root and the tokens). Every hit's loaded bytes are checked
+against that recompute: a mismatch is answered 500 and never computed with. The request's `cache_salt` names the tenant (the connector's rule), and its
 `kv_transfer_params` may mark it as the rollout's warm-up (`names.is_warmup`, as the
 connector reads it): its lookup then carries purpose "warmup" and it is not reported,
 so the sidecar counts it apart from traffic. What the rollout's warm-before-ready
@@ -56,6 +56,7 @@ class ReferenceEngine:
         self.socket, self.served, self.delay_s = socket, served, delay_s
         self.lock = threading.Lock()
         self.completions = 0
+        self.wrong = 0  # hits whose bytes were not the prefill (answered 500, never used)
 
     def root(self, tenant: str) -> KeyRoot:
         return self.identity.root(tenant)
@@ -75,12 +76,18 @@ class ReferenceEngine:
         root = self.root(tenant)
         client = SidecarClient(self.socket)
         try:
-            hit, _loaded = engine_io.request(client, root, tokens, self.block_bytes, warmup=warmup)
+            hit, loaded = engine_io.request(client, root, tokens, self.block_bytes, warmup=warmup)
             matched = hit.matched_tokens if isinstance(hit, EngineHit) else 0
             client.release(hit)
+            kv = prefill_kv(root, tokens, self.block_size, self.block_bytes)
+            if loaded is not None and not np.array_equal(loaded, kv[: loaded.size]):
+                # What an engine would compute with: never serve it.
+                with self.lock:
+                    self.wrong += 1
+                raise WrongKV(f"the {matched} tokens loaded from kvtier differ from their prefill")
             whole = len(tokens) // self.block_size * self.block_size
             if whole > matched:
-                client.store(root, tokens, prefill_kv(root, tokens, self.block_size, self.block_bytes))
+                client.store(root, tokens, kv)
         finally:
             client.close()
         with self.lock:
@@ -89,6 +96,10 @@ class ReferenceEngine:
                 "model": self.served, "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
                 "usage": {"prompt_tokens": int(len(tokens)), "completion_tokens": 1,
                           "total_tokens": int(len(tokens)) + 1, "cached_tokens": int(matched)}}
+
+
+class WrongKV(Exception):
+    """A hit whose bytes are not the prompt's prefill."""
 
 
 def _handler(engine: ReferenceEngine) -> type[BaseHTTPRequestHandler]:
@@ -136,7 +147,7 @@ def _handler(engine: ReferenceEngine) -> type[BaseHTTPRequestHandler]:
             warmup = names.is_warmup(body.get(names.KV_TRANSFER_PARAMS_FIELD))
             try:
                 answer = engine.complete(np.asarray(prompt, dtype=np.uint32), salt or DEFAULT_TENANT, warmup)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, WrongKV) as exc:
                 return self._error(500, f"prefill failed: {exc}")
             self._send(200, answer)
 

@@ -20,8 +20,8 @@ What it sets up, and takes down again (`stop()`), leaving nothing behind:
   a test checks stay 0;
 - per node, a containerd with its own root, state, socket and CNI config under the
   cluster's temp dir (`restrict_oom_score_adj`, since this VM cannot lower
-  oom_score_adj; runc with cgroupfs), the pause image and the project's image imported
-  into it (no registry is reachable: pods name them with pullPolicy IfNotPresent/Never);
+  oom_score_adj; runc with cgroupfs), the pause image, the project's image and the
+  test-only reference engine's image imported into it (no registry is reachable: pods name them with pullPolicy IfNotPresent/Never);
 - the bridge + host-local CNI plugins (each node's addresses from its own range, kept
   under the temp dir);
 - per node, a kubelet (cgroupfs, swap allowed, webhook authentication and authorization
@@ -86,6 +86,8 @@ NODE_IP = "198.18.0.1"
 GUARD_CHAIN = "KVTIER-GUARD"
 NODE_NAME = "kvtier-node-0"
 NODE_CGROUP_PREFIX = "kvtier-node-"
+ENGINE_REPOSITORY = "localhost/kvtier-reference-engine"
+"""The reference engine's image, as hack/image.sh tags it (tag: the chart's appVersion)."""
 CNI_NETWORK = "kvtier"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 CONTAINERD = "/usr/bin/containerd"
@@ -143,6 +145,8 @@ class NodeArtifacts:
     kube_scheduler: Path
     pause_tar: Path
     project_image_tar: Path
+    engine_image_tar: Path
+    """The Dockerfile's test-only `reference-engine` target (kvtier_testenv.engine_front)."""
 
 
 def _script_output(script: Path, flag: str) -> Path:
@@ -157,10 +161,12 @@ def find_artifacts() -> NodeArtifacts:
     bin_dir = _script_output(NODES_SCRIPT, "--print-bin-dir")
     images = _script_output(NODES_SCRIPT, "--print-images-dir")
     image = _script_output(IMAGE_SCRIPT, "--print-path")
+    engine = _script_output(IMAGE_SCRIPT, "--print-engine-path")
     found = NodeArtifacts(bin_dir / "kubelet", bin_dir / "kube-proxy", bin_dir / "kube-scheduler",
-                          images / "pause.tar", image)
+                          images / "pause.tar", image, engine)
     missing = [str(p) for p in (found.kubelet, found.kube_proxy, found.kube_scheduler) if not os.access(p, os.X_OK)]
-    missing += [str(p) for p in (found.pause_tar, found.project_image_tar) if not p.is_file()]
+    missing += [str(p) for p in (found.pause_tar, found.project_image_tar, found.engine_image_tar)
+                if not p.is_file()]
     for tool in (CONTAINERD, CTR, RUNC, f"{CNI_BIN_DIR}/bridge", f"{CNI_BIN_DIR}/host-local"):
         if not os.access(tool, os.X_OK):
             missing.append(tool)
@@ -590,7 +596,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
     def _import_images(self) -> None:
         """Into every node's containerd, the nodes side by side."""
         def into(node: _Node) -> None:
-            for tar in (self.artifacts.pause_tar, self.artifacts.project_image_tar):
+            for tar in (self.artifacts.pause_tar, self.artifacts.project_image_tar, self.artifacts.engine_image_tar):
                 self._ctr(node, "images", "import", str(tar), timeout=IMAGE_IMPORT_TIMEOUT_S)
         with concurrent.futures.ThreadPoolExecutor(len(self.nodes)) as pool:
             for f in [pool.submit(into, node) for node in self.nodes]:

@@ -17,7 +17,9 @@ import base64
 import ipaddress
 import json
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +27,9 @@ import pytest
 import yaml
 
 from kvtier_testenv.kubectl import Helm, Kubectl, KubectlError
+from kvtier.policy import KVCachePolicySpec, kv_block_bytes
 from kvtier_operator import names
-from kvtier_testenv.nodes import NODE_IP, POD_CIDR, NodeCluster, node_pod_cidr
+from kvtier_testenv.nodes import ENGINE_REPOSITORY, NODE_IP, POD_CIDR, NodeCluster, node_pod_cidr
 from kvtier_testenv.polling import WaitTimeout, wait_for
 from kvtier_testenv.prometheus import Prometheus, grant_discovery, sidecar_scrape_config
 from kvtier_testenv.redis_fixtures import RedisServer
@@ -41,7 +44,7 @@ POD_READY_TIMEOUT_S = 240.0
 ENGINE_OK = "ENGINE-OK"
 FAULT_STATS = "ENGINE-STATS"
 # The serving namespaces (one per test) and their pods' ServiceAccount.
-SERVING_NAMESPACES = ("serving-inject", "serving-faults", "serving-peers", "serving-noimage")
+SERVING_NAMESPACES = ("serving-inject", "serving-faults", "serving-peers", "serving-engine", "serving-noimage")
 SERVING_SA = "engine"
 
 # The engine container: the project's image running a stand-in engine that does what a
@@ -546,13 +549,68 @@ def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_clust
         redis.stop()
 
 
+def post_json(url: str, body: Any) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_the_reference_engine_image_serves_completions_from_its_pods_sidecar(node_cluster, chart):
+    """The Dockerfile's test-only `reference-engine` target, a container image of the
+    reference engine's OpenAI-compatible front, runs as a restricted pod's engine next to
+    its injected sidecar. Completions sent from the host to the pod's address: the first
+    sightings prefill and store, then the same prompt is served from the sidecar (its
+    whole blocks as cached tokens), every hit checked by the engine against a recompute
+    (a mismatch would be a 500); a malformed request is a 400 and the engine serves on."""
+    kubectl = chart["kubectl"]
+    [engine_image] = [ref for ref in node_cluster.images() if ref.startswith(ENGINE_REPOSITORY + ":")]
+    ns = SERVING_NAMESPACES[3]
+    policy = restricted_namespace_with_policy(kubectl, ns, "front")
+    spec = KVCachePolicySpec.model_validate(policy["spec"])
+    port = 8000
+    sts = engine_statefulset(ns, "front", engine_image, "", policy)
+    [container] = sts["spec"]["template"]["spec"]["containers"]
+    del container["command"]  # the image's entrypoint: the engine front
+    container.update({
+        "args": ["--port", str(port), "--block-bytes", str(kv_block_bytes(spec))],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "ports": [{"name": "http", "containerPort": port}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 1}})
+    kubectl.apply(sts)
+    [pod] = wait_pods_ready(kubectl, ns, "app=front", 1, node_cluster)
+    url = f"http://{pod['status']['podIP']}:{port}/v1/completions"
+    prompt = list(range(1_000, 1_000 + 6 * spec.block_size + 5))
+    body = {"model": spec.model.id, "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-a"}
+
+    answers: list[dict[str, Any]] = []
+
+    def served_from_cache() -> dict[str, Any] | None:
+        status, answer = post_json(url, body)
+        assert status == 200, (status, answer)
+        answers.append(answer)
+        return answer if answer["usage"]["cached_tokens"] > 0 else None
+    try:
+        hit = wait_for("a completion served from the sidecar", served_from_cache, 60, 0.5)
+    except WaitTimeout as e:
+        raise AssertionError(f"{e}; answers {[a['usage'] for a in answers]}\n{pod_story(kubectl, ns)}") from None
+    assert answers[0]["usage"]["cached_tokens"] == 0, answers[0]
+    assert hit["usage"]["cached_tokens"] == len(prompt) // spec.block_size * spec.block_size, hit["usage"]
+    status, answer = post_json(url, {"model": spec.model.id, "prompt": "not token ids"})
+    assert status == 400 and "prompt" in answer["error"]["message"], (status, answer)
+    status, answer = post_json(url, body)
+    assert status == 200 and answer["usage"]["cached_tokens"] == hit["usage"]["cached_tokens"], (status, answer)
+
+
 def test_a_sidecar_image_missing_from_the_node_is_named_in_the_policys_status(node_cluster, chart):
     """Runs after the tests that need the image: it deletes the chart's image from the
     node's containerd. A new serving pod's sidecar then cannot start; kubelet says why in
     the pod's events, and the policy's status says it too (SidecarsRunning=False with
     kubelet's reason, a SidecarNotRunning Event) instead of a silent Pending pod."""
     kubectl, image = chart["kubectl"], chart["image"]
-    ns = SERVING_NAMESPACES[3]
+    ns = SERVING_NAMESPACES[4]
     policy = restricted_namespace_with_policy(kubectl, ns, "noimage")
     name = policy["metadata"]["name"]
     node_cluster.remove_image(image)
