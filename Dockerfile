@@ -29,8 +29,10 @@ RUN python3 -m venv /opt/build && \
 # pulled by users. The project's sidecar client plus the test environment's
 # OpenAI-compatible engine front (kvtier_testenv.engine_front), whose prefill goes
 # through the pod's own sidecar. hack/image.sh builds it beside the project's image.
+# Only the engine front's modules (hack/image.sh stamps exactly these COPY lines' files).
 FROM build AS reference-engine-build
-COPY testenv testenv
+COPY testenv/pyproject.toml testenv/
+COPY testenv/kvtier_testenv/__init__.py testenv/kvtier_testenv/engine_front.py testenv/kvtier_testenv/engine_io.py testenv/kvtier_testenv/synthetic.py testenv/kvtier_testenv/
 RUN /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels ./testenv
 
 FROM ${BASE_IMAGE} AS reference-engine

@@ -7,7 +7,8 @@
 #
 # Beside it, the same Dockerfile's `reference-engine` target (a test-only image: the
 # reference engine's HTTP front over the sidecar client, tagged ENGINE_REPOSITORY:tag),
-# saved to its own archive whose stamp adds testenv/ to the project image's.
+# saved to its own archive whose stamp adds the testenv/ files it copies to the
+# project image's.
 #
 # The archive is cached under ${KVTIER_CACHE:-$HOME/.cache/kvtier}/image/, named by a
 # content stamp of the build context (every file the Dockerfile can copy, after
@@ -43,10 +44,10 @@ stamp=$( {
     sort -z | xargs -0 sha256sum
   sha256sum "$images/base.tar" 2>/dev/null | cut -c1-64 || true
 } | sha256sum | cut -c1-16)
+# The engine's stamp adds the testenv/ files the Dockerfile's COPY lines name.
 engine_stamp=$( {
   echo "$stamp"
-  git ls-files -z -co --exclude-standard -- testenv |
-    grep -zv -e '__pycache__/' -e '\.pyc$' -e '\.egg-info/' | sort -z | xargs -0 sha256sum
+  grep -o 'testenv/[A-Za-z0-9_./-]*\.\(py\|toml\)' Dockerfile | sort -u | xargs sha256sum
 } | sha256sum | cut -c1-16)
 cache=${KVTIER_CACHE:-$HOME/.cache/kvtier}/image
 out=$cache/kvtier-$tag-$stamp.tar

@@ -28,7 +28,8 @@ What it sets up, and takes down again (`stop()`), leaving nothing behind:
   against the API server, its client certificate system:node:<name> for the Node
   authorizer, root, pod logs and volume plugins under the temp dir; node i > 0 under
   the cgroup root `/kvtier-node-<i>`, so that no kubelet takes another's pod cgroups
-  for orphans); kube-proxy in iptables mode, kube-scheduler.
+  for orphans, and with `SMALL_NODE_MEMORY` allocatable); kube-proxy in iptables mode,
+  kube-scheduler.
 
 `stop()` deletes the pods (kubelet unmounts their volumes, CNI frees their addresses,
 containerd removes their network namespaces), stops every process by its pid, then
@@ -86,6 +87,9 @@ NODE_IP = "198.18.0.1"
 GUARD_CHAIN = "KVTIER-GUARD"
 NODE_NAME = "kvtier-node-0"
 NODE_CGROUP_PREFIX = "kvtier-node-"
+SMALL_NODE_MEMORY = 4 << 30
+"""Node i > 0's allocatable memory (the rest of the host's reserved for the system):
+nodes of different sizes, as a real pool has, so DRAM fit is judged per node."""
 ENGINE_REPOSITORY = "localhost/kvtier-reference-engine"
 """The reference engine's image, as hack/image.sh tags it (tag: the chart's appVersion)."""
 CNI_NETWORK = "kvtier"
@@ -652,9 +656,13 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         kdir.mkdir(parents=True)
         node.healthz_port = free_port()
         config = node.dir / "kubelet.yaml"
-        root = {"cgroupRoot": node.cgroup_root} if node.cgroup_root else {}
+        small = {}
+        if node.cgroup_root:
+            total = _mem_total_bytes()
+            small = {"cgroupRoot": node.cgroup_root,
+                     "systemReserved": {"memory": str(max(total - SMALL_NODE_MEMORY, 0))}}
         config.write_text(json.dumps({
-            **root,
+            **small,
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",
             "cgroupDriver": "cgroupfs",
@@ -808,6 +816,13 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             for f in results.glob(f"{CNI_NETWORK}-*"):
                 with contextlib.suppress(OSError):
                     f.unlink()
+
+
+def _mem_total_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise NodeError("no MemTotal in /proc/meminfo")
 
 
 def _pids_with_arg(arg: str) -> list[int]:

@@ -604,6 +604,57 @@ def test_the_reference_engine_image_serves_completions_from_its_pods_sidecar(nod
     assert status == 200 and answer["usage"]["cached_tokens"] == hit["usage"]["cached_tokens"], (status, answer)
 
 
+def memory_bytes(quantity: str) -> int:
+    """A memory quantity as kubelet reports it (plain bytes or a binary suffix)."""
+    for suffix, shift in (("Ki", 10), ("Mi", 20), ("Gi", 30)):
+        if quantity.endswith(suffix):
+            return int(quantity[: -len(suffix)]) << shift
+    return int(quantity)
+
+
+def test_dram_fit_is_judged_on_each_real_nodes_allocatable_memory(node_cluster, chart):
+    """The nodes differ in size (node 1 keeps SMALL_NODE_MEMORY allocatable, node 0 the
+    host's). A policy whose sidecar needs more than node 1 has, for pods that can only go
+    to node 1: the scheduler leaves the pod Pending, and the policy's DramFits names node 1
+    with the allocatable memory its kubelet reports, while a policy that fits says so."""
+    kubectl, image = chart["kubectl"], chart["image"]
+    small = node_cluster.node_names[1]
+    allocatable = kubectl.get_json("node", small)["status"]["allocatable"]["memory"]
+    ns = "serving-big"
+    kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {
+        "pod-security.kubernetes.io/enforce": "restricted",
+        "pod-security.kubernetes.io/enforce-version": "latest"}}})
+    kubectl.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": SERVING_SA, "namespace": ns}})
+    policy = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())
+    policy["metadata"].update(name="big", namespace=ns)
+    policy["spec"]["selector"] = {"matchLabels": {"app": "big"}}
+    # More than node 1's allocatable, less than the host's (node 0).
+    policy["spec"].setdefault("tiers", {})["dram"] = {"capacity": "5Gi"}
+    kubectl.apply(policy)
+    config_map = names.sidecar_config_map("big")
+    wait_for("the policy's sidecar ConfigMap", lambda: kubectl.run(
+        "-n", ns, "get", "configmap", config_map, check=False).returncode == 0, 120, 0.5)
+    sts = engine_statefulset(ns, "big", image, ENGINE_SCRIPT, policy)
+    sts["spec"]["template"]["spec"]["nodeSelector"] = {"kubernetes.io/hostname": small}
+    kubectl.apply(sts)
+
+    def dram_fits() -> dict[str, Any] | None:
+        status = kubectl.get_json("-n", ns, "kvcp", "big").get("status") or {}
+        cond = next((c for c in status.get("conditions", []) if c["type"] == "DramFits"), None)
+        return cond if cond and cond["status"] == "False" else None
+    try:
+        cond = wait_for("DramFits=False naming the small node", dram_fits, 120, 0.5)
+    except WaitTimeout as e:
+        raise AssertionError(f"{e}\n{pod_story(kubectl, ns)}") from None
+    assert cond["reason"] == "NodeTooSmall", cond
+    assert f"big-0 (none of {small} ({memory_bytes(allocatable)} bytes)" in cond["message"], (allocatable, cond)
+    [pod] = kubectl.get_json("-n", ns, "pods", "-l", "app=big")["items"]
+    assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName"), pod["status"]
+    # The policies whose pods run fit where they run.
+    fits = kubectl.get_json("-n", SERVING_NAMESPACES[2], "kvcp", "minimal")["status"]["conditions"]
+    assert any(c["type"] == "DramFits" and c["status"] == "True" for c in fits), fits
+
+
 def test_a_sidecar_image_missing_from_the_node_is_named_in_the_policys_status(node_cluster, chart):
     """Runs after the tests that need the image: it deletes the chart's image from the
     node's containerd. A new serving pod's sidecar then cannot start; kubelet says why in
