@@ -14,6 +14,7 @@
 #     Kubernetes module; the pause image and a Debian base image, likewise cached,
 #   - the project's image and the test-only reference engine's image, both built from
 #     the Dockerfile (hack/image.sh), rebuilt when their sources change,
+#   - CoreDNS, the test cluster's DNS, from its Go module (hack/coredns.sh), cached,
 #   - vLLM's CPU build in its own venv, cached the same way (hack/vllm.sh),
 #   - the Go modules of the router package (router/), in Go's module cache.
 # A second run is a no-op that takes a few seconds.
@@ -82,6 +83,7 @@ fi
 if [ "${KVTIER_SKIP_NODES:-0}" != 1 ]; then
   bash hack/nodes.sh >/dev/null
   bash hack/image.sh >/dev/null
+  bash hack/coredns.sh >/dev/null
 fi
 
 # --- vLLM (CPU build) for the connector's tests, in its own cached venv --------------

@@ -22,6 +22,9 @@ What it sets up, and takes down again (`stop()`), leaving nothing behind:
   cluster's temp dir (`restrict_oom_score_adj`, since this VM cannot lower
   oom_score_adj; runc with cgroupfs), the pause image, the project's image and the
   test-only reference engine's image imported into it (no registry is reachable: pods name them with pullPolicy IfNotPresent/Never);
+- CoreDNS (hack/coredns.sh) as the cluster DNS, a host process on node 0's address
+  reading Services and pods from the API server as `system:coredns`; every kubelet
+  names it (clusterDNS), so pods resolve `<service>.<namespace>.svc.cluster.local`;
 - the bridge + host-local CNI plugins (each node's addresses from its own range, kept
   under the temp dir);
 - per node, a kubelet (cgroupfs, swap allowed, webhook authentication and authorization
@@ -50,9 +53,12 @@ import contextlib
 import ipaddress
 import json
 import os
+import random
 import re
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import tempfile
 import time
@@ -75,6 +81,7 @@ from kvtier_testenv.ports import free_port
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NODES_SCRIPT = REPO_ROOT / "hack" / "nodes.sh"
 IMAGE_SCRIPT = REPO_ROOT / "hack" / "image.sh"
+COREDNS_SCRIPT = REPO_ROOT / "hack" / "coredns.sh"
 
 BRIDGE = "kvtier0"
 GUARDED_RANGE = "198.18.0.0/15"
@@ -87,6 +94,15 @@ NODE_IP = "198.18.0.1"
 GUARD_CHAIN = "KVTIER-GUARD"
 NODE_NAME = "kvtier-node-0"
 NODE_CGROUP_PREFIX = "kvtier-node-"
+CLUSTER_DOMAIN = "cluster.local"
+DNS_IP = NODE_IP
+"""CoreDNS listens on node 0's address, port 53: the cluster DNS every kubelet names."""
+DNS_READY_TIMEOUT_S = 30.0
+# What CoreDNS' kubernetes plugin reads (kubeadm's system:coredns role).
+COREDNS_RULES = [
+    {"apiGroups": [""], "resources": ["endpoints", "services", "pods", "namespaces"], "verbs": ["list", "watch"]},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+]
 SMALL_NODE_MEMORY = 4 << 30
 """Node i > 0's allocatable memory (the rest of the host's reserved for the system):
 nodes of different sizes, as a real pool has, so DRAM fit is judged per node."""
@@ -151,6 +167,7 @@ class NodeArtifacts:
     project_image_tar: Path
     engine_image_tar: Path
     """The Dockerfile's test-only `reference-engine` target (kvtier_testenv.engine_front)."""
+    coredns: Path
 
 
 def _script_output(script: Path, flag: str) -> Path:
@@ -166,9 +183,11 @@ def find_artifacts() -> NodeArtifacts:
     images = _script_output(NODES_SCRIPT, "--print-images-dir")
     image = _script_output(IMAGE_SCRIPT, "--print-path")
     engine = _script_output(IMAGE_SCRIPT, "--print-engine-path")
+    coredns = _script_output(COREDNS_SCRIPT, "--print-path")
     found = NodeArtifacts(bin_dir / "kubelet", bin_dir / "kube-proxy", bin_dir / "kube-scheduler",
-                          images / "pause.tar", image, engine)
-    missing = [str(p) for p in (found.kubelet, found.kube_proxy, found.kube_scheduler) if not os.access(p, os.X_OK)]
+                          images / "pause.tar", image, engine, coredns)
+    missing = [str(p) for p in (found.kubelet, found.kube_proxy, found.kube_scheduler, found.coredns)
+               if not os.access(p, os.X_OK)]
     missing += [str(p) for p in (found.pause_tar, found.project_image_tar, found.engine_image_tar)
                 if not p.is_file()]
     for tool in (CONTAINERD, CTR, RUNC, f"{CNI_BIN_DIR}/bridge", f"{CNI_BIN_DIR}/host-local"):
@@ -177,7 +196,7 @@ def find_artifacts() -> NodeArtifacts:
     if missing:
         raise binaries.ControlPlaneBinariesMissing(
             f"real-node pieces missing: {', '.join(missing)}. Run scripts/setup.sh "
-            "(hack/nodes.sh and hack/image.sh) to make them; the project image is rebuilt "
+            "(hack/nodes.sh, hack/image.sh, hack/coredns.sh) to make them; the project image is rebuilt "
             "whenever its sources change.")
     return found
 
@@ -336,6 +355,7 @@ class NodeCluster:
             self.timings["images_imported_after_s"] = time.monotonic() - t0
             t2 = time.monotonic()
             self._start_scheduler()
+            self._start_coredns()
             for node in self.nodes:
                 self._start_kubelet(node)
             self._start_kube_proxy()
@@ -633,6 +653,54 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             "--v=1",
         ])
 
+    def _start_coredns(self) -> None:
+        """CoreDNS (hack/coredns.sh) as the cluster DNS, a process of the host on node 0's
+        address like the control plane (there is no registry to pull its image from):
+        Service and pod names from the API server, read as `system:coredns` with
+        kubeadm's rules; no upstream (a name outside the cluster is NXDOMAIN, never a
+        query leaving the machine). Ready once a query is answered (its /ready answers
+        before the DNS port is open)."""
+        kubectl = [str(self.bins.kubectl), "--kubeconfig", str(self.kubeconfig)]
+        role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                "metadata": {"name": "system:coredns"}, "rules": COREDNS_RULES}
+        binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+                   "metadata": {"name": "system:coredns"},
+                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                               "name": "system:coredns"},
+                   "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                                 "name": "system:coredns"}]}
+        for obj in (role, binding):
+            out = subprocess.run([*kubectl, "apply", "-f", "-"], input=json.dumps(obj), capture_output=True,
+                                 text=True, timeout=60)
+            if out.returncode != 0:
+                raise NodeError(f"kubectl apply {obj['kind']} failed: {out.stderr.strip()}")
+        kubeconfig = self._node_kubeconfig("coredns", "system:coredns", ())
+        corefile = self.dir / "Corefile"
+        corefile.write_text(f""".:53 {{
+    bind {DNS_IP}
+    errors
+    ready 127.0.0.1:{free_port()}
+    kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
+        kubeconfig {kubeconfig}
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+    }}
+    cache 5
+    loadbalance
+}}
+""")
+        p = self._spawn("coredns", [str(self.artifacts.coredns), "-conf", str(corefile)])
+        name = f"kubernetes.default.svc.{CLUSTER_DOMAIN}"
+
+        def answers() -> bool:
+            if p.proc.poll() is not None:
+                raise NodeError(f"coredns exited with {p.proc.returncode}:\n{log_tail(p.log)}")
+            return dns_a(name, DNS_IP) is not None
+        try:
+            wait_for(f"CoreDNS answering {name}", answers, DNS_READY_TIMEOUT_S, 0.2)
+        except WaitTimeout as e:
+            raise NodeError(f"{e}\n{log_tail(p.log)}") from None
+
     def _make_cgroup_roots(self) -> None:
         """Node i > 0's cgroup root in every hierarchy, cpuset's CPUs and memory nodes
         inherited (kubelet refuses a root that does not exist)."""
@@ -687,6 +755,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
             "serializeImagePulls": False,
+            "clusterDNS": [DNS_IP],
+            "clusterDomain": CLUSTER_DOMAIN,
             "registerNode": True,
             "nodeStatusUpdateFrequency": "4s",
             "syncFrequency": "5s",
@@ -816,6 +886,35 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             for f in results.glob(f"{CNI_NETWORK}-*"):
                 with contextlib.suppress(OSError):
                     f.unlink()
+
+
+def dns_a(name: str, server: str, timeout_s: float = 1.0) -> str | None:
+    """The first A record a DNS server at `server`:53 gives for `name` (one UDP query),
+    or None: no answer in time, or none in it."""
+    qid = random.randrange(1 << 16)
+    question = b"".join(bytes([len(p)]) + p.encode() for p in name.rstrip(".").split(".")) + b"\0"
+    query = struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + question + struct.pack(">HH", 1, 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.sendto(query, (server, 53))
+            reply = sock.recv(4096)
+        except OSError:
+            return None
+    rid, flags, _qd, ancount = struct.unpack(">HHHH", reply[:8])
+    if rid != qid or flags & 0xF or not ancount:
+        return None
+    at = 12 + len(question) + 4
+    for _ in range(ancount):
+        while reply[at] and reply[at] < 0xC0:  # a name: labels, or a pointer
+            at += reply[at] + 1
+        at += 2 if reply[at] >= 0xC0 else 1
+        rtype, _cls, _ttl, length = struct.unpack(">HHIH", reply[at : at + 10])
+        at += 10
+        if rtype == 1 and length == 4:
+            return socket.inet_ntoa(reply[at : at + 4])
+        at += length
+    return None
 
 
 def _mem_total_bytes() -> int:

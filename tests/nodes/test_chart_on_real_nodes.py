@@ -29,7 +29,9 @@ import yaml
 from kvtier_testenv.kubectl import Helm, Kubectl, KubectlError
 from kvtier.policy import KVCachePolicySpec, kv_block_bytes
 from kvtier_operator import names
-from kvtier_testenv.nodes import ENGINE_REPOSITORY, NODE_IP, POD_CIDR, NodeCluster, node_pod_cidr
+from kvtier_testenv.nodes import (
+    CLUSTER_DOMAIN, DNS_IP, ENGINE_REPOSITORY, NODE_IP, POD_CIDR, NodeCluster, dns_a, node_pod_cidr,
+)
 from kvtier_testenv.polling import WaitTimeout, wait_for
 from kvtier_testenv.prometheus import Prometheus, grant_discovery, sidecar_scrape_config
 from kvtier_testenv.redis_fixtures import RedisServer
@@ -459,7 +461,9 @@ def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_clust
     """Two serving pods of one StatefulSet, kept apart by required anti-affinity, land on
     the cluster's two nodes (kubelets of their own, containerds of their own, addresses
     from each node's range). The policy's Redis (a redis-server on the host, on node 0's
-    bridge address) is the global index: the writer's sidecar registers what its engine
+    bridge address) is the global index, named as users name it: a Service (its
+    EndpointSlice the host's address) whose name the sidecars resolve through the cluster
+    DNS and reach through kube-proxy's rules. the writer's sidecar registers what its engine
     stored, and the reader's sidecar, on the other node, fetches those blocks from the
     writer's peer port - encrypted, authenticated with the policy's peer secret, each
     block's checksum verified - so the reader's engine hits KV it never prefilled.
@@ -479,7 +483,18 @@ def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_clust
         policy["metadata"]["namespace"] = ns
         policy["spec"]["selector"] = {"matchLabels": {"app": "peers"}}
         policy["spec"].setdefault("tiers", {})["dram"] = {"capacity": "64Mi"}
-        policy["spec"]["redis"] = {"url": redis.url}
+        # Redis as a Service: a selectorless one whose EndpointSlice is the host's server.
+        kubectl.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "redis", "namespace": ns},
+                       "spec": {"ports": [{"name": "redis", "port": 6379, "targetPort": redis.port}]}})
+        kubectl.apply({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                       "metadata": {"name": "redis-host", "namespace": ns,
+                                    "labels": {"kubernetes.io/service-name": "redis"}},
+                       "addressType": "IPv4", "endpoints": [{"addresses": [NODE_IP]}],
+                       "ports": [{"name": "redis", "port": redis.port, "protocol": "TCP"}]})
+        service = f"redis.{ns}.svc.{CLUSTER_DOMAIN}"
+        cluster_ip = kubectl.get_json("-n", ns, "service", "redis")["spec"]["clusterIP"]
+        assert wait_for(f"the cluster DNS resolving {service}", lambda: dns_a(service, DNS_IP), 30, 0.5) == cluster_ip
+        policy["spec"]["redis"] = {"url": f"redis://{service}:6379/0"}
         kubectl.apply(policy)
         config_map = names.sidecar_config_map(policy["metadata"]["name"])
         wait_for("the policy's sidecar ConfigMap", lambda: kubectl.run(
