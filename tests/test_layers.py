@@ -44,11 +44,15 @@ def test_the_engine_client_imports_without_any_process_layer_library():
 
 
 def _dockerfile_sources() -> list[str]:
-    """What the image's build stage copies (its COPY lines): all the wheel may use."""
-    sources = []
+    """What the image's build stage (`AS build`) copies (its COPY lines): all the wheel
+    may use. The test-only reference-engine stages copy more; they build another image."""
+    sources, stage = [], None
     for line in (ROOT / "Dockerfile").read_text().splitlines():
-        if line.startswith("COPY ") and "--from" not in line:
+        if line.startswith("FROM "):
+            stage = line.split()[-1] if " AS " in line else None
+        elif stage == "build" and line.startswith("COPY ") and "--from" not in line:
             sources += line.split()[1:-1]
+    assert "kvtier" in sources and not any(s.startswith("testenv") for s in sources), sources
     return sources
 
 
