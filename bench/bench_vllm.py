@@ -113,6 +113,7 @@ def _lookup(quick: bool) -> list[Result]:
     from kvtier_testenv.fleet import SidecarHandle, sidecar_config
     from kvtier_testenv.workload import SyntheticOracle
     from kvtier_vllm.config import EngineIdentity, parse_config, tenant_of
+    from kvtier_vllm.lookups import AsyncLookups, Breaker
     from kvtier_vllm.plan import SchedulerBook
 
     n = 300 if quick else 2000
@@ -135,12 +136,18 @@ def _lookup(quick: bool) -> list[Result]:
             def bare() -> None:
                 client.release(client.lookup(KeyRoot("tenant", "m", "w", "float32", "r", "a"), prompt))
 
-            book = SchedulerBook(client, 32, 32, verify_checksums=False)
+            # The connector's own scheduler side: its lookup thread (on a client of its
+            # own, as the connector's), the book, a request waiting for its answer as a
+            # scheduler step does (up to the lookup budget).
+            budget_s = cfg.lookup_budget_ms / 1000
+            lookups = AsyncLookups(SidecarClient(sc.socket), budget_s, Breaker(cfg.breaker_backoff_s))
+            book = SchedulerBook(lookups, 32, 32, verify_checksums=False)
 
             def connector(i: int) -> None:
                 rid = f"r{i}"
                 r = ident.root(tenant_of("tenant", cfg))
-                ext = book.matched(rid, r, list(prompt), 0)
+                ext = book.matched(rid, r, list(prompt), 0, wait_s=budget_s)
+                assert ext, f"the connector's lookup did not hit: {ext}"
                 book.allocated(rid, list(range(len(prompt) // 32 + 1)), ext)
                 book.step_specs(prefill_done=[])
                 book.finished(rid)
@@ -159,12 +166,14 @@ def _lookup(quick: bool) -> list[Result]:
     p50 = lambda xs: statistics.median(xs) * 1e6  # noqa: E731
     return [Result(f"scheduler-side lookup per {PROMPT_TOKENS}-token request (p50)", p50(conn_s), "µs",
                    LOOKUP_TARGET, direction="lower", baseline=p50(bare_s),
-                   baseline_name="bare engine lookup + release", note=f"{n} requests, a full hit each")]
+                   baseline_name="bare engine lookup + release",
+                   note=f"{n} requests, a full hit each, through the connector's lookup thread (AsyncLookups)")]
 
 
 def _ttft(quick: bool) -> list[Result]:
-    from kvtier_testenv.fleet import SidecarHandle
+    from kvtier_testenv.fleet import SidecarHandle, sidecar_config
     from kvtier_testenv.tiny_llama import TinyLlama, write_model
+    from kvtier_testenv.workload import SyntheticOracle
     from kvtier_testenv.vllm_engine import VllmEngine, connector_config, sidecar_model
 
     trials = 3 if quick else 6
@@ -172,9 +181,11 @@ def _ttft(quick: bool) -> list[Result]:
     rng = random.Random(5)
     with tempfile.TemporaryDirectory() as tmp:
         wd = Path(tmp)
-        cfg = {"pod_name": "ttft", "pod_namespace": "bench", "pod_ip": "127.0.0.2", "http_port": 0,
-               "peer_port": 0, "engine_socket": str(wd / "ttft.sock"), "model": sidecar_model(shape, "sha256:bench"),
-               "block_size": 32, "dram_capacity_bytes": 128 << 20, "min_sightings": 1, "log_level": "WARNING"}
+        # A loopback sidecar as the tests run one (fleet.sidecar_config: control API over
+        # TLS, open auth), alone: no peer tier.
+        cfg = sidecar_config("ttft", "127.0.0.2", wd, SyntheticOracle(), peer_enabled=False,
+                             model=sidecar_model(shape, "sha256:bench"), block_size=32,
+                             dram_capacity_bytes=128 << 20, min_sightings=1)
         sc = SidecarHandle("ttft", "127.0.0.2", wd, cfg).start()
         eng = VllmEngine(wd, write_model(wd / "model"), connector_config(sc.socket, "sha256:bench",
                                                                            model_id="tiny-llama"), name="ttft")
