@@ -55,6 +55,13 @@ for i in range(3000):
     cache.store(root, p, np.repeat(p[:n * 4].astype(np.uint8), 64))
     cache.flush()
 out["arena"] = [copied.hexdigest(), cache.stats().evictions]
+
+# The simulator's compiled event loop, fleet, routers and routing: a small fleet under
+# two routers (integer figures: tokens matched and offered, evictions, per-replica requests).
+from kvtier.sim import scenarios
+rep = scenarios.compare(scenarios.design_workload(3000, n_tenants=60), scenarios.small_fleet(8, 2.0),
+                        policies=("kvtier", "random"))
+out["fleet"] = [[r.label, r.matched_tokens, r.prompt_tokens, r.evictions] for r in rep.results]
 out["compiled"] = _compiled.compiled_modules()
 print(json.dumps(out))
 """
@@ -80,6 +87,7 @@ def test_the_compiled_modules_decide_exactly_as_their_python_source():
     assert compiled.pop("compiled") == sorted(_compiled.COMPILED_MODULES)
     assert pure.pop("compiled") == []
     assert compiled["arena"][1] > 0  # the sidecar-like workload evicts, so eviction is compared too
+    assert all(matched > 0 for _, matched, _, _ in compiled["fleet"]), compiled["fleet"]  # the fleet hits
     assert compiled == pure
 
 

@@ -44,7 +44,7 @@ OPERATOR_NS = "kvtier-system"
 # 2-core machine: tens of seconds; beyond this, fail with the pod's story.
 POD_READY_TIMEOUT_S = 240.0
 ENGINE_OK = "ENGINE-OK"
-FAULT_STATS = "ENGINE-STATS"
+ENGINE_STATS = "ENGINE-STATS"
 # The serving namespaces (one per test) and their pods' ServiceAccount.
 SERVING_NAMESPACES = ("serving-inject", "serving-faults", "serving-peers", "serving-engine", "serving-noimage")
 SERVING_SA = "engine"
@@ -73,14 +73,15 @@ while True:
 """
 
 
-# The serving engine of the fault test: requests over a fixed set of prompts, as a serving
-# engine with a kvtier connector makes them - look up, copy a hit out of the arena, check
-# it, release; on a miss "prefill" and offer the KV. Its prefill is deterministic (block
-# i's bytes a pure function of the chained hash of blocks 0..i, like real KV of a prefix),
-# so every hit is checked byte for byte against a recompute. A sidecar fault must cost
-# misses (recompute), never a wrong hit or a failed request. After every round it prints
-# its running totals.
-FAULT_ENGINE_SCRIPT = f"""
+# The serving engine of the fault and peer tests: requests over a fixed set of prompts, as
+# a serving engine with a kvtier connector makes them - look up, copy a hit out of the
+# arena, check it, release; on a miss "prefill" and offer the KV (unless the pod is the one
+# KVTIER_TEST_READER names, which only looks up: its hits were fetched from a peer). Its
+# prefill is deterministic (block i's bytes a pure function of the chained hash of blocks
+# 0..i, like real KV of a prefix), so every hit is checked byte for byte against a
+# recompute. A fault must cost misses (recompute), never a wrong hit or a failed request.
+# After every round it prints its running totals (hits by the tier that served them).
+CHECKED_ENGINE_SCRIPT = f"""
 import json, os, sys, time
 import numpy as np
 from kvtier.identity import ModelIdentity
@@ -89,11 +90,12 @@ from kvtier.sidecar_config import SidecarConfig
 from kvtier_sidecar.client import SidecarClient, SidecarUnavailable
 
 cfg = SidecarConfig(pod_name=os.environ["POD_NAME"], pod_namespace=os.environ["POD_NAMESPACE"])
+stores = os.environ.get("KVTIER_TEST_READER") != os.environ["POD_NAME"]
 model_id = json.loads(os.environ["KVTIER_KV_TRANSFER_CONFIG"])["kv_connector_extra_config"]["model_id"]
 root = ModelIdentity(model_id=model_id, weights_version=os.environ["KVTIER_WEIGHTS_VERSION"]).root("tenant-a")
 client = SidecarClient(cfg.engine_socket_path())
 prompts = [np.arange(i * 10_000, i * 10_000 + 5 * cfg.block_size + 7, dtype=np.int64) for i in range(8)]
-t = dict(rounds=0, requests=0, hits=0, hit_blocks=0, misses=0, stale=0, stores=0, wrong=0, errors=0)
+t = dict(rounds=0, requests=0, hits=0, hit_blocks=0, misses=0, stale=0, stores=0, wrong=0, errors=0, tiers={{}})
 
 def prefill(tokens, block_bytes):
     return np.concatenate([np.random.Generator(np.random.PCG64(int.from_bytes(h, "little"))).integers(
@@ -112,6 +114,7 @@ while True:
                     if np.array_equal(dst, prefill(tokens, bb)[: dst.size]):
                         t["hits"] += 1
                         t["hit_blocks"] += len(got.blocks)
+                        t["tiers"][got.tier] = t["tiers"].get(got.tier, 0) + 1
                     else:
                         t["wrong"] += 1
                 except SidecarUnavailable:
@@ -120,72 +123,14 @@ while True:
                     client.release(got)
             else:
                 t["misses"] += 1
-                if client.connect():
+                if stores and client.connect():
                     t["stores"] += bool(client.store(root, tokens, prefill(tokens, client.info["block_bytes"])))
         except Exception as e:
             t["errors"] += 1
             print("ERROR", repr(e), flush=True)
     t["rounds"] += 1
-    print("{FAULT_STATS}", json.dumps(t), flush=True)
+    print("{ENGINE_STATS}", json.dumps(t), flush=True)
     time.sleep(0.2)
-"""
-
-
-# The peer test's engines, one StatefulSet of two on two nodes: ordinal 0 (the writer)
-# makes requests over a fixed set of prompts and stores what it prefilled, as the fault
-# engine does; ordinal 1 (the reader) only looks the same prompts up and never stores,
-# so every hit it gets was fetched from the writer's sidecar on the other node (tier
-# "peer"), or, once fetched, kept in its own. Every hit is checked against a recompute.
-PEER_STATS = "PEER-STATS"
-PEER_ENGINE_SCRIPT = f"""
-import json, os, sys, time
-import numpy as np
-from kvtier.identity import ModelIdentity
-from kvtier.keys import block_hashes
-from kvtier.sidecar_config import SidecarConfig
-from kvtier_sidecar.client import SidecarClient, SidecarUnavailable
-
-cfg = SidecarConfig(pod_name=os.environ["POD_NAME"], pod_namespace=os.environ["POD_NAMESPACE"])
-writer = os.environ["POD_NAME"].endswith("-0")
-model_id = json.loads(os.environ["KVTIER_KV_TRANSFER_CONFIG"])["kv_connector_extra_config"]["model_id"]
-root = ModelIdentity(model_id=model_id, weights_version=os.environ["KVTIER_WEIGHTS_VERSION"]).root("tenant-a")
-client = SidecarClient(cfg.engine_socket_path())
-prompts = [np.arange(i * 10_000, i * 10_000 + 5 * cfg.block_size + 7, dtype=np.int64) for i in range(4)]
-t = dict(role="writer" if writer else "reader", rounds=0, requests=0, misses=0, stores=0, wrong=0, errors=0,
-         tiers={{}})
-
-def prefill(tokens, block_bytes):
-    return np.concatenate([np.random.Generator(np.random.PCG64(int.from_bytes(h, "little"))).integers(
-        0, 256, size=block_bytes, dtype=np.uint8) for h in block_hashes(root, tokens, cfg.block_size)])
-
-while True:
-    for tokens in prompts:
-        t["requests"] += 1
-        try:
-            got = client.lookup(root, tokens)
-            if got:
-                try:
-                    bb = client.info["block_bytes"]
-                    dst = np.zeros(len(got.blocks) * bb, np.uint8)
-                    client.materialize(got, dst)
-                    if np.array_equal(dst, prefill(tokens, bb)[: dst.size]):
-                        t["tiers"][got.tier] = t["tiers"].get(got.tier, 0) + 1
-                    else:
-                        t["wrong"] += 1
-                except SidecarUnavailable:
-                    t["misses"] += 1
-                finally:
-                    client.release(got)
-            else:
-                t["misses"] += 1
-                if writer and client.connect():
-                    t["stores"] += bool(client.store(root, tokens, prefill(tokens, client.info["block_bytes"])))
-        except Exception as e:
-            t["errors"] += 1
-            print("ERROR", repr(e), flush=True)
-    t["rounds"] += 1
-    print("{PEER_STATS}", json.dumps(t), flush=True)
-    time.sleep(0.5)
 """
 
 
@@ -351,10 +296,10 @@ def test_helm_install_runs_the_operator_pod_whose_webhook_injects_a_restricted_s
 
 
 def engine_stats(kubectl: Kubectl, ns: str, pod: str, previous: bool = False) -> dict[str, int] | None:
-    """The fault engine's last printed totals (of its previous run with `previous`)."""
+    """The checked engine's last printed totals (of its previous run with `previous`)."""
     out = kubectl.run("-n", ns, "logs", pod, "-c", "engine", "--tail=50", *(["--previous"] if previous else []),
                       check=False)
-    lines = [line for line in out.stdout.splitlines() if line.startswith(FAULT_STATS)]
+    lines = [line for line in out.stdout.splitlines() if line.startswith(ENGINE_STATS)]
     return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
 
 
@@ -375,7 +320,7 @@ def test_faults_on_the_real_node_degrade_to_recompute_never_wrong_kv(node_cluste
     kubectl, image = chart["kubectl"], chart["image"]
     ns = SERVING_NAMESPACES[1]
     policy = restricted_namespace_with_policy(kubectl, ns, "faulty")
-    kubectl.apply(engine_statefulset(ns, "faulty", image, FAULT_ENGINE_SCRIPT, policy))
+    kubectl.apply(engine_statefulset(ns, "faulty", image, CHECKED_ENGINE_SCRIPT, policy))
     [pod] = wait_pods_ready(kubectl, ns, "app=faulty", 1, node_cluster)
     name = pod["metadata"]["name"]
 
@@ -499,7 +444,9 @@ def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_clust
         config_map = names.sidecar_config_map(policy["metadata"]["name"])
         wait_for("the policy's sidecar ConfigMap", lambda: kubectl.run(
             "-n", ns, "get", "configmap", config_map, check=False).returncode == 0, 120, 0.5)
-        sts = engine_statefulset(ns, "peers", image, PEER_ENGINE_SCRIPT, policy)
+        sts = engine_statefulset(ns, "peers", image, CHECKED_ENGINE_SCRIPT, policy)
+        [engine] = sts["spec"]["template"]["spec"]["containers"]
+        engine["env"] = [{"name": "KVTIER_TEST_READER", "value": "peers-1"}]
         sts["spec"]["replicas"] = 2
         sts["spec"]["podManagementPolicy"] = "Parallel"
         sts["spec"]["template"]["spec"]["affinity"] = {"podAntiAffinity": {
@@ -516,9 +463,7 @@ def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_clust
             assert ipaddress.ip_address(p["status"]["podIP"]) in ipaddress.ip_network(node_pod_cidr(index)), p["status"]
 
         def stats(pod: str) -> dict[str, Any] | None:
-            out = kubectl.run("-n", ns, "logs", pod, "-c", "engine", "--tail=20", check=False)
-            lines = [line for line in out.stdout.splitlines() if line.startswith(PEER_STATS)]
-            return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
+            return engine_stats(kubectl, ns, pod)
 
         def fetched() -> dict[str, Any] | None:
             st = stats("peers-1")
