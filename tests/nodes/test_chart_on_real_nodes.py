@@ -192,24 +192,36 @@ def chart(node_cluster) -> dict[str, Any]:
     return {"kubectl": kubectl, "image": image, "operator": operator, "started": started}
 
 
-def restricted_namespace_with_policy(kubectl: Kubectl, ns: str, app: str) -> dict[str, Any]:
-    """Namespace `ns` enforcing PodSecurity `restricted`, its serving ServiceAccount, and
-    the minimal example policy selecting `app=<app>`, once the operator has rendered
-    its sidecar ConfigMap."""
+def restricted_namespace(kubectl: Kubectl, ns: str) -> None:
+    """Namespace `ns` enforcing PodSecurity `restricted`, with its serving ServiceAccount."""
     kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {
         "pod-security.kubernetes.io/enforce": "restricted",
         "pod-security.kubernetes.io/enforce-version": "latest"}}})
     kubectl.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": SERVING_SA, "namespace": ns}})
+
+
+def apply_policy(kubectl: Kubectl, ns: str, app: str, dram: str = "64Mi", name: str | None = None,
+                 **spec: Any) -> dict[str, Any]:
+    """The minimal example policy in `ns` selecting `app=<app>` (DRAM tier `dram`, `spec`
+    fields added), once the operator has rendered its sidecar ConfigMap."""
     policy = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())
     policy["metadata"]["namespace"] = ns
+    if name:
+        policy["metadata"]["name"] = name
     policy["spec"]["selector"] = {"matchLabels": {"app": app}}
-    policy["spec"].setdefault("tiers", {})["dram"] = {"capacity": "64Mi"}
+    policy["spec"].setdefault("tiers", {})["dram"] = {"capacity": dram}
+    policy["spec"].update(spec)
     kubectl.apply(policy)
     # The operator renders the policy's sidecar ConfigMap before pods can be injected.
     config_map = names.sidecar_config_map(policy["metadata"]["name"])
     wait_for("the policy's sidecar ConfigMap", lambda: kubectl.run(
         "-n", ns, "get", "configmap", config_map, check=False).returncode == 0, 120, 0.5)
     return policy
+
+
+def restricted_namespace_with_policy(kubectl: Kubectl, ns: str, app: str, **policy: Any) -> dict[str, Any]:
+    restricted_namespace(kubectl, ns)
+    return apply_policy(kubectl, ns, app, **policy)
 
 
 RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
@@ -419,15 +431,7 @@ def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_clust
     ns = SERVING_NAMESPACES[2]
     redis = RedisServer(host=NODE_IP).start()
     try:
-        kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {
-            "pod-security.kubernetes.io/enforce": "restricted",
-            "pod-security.kubernetes.io/enforce-version": "latest"}}})
-        kubectl.apply({"apiVersion": "v1", "kind": "ServiceAccount",
-                       "metadata": {"name": SERVING_SA, "namespace": ns}})
-        policy = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())
-        policy["metadata"]["namespace"] = ns
-        policy["spec"]["selector"] = {"matchLabels": {"app": "peers"}}
-        policy["spec"].setdefault("tiers", {})["dram"] = {"capacity": "64Mi"}
+        restricted_namespace(kubectl, ns)
         # Redis as a Service: a selectorless one whose EndpointSlice is the host's server.
         kubectl.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "redis", "namespace": ns},
                        "spec": {"ports": [{"name": "redis", "port": 6379, "targetPort": redis.port}]}})
@@ -439,11 +443,7 @@ def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_clust
         service = f"redis.{ns}.svc.{CLUSTER_DOMAIN}"
         cluster_ip = kubectl.get_json("-n", ns, "service", "redis")["spec"]["clusterIP"]
         assert wait_for(f"the cluster DNS resolving {service}", lambda: dns_a(service, DNS_IP), 30, 0.5) == cluster_ip
-        policy["spec"]["redis"] = {"url": f"redis://{service}:6379/0"}
-        kubectl.apply(policy)
-        config_map = names.sidecar_config_map(policy["metadata"]["name"])
-        wait_for("the policy's sidecar ConfigMap", lambda: kubectl.run(
-            "-n", ns, "get", "configmap", config_map, check=False).returncode == 0, 120, 0.5)
+        policy = apply_policy(kubectl, ns, "peers", redis={"url": f"redis://{service}:6379/0"})
         sts = engine_statefulset(ns, "peers", image, CHECKED_ENGINE_SCRIPT, policy)
         [engine] = sts["spec"]["template"]["spec"]["containers"]
         engine["env"] = [{"name": "KVTIER_TEST_READER", "value": "peers-1"}]
@@ -581,19 +581,8 @@ def test_dram_fit_is_judged_on_each_real_nodes_allocatable_memory(node_cluster, 
     small = node_cluster.node_names[1]
     allocatable = kubectl.get_json("node", small)["status"]["allocatable"]["memory"]
     ns = "serving-big"
-    kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {
-        "pod-security.kubernetes.io/enforce": "restricted",
-        "pod-security.kubernetes.io/enforce-version": "latest"}}})
-    kubectl.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": SERVING_SA, "namespace": ns}})
-    policy = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())
-    policy["metadata"].update(name="big", namespace=ns)
-    policy["spec"]["selector"] = {"matchLabels": {"app": "big"}}
     # More than node 1's allocatable, less than the host's (node 0).
-    policy["spec"].setdefault("tiers", {})["dram"] = {"capacity": "5Gi"}
-    kubectl.apply(policy)
-    config_map = names.sidecar_config_map("big")
-    wait_for("the policy's sidecar ConfigMap", lambda: kubectl.run(
-        "-n", ns, "get", "configmap", config_map, check=False).returncode == 0, 120, 0.5)
+    policy = restricted_namespace_with_policy(kubectl, ns, "big", dram="5Gi", name="big")
     sts = engine_statefulset(ns, "big", image, ENGINE_SCRIPT, policy)
     sts["spec"]["template"]["spec"]["nodeSelector"] = {"kubernetes.io/hostname": small}
     kubectl.apply(sts)
