@@ -109,9 +109,9 @@ def _dip_result(what: str, rep) -> Result:
              if name.startswith("hit-rate dip depth, ")}
     at_once = depth["all at once"]
     scaled = f"; {rep.params['scaled']}" if "scaled" in rep.params else ""
-    what_if = figs.get("hit-rate dip depth ratio, what-if warm-up at the same extra prefill / cold rolling")
-    if what_if is not None:
-        scaled += f"; {what_if.note.split(';')[0]}: ratio {what_if.value:.2f}"
+    before = figs.get("hit-rate dip depth ratio, other homes only at the same extra prefill / cold rolling")
+    if before is not None:
+        scaled += f"; {before.note.split(';')[0]}: ratio {before.value:.2f}"
     return Result(f"{what}: hit-rate dip depth, warmed before ready vs cold rolling steps, same extra prefill",
                   same.value * same.baseline, "of steady hit rate", WARM_DIP_FRACTION, "lower",
                   baseline=same.baseline, baseline_name="cold rolling steps",

@@ -32,8 +32,11 @@ from kvtier.warmup_plan import OTHER_HOME_WEIGHT as WARM_OTHER_HOME_WEIGHT
 from kvtier.warmup_plan import Planned as WarmPlanned  # noqa: F401 (the simulator's name)
 from kvtier.warmup_plan import Prompt as WarmPrompt
 from kvtier.warmup_plan import ask_tokens as warm_ask
+from kvtier.warmup_plan import cut_to_shared as warm_cut
+from kvtier.warmup_plan import keep_own as warm_keep_own
 from kvtier.warmup_plan import plan as warm_plan
-from kvtier.warmup_plan import rank as warm_rank
+from kvtier.warmup_plan import rank as warm_rank  # noqa: F401 (the simulator's name)
+from kvtier.warmup_plan import tenant_prompts as warm_tenant_prompts
 
 CACHE_KINDS = ("kvtier", "lru")
 # Requests between progress-bar updates: often enough to look alive, rare enough
@@ -48,9 +51,11 @@ FIRST_MINUTE_S = 60.0
 # The operator's per-pod warm-up deadline (spec.rollout.warmup.timeout, default 2m):
 # prompts not prefilled by then are not replayed.
 WARM_TIMEOUT_S = 120.0
-# Where a warm-up reads its prompts: "homes" (the operator: the tenant's other homes)
-# or "own" (what-if: the restarted pod's own sidecar first, read before the restart).
-WARM_SOURCES = ("homes", "own")
+# Where a warm-up reads its prompts: "own" (the operator: the restarted pod's own
+# sidecar, read at a "snapshot" event before the restart, first; then the tenant's
+# other homes) or "homes" (the operator before issue #24: the other homes only, kept
+# as the bench's comparison row).
+WARM_SOURCES = ("own", "homes")
 
 
 class Progress(Protocol):
@@ -84,21 +89,21 @@ class SimConfig:
     `warm_before_ready_tokens` > 0 makes every pod a "version" event restarts do
     what the operator's rollout warm-up does (`operator/kvtier_operator/
     rollout_warmup.py`): for each tenant whose homes include the pod, the hottest
-    prompts (`LocalCache.hot_prompts`: frequency x length) of at most two of its
-    other homes, old version first, ranked, then all the tenants' prompts chosen
-    greedily by (the pod's rank in the tenant's homes: first home 1, others
-    `WARM_OTHER_HOME_WEIGHT`) x frequency x the tokens not already warmed, within the
+    prompts (`LocalCache.hot_prompts`: frequency x length) of the pod's own snapshot
+    (`warm_source` "own": taken at a "snapshot" event, as the operator reads the pod's
+    own sidecar before it moves the partition past it; `warmup_plan.keep_own`) and of
+    its other homes, old version first, at most two sources in all, cut to shared
+    prefixes, weighted and ranked (`warmup_plan.tenant_prompts`: own prompts at 1,
+    others by the pod's rank in the tenant's homes: first home 1, others
+    `WARM_OTHER_HOME_WEIGHT`), then all the tenants' prompts chosen greedily by weight
+    x frequency x the tokens not already warmed, within the
     budget, replayed on the pod itself under the new
     version while a readiness gate holds it out of traffic; the gate opens when that
     prefill is done (its tenants' requests go to their other homes meanwhile). The
     budget is in prompt tokens, as the operator's `maxTokens`. 0: it comes up cold.
-    `warm_source` "own": a what-if the operator does not do today: the pod's own
-    sidecar is read (`/cache/hot`) just before it restarts, and is the first source
-    of each of its tenants (then one other home). `warm_trim`: a what-if the operator
-    does not do today either: each prompt is cut to the whole blocks it shares with
-    another prompt of its tenant (`warm_trim_shared`), so a template is replayed once
-    instead of once per one-off question appended to it, and the budget goes to the
-    tenants whose first home the pod is only.
+    A pod with no snapshot (no "snapshot" event before its restart) is warmed from its
+    other homes alone, as the operator does when its snapshot is missing.
+    `warm_source` "homes": the operator before the snapshot (other homes only).
     """
 
     workload: WorkloadSpec
@@ -110,8 +115,7 @@ class SimConfig:
     bucket_s: float = 30.0
     warm_moved_tenants: bool = True
     warm_before_ready_tokens: int = 0
-    warm_source: str = "homes"
-    warm_trim: bool = False
+    warm_source: str = "own"
     progress: ProgressFactory | None = None
 
     def __post_init__(self) -> None:
@@ -136,7 +140,9 @@ class SimConfig:
 @dataclass(frozen=True, slots=True)
 class Event:
     """A scenario event at `time_s`: "join" (one new replica), "leave" (`replicas`
-    go), or "version" (`replicas` restart onto weights `version`, cold)."""
+    go), "version" (`replicas` restart onto weights `version`, cold), or "snapshot"
+    (`replicas`' own hot lists are read and kept for their warm-up: the operator does
+    it when it moves the partition past them, before they restart)."""
 
     time_s: float
     kind: str
@@ -210,6 +216,8 @@ class Simulation:
         self.policy.bind(self.fleet, self.caches, self.roots)
         self.policy.token_unit = spec.token_unit
         self.event_log: list[dict] = []
+        # Pod -> its own hot prompts per tenant, from a "snapshot" event, until it restarts.
+        self._snapshots: dict[int, dict[str, list]] = {}
 
     def _make_cache(self):
         cfg = self.cfg
@@ -295,13 +303,19 @@ class Simulation:
                 fleet.leave(r)
             entry["replicas"] = list(ev.replicas)
             self._membership_changed(entry)
+        elif ev.kind == "snapshot":
+            entry["replicas"] = list(ev.replicas)
+            if self._warms() and self.cfg.warm_source == "own":
+                for r in ev.replicas:
+                    self._snapshots[r] = self._own_prompts(r)
         elif ev.kind == "version":
             # The pod restarts onto the new weights, and its sidecar with it: an
             # empty DRAM tier (old-version blocks could never hit again anyway).
-            warm = self.cfg.warm_before_ready_tokens and self.cfg.cache == "kvtier" and hasattr(self.policy, "table")
+            warm = self._warms()
             entry["replicas"] = list(ev.replicas)
             entry["version"] = ev.version
-            own = {r: self._own_prompts(r) for r in ev.replicas} if warm and self.cfg.warm_source == "own" else {}
+            # Each snapshot is used by the one restart it was taken for.
+            own = {r: self._snapshots.pop(r) for r in ev.replicas if r in self._snapshots}
             for r in ev.replicas:
                 fleet.version[r] = ev.version
                 self.caches[r].drop_all()
@@ -309,6 +323,7 @@ class Simulation:
             if warm:
                 entry["warmed_tokens"] = entry["warmed_prompt_tokens"] = entry["warmed_tenants"] = 0
                 entry["warmed_prompts"] = 0
+                entry["snapshots"] = len(own)
                 for r in ev.replicas:
                     prefilled, prompt_tokens, tenants, prompts = self._warm_before_ready(
                         r, ev.version, ev.time_s, own.get(r))
@@ -350,22 +365,24 @@ class Simulation:
                         warmed += self.caches[index[target]].warm_from(self.caches[src], move.tenant, budget)
         entry["warmed_blocks"] = warmed
 
+    def _warms(self) -> bool:
+        return bool(self.cfg.warm_before_ready_tokens and self.cfg.cache == "kvtier" and hasattr(self.policy, "table"))
+
     def _tenants_of(self, r: int) -> list[str]:
-        """The tenants whose homes include pod r; with `warm_trim` (the what-if) only
-        those whose FIRST home it is: the router sends a tenant there unless it spills,
-        so those are the tenants whose traffic the pod gets back."""
+        """The tenants whose homes include pod r."""
         table, me = self.policy.table, self.fleet.names[r]
-        if self.cfg.warm_trim:
-            return [t for t in self.roots.tenant_names if table.homes_for(t)[:1] == [me]]
         return [t for t in self.roots.tenant_names if me in table.homes_for(t)]
 
     def _own_prompts(self, r: int) -> dict[str, list]:
-        """What-if: pod r's own hot prompts per tenant, read before it restarts."""
+        """Pod r's own hot prompts per tenant, read before it restarts and kept as the
+        operator keeps them (`warmup_plan.keep_own`)."""
         tenants = self._tenants_of(r)
         unit = self.cfg.workload.token_unit
-        ask = warm_ask(self.cfg.warm_before_ready_tokens // unit, len(tenants), WARM_ASK_FLOOR_TOKENS // unit)
-        return {t: [WarmPrompt(tuple(tokens.tolist()), freq)
-                    for _, tokens, freq in self.caches[r].cache.hot_prompts(t, ask)] for t in tenants}
+        budget = self.cfg.warm_before_ready_tokens // unit
+        ask = warm_ask(budget, len(tenants), WARM_ASK_FLOOR_TOKENS // unit)
+        answers = {t: [WarmPrompt(tuple(tokens.tolist()), freq)
+                       for _, tokens, freq in self.caches[r].cache.hot_prompts(t, ask)] for t in tenants}
+        return warm_keep_own({t: a for t, a in answers.items() if a}, budget, self.cfg.block_elems)
 
     def _warm_before_ready(self, r: int, version: int, now_s: float,
                            own: dict[str, list] | None = None) -> tuple[int, int, int]:
@@ -375,13 +392,14 @@ class Simulation:
         counted again —, tenants warmed, prompts replayed), in real tokens. The two differ by the partial
         block of a shared prefix, which the engine computes again.
 
-        Tenants: those whose homes include the pod. Sources of a tenant: its homes on
-        the old version in rendezvous order, then its homes already on the new one
-        (the last old pod of a fleet has no old peer left), never the pod itself (its
-        sidecar restarted with it), at most `WARM_SOURCES_PER_TENANT`; each is asked
-        for `warm_ask` tokens. The answers are ranked, weighted by the pod's rank in the
-        tenant's homes and planned across the pod's tenants exactly as
-        `rollout_warmup.rank` / `home_weights` / `plan` do, and replayed under the new
+        Tenants: those whose homes include the pod. Sources of a tenant: the pod's own
+        snapshot (`own`, taken before the restart) where it holds the tenant, then its
+        homes on the old version in rendezvous order, then its homes already on the new
+        one (the last old pod of a fleet has no old peer left), never the pod's
+        restarted sidecar, at most `WARM_SOURCES_PER_TENANT` in all; each is asked
+        for `warm_ask` tokens. The answers are cut, weighted, ranked and planned across
+        the pod's tenants exactly as `warmup_plan.tenant_prompts` / `plan` do in the
+        operator, and replayed under the new
         version's key root; a prompt whose blocks the pod already holds costs only the
         blocks it lacks (the engine's prefix cache)."""
         cfg, fleet, unit = self.cfg, self.fleet, self.cfg.workload.token_unit
@@ -397,13 +415,12 @@ class Simulation:
             old = [h for h in homes if fleet.version[h] != version]
             new = [h for h in homes if fleet.version[h] == version]
             sources = old + new
-            answers = [own[tenant]] if own is not None else []
-            answers += [[WarmPrompt(tuple(tokens.tolist()), freq)
-                         for _, tokens, freq in self.caches[src].cache.hot_prompts(tenant, ask)]
-                        for src in sources[:WARM_SOURCES_PER_TENANT - len(answers)]]
+            mine = own.get(tenant) if own is not None else None
+            others = [[WarmPrompt(tuple(tokens.tolist()), freq)
+                       for _, tokens, freq in self.caches[src].cache.hot_prompts(tenant, ask)]
+                      for src in sources[:WARM_SOURCES_PER_TENANT - (mine is not None)]]
             weight = 1.0 if table.homes_for(tenant)[:1] == [me] else WARM_OTHER_HOME_WEIGHT
-            ranked[tenant] = (weight, warm_rank(warm_trim_shared(answers, cfg.block_elems) if cfg.warm_trim
-                                                else answers))
+            ranked[tenant] = (1.0, warm_tenant_prompts(mine, others, weight, cfg.block_elems))
         tenant_index = {t: i for i, t in enumerate(self.roots.tenant_names)}
         cache, prefilled, replayed, warmed, prompts = self.caches[r].cache, 0, 0, set(), 0
         deadline_elems = WARM_TIMEOUT_S * fleet.spec.prefill_tokens_per_s / unit
@@ -486,27 +503,8 @@ class Simulation:
 # `kvtier.warmup_plan`, the one the operator runs, under the simulator's names.
 
 def warm_trim_shared(answers, block: int) -> list[list[WarmPrompt]]:
-    """What-if: every prompt cut to the longest whole-block prefix it shares with
-    another prompt of the same tenant (any source); a prompt sharing no block stays
-    whole. The sidecar lists leaves (a template plus one request's own question), and
-    ranking whole leaves by frequency x length repeats the template once per leaf."""
-    prompts = [p for answer in answers for p in answer if p.tokens]
-    ordered = sorted({p.tokens for p in prompts})
-
-    def common(a, b) -> int:
-        n = 0
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            n += 1
-        return n // block * block
-
-    shared = {}
-    for i, t in enumerate(ordered):
-        near = [common(t, ordered[j]) for j in (i - 1, i + 1) if 0 <= j < len(ordered)]
-        shared[t] = max(near, default=0)
-    return [[WarmPrompt(p.tokens[:shared[p.tokens]] if shared[p.tokens] else p.tokens, p.frequency)
-             for p in answer if p.tokens] for answer in answers]
+    """`warmup_plan.cut_to_shared` (the simulator's former name for it)."""
+    return warm_cut(answers, block)
 
 
 def simulate(cfg: SimConfig, events=(), workload: Workload | None = None, label: str = "") -> SimResult:

@@ -47,8 +47,9 @@ WARM_DIP_TARGET = 0.2
 # the same bucket's in the run without a rollout.
 DIP_FLOOR = 0.95
 NO_ROLLOUT = "no rollout (control)"
-WHAT_IF = ("what-if: each pod's own sidecar read before it restarts, prompts cut to the prefixes its tenants "
-           "share, the budget for the tenants whose first home it is (not what the operator does)")
+# The comparison row: the operator's warm-up before it read the restarted pod's own
+# sidecar (issue #24), at the same extra prefill.
+OTHER_HOMES_ONLY = "sources: the tenants' other homes only (the operator before the own-sidecar snapshot)"
 
 
 @dataclass(slots=True)
@@ -262,9 +263,11 @@ def _dip_after(r: SimResult, t_s: float, window_s: float = 60.0) -> float:
 # ---------------------------------------------------------------------- rollout
 
 def rollout_events(n_replicas: int, start_s: float, gate_s: float, pod_s: float, steps=ROLLOUT_STEPS,
-                   canary_pods: int = 1) -> list[Event]:
+                   canary_pods: int = 1, snapshot: bool = False) -> list[Event]:
     """Canary pod(s), then each step's percentage of pods, each step `gate_s` after
-    the previous step's last pod (the wait for hit-rate recovery).
+    the previous step's last pod (the wait for hit-rate recovery). `snapshot`: each
+    step starts by reading its pods' own hot lists (the operator does, before it moves
+    the partition past them), for their warm-ups.
 
     Within a step the pods restart `pod_s` apart: a StatefulSet partition rolls one
     pod at a time, each waiting for the previous to load its weights and turn
@@ -275,6 +278,8 @@ def rollout_events(n_replicas: int, start_s: float, gate_s: float, pod_s: float,
     events, done, t = [], 0, start_s
     for k, target in enumerate(targets):
         pods = list(range(done, min(target, n_replicas)))
+        if snapshot and pods:
+            events.append(Event(t, "snapshot", tuple(pods), label=f"step {k}"))
         for j, r in enumerate(pods):
             events.append(Event(t + j * pod_s, "version", (r,), version=1, label=f"step {k}"))
         if pods:
@@ -286,14 +291,17 @@ def rollout_events(n_replicas: int, start_s: float, gate_s: float, pod_s: float,
 def rollout(spec: WorkloadSpec, fleet: FleetSpec, start_s: float, gate_s: float, pod_s: float,
             block_tokens: int = COARSE_BLOCK, bucket_s: float = 10.0, progress: ProgressFactory | None = None,
             warm_tokens: int = WARM_BEFORE_READY_TOKENS, name: str = "rollout",
-            workload=None, what_if_run: bool = True) -> ScenarioReport:
+            workload=None, before_run: bool = True) -> ScenarioReport:
     """A weights change all at once, in steps (pods of a step together, or `pod_s`
     apart), and in steps warmed before ready: once with `warm_tokens` per pod (the
     operator's default budget), once with the budget that costs what the cold rolling
     rollout's extra prefill costs per pod ("at the same extra prefill"). A warmed
     pod's gate holds it out of traffic until its warm-up is prefilled, and the next pod
     restarts only once it is ready (a StatefulSet rolls one pod at a time), so a warmed
-    rollout's pods are `pod_s` + the warm-up's prefill time apart."""
+    rollout's pods are `pod_s` + the warm-up's prefill time apart. Warmed as the
+    operator warms (each pod's own sidecar read at its step's start, then the other
+    homes); `before_run`: also once at the same extra prefill from the other homes
+    only (the operator before it read the pod's own sidecar), the comparison row."""
     rep = ScenarioReport(name, "a weights change: all replicas at once vs the default steps "
                          "(1 canary pod, 10%, 50%, 100%), cold or warmed before ready",
                          params={"start_s": start_s, "gate_s": gate_s, "pod_s": pod_s, "bucket_s": bucket_s,
@@ -309,9 +317,9 @@ def rollout(spec: WorkloadSpec, fleet: FleetSpec, start_s: float, gate_s: float,
     }
     workload = workload if workload is not None else generate(spec)
 
-    def run(label, events, budget=0):
+    def run(label, events, budget=0, source="own"):
         cfg = SimConfig(spec, fleet, policy="kvtier", block_tokens=block_tokens, bucket_s=bucket_s,
-                        progress=progress, warm_before_ready_tokens=budget)
+                        progress=progress, warm_before_ready_tokens=budget, warm_source=source)
         r = simulate(cfg, events, workload=workload, label=label)
         rep.results.append(r)
         return r
@@ -325,15 +333,12 @@ def rollout(spec: WorkloadSpec, fleet: FleetSpec, start_s: float, gate_s: float,
     warmed = {f"{rolling}, warmed before ready ({warm_tokens:,} tokens/pod)": warm_tokens,
               f"{rolling}, warmed before ready at the same extra prefill ({same:,} tokens/pod)": same}
     for label, budget in warmed.items():
-        run(label, rollout_events(n, start_s, gate_s, pod_s + budget / tps), budget)
+        run(label, rollout_events(n, start_s, gate_s, pod_s + budget / tps, snapshot=True), budget)
     rep.params["same_extra_prefill_tokens_per_pod"] = same
-    what_if = f"{rolling}, warmed before ready at the same extra prefill, {WHAT_IF}"
-    if what_if_run:
-        cfg = SimConfig(spec, fleet, policy="kvtier", block_tokens=block_tokens, bucket_s=bucket_s, progress=progress,
-                        warm_before_ready_tokens=same, warm_source="own", warm_trim=True)
-        rep.results.append(simulate(cfg, rollout_events(n, start_s, gate_s, pod_s + same / tps), workload=workload,
-                                    label=what_if))
-    _dip_figures(rep, start_s, gate_s, rolling, list(warmed), fleet, what_if if what_if_run else None)
+    before = f"{rolling}, warmed before ready at the same extra prefill, {OTHER_HOMES_ONLY}"
+    if before_run:
+        run(before, rollout_events(n, start_s, gate_s, pod_s + same / tps, snapshot=True), same, source="homes")
+    _dip_figures(rep, start_s, gate_s, rolling, list(warmed), fleet, before if before_run else None)
     peaks = {r.label: _peak_after(r, start_s) for r in rep.results if r.label in cold_plans and r.label != NO_ROLLOUT}
     steady = _mean_before(rep.results[0], start_s)
     rep.params["steady_prefill_load"] = steady
@@ -404,11 +409,11 @@ def dip(r: SimResult, control: SimResult, start_s: float, end_s: float, prefill_
 
 
 def _dip_figures(rep: ScenarioReport, start_s: float, gate_s: float, cold: str, warmed: list[str],
-                 fleet: FleetSpec, what_if: str | None = None) -> None:
+                 fleet: FleetSpec, before: str | None = None) -> None:
     control = rep.result(NO_ROLLOUT)
     tps = fleet.prefill_tokens_per_s
     dips = {label: dip(rep.result(label), control, start_s, rollout_end(rep.result(label), gate_s), tps)
-            for label in ("all at once", cold, *warmed, *([what_if] if what_if else []))}
+            for label in ("all at once", cold, *warmed, *([before] if before else []))}
     for label, d in dips.items():
         first = "" if d.first_minute is None else \
             f"; restarted pods' first-minute hit rate {d.first_minute:.3f} (control {d.steady:.3f})"
@@ -434,13 +439,13 @@ def _dip_figures(rep: ScenarioReport, start_s: float, gate_s: float, cold: str, 
             d.extra_prefill_s / c.extra_prefill_s if c.extra_prefill_s > 0 else 0.0, unit="x",
             baseline=c.extra_prefill_s, baseline_name="cold rolling extra prefill (replica-s)",
             note="extra = prefill above the run without a rollout, the warm-up's own prefill included"))
-    if what_if:
-        d = dips[what_if]
+    if before:
+        d = dips[before]
         rep.figures.append(Figure(
-            "hit-rate dip depth ratio, what-if warm-up at the same extra prefill / cold rolling",
+            "hit-rate dip depth ratio, other homes only at the same extra prefill / cold rolling",
             d.depth / c.depth if c.depth else 0.0, direction="lower", baseline=c.depth,
             baseline_name="cold rolling dip depth", unit="x",
-            note=f"{WHAT_IF}; extra prefill {d.extra_prefill_s:.0f} replica-s (warm-up {d.warmup_prefill_s:.0f}) vs "
+            note=f"{OTHER_HOMES_ONLY}; extra prefill {d.extra_prefill_s:.0f} replica-s (warm-up {d.warmup_prefill_s:.0f}) vs "
                  f"cold {c.extra_prefill_s:.0f}; dip {d.duration_s:.0f} s vs {c.duration_s:.0f} s"))
 
 

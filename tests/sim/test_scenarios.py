@@ -26,10 +26,17 @@ def test_a_rolling_rollout_adds_far_less_prefill_than_all_at_once_and_dips_less(
                            "tokens/pod)", scenarios.WARM_BEFORE_READY_TOKENS),
                           (f"gradual, pods 30 s apart, warmed before ready at the same extra prefill ({same:,} "
                            "tokens/pod)", same)):
-        warmed = rep.result(label).events
+        events = rep.result(label).events
+        # Each step first reads its pods' own sidecars (the operator's snapshot), then restarts them.
+        assert [e["replicas"] for e in events if e["kind"] == "snapshot"] == [[0], [1], [2, 3]]  # per step
+        warmed = [e for e in events if e["kind"] == "version"]
         assert [e["replicas"] for e in warmed] == [[0], [1], [2], [3]]
+        assert all(e["snapshots"] == 1 for e in warmed)
         assert all(0 <= e["warmed_prompt_tokens"] <= budget for e in warmed)
         assert any(e["warmed_tokens"] > 0 for e in warmed)
+    before = rep.result(f"gradual, pods 30 s apart, warmed before ready at the same extra prefill, "
+                        f"{scenarios.OTHER_HOMES_ONLY}").events
+    assert all(e.get("snapshots") == 0 for e in before if e["kind"] == "version")
 
 
 def test_a_negative_warm_up_budget_is_refused():

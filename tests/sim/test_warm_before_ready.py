@@ -4,6 +4,7 @@ import random
 import numpy as np
 import pytest
 
+from kvtier import warmup_plan
 from kvtier.sim import loop, scenarios
 from kvtier.sim.loop import Event, SimConfig, Simulation, simulate
 from kvtier.sim.workload import generate
@@ -21,9 +22,16 @@ def _fleet():
     return scenarios.small_fleet(4, 60.0)
 
 
+def _restart(snapshot=True):
+    """Pod 0 restarts at RESTART_S; with `snapshot` its own hot list is read just before
+    (the operator reads it when it moves the partition past the pod)."""
+    return ([Event(RESTART_S - 1.0, "snapshot", (0,))] if snapshot else []) + [
+        Event(RESTART_S, "version", (0,), version=1)]
+
+
 def _run(budget, source="homes", n=6_000, events=None):
     spec = _spec(n)
-    events = events if events is not None else [Event(RESTART_S, "version", (0,), version=1)]
+    events = events if events is not None else _restart()
     cfg = SimConfig(spec, _fleet(), block_tokens=256, warm_before_ready_tokens=budget, warm_source=source)
     sim = Simulation(cfg, events, workload=generate(spec))
     return sim, sim.run()
@@ -67,7 +75,7 @@ def test_a_budget_of_zero_is_the_cold_restart():
 
 def test_the_warm_up_stays_within_the_budget_and_gates_the_pod_until_it_is_prefilled():
     sim, res = _run(65_536)
-    ev = res.events[0]
+    ev = next(e for e in res.events if e["kind"] == "version")
     assert 0 < ev["warmed_prompt_tokens"] <= 65_536
     # Charged as the operator counts (a shared prefix's whole blocks once): what the
     # engine prefills.
@@ -93,8 +101,9 @@ def test_the_warm_up_never_crosses_tenants(source, monkeypatch):
 
     monkeypatch.setattr(loop, "warm_plan", spy)
     cfg = SimConfig(spec, _fleet(), block_tokens=256, warm_before_ready_tokens=200_000, warm_source=source)
-    sim = Simulation(cfg, [Event(RESTART_S, "version", (0,), version=1)], workload=w)
-    sim.run()
+    sim = Simulation(cfg, _restart(), workload=w)
+    res = sim.run()
+    assert res.events[1]["snapshots"] == (1 if source == "own" else 0)
     assert replayed
     homes_of_pod = {t for t in sim.roots.tenant_names if sim.fleet.names[0] in sim.policy.table.homes_for(t)}
     names = sim.roots.tenant_names
@@ -113,31 +122,31 @@ def test_trimming_keeps_the_prefix_prompts_share_and_leaves_a_lone_prompt_whole(
     P = loop.WarmPrompt
     template = tuple(range(8))
     answers = [[P(template + (100, 101), 3.0), P(template + (200, 201, 202, 203), 2.0)], [P((50, 51, 52), 1.0)]]
-    trimmed = loop.warm_trim_shared(answers, block=4)
+    trimmed = warmup_plan.cut_to_shared(answers, block=4)
     assert [p.tokens for p in trimmed[0]] == [template, template]  # one template, replayed once after rank
     assert [p.tokens for p in trimmed[1]] == [(50, 51, 52)]
     assert [p.tokens for p in loop.warm_rank(trimmed)] == [template, (50, 51, 52)]
 
 
-def test_the_operators_sources_miss_what_only_the_restarted_pod_held_and_the_what_if_recovers_it():
+def test_the_restarted_pods_own_snapshot_wins_back_its_first_minute_and_a_missing_one_falls_back():
     # The pod's own tenants (it is their first home) send it their traffic, and affinity
-    # routing kept their prefixes on it alone: its other homes have little to give.
-    # Read from the pod itself before it restarts, prompts cut to shared prefixes, the
-    # warm-up brings its first minute back to the run without a restart.
+    # routing kept their prefixes on it alone: its other homes have little to give. Read
+    # from the pod itself before it restarts (the operator's snapshot), the warm-up
+    # brings its first minute up towards the run without a restart.
     spec = _spec(7_200)
     w = generate(spec)
-    events = [Event(RESTART_S, "version", (0,), version=1)]
 
-    def first_minute(**kw):
+    def first_minute(events=None, **kw):
         cfg = SimConfig(spec, _fleet(), block_tokens=256, **kw)
-        return simulate(cfg, events, workload=w).events[0]["first_minute_hit_rate"][0]
+        res = simulate(cfg, events if events is not None else _restart(), workload=w)
+        return next(e for e in res.events if e["kind"] == "version")["first_minute_hit_rate"][0]
 
-    control_sim = Simulation(SimConfig(spec, _fleet(), block_tokens=256), [], workload=w)
-    control = control_sim.run()
-    steady = control.hit_rate
+    steady = simulate(SimConfig(spec, _fleet(), block_tokens=256), [], workload=w).hit_rate
     cold = first_minute()
-    what_if = first_minute(warm_before_ready_tokens=200_000, warm_source="own", warm_trim=True)
-    operator = first_minute(warm_before_ready_tokens=200_000)
+    own = first_minute(warm_before_ready_tokens=200_000)
+    homes = first_minute(warm_before_ready_tokens=200_000, warm_source="homes")
+    missing = first_minute(_restart(snapshot=False), warm_before_ready_tokens=200_000)
     assert cold < steady
-    assert steady - what_if < 0.5 * (steady - cold)  # the what-if wins back most of the first minute
-    assert what_if > operator
+    assert own > cold and own > homes
+    assert steady - own < 0.5 * (steady - cold)  # most of the first minute won back
+    assert missing == homes  # no snapshot: the other homes, as before
