@@ -3,6 +3,7 @@ that runs `rollout_reconcile.reconcile_rollout` under the policy's status lock, 
 the warm-before-ready gates of the policy's pods (`rollout_warmup_io.reconcile`)."""
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -10,7 +11,7 @@ import kopf
 
 from kvtier import policy
 
-from kvtier_operator import rollout, rollout_warmup_io, webhook_gate
+from kvtier_operator import rollout, rollout_snapshot, rollout_warmup_io, webhook_gate
 from kvtier_operator.registry import PolicyKey, PolicyRegistry
 from kvtier_operator.rollout_reconcile import reconcile_rollout
 
@@ -38,7 +39,8 @@ async def rollout_tick(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
         plan = None
         if serving:
             plan = await reconcile_rollout(memo.kube, memo.sidecars, body, memo.http,
-                                           memo.options.first_minute_s)
+                                           memo.options.first_minute_s,
+                                           snapshot=functools.partial(rollout_snapshot.before_patch, memo))
             _observe_metrics(memo, namespace, name, plan)
         # Warm-before-ready gates: released or warmed even while no step is taken (a
         # pod must never wait on a webhook for its gate).

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -32,11 +33,20 @@ from kvtier_operator.membership import Member, MemberName, pod_view
 log = logging.getLogger("kvtier.operator.rollout")
 
 
+Snapshot = Callable[[dict[str, Any], policy.KVCachePolicySpec, rollout.WorkloadPatch, list[dict[str, Any]]],
+                    Awaitable[Any]]
+"""A hook run before the StatefulSet's partition is patched (and on every tick of a
+rollout in flight) with the workload's pods: `rollout_snapshot.before_patch` reads the
+own sidecar of each pod the patch restarts, for its warm-up (bounded in time)."""
+
+
 async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None,
-                            first_minute_s: float = first_minute.WINDOW_S) -> rollout.Plan | None:
+                            first_minute_s: float = first_minute.WINDOW_S,
+                            snapshot: Snapshot | None = None) -> rollout.Plan | None:
     """The applied plan, with `status`/`steps`/`threshold` filled for the metrics;
     `http`: the aiohttp session analysis asks Prometheus or Alertmanager through;
-    `first_minute_s`: the window of the new pods' first-minute hit rate (`first_minute`)."""
+    `first_minute_s`: the window of the new pods' first-minute hit rate (`first_minute`);
+    `snapshot`: run before a StatefulSet's pods are moved onto the target (`Snapshot`)."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     try:
@@ -59,8 +69,9 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None,
         return None
     workload = pair.workload if pair is not None else _workload(target)
     now = datetime.now(timezone.utc).replace(microsecond=0)
+    pods = await _workload_pods(kube, namespace, target, ref.kind)
     observed = rollout.Observed(
-        workload=workload, pods=await _samples(kube, sidecars, namespace, target, ref.kind),
+        workload=workload, pods=await _samples(sidecars, namespace, pods),
         now=now, replica_prefill_tokens_per_s=economics.replica_prefill_tokens_per_s(spec),
         probe=await _probe(http, spec, status, namespace, name, now),
         request=(meta.get("annotations") or {}).get(names.ROLLOUT_REQUEST_ANNOTATION),
@@ -97,9 +108,15 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None,
     if pair is not None:
         in_flight = (plan.phase or status.phase) in ("RollingOut", "Paused")
         await _converge_pair(kube, namespace, ref.name, target, pair, plan.workload, in_flight)
-    elif plan.workload is not None:
-        await kube.patch_stateful_set(namespace, ref.name, workload_patch(plan.workload))
-        crashpoints.reached("rollout-workload-patched")
+    else:
+        moving = plan.workload or rollout.WorkloadPatch(workload.template_version or "", workload.partition)
+        if (snapshot is not None and moving.template_version == spec.model.weights_version
+                and (plan.phase or status.phase) in ("RollingOut", "Paused")):
+            # Before the controller restarts them: their own sidecars hold their tenants' prefixes.
+            await snapshot(body, spec, moving, pods)
+        if plan.workload is not None:
+            await kube.patch_stateful_set(namespace, ref.name, workload_patch(plan.workload))
+            crashpoints.reached("rollout-workload-patched")
     if plan.kind not in ("idle", "wait", "hold"):
         log.info("rollout of %s/%s: %s", namespace, name, plan.kind)
     after = status.model_copy(update={"phase": plan.phase or status.phase, "rollout": plan.rollout or status.rollout})
@@ -179,16 +196,20 @@ def _workload(sts: dict[str, Any]) -> rollout.Workload:
                             int(partition))
 
 
-async def _samples(kube, sidecars, namespace: str, workload: dict[str, Any],
-                   kind: str = "StatefulSet") -> tuple[rollout.PodSample, ...]:
+async def _workload_pods(kube, namespace: str, workload: dict[str, Any],
+                         kind: str = "StatefulSet") -> list[dict[str, Any]]:
     """The workload's pods: a StatefulSet's own; for a Deployment, every pod its selector
     matches (its ReplicaSets' and the canary's, whose selector only adds the track label)."""
     labels = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
     selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
     owner = workload["metadata"]["name"]
-    pods = [p for p in await kube.list_pods(namespace, selector)
+    return [p for p in await kube.list_pods(namespace, selector)
             if kind == "Deployment" or any(o.get("kind") == "StatefulSet" and o.get("name") == owner
                                            for o in p["metadata"].get("ownerReferences") or [])]
+
+
+async def _samples(sidecars, namespace: str, pods: list[dict[str, Any]]) -> tuple[rollout.PodSample, ...]:
+    """Each pod's sample: its version, readiness and its sidecar's counters."""
     ready = {p["metadata"]["name"]: pod_view(p).serving for p in pods}
     members = {MemberName(n): Member(MemberName(n), p["status"]["podIP"], 1.0, namespace,
                                      (p["metadata"].get("annotations") or {}).get(names.INJECTED_ANNOTATION, ""))

@@ -18,10 +18,13 @@ tick (`decide`):
 Warming a pod: the tenants whose homes include it (`tenants_of_pod`: rendezvous over the
 published table with the pod as a member), each weighted by the pod's rank in its homes
 (`home_weights`: full weight where it is the tenant's first home, which gets the
-tenant's traffic; `OTHER_HOME_WEIGHT` elsewhere), each tenant's hottest prefixes read
-from its current homes on the old version (`sources`; their sidecars' `GET /cache/hot`,
-each asked for at least `ASK_FLOOR_TOKENS`; pods already on the new version when no old
-one holds the tenant), merged (`rank`), then all the tenants' prompts in one pool and
+tenant's traffic; `OTHER_HOME_WEIGHT` elsewhere), each tenant's hottest prefixes taken
+first from the pod's OWN sidecar, read before it restarted (`rollout_snapshot`; at
+`OWN_WEIGHT`: that frequency is the pod's own traffic), then read from its current
+homes on the old version (`sources`; their sidecars' `GET /cache/hot`, each asked for
+at least `ASK_FLOOR_TOKENS`; pods already on the new version when no old one holds the
+tenant), two sources in all, cut to the prefixes they share, weighted and merged
+(`tenant_prompts`), then all the tenants' prompts in one pool and
 the pod's `maxTokens` spent greedily on the best by weight x frequency x the tokens
 not already warmed (`plan`), replayed as prompts through the pod's own engine within
 `timeout`, most valuable first. The gate is then released
@@ -35,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvtier.affinity import AffinityTable
-from kvtier.warmup_plan import (ASK_FLOOR_TOKENS, OTHER_HOME_WEIGHT, Planned, Prompt,  # noqa: F401 (re-exported)
-                                 ask_tokens, plan, rank)
+from kvtier.warmup_plan import (ASK_FLOOR_TOKENS, OTHER_HOME_WEIGHT, OWN_WEIGHT, Planned,  # noqa: F401 (re-exported)
+                                 Prompt, ask_tokens, cut_to_shared, keep_own, plan, rank, tenant_prompts)
 
 from kvtier_operator import names
 

@@ -2,7 +2,9 @@
 
 On every rollout tick (`reconcile`, under the policy's status lock) each gated pod of
 the policy is released or warmed. A warm-up runs as a task of its own, so the tick
-stays short: it reads the tenant's hottest prefixes from the old version's sidecars
+stays short: it takes the pod's own snapshot (`rollout_snapshot`: its own sidecar's
+hot list, read before the partition moved past it; first source of each tenant it
+holds) and reads the tenants' hottest prefixes from the old version's sidecars
 (`SidecarClient.hot`, authenticated like every control call), picks the best across
 the pod's tenants within its budget (`rollout_warmup.plan`), replays them as prompts
 through the new pod's engine — POST http://<podIP>:<enginePort>/v1/completions with
@@ -37,7 +39,7 @@ import aiohttp
 
 from kvtier import policy
 
-from kvtier_operator import economics, events, names, publish
+from kvtier_operator import economics, events, names, publish, rollout_snapshot
 from kvtier_operator import rollout_warmup as rw
 from kvtier_operator.membership import Member, MemberName, pod_view
 
@@ -134,6 +136,7 @@ async def release_all(memo, namespace: str, policy_name: str, reason: str = rw.P
     for uid in list(tasks):
         await _cancel(tasks, uid)
     (memo.get("warmups") or {}).pop((namespace, policy_name), None)
+    rollout_snapshot.store(memo).drop_policy(namespace, policy_name)
     return count
 
 
@@ -207,6 +210,7 @@ async def _warm_pod(memo, body: dict[str, Any], spec: policy.KVCachePolicySpec, 
     await _record(memo, body, pod, tally, reason, text[:1024], budget, seconds)
     if (metrics := memo.get("rollout_metrics")) is not None:
         metrics.warmed(namespace, name, reason, tally.tokens)
+    rollout_snapshot.used(memo, namespace, name, pod)
     await _release(memo.kube, pod, reason, text)
 
 
@@ -224,36 +228,41 @@ async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePoli
             members[v.name] = Member(MemberName(v.name), v.ip or "", v.weight, namespace, v.injected_by or "")
             if rw.pod_version(p) == old:
                 old_names.append(v.name)
+    # The pod's own hot list from before it restarted: first source of each tenant in it.
+    own = rollout_snapshot.own_prompts(memo, namespace, policy_name, pod) or {}
     stats = await memo.sidecars.fleet_stats(members)
-    if not members:
+    if not members and not own:
         progress.source_error = "no other pod serving to read the tenants' prefixes from"
-    elif not stats.per_member:
+    elif members and not stats.per_member and not own:
         progress.source_error = f"none of the {len(members)} serving sidecars answered"
     holders: dict[str, list[str]] = {}
     for s in stats.per_member:
         for t in s.tenants:
             holders.setdefault(t, []).append(s.member)
     weight = pod_view(pod).weight
-    tenants = rw.tenants_of_pod(table, pod_name, weight, holders) if table is not None else sorted(holders)
+    known = set(holders) | set(own)
+    tenants = rw.tenants_of_pod(table, pod_name, weight, known) if table is not None else sorted(known)
     weights = rw.home_weights(table, pod_name, weight, tenants) if table is not None else {}
     progress.tenants = len(tenants)
     ask = rw.ask_tokens(budget, len(tenants))
     gate = asyncio.Semaphore(HOT_IN_FLIGHT)
 
     async def prompts_of(tenant: str) -> list[rw.Prompt]:
+        mine = own.get(tenant)  # this tenant's only: a snapshot is kept per tenant
         answers = []
         for source in rw.sources(table, tenant, pod_name, old_names, holders.get(tenant, []),
-                                 members)[:SOURCES_PER_TENANT]:
+                                 members)[:SOURCES_PER_TENANT - (mine is not None)]:
             async with gate:
                 hot = await memo.sidecars.hot(members[source], tenant, ask, HOT_TIMEOUT_S)
             if hot is not None:
                 answers.append([rw.Prompt(tuple(p.token_ids), p.frequency) for p in hot.prefixes])
-        if not answers:
+        if not answers and mine is None:
             progress.source_error = progress.source_error or f"no source answered for tenant {tenant}"
-        return rw.rank(answers)
+        return rw.tenant_prompts(mine, answers, weights.get(tenant, 1.0), spec.block_size)
 
     ranked = dict(zip(tenants, await asyncio.gather(*(prompts_of(t) for t in tenants))))
-    queue = rw.plan({t: (weights.get(t, 1.0), ranked[t]) for t in tenants}, budget, spec.block_size)
+    # Each tenant's weight is in its prompts' frequencies (`tenant_prompts`).
+    queue = rw.plan({t: (1.0, ranked[t]) for t in tenants}, budget, spec.block_size)
     url = f"http://{pod['status']['podIP']}:{warmup.engine_port}{COMPLETIONS_PATH}"
     model = warmup.served_model_name or spec.model.id
     # A prompt that reuses an earlier one's prefix waits for it: the engine then finds
