@@ -11,7 +11,9 @@ cpdef double _dict_mean(members, dict occupancy)
 
 # The gate as an extension type: its fields read as struct fields.
 cdef class _Gate:
-    cdef public object _occ, _spill, _low, _balance_hot, _balance_low
+    cdef public object _occ, _members
+    cdef public double _spill, _low, _balance, _hysteresis, _balance_hot, _balance_low
 
+    cpdef _summed(self)
     cpdef hot(self, member)
     cpdef cool(self, member)

@@ -114,25 +114,43 @@ def _walk(order: list[str], gate: _Gate, sticky_rank: int | None) -> int:
 
 
 class _Gate:
-    """The hot / cool tests for one routing decision (one fleet-mean computation)."""
+    """The hot / cool tests for one routing decision (one fleet-mean computation).
 
-    __slots__ = ("_occ", "_spill", "_low", "_balance_hot", "_balance_low")
+    The fleet mean is computed only when a test needs it: `hot` reads it only past
+    `spillOccupancy`, `cool` only at or above `spillOccupancy - hysteresis`, so a fleet
+    below those never sums its members. It is the same sum whenever it is made, since
+    the occupancy does not change within one decision."""
+
+    __slots__ = ("_occ", "_members", "_spill", "_low", "_balance", "_hysteresis", "_balance_hot", "_balance_low")
 
     def __init__(self, table: AffinityTable, occupancy: Mapping[str, float]):
-        mean = _reported_mean(table.members, occupancy)
         self._occ = occupancy
+        self._members = table.members
         self._spill = table.spill_occupancy
         self._low = table.spill_occupancy - table.hysteresis
-        self._balance_hot = table.balance_factor * mean
-        self._balance_low = self._balance_hot - table.hysteresis
+        self._balance = table.balance_factor
+        self._hysteresis = table.hysteresis
+        self._balance_hot = -1.0  # < 0: the mean is not summed yet
+
+    def _summed(self) -> None:
+        self._balance_hot = self._balance * _reported_mean(self._members, self._occ)
+        self._balance_low = self._balance_hot - self._hysteresis
 
     def hot(self, member: str) -> bool:
         occ = float(self._occ.get(member, 0.0))
-        return occ > self._spill and occ > self._balance_hot
+        if occ <= self._spill:
+            return False
+        if self._balance_hot < 0.0:
+            self._summed()
+        return occ > self._balance_hot
 
     def cool(self, member: str) -> bool:
         occ = float(self._occ.get(member, 0.0))
-        return occ < self._low or occ < self._balance_low
+        if occ < self._low:
+            return True
+        if self._balance_hot < 0.0:
+            self._summed()
+        return occ < self._balance_low
 
 
 def _reported_mean(members, occupancy: Mapping[str, float]) -> float:

@@ -127,21 +127,59 @@ class Workload:
         return self.prompt_elems() * self.spec.token_unit
 
     def token_builder(self):
-        """A fast `tokens(i)` for the event loop: the columns as Python lists, read once."""
+        """A fast `tokens(i)` for the event loop, equal to `tokens(i)` element for element.
+
+        Each prompt is joined as bytes: its template and document as one cached head,
+        its transcript sliced from the longest one built so far of that session, and
+        its query from a block of queries computed in one numpy pass per
+        `_QUERY_CHUNK` requests (a query is the only part no other request shares)."""
         tenant, template, doc = self.tenant.tolist(), self.template.tolist(), self.doc.tolist()
-        session, session_elems, query_elems = self.session.tolist(), self.session_elems.tolist(), self.query_elems.tolist()
-        template_tokens, doc_tokens, concat = self._template_tokens, self._doc_tokens, np.concatenate
+        session, session_elems = self.session.tolist(), self.session_elems.tolist()
+        template_tokens, doc_tokens = self._template_tokens, self._doc_tokens
+        query_elems = self.query_elems.astype(np.int64)
+        query_ends = np.cumsum(query_elems).tolist()
+        heads: dict = {}
+        transcripts: dict = {}
+        chunk = [-1, 0, b""]  # chunk number, its first query element, its queries' bytes
+        frombuffer, uint32 = np.frombuffer, np.uint32
+
+        def queries_of(c: int) -> None:
+            lo, hi = c * _QUERY_CHUNK, min(len(query_elems), (c + 1) * _QUERY_CHUNK)
+            lens = query_elems[lo:hi]
+            ids = ((3 * 1_000_003 * 1_000_033 + np.arange(lo, hi, dtype=np.uint64)) & np.uint64(_MASK32))
+            offsets = ((ids * np.uint64(_SEGMENT_MIX)) & np.uint64(_MASK32)).astype(np.uint32)
+            first = int(query_ends[lo - 1]) if lo else 0
+            within = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+            steps = _steps_upto(int(lens.max()) if len(lens) else 0)
+            chunk[:] = [c, first, (steps[within] + np.repeat(offsets, lens)).tobytes()]
 
         def build(i: int) -> np.ndarray:
-            t = tenant[i]
-            parts = [template_tokens(t, template[i])]
-            if doc[i] >= 0:
-                parts.append(doc_tokens(t, doc[i]))
-            if session_elems[i]:
-                parts.append(segment_tokens(_segment_id(2, t, session[i]), session_elems[i]))
-            if query_elems[i]:
-                parts.append(segment_tokens(_segment_id(3, 0, i), query_elems[i]))
-            return concat(parts)
+            t, d = tenant[i], doc[i]
+            key = (t, template[i], d)
+            head = heads.get(key)
+            if head is None:
+                head = template_tokens(t, template[i]).tobytes()
+                if d >= 0:
+                    head += doc_tokens(t, d).tobytes()
+                heads[key] = head
+            parts = [head]
+            n = session_elems[i]
+            if n:
+                skey = (t, session[i])
+                seen = transcripts.get(skey)
+                if seen is None or len(seen) < 4 * n:
+                    if len(transcripts) >= _TRANSCRIPTS_KEPT:
+                        transcripts.clear()
+                    seen = transcripts[skey] = segment_tokens(_segment_id(2, t, session[i]), n).tobytes()
+                parts.append(seen[:4 * n])
+            end = query_ends[i]
+            begin = query_ends[i - 1] if i else 0
+            if end > begin:
+                if chunk[0] != i // _QUERY_CHUNK:
+                    queries_of(i // _QUERY_CHUNK)
+                first = chunk[1]
+                parts.append(chunk[2][4 * (begin - first):4 * (end - first)])
+            return frombuffer(b"".join(parts), dtype=uint32)
 
         return build
 
@@ -178,14 +216,23 @@ class Workload:
 
 
 _steps = np.zeros(0, dtype=np.uint32)
+# `token_builder`: queries computed per numpy pass, and transcripts kept before the
+# cache of them starts over (bounded memory; a transcript dropped is rebuilt).
+_QUERY_CHUNK = 1 << 14
+_TRANSCRIPTS_KEPT = 1 << 14
+
+
+def _steps_upto(n: int) -> np.ndarray:
+    """i * _STEP_MIX mod 2**32 for i < n at least, grown on demand and shared."""
+    global _steps
+    if len(_steps) < n:
+        _steps = (np.arange(max(n, 2 * len(_steps)), dtype=np.uint64) * np.uint64(_STEP_MIX)).astype(np.uint32)
+    return _steps
 
 
 def segment_tokens(segment_id: int, n: int) -> np.ndarray:
     """Deterministic token ids of one segment; distinct ids differ from the first token."""
-    global _steps
-    if len(_steps) < n:  # i * _STEP_MIX mod 2**32, grown on demand and shared
-        _steps = (np.arange(max(n, 2 * len(_steps)), dtype=np.uint64) * np.uint64(_STEP_MIX)).astype(np.uint32)
-    return _steps[:n] + np.uint32((segment_id * _SEGMENT_MIX) & _MASK32)
+    return _steps_upto(n)[:n] + np.uint32((segment_id * _SEGMENT_MIX) & _MASK32)
 
 
 def _segment_id(kind: int, tenant: int, index: int) -> int:

@@ -66,3 +66,19 @@ def test_token_unit_scales_lengths_down():
 def test_bad_spec_is_a_value_error(bad):
     with pytest.raises(ValueError):
         _spec(**bad)
+
+
+def test_the_event_loops_builder_gives_every_prompt_exactly(monkeypatch):
+    """`token_builder` joins cached bytes and per-chunk queries; it must equal `tokens(i)`
+    element for element, across query chunks, transcript evictions, random order and
+    requests without a query, document or transcript."""
+    import kvtier.sim.workload as workload
+    monkeypatch.setattr(workload, "_QUERY_CHUNK", 97)
+    monkeypatch.setattr(workload, "_TRANSCRIPTS_KEPT", 5)
+    w = generate(_spec())
+    assert (w.session >= 0).any() and (w.doc >= 0).any() and (w.query_elems == 0).any()
+    build = w.token_builder()
+    order = list(range(len(w))) + np.random.default_rng(0).permutation(len(w)).tolist()
+    for i in order:
+        got, want = build(i), w.tokens(i)
+        assert got.dtype == want.dtype and np.array_equal(got, want), i
