@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .peer_address import parse_peer
+
 GROUP = "kvtier.io"
 """The API group; also the prefix of every annotation, label and finalizer of ours."""
 PREFIX = GROUP
@@ -121,3 +123,33 @@ def is_warmup(kv_transfer_params: Any) -> bool:
         return False
     ours = kv_transfer_params.get(KV_TRANSFER_PARAMS_KEY)
     return isinstance(ours, dict) and ours.get(PURPOSE_FIELD) == WARMUP_PURPOSE
+
+
+# --- the peer-pull hint ----------------------------------------------------------------
+# A router that knows which pod holds a request's prefix KV (llm-d's sets the header
+# `x-kv-cache-source-host-port`) names it to the serving pod; vLLM hands a KV connector
+# the body's kv_transfer_params, never the headers, so kvtier's Endpoint Picker plugin
+# (router/epp/plugins/saltplugin.go) copies the header to
+# kv_transfer_params.kvtier.sourcePeer, the connector passes it with its LOOKUP
+# (`engine_proto.SOURCE_PEER_FIELD`), and the sidecar tries that peer first when it is a
+# member of its own fleet. A hint only orders the peers asked: what a peer sends is
+# verified as any peer's.
+SOURCE_PEER_FIELD = "sourcePeer"
+
+
+def source_peer(kv_transfer_params: Any) -> str | None:
+    """The peer-pull hint of a request's `kv_transfer_params` (any JSON value, or None),
+    as `host:port` in `peer_address` form; None when there is none. A sourcePeer that
+    is there but is not a string host:port (null, a number, no port, port 0, a bad
+    host) raises ValueError: the caller ignores it and counts it."""
+    if not isinstance(kv_transfer_params, dict):
+        return None
+    ours = kv_transfer_params.get(KV_TRANSFER_PARAMS_KEY)
+    if not isinstance(ours, dict) or SOURCE_PEER_FIELD not in ours:
+        return None
+    value = ours[SOURCE_PEER_FIELD]
+    if isinstance(value, str) and (not value.isascii() or "%" in value):
+        # parse_peer reads other scripts' digits as a port and takes an IPv6 zone (an
+        # interface of the router's own host); the router's plugin refuses both.
+        raise ValueError(f"peer address {value[:100]!r} must be an ASCII host:port without a zone")
+    return str(parse_peer(value))

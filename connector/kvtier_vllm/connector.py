@@ -54,7 +54,7 @@ from .layer_loads import LayerJob, LayerLoads
 from .lookups import AsyncLookups, Breaker
 from .worker_calls import Staged, WorkerCalls
 from .paged import PagedKV
-from .plan import LoadSpec, SchedulerBook, StepSpecs, StoreSpec, root_from_fields
+from .plan import LoadSpec, SchedulerBook, StepSpecs, StoreSpec, read_hint, root_from_fields
 from .stats import KvtierConnectorStats, KvtierPromMetrics
 
 if TYPE_CHECKING:
@@ -188,8 +188,9 @@ class KvtierConnector(KVConnectorBase_V1):
             if len(prompt) <= self.block_size:
                 return 0, False
             started = time.perf_counter()
-            warmup = is_warmup(getattr(request, "kv_transfer_params", None))
-            n = self.book.matched(request.request_id, root, prompt, num_computed_tokens, self._step_wait_s, warmup)
+            params = getattr(request, "kv_transfer_params", None)
+            n = self.book.matched(request.request_id, root, prompt, num_computed_tokens, self._step_wait_s,
+                                  is_warmup(params), read_hint(params))
             self._step_wait_s = max(0.0, self._step_wait_s - (time.perf_counter() - started))
             if self._events_on and not self.book.described(request.request_id):
                 self._describe(request, len(prompt))

@@ -120,6 +120,7 @@ class PendingLookup:
     digests: bool
     deadline: float
     purpose: str | None = None  # `kvtier.names.WARMUP_PURPOSE` for the rollout's warm-up; None: traffic
+    source_peer: str | None = None  # a router's peer-pull hint (`kvtier.names.source_peer`); None: none
     done: threading.Event = field(default_factory=threading.Event)
     hit: Any = None             # the client's EngineHit, or None (a miss)
     abandoned: bool = False     # the request stopped waiting: the thread releases the hit
@@ -155,11 +156,12 @@ class AsyncLookups:
     # -- scheduler thread ---------------------------------------------------------------
 
     def start(self, root: KeyRoot, prompt: list[int], local_tokens: int, digests: bool,
-              purpose: str | None = None) -> PendingLookup | None:
+              purpose: str | None = None, source_peer: str | None = None) -> PendingLookup | None:
         if not self.breaker.allow():
             self._count("lookups_skipped")
             return None
-        pending = PendingLookup(root, prompt, local_tokens, digests, self.clock() + self.budget_s, purpose)
+        pending = PendingLookup(root, prompt, local_tokens, digests, self.clock() + self.budget_s, purpose,
+                                source_peer)
         try:
             self._queue.put_nowait(pending)
         except queue.Full:
@@ -285,8 +287,12 @@ class AsyncLookups:
                 p.judged = True  # the sidecar answers; it is only the wrong one
                 p.done.set()
             return
-        hit = self.client.lookup(p.root, p.prompt, digests=p.digests, local_tokens=p.local_tokens,
-                                 purpose=p.purpose)
+        if p.source_peer is None:  # no hint: the very call a lookup made before hints existed
+            hit = self.client.lookup(p.root, p.prompt, digests=p.digests, local_tokens=p.local_tokens,
+                                     purpose=p.purpose)
+        else:
+            hit = self.client.lookup(p.root, p.prompt, digests=p.digests, local_tokens=p.local_tokens,
+                                     purpose=p.purpose, source_peer=p.source_peer)
         faulted = not hit and getattr(hit, "reason", "") == UNAVAILABLE
         with self._lock:
             in_time = self.clock() <= p.deadline and not p.abandoned

@@ -27,18 +27,21 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from kvtier.keys import KeyRoot
-from kvtier.names import WARMUP_PURPOSE
+from kvtier.names import WARMUP_PURPOSE, source_peer
 from pydantic import BaseModel, ConfigDict
 
 from .lookups import PENDING, AsyncLookups, PendingLookup
 
 
-COUNTS = ("lookups", "prompt_tokens", "local_hit_tokens", "hit_tokens", "warmup_lookups", "warmup_prompt_tokens")
+COUNTS = ("lookups", "prompt_tokens", "local_hit_tokens", "hit_tokens", "warmup_lookups", "warmup_prompt_tokens",
+          "peer_hints", "peer_hints_invalid")
 """The scheduler side's counts: lookups asked, prompt tokens of new requests, tokens
 vLLM's own prefix cache held when they were scheduled, tokens offered and accepted —
 of traffic; the rollout's warm-up requests (`kvtier.names.is_warmup`) are counted
 apart (warmup_lookups, warmup_prompt_tokens) and in none of the others, so they never
-reach the hit figure (`connector.SCHEDULER_REPORTED`)."""
+reach the hit figure (`connector.SCHEDULER_REPORTED`). peer_hints: lookups sent with a
+router's peer-pull hint; peer_hints_invalid: requests whose hint was malformed and
+ignored (`kvtier.names.source_peer`)."""
 PIN_STEPS = 2
 """Steps a loaded hit stays pinned: its own, plus the one vLLM may schedule while it runs."""
 
@@ -98,6 +101,28 @@ def root_from_fields(fields: dict[str, str]) -> KeyRoot:
     return KeyRoot(**fields)
 
 
+@dataclass(frozen=True, slots=True)
+class Hint:
+    """A request's peer-pull hint: `peer` (host:port) to send with its lookup, or None
+    with `invalid` when kv_transfer_params named one that is not a host:port."""
+
+    peer: str | None
+    invalid: bool = False
+
+
+def read_hint(kv_transfer_params: Any) -> Hint | None:
+    """The peer-pull hint of a request's `kv_transfer_params` (None: it names none).
+    Strict: only a string host:port is a hint; anything else is ignored (never an error
+    for the request) and marked invalid so that it is counted."""
+    if kv_transfer_params is None:
+        return None  # the common case: no kv_transfer_params at all
+    try:
+        peer = source_peer(kv_transfer_params)
+    except ValueError:
+        return Hint(None, invalid=True)
+    return None if peer is None else Hint(peer)
+
+
 @dataclass
 class _Request:
     root: KeyRoot
@@ -127,11 +152,12 @@ class SchedulerBook:
     # -- lookup -------------------------------------------------------------------------
 
     def matched(self, req_id: str, root: KeyRoot, prompt: Sequence[int], local_tokens: int,
-                wait_s: float = 0.0, warmup: bool = False) -> int | None:
+                wait_s: float = 0.0, warmup: bool = False, hint: Hint | None = None) -> int | None:
         """External tokens beyond `local_tokens` (vLLM's block-aligned local hit); None
         while the lookup runs within its budget (vLLM asks again next step). Waits at
         most `wait_s` for the answer. `warmup`: the rollout's warm-up request, looked up
-        with that purpose and counted apart from traffic."""
+        with that purpose and counted apart from traffic. `hint`: the request's peer-pull
+        hint (`read_hint`), sent with its lookup and counted once."""
         req = self._requests.get(req_id)
         if req is not None and not req.asked:
             # Preempted and asked again: vLLM freed its blocks; start over.
@@ -140,8 +166,12 @@ class SchedulerBook:
         if req is None:
             req = _Request(root, list(prompt), warmup=warmup)
             self._requests[req_id] = req
+            source_peer = None
+            if hint is not None:
+                source_peer = hint.peer
+                self.counts["peer_hints_invalid" if hint.invalid else "peer_hints"] += 1
             req.pending = self.lookups.start(root, req.prompt, local_tokens, self.verify_checksums,
-                                             WARMUP_PURPOSE if warmup else None)
+                                             WARMUP_PURPOSE if warmup else None, source_peer)
             apart = "warmup_" if warmup else ""
             self.counts[apart + "lookups"] += req.pending is not None
             self.counts[apart + "prompt_tokens"] += len(req.prompt)

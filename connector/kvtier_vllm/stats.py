@@ -15,14 +15,16 @@ COUNTERS = ("lookups", "prompt_tokens", "local_hit_tokens", "hit_tokens", "looku
             "loaded_blocks", "loaded_bytes", "loaded_tokens_dram", "loaded_tokens_peer", "load_seconds",
             "load_errors", "saved_blocks", "saved_bytes", "store_declined", "store_cached", "stores_skipped",
             "sidecar_unreachable", "weights_version_mismatch", "warmup_lookups", "warmup_prompt_tokens",
-            "warmup_loaded_tokens")
+            "warmup_loaded_tokens", "peer_hints", "peer_hints_invalid")
 """What the scheduler side counts (lookups through breaker_recoveries: `plan.COUNTS`,
 `lookups.AsyncLookups.counts`, the breaker's trips) and the workers (the rest).
 
 A hit is `loaded_tokens_{tier}`: prompt tokens a worker really copied in from kvtier.
 `hit_tokens` is what vLLM accepted from the lookups (offered), `local_hit_tokens` what
 its own prefix cache already held, `prompt_tokens` the prompts' length. The rollout's
-warm-up requests (`kvtier.names.is_warmup`) are in none of those: `warmup_*` count them."""
+warm-up requests (`kvtier.names.is_warmup`) are in none of those: `warmup_*` count them.
+`peer_hints` / `peer_hints_invalid`: requests whose kv_transfer_params carried a router's
+peer-pull hint, sent with the lookup / malformed and ignored (`kvtier.names.source_peer`)."""
 
 
 @dataclass
@@ -75,6 +77,8 @@ PROM_HELP = {
     "warmup_lookups": "Sidecar lookups of the rollout's warm-up requests (not in lookups)",
     "warmup_prompt_tokens": "Prompt tokens of the rollout's warm-up requests (not in prompt_tokens)",
     "warmup_loaded_tokens": "Prompt tokens the rollout's warm-up requests loaded from kvtier (not in loaded_tokens_*)",
+    "peer_hints": "Lookups sent with a router's peer-pull hint (kv_transfer_params.kvtier.sourcePeer)",
+    "peer_hints_invalid": "Requests whose peer-pull hint was not a host:port (ignored: looked up without it)",
 }
 
 

@@ -41,7 +41,9 @@ from kvtier.layout import shard_for_rank
 from kvtier.names import PURPOSE_FIELD
 
 from .arena import Arena, ArenaError
-from .engine_proto import FRAME, MAX_BODY_BYTES, EngineOp, FrameError, encode, encode_json, split_body
+from .engine_proto import (
+    FRAME, MAX_BODY_BYTES, SOURCE_PEER_FIELD, EngineOp, FrameError, encode, encode_json, split_body,
+)
 
 # How long a dead sidecar is left alone before the next reconnect attempt.
 RECONNECT_BACKOFF_S = 0.5
@@ -331,14 +333,16 @@ class SidecarClient:
     # -- engine API ---------------------------------------------------------------------
 
     def lookup(self, root: KeyRoot, token_ids, digests: bool = False, local_tokens: int = 0,
-               purpose: str | None = None) -> EngineHit | Miss:
+               purpose: str | None = None, source_peer: str | None = None) -> EngineHit | Miss:
         """The longest cached prefix, pinned. With `digests`, the hit carries each
         block's checksum so the engine can verify the bytes it copies. `local_tokens`:
         the leading tokens the engine already holds itself; the sidecar fetches from
         peers only what lies beyond them. `purpose`: why the engine asks, when it is not
-        traffic (`kvtier.names.WARMUP_PURPOSE`: the rollout's warm-up, counted apart)."""
+        traffic (`kvtier.names.WARMUP_PURPOSE`: the rollout's warm-up, counted apart).
+        `source_peer`: a router's hint of the peer holding the prefix (`host:port`,
+        `kvtier.names.source_peer`), asked first if the sidecar trusts it."""
         tokens = as_token_array(token_ids)
-        if digests or local_tokens or purpose:
+        if digests or local_tokens or purpose or source_peer:
             payload = {"root": root_payload(root)}
             if digests:
                 payload["digests"] = True
@@ -346,6 +350,8 @@ class SidecarClient:
                 payload["local_tokens"] = int(local_tokens)
             if purpose:
                 payload[PURPOSE_FIELD] = str(purpose)
+            if source_peer:
+                payload[SOURCE_PEER_FIELD] = str(source_peer)
         else:
             payload = self._lookup_payload(root)  # the same bytes as the dict's JSON, kept
         got = self._call_lookup(payload, tokens)

@@ -18,6 +18,11 @@ class Count(StrEnum):
     PEER_BAD_RECORDS = "peer_bad_records"  # a sealed record failed its tag (tampered, replayed)
     PEER_REQUEST_TIMEOUTS = "peer_request_timeouts"  # a request not in by its deadline
     PEER_OLD_PROTOCOL = "peer_old_protocol"  # a peer speaking an earlier protocol version
+    # Lookups that reached the peer step with a peer-pull hint (`peer_hint`), by outcome:
+    PEER_HINT_USED = "peer_hint_used"  # the hinted peer served verified blocks
+    PEER_HINT_UNKNOWN = "peer_hint_unknown"  # it names no member of this fleet: not asked
+    PEER_HINT_MISS = "peer_hint_miss"  # asked, it held nothing more
+    PEER_HINT_FAILED = "peer_hint_failed"  # asked, the fetch failed (bad bytes, timeout, busy)
     STORED_BLOCKS = "stored_blocks"
     INVALIDATED_BLOCKS = "invalidated_blocks"
     WARMED_BLOCKS = "warmed_blocks"

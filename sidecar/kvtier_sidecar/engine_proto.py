@@ -9,7 +9,7 @@ slot ids in their answers. KV bytes never cross this socket: the engine copies t
 out of (or into) the shared-memory arena named in the HELLO answer.
 
     HELLO        {}                                   -> {arena..., instance}
-    LOOKUP       {root, digests?, local_tokens?, purpose?} + tokens
+    LOOKUP       {root, digests?, local_tokens?, purpose?, source_peer?} + tokens
                                                       -> {hit, matched_tokens, tier, digests?} + slots
     RELEASE      {hit, instance?}                     -> {}
     STORE_BEGIN  {root, tp, rank}  + tokens           -> {ticket, first_block} + slots (ticket 0: declined)
@@ -35,6 +35,18 @@ hit figure); their stores are stored as any. Absent, or a purpose the sidecar do
 know: traffic (so engines and sidecars of either release work together; an older
 sidecar ignores the field and counts the lookup as traffic, as before). A LOOKUP with a
 purpose is never the root-only payload of the sidecar's fast path.
+
+`source_peer` (optional, `SOURCE_PEER_FIELD`) is the request's peer-pull hint
+(`kvtier.names.source_peer`: a router's "this pod holds the prefix", a `host:port`):
+when the local tiers fall short, the sidecar asks that peer first, if it is a member of
+its own fleet (a peer listed in `warm_peers`, or a live member of the global index; the
+address as the peer advertises itself, or its host alone when exactly one member has
+it), and never dials an address it does not already trust. What the peer sends is
+verified as any peer's; a hint that names no member, or whose peer has nothing or fails,
+leaves the lookup to the global index as before (outcomes: `kvtier_peer_hint_total`).
+Not a string: refused. Absent: the lookup is exactly as before (an older sidecar
+ignores the field). A LOOKUP with a hint is never the root-only payload of the fast
+path.
 
 `instance` (optional) is the HELLO answer's: a sidecar refuses a hit or ticket
 named for another process (ids restart with the process; a stale one must never
@@ -67,6 +79,10 @@ MAX_REPORT_BLOCKS = 1 << 32
 # A report's fields: strict JSON integers in range (1e30, true and 1.5 are refused).
 ReportBytes = Annotated[int, Field(ge=0, le=MAX_REPORT_BYTES, strict=True)]
 ReportCount = Annotated[int, Field(ge=0, le=MAX_REPORT_BLOCKS, strict=True)]
+
+
+SOURCE_PEER_FIELD = "source_peer"
+"""The LOOKUP's optional peer-pull hint (see the module doc)."""
 
 
 class EngineOp(IntEnum):

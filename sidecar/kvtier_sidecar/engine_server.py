@@ -38,8 +38,8 @@ from kvtier.keys import KeyRoot
 from kvtier.names import PURPOSE_FIELD, WARMUP_PURPOSE
 
 from .engine_proto import (
-    FRAME, MAX_BODY_BYTES, MAX_REMOVED_PER_ANSWER, EngineOp, EngineReport, FrameError, encode, encode_json,
-    split_body,
+    FRAME, MAX_BODY_BYTES, MAX_REMOVED_PER_ANSWER, SOURCE_PEER_FIELD, EngineOp, EngineReport, FrameError, encode,
+    encode_json, split_body,
 )
 from .service import LookupAnswer
 
@@ -186,12 +186,13 @@ class EngineServer:
                 if tail_arr.size == 0:
                     raise ValueError("token ids missing")
                 tokens = tail_arr
-                if len(payload) > 1:  # a root-only LOOKUP (the fast path's) has neither
+                if len(payload) > 1:  # a root-only LOOKUP (the fast path's) has none of these
                     local = _int(payload, "local_tokens", 0, len(tokens), default=0)
                     warmup = _warmup(payload)
+                    hint = _source_peer(payload)
                 else:
-                    local, warmup = 0, False
-                answer = self.service.lookup_now(root, tokens, conn, local, warmup)
+                    local, warmup, hint = 0, False, None
+                answer = self.service.lookup_now(root, tokens, conn, local, warmup, hint)
                 if answer is not None and type(answer) is not LookupAnswer:
                     return self._answer_later(conn, rid, payload, answer)
                 head, out_tail = self._lookup_reply(conn, payload, answer)
@@ -445,6 +446,16 @@ def _warmup(payload: dict) -> bool:
     if not isinstance(purpose, str):
         raise ValueError(f"{PURPOSE_FIELD} must be a string, got {type(purpose).__name__}")
     return purpose == WARMUP_PURPOSE
+
+
+def _source_peer(payload: dict) -> str | None:
+    """A LOOKUP's peer-pull hint (`engine_proto.SOURCE_PEER_FIELD`), or None. Whether it
+    names a peer worth asking is the service's to decide (only members of its fleet
+    are); a hint that is not a string is refused, as any mistyped field."""
+    hint = payload.get(SOURCE_PEER_FIELD)
+    if hint is None or type(hint) is str:
+        return hint or None
+    raise ValueError(f"{SOURCE_PEER_FIELD} must be a string, got {type(hint).__name__}")
 
 
 def _slot_bytes(slots: list[int]) -> bytes:

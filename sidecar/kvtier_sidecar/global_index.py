@@ -330,6 +330,12 @@ class GlobalIndex:
                                     "filling (this sidecar only just joined it, or Redis lost its data)")
         return False
 
+    @property
+    def members(self) -> set[str]:
+        """The live members as of the last heartbeat (no round trip; this host among
+        them). Read-only: a heartbeat replaces the set, `forget_member` shrinks it."""
+        return self._members
+
     def forget_member(self, host: str) -> None:
         """A peer that failed a fetch is skipped until its next heartbeat refresh."""
         self._members.discard(host)

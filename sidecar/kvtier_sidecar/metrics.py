@@ -49,7 +49,10 @@ _TYPED_COUNTERS = frozenset({"peer_fetches", "peer_fetch_errors", "peer_checksum
                              "engine_loaded_bytes", "engine_load_errors", "engine_loaded_tokens_dram",
                              "engine_loaded_tokens_peer", "engine_local_hit_tokens", "engine_prompt_tokens",
                              "engine_lookup_timeouts", "engine_breaker_trips", "warmup_lookups",
-                             "warmup_tokens_hit", "warmup_tokens_miss"})
+                             "warmup_tokens_hit", "warmup_tokens_miss", "peer_hint_used", "peer_hint_unknown",
+                             "peer_hint_miss", "peer_hint_failed"})
+# What became of a lookup's peer-pull hint (`peer_hint`): `kvtier_peer_hint_total{outcome}`.
+PEER_HINT_OUTCOMES = ("used", "unknown", "miss", "failed")
 # Global index operations, exported at 0 before their first failure (so rates exist).
 INDEX_OPERATIONS = ("lookup", "register", "heartbeat")
 # The states `kvtier_index_health` reports per kind of operation (redis_health.Health).
@@ -328,6 +331,14 @@ def _sidecar_families(s: SidecarState) -> Iterable:
     peer_errors.add_metric([s.version, "checksum"], mismatches)
     peer_errors.add_metric([s.version, "transport"], s.counters.get("peer_fetch_errors", 0) - mismatches)
     yield peer_errors
+    # Exported at 0 before the first hint, so that a fleet without a hinting router has them too.
+    hints = CounterMetricFamily("kvtier_peer_hint", "Lookups that reached the peer step with a router's peer-pull "
+                                "hint, by outcome: used (the hinted peer served verified blocks), unknown (no "
+                                "member of this fleet: not asked), miss (it held nothing more), failed (the fetch "
+                                "failed: bad bytes, timeout, busy)", labels=["version", "outcome"])
+    for outcome in PEER_HINT_OUTCOMES:
+        hints.add_metric([s.version, outcome], s.counters.get(f"peer_hint_{outcome}", 0))
+    yield hints
     # The engine-facing byte counters, exported at 0 before the first store or report.
     yield counter("kvtier_stored_bytes", "KV bytes the engine stored (committed stores)",
                   s.counters.get("stored_bytes", 0))

@@ -93,10 +93,23 @@ class PeerFetcher:
         self._in_flight: collections.Counter[str] = collections.Counter()
 
     async def from_peers(self, root: KeyRoot, tokens: np.ndarray, have: int, max_blocks: int,
-                         beyond: int = 0) -> tuple[int, int]:
+                         beyond: int = 0, hinted: str | None = None) -> tuple[int, int]:
         """Fetch blocks [have, k) from the peer holding the longest prefix, when k is
-        more than `beyond` (the blocks the engine holds itself); (blocks, bytes)."""
-        if self.index is None or self.transport is None:
+        more than `beyond` (the blocks the engine holds itself); (blocks, bytes).
+
+        `hinted`: a member of this fleet a router named as holding the prefix
+        (`peer_hint`), asked first for every block the prompt may match; the index is
+        asked only when it served none, and then never for that peer again if it failed."""
+        if self.transport is None:
+            return 0, 0
+        failed = None
+        if hinted is not None:
+            blocks, nbytes, answered = await self._from_hinted(hinted, root, tokens, have, max_blocks)
+            if blocks:
+                return blocks, nbytes
+            if not answered:
+                failed = hinted
+        if self.index is None:
             return 0, 0
         hashes = block_hashes(root, tokens[: max_blocks * self.block_size], self.block_size)
         answer = await self.index.longest_prefix(root.digest().hex(), [h.hex() for h in hashes])
@@ -104,6 +117,8 @@ class PeerFetcher:
             return 0, 0
         want = answer.matched_blocks
         for host in answer.hosts[:PEER_ATTEMPTS]:
+            if host == failed:
+                continue  # it just failed this very fetch
             if self._in_flight[host] >= MAX_FETCHES_PER_PEER:
                 self.counters.add(Count.PEER_FETCHES_SHED)  # busy or slow: not worth a wait
                 continue
@@ -117,10 +132,43 @@ class PeerFetcher:
             self.index.forget_member(host)
         return 0, 0
 
+    async def _from_hinted(self, host: str, root: KeyRoot, tokens: np.ndarray, have: int,
+                           max_blocks: int) -> tuple[int, int, bool]:
+        """(blocks, bytes, answered) of asking the hinted peer for blocks [have,
+        max_blocks): no index round trip, so it may hold fewer (it sends what it has).
+        `answered` is False when the fetch failed (the peer is forgotten as any failed
+        peer is); each outcome is counted."""
+        if self._in_flight[host] >= MAX_FETCHES_PER_PEER:
+            self.counters.add(Count.PEER_FETCHES_SHED)
+            self.counters.add(Count.PEER_HINT_FAILED)
+            return 0, 0, False
+        try:
+            blocks, nbytes, error = await self._fetch(host, root, tokens[: max_blocks * self.block_size], have,
+                                                      max_blocks)
+        except Exception:  # a bug in the fetch path must still be a miss
+            log.exception("hinted peer fetch failed", extra={"peer": host})
+            blocks, nbytes, error = 0, 0, "fault"
+        if blocks:  # verified blocks, even when the rest failed
+            self.counters.add(Count.PEER_HINT_USED)
+            return blocks, nbytes, True
+        if error:
+            self.counters.add(Count.PEER_HINT_FAILED)
+            if self.index is not None:
+                self.index.forget_member(host)
+            return 0, 0, False
+        self.counters.add(Count.PEER_HINT_MISS)
+        return 0, 0, True
+
     async def fetch(self, host: str, root: KeyRoot, tokens: np.ndarray, have: int, want: int,
                     pool: concurrent.futures.Executor | None = None) -> tuple[int, int]:
         """Blocks [have, want) from `host`; (blocks, bytes). A request-path fetch (no
         `pool`) ends by a deadline set now; a warm-up's starts when it gets a thread."""
+        blocks, nbytes, _ = await self._fetch(host, root, tokens, have, want, pool)
+        return blocks, nbytes
+
+    async def _fetch(self, host: str, root: KeyRoot, tokens: np.ndarray, have: int, want: int,
+                     pool: concurrent.futures.Executor | None = None) -> tuple[int, int, str | None]:
+        """`fetch`, and why the transfer stopped early (None: it did not)."""
         loop = asyncio.get_running_loop()
         if pool is not None:
             return await loop.run_in_executor(pool, self._fetch_blocking, host, root, tokens, have, want, None)
@@ -135,10 +183,10 @@ class PeerFetcher:
                 del self._in_flight[host]
 
     def _fetch_blocking(self, host: str, root: KeyRoot, tokens: np.ndarray, have: int, want: int,
-                        deadline: float | None) -> tuple[int, int]:
+                        deadline: float | None) -> tuple[int, int, str | None]:
         if deadline is not None and time.monotonic() >= deadline:  # it waited its whole deadline for a thread
             self.counters.add(Count.PEER_FETCH_ERRORS)
-            return 0, 0
+            return 0, 0, "deadline"
         sink = _Sink(self.tier, root, tokens, have)
         outcome = self.transport.fetch(host, root, tokens, self.block_size, self.tier.block_bytes, sink,
                                        max_blocks=want, skip_blocks=have, deadline=deadline)
@@ -151,12 +199,12 @@ class PeerFetcher:
             self.counters.add(Count.PEER_CHECKSUM_MISMATCHES)
         res = sink.reservation
         if res is None:
-            return 0, 0
+            return 0, 0, outcome.error
         committed = self.tier.commit(res, outcome.verified_blocks, outcome.digests)  # 0 verified: aborts
         self.counters.add(Count.PEER_BYTES_FETCHED, outcome.verified_blocks * self.tier.block_bytes)
         if committed and self.index is not None:
             self.register(root, tokens, have + committed)
-        return committed, outcome.verified_blocks * self.tier.block_bytes
+        return committed, outcome.verified_blocks * self.tier.block_bytes, outcome.error
 
     async def warm(self, tenant: str, peer: str, max_bytes: int, serving_version: str) -> Warmed:
         """Pull `tenant`'s hottest prefixes from `peer`, up to `max_bytes`, skipping

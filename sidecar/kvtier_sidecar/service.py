@@ -3,9 +3,12 @@
     lookup(root, tokens)
       ├─ DRAM tier match by tokens (pins)            -> hit "dram"
       ├─ platform-owned prefix under the platform root (if configured)
-      └─ still short of the prompt?  one Redis round trip: longest prefix a peer holds
-           └─ fetch the missing blocks from that peer into reserved arena slots,
-              commit the verified prefix, look up again   -> hit "peer"
+      └─ still short of the prompt?
+           ├─ a router's peer-pull hint naming a member of this fleet (peer_hint.py)?
+           │    that peer is asked first, its blocks verified as any peer's -> hit "peer"
+           └─ one Redis round trip: longest prefix a peer holds
+                └─ fetch the missing blocks from that peer into reserved arena slots,
+                   commit the verified prefix, look up again   -> hit "peer"
 
 Everything after the local match is best effort with a deadline: Redis down, a peer
 gone, slow or lying (checksum), a full arena — each ends the attempt and the engine
@@ -35,6 +38,7 @@ from .dram import DramTier, TierHit
 from .global_index import GlobalIndex
 from .jobs import JobRegistry, QueueFull, RefConflict  # noqa: F401  (answered 429 / 409 by http_api)
 from .peer_fetch import PeerFetcher
+from .peer_hint import HintedPeers
 from .platform_prefix import PlatformPrefixes
 from .store_tickets import OwnershipError, TicketBook, TicketId, fresh_ids
 from .transport import PeerTransport
@@ -81,6 +85,8 @@ class Sidecar:
         self.platform = PlatformPrefixes(tier, lambda: self.config)
         self.tickets = TicketBook(tier, self.metrics)
         self.fetcher = PeerFetcher(tier, index, transport, self.counters, self._register)
+        self.hinted_peers = HintedPeers(lambda: self.index.members if self.index is not None else None,
+                                        lambda: self.config.warm_peers, self._advertised)
         self.jobs_registry = JobRegistry()
         self._warm_slots = asyncio.Semaphore(WARM_CONCURRENCY)
         self._hits: dict[int, TierHit] = {}
@@ -103,18 +109,21 @@ class Sidecar:
     # -- engine path --------------------------------------------------------------------
 
     async def lookup(self, root: KeyRoot, tokens: np.ndarray, owner: object = None,
-                     local_tokens: int = 0, warmup: bool = False) -> LookupAnswer | None:
+                     local_tokens: int = 0, warmup: bool = False,
+                     source_peer: str | None = None) -> LookupAnswer | None:
         """`local_tokens`: what the engine's own prefix cache holds; a peer is asked only
         for a prefix longer than that (and not at all when it covers the prompt).
         `warmup`: the request is the rollout's warm-up (`names.WARMUP_PURPOSE`), counted
-        in the warm-up counters, never in the traffic's (`_count_warmup`)."""
-        answer = self.lookup_now(root, tokens, owner, local_tokens, warmup)
+        in the warm-up counters, never in the traffic's (`_count_warmup`).
+        `source_peer`: a router's peer-pull hint (`peer_hint`), asked first when the
+        local tiers fall short and it names a member of this fleet."""
+        answer = self.lookup_now(root, tokens, owner, local_tokens, warmup, source_peer)
         if answer is None or type(answer) is LookupAnswer:
             return answer
         return await answer
 
     def lookup_now(self, root: KeyRoot, tokens: np.ndarray, owner: object = None, local_tokens: int = 0,
-                   warmup: bool = False):
+                   warmup: bool = False, source_peer: str | None = None):
         """`lookup` without a coroutine when the local tiers answer it (no peer to ask):
         the answer (a LookupAnswer, or None for a miss), else a coroutine that asks the
         peers and answers (the caller awaits it)."""
@@ -145,14 +154,32 @@ class Sidecar:
                 hit, tier_name = platform, "dram"
                 have = hit.matched_tokens // block_size
         local_blocks = local_tokens // block_size
-        if max(have, local_blocks) < max_blocks and self.index is not None and self.transport is not None:
-            return self._lookup_peers(root, tokens, owner, hit, tier_name, have, max_blocks, local_blocks, warmup)
+        if max(have, local_blocks) < max_blocks and self.transport is not None:
+            hinted = self._hinted(source_peer) if source_peer is not None else None
+            if self.index is not None or hinted is not None:
+                return self._lookup_peers(root, tokens, owner, hit, tier_name, have, max_blocks, local_blocks,
+                                          warmup, hinted)
         return self._answer(root, tokens, owner, hit, tier_name, have * block_size, 0, warmup)
+
+    def _advertised(self) -> str | None:
+        """This sidecar's own peer address, as its peers know it."""
+        if self.index is not None:
+            return self.index.host
+        return getattr(self.transport, "identity", None) or None
+
+    def _hinted(self, source_peer: str) -> str | None:
+        """The member of this fleet a lookup's hint names (None, counted `unknown`: the
+        lookup goes on as if it had none). A request's hint is never dialled itself."""
+        member = self.hinted_peers.resolve(source_peer)
+        if member is None:
+            self.counters.add(Count.PEER_HINT_UNKNOWN)
+        return member
 
     async def _lookup_peers(self, root: KeyRoot, tokens: np.ndarray, owner: object, hit: TierHit | None,
                             tier_name: str | None, have: int, max_blocks: int,
-                            local_blocks: int, warmup: bool = False) -> LookupAnswer | None:
-        fetched, peer_bytes = await self.fetcher.from_peers(root, tokens, have, max_blocks, beyond=local_blocks)
+                            local_blocks: int, warmup: bool = False, hinted: str | None = None) -> LookupAnswer | None:
+        fetched, peer_bytes = await self.fetcher.from_peers(root, tokens, have, max_blocks, beyond=local_blocks,
+                                                            hinted=hinted)
         if fetched:
             again = self.tier.lookup(root, tokens)
             if again and again.matched_tokens > have * self.block_size:
