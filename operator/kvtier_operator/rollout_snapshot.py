@@ -48,12 +48,19 @@ log = logging.getLogger("kvtier.operator.warmup")
 # control call; what has not answered by then is left out, and its pod warms from the
 # other homes).
 READ_TIMEOUT_S = 2.0
-# Hot-list requests in flight at once for a snapshot (each answer is small and local).
+# Hot-list requests in flight at once for a snapshot (each answer is small and local),
+# and pods read at once (a pod's raw answers are held until cut down to what it keeps).
 HOT_IN_FLIGHT = 8
+PODS_IN_FLIGHT = 4
+# Reads of one pod the deadline may cut before it is given up (kept empty: warmed from
+# the other homes), so a slow sidecar costs a few ticks' READ_TIMEOUT_S, not every tick's.
+MAX_TRIES = 2
 # Token ids held in all, every policy's snapshots together: 8 M ids, 64 MiB as int64.
 # The default budget (65,536 tokens) keeps ~0.1-0.2 M per pod (`keep_own`), so a step
 # of ~40-80 pods fits; past it the oldest snapshots go (those pods warm as before).
 MAX_TOKENS = 8_000_000
+# Keys whose reads are counted (`Snapshots.tried`): the oldest forgotten past it.
+MAX_KEYS = 100_000
 # A snapshot not used within this long is stale (a paused rollout, a pod that never
 # restarted): dropped.
 TTL_S = 3600.0
@@ -87,6 +94,7 @@ class Snapshots:
         self.max_tokens, self.ttl_s = max_tokens, ttl_s
         self._held: OrderedDict[Key, Snapshot] = OrderedDict()
         self._tokens = 0
+        self._tries: OrderedDict[Key, int] = OrderedDict()  # reads begun, per key (bounded below)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -117,7 +125,19 @@ class Snapshots:
         snap = self.get(key)
         return snap is not None and snap.uid == uid
 
+    def wants(self, key: Key, uid: str) -> bool:
+        """This pod (`uid`) is still to be read for the key: none held of it, and fewer
+        than `MAX_TRIES` reads begun."""
+        return not self.has(key, uid) and self._tries.get(key, 0) < MAX_TRIES
+
+    def tried(self, key: Key) -> None:
+        """A read of the key begins (counted; a read cut by the deadline stores nothing)."""
+        self._tries[key] = self._tries.pop(key, 0) + 1
+        while len(self._tries) > MAX_KEYS:
+            self._tries.popitem(last=False)
+
     def drop(self, key: Key) -> None:
+        self._tries.pop(key, None)
         snap = self._held.pop(key, None)
         if snap is not None:
             self._tokens -= snap.tokens
@@ -125,6 +145,8 @@ class Snapshots:
     def drop_policy(self, namespace: str, policy_name: str) -> None:
         for key in [k for k in self._held if k[:2] == (namespace, policy_name)]:
             self.drop(key)
+        for key in [k for k in self._tries if k[:2] == (namespace, policy_name)]:
+            del self._tries[key]
 
     def expire(self, now: float) -> None:
         for key in [k for k, s in self._held.items() if now - s.taken > self.ttl_s]:
@@ -157,59 +179,62 @@ async def take(memo, namespace: str, policy_name: str, spec: policy.KVCachePolic
                timeout_s: float | None = None) -> int:
     """Read and keep the own snapshot of each of `pods` (about to restart onto
     `target`) that has none yet, all within `timeout_s` (`READ_TIMEOUT_S`); returns how
-    many were kept. Never raises for a sidecar's sake: what does not answer in time is
-    left out."""
+    many were kept with prompts. Highest ordinal first (the StatefulSet controller
+    restarts that one first), `PODS_IN_FLIGHT` at a time, each pod's answers cut down
+    to what it keeps (`keep_own`) as soon as they are in, so what is held meanwhile is
+    a few pods' hot lists. A pod read to the end is kept, even empty (its sidecar held
+    nothing, or did not answer: it is not read again on every tick); one the deadline
+    cut is read again on a later tick, `MAX_TRIES` times in all. Never raises for a
+    sidecar's sake."""
     timeout_s = READ_TIMEOUT_S if timeout_s is None else timeout_s
     held = store(memo)
-    wanted = [p for p in pods if not held.has((namespace, policy_name, p["metadata"]["name"], target),
-                                              p["metadata"].get("uid", ""))]
+    wanted = sorted((p for p in pods if held.wants((namespace, policy_name, p["metadata"]["name"], target),
+                                                     p["metadata"].get("uid", ""))),
+                    key=lambda p: -rollout.ordinal(p["metadata"]["name"]))
     if not wanted or spec.rollout.warmup is None:
         return 0
     from kvtier_operator.rollout_warmup_io import pod_budget
 
     budget = pod_budget(spec).tokens
-    # Filled as answers arrive: a deadline keeps what came before it.
-    answers: dict[str, dict[str, list[rw.Prompt]]] = {p["metadata"]["name"]: {} for p in wanted}
-    gate = asyncio.Semaphore(HOT_IN_FLIGHT)
+    pods_gate, hot_gate = asyncio.Semaphore(PODS_IN_FLIGHT), asyncio.Semaphore(HOT_IN_FLIGHT)
+    kept: list[str] = []
 
     async def one(pod: Mapping[str, Any]) -> None:
         v = pod_view(pod)
+        key = (namespace, policy_name, v.name, target)
+        held.tried(key)
         member = Member(MemberName(v.name), v.ip or "", v.weight, namespace, v.injected_by or "")
-        stats = (await memo.sidecars.fleet_stats({v.name: member})).per_member
-        held_tenants = stats[0].tenants if stats else ()
-        tenants = rw.tenants_of_pod(table, v.name, v.weight, held_tenants) if table is not None else \
-            sorted(held_tenants)
-        ask = rw.ask_tokens(budget, len(tenants))
+        answers: dict[str, list[rw.Prompt]] = {}
+        async with pods_gate:
+            stats = (await memo.sidecars.fleet_stats({v.name: member})).per_member
+            held_tenants = stats[0].tenants if stats else ()
+            tenants = rw.tenants_of_pod(table, v.name, v.weight, held_tenants) if table is not None else \
+                sorted(held_tenants)
+            ask = rw.ask_tokens(budget, len(tenants))
 
-        async def hot(tenant: str) -> None:
-            async with gate:
-                got = await memo.sidecars.hot(member, tenant, ask, timeout_s)
-            # `hot` refuses an answer naming another tenant: a tenant's ids stay its own.
-            if got is not None and got.prefixes:
-                answers[v.name][tenant] = [rw.Prompt(tuple(p.token_ids), p.frequency) for p in got.prefixes]
-        await asyncio.gather(*(hot(t) for t in tenants))
+            async def hot(tenant: str) -> None:
+                async with hot_gate:
+                    got = await memo.sidecars.hot(member, tenant, ask, timeout_s)
+                # `hot` refuses an answer naming another tenant: a tenant's ids stay its own.
+                if got is not None and got.prefixes:
+                    answers[tenant] = [rw.Prompt(tuple(p.token_ids), p.frequency) for p in got.prefixes]
+            await asyncio.gather(*(hot(t) for t in tenants))
+        chosen = rw.keep_own(answers, budget, spec.block_size)
+        snap = Snapshot(pod["metadata"].get("uid", ""), time.monotonic(),
+                        {t: tuple((array("q", p.tokens), p.frequency) for p in ps) for t, ps in chosen.items()})
+        if held.put(key, snap) and chosen:
+            kept.append(v.name)
 
     try:
         async with asyncio.timeout(timeout_s):
             await asyncio.gather(*(one(p) for p in wanted))
     except TimeoutError:
-        log.info("own-sidecar snapshots of %s/%s cut at %.1fs: pods not read warm from the other homes",
-                 namespace, policy_name, timeout_s)
-    kept = 0
-    now = time.monotonic()
-    for pod in wanted:
-        name = pod["metadata"]["name"]
-        # Kept even when empty (the sidecar held nothing, or did not answer in time): the
-        # pod is read once per restart, not on every tick until it restarts.
-        chosen = rw.keep_own(answers[name], budget, spec.block_size)
-        snap = Snapshot(pod["metadata"].get("uid", ""), now,
-                        {t: tuple((array("q", p.tokens), p.frequency) for p in ps) for t, ps in chosen.items()})
-        if held.put((namespace, policy_name, name, target), snap) and chosen:
-            kept += 1
+        log.info("own-sidecar snapshots of %s/%s cut at %.1fs: the pods not read are tried again on the next "
+                 "tick, or warm from the other homes", namespace, policy_name, timeout_s)
     if kept:
         log.info("own-sidecar snapshots of %s/%s for %s: %d of %d pods (%d token ids held in all)", namespace,
-                 policy_name, target, kept, len(wanted), held.tokens)
-    return kept
+                 policy_name, target, len(kept), len(wanted), held.tokens)
+    return len(kept)
 
 
 async def before_patch(memo, body: dict[str, Any], spec: policy.KVCachePolicySpec,
