@@ -23,7 +23,15 @@ NATIVE = _compiled["NATIVE_MODULES"]
 
 
 class BuildExt(build_ext):
-    """build_ext that also writes the manifest of the sources it compiled."""
+    """build_ext that also writes the manifest of the sources it compiled, and compiles
+    the extensions on every core unless told otherwise (`--parallel N`): `pip wheel`
+    and the image's build call it with no options, and compiling the fifteen modules
+    one by one took ~100 s on two cores."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
 
     def run(self):
         super().run()
