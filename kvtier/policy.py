@@ -412,7 +412,8 @@ class Recovery(CamelModel):
 class Warmup(CamelModel):
     """Warm-before-ready: each pod a rollout moves to the new weights version is held
     out of traffic by the readiness gate `kvtier.io/warm` until it has prefilled its
-    tenants' hottest prefixes (from their current homes' sidecars, ranked by frequency x
+    tenants' hottest prefixes (first from its own sidecar, read just before the pod
+    restarted, then from the tenants' other homes' sidecars; ranked by frequency x
     length) through its own engine, at most `maxTokens` prompt tokens within `timeout`;
     then the gate is released, warm or not. `maxTokens: 0` turns it off."""
 
