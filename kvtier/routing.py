@@ -21,10 +21,17 @@ Members with no occupancy report are treated as empty and left out of the mean.
 A tenant's homes are the table's: its `homeOverrides` entry when the operator
 bounded the home loads, else plain rendezvous. The spill path past the homes is
 always the tenant's rendezvous order over the remaining members.
+
+While the operator rolls a new weights version, `versions` (member -> the weights
+version its pod serves) screens the order first (`screen`): a tenant follows the
+version of its first home that has one, and is walked only over members of that
+version. Its first home is the pod the rollout warmed for it before it became
+Ready, and a user must not flip between model versions from one request to the
+next, so a tenant never spills onto the other version, however hot its own is.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.affinity import AffinityTable
@@ -33,7 +40,13 @@ from kvtier.affinity import AffinityTable
 @dataclass(slots=True, frozen=True)
 class Pick:
     """Where a request goes. `rank` is the member's position in the tenant's
-    rendezvous order (0 = first home); `spilled` means it is not one of the homes."""
+    rendezvous order (0 = first home); `spilled` means it is not one of the homes.
+
+    A screened pick (`versions`) reports the same: rank in the tenant's whole order,
+    spilled when the member is not one of its homes. A tenant whose homes the
+    rollout split across versions can be picked off its homes with every
+    same-version home cool, and that is a spill: the member holds none of its
+    prefixes, whatever the reason it was the best one."""
 
     member: str
     rank: int
@@ -61,17 +74,36 @@ def homes_for(tenant: str, table: AffinityTable) -> list[str]:
     return table.homes_for(tenant)
 
 
+def screen(order: Sequence[str], versions: Mapping[str, str]) -> list[str]:
+    """The members of `order` a tenant may be routed to while versions differ: those
+    whose version is the version of the first member of `order` that has one.
+
+    That member is the tenant's first home unless its version is unknown (a pod
+    without the label yet): the tenant then follows the next home that says. A
+    member with no known version is dropped once the tenant's version is known (it
+    may serve either); with no versioned member at all, or no `versions`, the order
+    is returned unchanged (as a new list), as if every pod served the same weights.
+    """
+    ordered = list(order)
+    version = next((v for v in map(versions.get, ordered) if v is not None), None)
+    if version is None:
+        return ordered
+    return [m for m in ordered if versions.get(m) == version]
+
+
 def pick(
     tenant: str,
     table: AffinityTable,
     occupancy: Mapping[str, float],
     state: SpillState | None = None,
+    versions: Mapping[str, str] | None = None,
 ) -> Pick:
-    """Choose the member for one request of `tenant` (see module doc for the rule).
+    """Choose the member for one request of `tenant` (see module doc for the rule),
+    among the members `screen(order, versions)` leaves when `versions` is given.
 
     Raises ValueError if the table has no members: there is nowhere to route.
     """
-    order, chosen = pick_rank(tenant, table, occupancy, state)
+    order, chosen = pick_rank(tenant, table, occupancy, state, versions)
     return Pick(order[chosen], chosen, chosen >= table.homes, table.epoch)
 
 
@@ -80,26 +112,33 @@ def pick_rank(
     table: AffinityTable,
     occupancy: Mapping[str, float],
     state: SpillState | None = None,
+    versions: Mapping[str, str] | None = None,
 ) -> tuple[list[str], int]:
     """`pick` as (the tenant's order, the chosen member's rank in it), without the
-    `Pick` (a simulator routes a million requests through it)."""
+    `Pick` (a simulator routes a million requests through it).
+
+    With `versions`, the walk and the spill memory run over the screened order
+    (a tenant "moved off its first choice" left the first member of its version);
+    the rank returned is still in the whole order. Without, nothing is screened and
+    the path is the unversioned one, two checks longer."""
     order = table.order_for(tenant)
     if not order:
         raise ValueError("affinity table has no members: nowhere to route")
     if state is not None and state.epoch != table.epoch:
         state.moved_to.clear()
         state.epoch = table.epoch
+    walked = order if not versions else screen(order, versions)
     gate = _Gate(table, occupancy)
     sticky = state.moved_to.get(tenant) if state is not None else None
-    sticky_rank = order.index(sticky) if sticky is not None and sticky in order else None
+    sticky_rank = walked.index(sticky) if sticky is not None and sticky in walked else None
 
-    chosen = _walk(order, gate, sticky_rank)
+    chosen = _walk(walked, gate, sticky_rank)
     if state is not None:
         if chosen == 0:
             state.moved_to.pop(tenant, None)
         else:
-            state.moved_to[tenant] = order[chosen]
-    return order, chosen
+            state.moved_to[tenant] = walked[chosen]
+    return order, chosen if walked is order else order.index(walked[chosen])
 
 
 def _walk(order: list[str], gate: _Gate, sticky_rank: int | None) -> int:

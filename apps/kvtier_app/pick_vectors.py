@@ -12,9 +12,11 @@ Layout of the file:
     invalidTables [{name, json, rule}]: texts every reader must refuse
     orders        [{table, tenant, order, scores, homes}]; scores compare within a
                   tolerance (ln differs in the last bits across libms), orders exactly
-    sequences     [{name, steps: [{table, tenant, occupancy, stateful,
+    sequences     [{name, steps: [{table, tenant, occupancy, stateful, [versions,]
                   pick | error, spillState}]}]: one SpillState carried through
-                  the steps of a sequence, across tables (epochs) where named
+                  the steps of a sequence, across tables (epochs) where named; a
+                  step with `versions` (member -> weights version) is screened
+    screens       [{name, order, versions, screened}]: `routing.screen` alone
 """
 from __future__ import annotations
 
@@ -164,8 +166,76 @@ def _sequences(tables: dict[str, AffinityTable]) -> list[dict[str, Any]]:
             for v in (0.9, 0.84, 0.86, 0.849)
         ]},
         {"name": "errors", "steps": [("emptyTable", "tenant-0", {}), ("uniform8", "", {})]},
+        *_rollout_sequences(tables),
     ]
     return seqs
+
+
+def _rollout_sequences(tables: dict[str, AffinityTable]) -> list[dict[str, Any]]:
+    """Screened steps: a fleet mid-rollout, each tenant kept on its first home's version."""
+    u = tables["uniform8"]
+    t = "tenant-0"
+    h = u.order_for(t)
+    cool = {m: 0.3 for m in u.members}
+    # Mid-rollout: the tenant's first and third homes still old, its second home and
+    # the first two members past its homes already new.
+    mid = {m: "v1" for m in u.members} | {h[1]: "v2", h[3]: "v2", h[4]: "v2"}
+    new_first = mid | {h[0]: "v2"}
+    unknown_first = {m: v for m, v in new_first.items() if m != h[0]}
+    digest = {m: "h-" + "0123456789abcdef" if v == "v2" else "v1" for m, v in mid.items()}
+    other = "tenant-1"
+    o = u.order_for(other)
+    return [
+        {"name": "rolloutKeepsTheFirstHomesVersion", "steps": [
+            ("uniform8", t, cool, mid),
+            ("uniform8", t, cool | {h[0]: 0.95}, mid),  # skips its new-version second home
+            ("uniform8", t, cool | {h[0]: 0.95, h[2]: 0.95}, mid),  # spills past v2 members
+            ("uniform8", t, cool | {h[0]: 0.95}, digest),
+        ]},
+        {"name": "firstHomeOnTheNewVersion", "steps": [
+            ("uniform8", t, cool, new_first),
+            ("uniform8", t, cool | {h[0]: 0.95}, new_first),  # its v2 second home
+            ("uniform8", t, cool | {h[0]: 0.95, h[1]: 0.95}, new_first),  # v2 past the homes: spilled
+            ("uniform8", other, cool, {m: "v2" for m in o[1:]} | {o[0]: "v1"}),  # alone on v1
+            ("uniform8", other, cool | {o[0]: 0.99}, {m: "v2" for m in o[1:]} | {o[0]: "v1"}),
+        ]},
+        {"name": "unknownVersions", "steps": [
+            ("uniform8", t, cool, unknown_first),  # h[0] unlabelled: follows h[1]'s v2
+            ("uniform8", t, cool | {h[1]: 0.95}, unknown_first),
+            ("uniform8", t, cool | {h[0]: 0.95}, {"not-a-member": "v9"}),  # nobody versioned
+            ("uniform8", t, cool | {h[0]: 0.95}, {}),  # empty: unscreened
+        ]},
+        {"name": "stickySpillWithinAVersion", "steps": [
+            ("uniform8", t, cool | {h[0]: 0.95}, mid),   # -> h[2], its next v1 home
+            ("uniform8", t, cool | {h[0]: 0.83}, mid),   # not cool: stays on h[2]
+            ("uniform8", t, cool | {h[0]: 0.83}, new_first),  # h[0] now v2, h[2] not: h[0], h[2] forgotten
+            ("uniform8", t, cool | {h[0]: 0.95}, new_first),  # -> h[1], its next v2 home
+            ("uniform8", t, cool | {h[0]: 0.79}, new_first),  # cool: back on h[0]
+        ]},
+        {"name": "wholeVersionHotStaysOnItsFirst", "steps": [
+            ("tightBalance", t, {m: 0.1 for m in tables["tightBalance"].members}
+             | dict.fromkeys(tables["tightBalance"].order_for(t)[:2], 0.99),
+             dict.fromkeys(tables["tightBalance"].order_for(t)[:2], "v2")),
+        ]},
+    ]
+
+
+def _screens(tables: dict[str, AffinityTable]) -> list[dict[str, Any]]:
+    """`routing.screen` on its own: the rule every router applies before its walk."""
+    order = tables["uniform8"].order_for("tenant-0")
+    cases: list[tuple[str, list[str], dict[str, str]]] = [
+        ("noVersions", order, {}),
+        ("allOneVersion", order, dict.fromkeys(order, "v1")),
+        ("midRollout", order, {m: ("v2" if i % 3 == 1 else "v1") for i, m in enumerate(order)}),
+        ("firstHomeNew", order, {m: ("v2" if i % 3 == 0 else "v1") for i, m in enumerate(order)}),
+        ("firstUnknownFollowsNext", order, {m: "v2" for m in order[1::2]} | {m: "v1" for m in order[2::2]}),
+        ("unknownDroppedOnceKnown", order, {order[2]: "v1", order[5]: "v1"}),
+        ("onlyStrangersVersioned", order, {"elsewhere": "v1"}),
+        ("emptyOrder", [], {"a": "v1"}),
+        ("unicode", ["pod-é", "ポッド-1", "pod-😀"], {"ポッド-1": "版本-2", "pod-😀": "版本-2", "pod-é": "版本-1"}),
+    ]
+    return [{"name": n, "order": o, "versions": dict(sorted(v.items())), "screened": routing.screen(o, v)}
+            for n, o, v in cases]
 
 
 def _sticky_dead_end(table: AffinityTable, tenant: str) -> list[dict[str, float]]:
@@ -190,6 +260,7 @@ def build() -> dict[str, Any]:
         "invalidTables": _invalid_tables(),
         "orders": [],
         "sequences": [],
+        "screens": _screens(tables),
     }
     for name, tb in tables.items():
         for tenant in [*_TENANTS, "tenant-override"]:
@@ -238,10 +309,13 @@ def _run_sequence(seq: dict[str, Any], tables: dict[str, AffinityTable]) -> dict
     stateful = seq.get("stateful", True)
     state = routing.SpillState() if stateful else None
     steps = []
-    for table_name, tenant, occupancy in seq["steps"]:
+    for table_name, tenant, occupancy, *screened in seq["steps"]:
+        versions = screened[0] if screened else None
         step: dict[str, Any] = {"table": table_name, "tenant": tenant, "occupancy": occupancy}
+        if versions is not None:
+            step["versions"] = dict(sorted(versions.items()))
         try:
-            p = routing.pick(tenant, tables[table_name], occupancy, state)
+            p = routing.pick(tenant, tables[table_name], occupancy, state, versions)
             step["pick"] = {"member": p.member, "rank": p.rank, "spilled": p.spilled, "epoch": p.epoch}
         except ValueError as exc:
             step["error"] = str(exc)

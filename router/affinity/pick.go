@@ -54,6 +54,10 @@ func (t *Table) HomesFor(tenant string) ([]string, error) {
 
 // Pick is where one request goes. Rank is the member's position in the
 // tenant's order (0 = first home); Spilled means it is not one of the homes.
+// A screened pick (PickVersioned) reports the same, against the tenant's
+// whole order and homes: a member of its version past its homes is a spill,
+// even when every home of that version is cool and the others are on the
+// other version (it holds none of the tenant's prefixes either way).
 type Pick struct {
 	Member  string
 	Rank    int
@@ -104,6 +108,17 @@ func (s *SpillState) MovedTo() map[string]string {
 // without a report count as empty and are left out of the mean. Decisions are
 // those of kvtier.routing.pick; on error the state is unchanged.
 func (t *Table) Pick(tenant string, occupancy map[string]float64, state *SpillState) (Pick, error) {
+	return t.PickVersioned(tenant, occupancy, state, nil)
+}
+
+// PickVersioned is Pick over the tenant's order screened by versions (member
+// -> the weights version its pod serves; see Screen): while a rollout runs, a
+// tenant is walked only over the members of its first home's version. The
+// spill memory is kept over the screened order (a tenant "moved off its first
+// choice" left the first member of its version); Rank and Spilled are against
+// the whole order. A nil or empty versions is Pick exactly. Decisions are
+// those of kvtier.routing.pick with versions.
+func (t *Table) PickVersioned(tenant string, occupancy map[string]float64, state *SpillState, versions map[string]string) (Pick, error) {
 	if len(t.ranked.names) == 0 {
 		return Pick{}, ErrNoMembers
 	}
@@ -111,9 +126,13 @@ func (t *Table) Pick(tenant string, occupancy map[string]float64, state *SpillSt
 	if err != nil {
 		return Pick{}, err
 	}
+	walked := order
+	if len(versions) > 0 {
+		walked = Screen(order, versions)
+	}
 	g := t.gate(occupancy)
 	if state == nil {
-		return t.result(order, walk(order, g, -1)), nil
+		return t.result(order, walked, walk(walked, g, -1)), nil
 	}
 	state.mu.Lock()
 	defer state.mu.Unlock()
@@ -123,19 +142,49 @@ func (t *Table) Pick(tenant string, occupancy map[string]float64, state *SpillSt
 	}
 	stickyRank := -1
 	if sticky, ok := state.movedTo[tenant]; ok {
-		stickyRank = slices.Index(order, sticky)
+		stickyRank = slices.Index(walked, sticky)
 	}
-	chosen := walk(order, g, stickyRank)
+	chosen := walk(walked, g, stickyRank)
 	if chosen == 0 {
 		delete(state.movedTo, tenant)
 	} else {
-		state.movedTo[tenant] = order[chosen]
+		state.movedTo[tenant] = walked[chosen]
 	}
-	return t.result(order, chosen), nil
+	return t.result(order, walked, chosen), nil
 }
 
-func (t *Table) result(order []string, rank int) Pick {
+// result is the pick of walked[chosen], ranked in the tenant's whole order.
+func (t *Table) result(order, walked []string, chosen int) Pick {
+	rank := chosen
+	if len(walked) != len(order) {
+		rank = slices.Index(order, walked[chosen])
+	}
 	return Pick{Member: order[rank], Rank: rank, Spilled: rank >= t.homes, Epoch: t.epoch}
+}
+
+// Screen is the members of order a tenant may be routed to while its pods'
+// weights versions differ: those whose version is that of the first member of
+// order that has one (its first home, unless that pod's version is unknown).
+// Once that version is known, members without one are dropped; when no member
+// of order has a version, order is returned as it is. The result is never
+// empty for a non-empty order. Decisions are those of kvtier.routing.screen.
+func Screen(order []string, versions map[string]string) []string {
+	version, known := "", false
+	for _, m := range order {
+		if version, known = versions[m]; known {
+			break
+		}
+	}
+	if !known {
+		return order
+	}
+	out := make([]string, 0, len(order))
+	for _, m := range order {
+		if v, ok := versions[m]; ok && v == version {
+			out = append(out, m)
+		}
+	}
+	return out
 }
 
 // walk is the rank of the first acceptable member: cool if it ranks above the

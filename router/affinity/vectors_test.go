@@ -88,7 +88,7 @@ func TestPickSequencesMatchPython(t *testing.T) {
 				state = NewSpillState()
 			}
 			for i, step := range seq.Steps {
-				got, err := tables[step.Table].Pick(step.Tenant, step.Occupancy, state)
+				got, err := tables[step.Table].PickVersioned(step.Tenant, step.Occupancy, state, step.Versions)
 				switch {
 				case step.Pick == nil && err == nil:
 					t.Fatalf("step %d: picked %+v, want the error %q", i, got, step.Error)
@@ -111,6 +111,29 @@ func TestPickSequencesMatchPython(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+func TestScreensMatchPython(t *testing.T) {
+	v, _ := loadVectors(t)
+	if len(v.Screens) < 5 {
+		t.Fatalf("only %d screen vectors", len(v.Screens))
+	}
+	screened := 0
+	for _, s := range v.Sequences {
+		for _, step := range s.Steps {
+			if step.Versions != nil {
+				screened++
+			}
+		}
+	}
+	if screened < 10 {
+		t.Fatalf("only %d screened pick steps; the vectors shrank?", screened)
+	}
+	for _, s := range v.Screens {
+		if got := Screen(s.Order, s.Versions); !equalNames(got, s.Screened) {
+			t.Errorf("%s: Screen(%q, %v) = %q, want %q", s.Name, s.Order, s.Versions, got, s.Screened)
+		}
 	}
 }
 

@@ -72,11 +72,12 @@ def test_vectors_hold_against_rendezvous_and_routing(vectors):
         state = routing.SpillState() if seq["stateful"] else None
         for i, step in enumerate(seq["steps"]):
             where = f"{seq['name']} step {i}"
+            versions = step.get("versions")
             if "error" in step:
                 with pytest.raises(ValueError):
-                    routing.pick(step["tenant"], tables[step["table"]], step["occupancy"], state)
+                    routing.pick(step["tenant"], tables[step["table"]], step["occupancy"], state, versions)
             else:
-                p = routing.pick(step["tenant"], tables[step["table"]], step["occupancy"], state)
+                p = routing.pick(step["tenant"], tables[step["table"]], step["occupancy"], state, versions)
                 assert {"member": p.member, "rank": p.rank, "spilled": p.spilled, "epoch": p.epoch} == step["pick"], where
             if state is not None:
                 assert {"epoch": state.epoch, "movedTo": state.spilled_tenants()} == step["spillState"], where
@@ -96,6 +97,43 @@ def test_vectors_cover_the_edge_cases(vectors):
     assert any(not t.isascii() for t in tenants)
     # One SpillState carried across an epoch change.
     assert any(len({s["table"] for s in seq["steps"]}) > 1 and seq["stateful"] for seq in vectors["sequences"])
+
+
+def test_screened_vectors_cover_a_rollout(vectors):
+    tables = {n: AffinityTable.from_json(t["json"]) for n, t in vectors["tables"].items()}
+    screened = [s for seq in vectors["sequences"] for s in seq["steps"] if "versions" in s]
+    assert len(screened) >= 10
+    for s in screened:
+        if "pick" not in s:
+            continue
+        order = tables[s["table"]].order_for(s["tenant"])
+        first = next((s["versions"][m] for m in order if m in s["versions"]), None)
+        # Never a member of another version than the tenant's first versioned home's.
+        assert first is None or s["versions"].get(s["pick"]["member"]) == first, s
+    # Some decision differs from the unscreened one (the screen did something), a
+    # screened pick spilled past the homes, and one stayed home with its version all hot.
+    moved = [s for s in screened if s["versions"] and routing.pick(
+        s["tenant"], tables[s["table"]], s["occupancy"]).member != s["pick"]["member"]]
+    assert moved
+    assert any(s["pick"]["spilled"] for s in screened)
+    assert {c["name"] for c in vectors["screens"]} >= {"noVersions", "midRollout", "firstUnknownFollowsNext"}
+    for c in vectors["screens"]:
+        assert routing.screen(c["order"], c["versions"]) == c["screened"], c["name"]
+
+
+def test_screen_keeps_the_first_versioned_members_version():
+    order = ["a", "b", "c", "d"]
+    assert routing.screen(order, {}) == order
+    assert routing.screen(order, {"a": "v1", "b": "v2", "c": "v1"}) == ["a", "c"]
+    assert routing.screen(order, {"b": "v2", "c": "v1", "d": "v2"}) == ["b", "d"]  # a unknown: b's version
+    assert routing.screen(order, {"zz": "v1"}) == order
+    table = AffinityTable(epoch=1, members=dict.fromkeys(order, 1.0), homes=2)
+    tenant_order = table.order_for("t")
+    versions = {m: ("v2" if i == 1 else "v1") for i, m in enumerate(tenant_order)}
+    hot_first = {**dict.fromkeys(order, 0.1), tenant_order[0]: 0.99}
+    p = routing.pick("t", table, hot_first, versions=versions)
+    assert (p.member, p.rank, p.spilled) == (tenant_order[2], 2, True)  # past its v2 second home
+    assert routing.pick("t", table, hot_first, versions={}) == routing.pick("t", table, hot_first)
 
 
 def test_every_invalid_table_is_refused_by_the_model(vectors):

@@ -39,7 +39,9 @@ type File struct {
 			Table     string             `json:"table"`
 			Tenant    string             `json:"tenant"`
 			Occupancy map[string]float64 `json:"occupancy"`
-			Pick      *struct {
+			// Versions screens the step (member -> weights version); nil: unscreened.
+			Versions map[string]string `json:"versions"`
+			Pick     *struct {
 				Member  string `json:"member"`
 				Rank    int    `json:"rank"`
 				Spilled bool   `json:"spilled"`
@@ -52,6 +54,13 @@ type File struct {
 			} `json:"spillState"`
 		} `json:"steps"`
 	} `json:"sequences"`
+	// Screens are the version screen on its own (kvtier.routing.screen).
+	Screens []struct {
+		Name     string            `json:"name"`
+		Order    []string          `json:"order"`
+		Versions map[string]string `json:"versions"`
+		Screened []string          `json:"screened"`
+	} `json:"screens"`
 }
 
 // Load reads and decodes the vectors at path.
