@@ -13,6 +13,7 @@ import socket
 import numpy as np
 import pytest
 import redis as redis_sync
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.keys import block_hashes
 from kvtier_sidecar.client import EngineHit, Miss, SidecarClient, root_payload
@@ -20,7 +21,6 @@ from kvtier_sidecar.peer_hint import HintedPeers
 
 from .proxy import FaultyProxy
 from .test_sidecar_process import poll, prompt, seed_cache
-from .test_warmup_counted_apart import _metric, _metrics
 
 BB = 8192
 BLOCK = 16
@@ -29,8 +29,12 @@ OUTCOMES = ("used", "unknown", "miss", "failed")
 
 def hints(sc) -> dict[str, float]:
     """`kvtier_peer_hint_total` by outcome."""
-    text = _metrics(sc)
-    return {o: _metric(text, "kvtier_peer_hint_total", outcome=o) for o in OUTCOMES}
+    status, body = sc.get("/metrics")
+    assert status == 200
+    got = {s.labels["outcome"]: s.value for f in text_string_to_metric_families(body.decode())
+           for s in f.samples if s.name == "kvtier_peer_hint_total"}
+    assert set(got) == set(OUTCOMES), got
+    return got
 
 
 def counted(sc, before: dict[str, float], **delta: int) -> None:
