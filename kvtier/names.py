@@ -27,6 +27,10 @@ INJECTED_LABEL = INJECTED_ANNOTATION
 INJECTION_SKIPPED_ANNOTATION = f"{PREFIX}/injection-skipped"
 # Downward API source of the pod's weights version (set by the rollout on the template).
 WEIGHTS_VERSION_ANNOTATION = f"{PREFIX}/weights-version"
+# The same version as a pod label, set by the injection webhook from the annotation:
+# routers see labels, not annotations (the EPP's version screener reads it). The value
+# is the annotation's when that is a valid label value, else a digest of it.
+WEIGHTS_VERSION_LABEL = WEIGHTS_VERSION_ANNOTATION
 # Pods opt out of injection with this label set to "true".
 OPT_OUT_LABEL = f"{PREFIX}/inject"
 # A pod's home weight in the affinity table (default 1: replicas are equal).

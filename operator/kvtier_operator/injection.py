@@ -34,6 +34,11 @@ Added to the pod:
     metadata.annotations[kvtier.io/injected-by] = <policy name>
     metadata.labels[kvtier.io/injected-by]      = the same (a label value: `names.injected_label_value`);
                                     removed from every pod the webhook does not inject
+    metadata.labels[kvtier.io/weights-version]  = the pod's kvtier.io/weights-version annotation as a
+                                    label value (`names.weights_version_label_value`: itself,
+                                    or `h-` + a digest): routers screen by version on labels
+                                    (the EPP sees no annotations); removed from a pod without
+                                    that annotation, so no label claims a version nobody set
 
 A policy whose sidecar config cannot be rendered (`sidecar_render.BrokenPolicy`) injects
 nothing: the pod is admitted as it is, with `kvtier.io/injection-skipped` saying which
@@ -165,9 +170,23 @@ def inject(
         patch_spec["terminationGracePeriodSeconds"] = needed
     return {
         "metadata": {"annotations": {names.INJECTED_ANNOTATION: policy_name},
-                     "labels": {names.INJECTED_LABEL: names.injected_label_value(policy_name)}},
+                     "labels": {names.INJECTED_LABEL: names.injected_label_value(policy_name),
+                                **weights_version_label(meta)}},
         "spec": patch_spec,
     }
+
+
+def weights_version_label(meta: dict[str, Any]) -> dict[str, str | None]:
+    """The version label's patch for a pod's metadata: the annotation's version as a
+    label value, or (no annotation, or an empty one) the removal of a label the pod
+    brought itself, which would route it as a version it may not serve; {} when there
+    is nothing to set or remove."""
+    version = (meta.get("annotations") or {}).get(names.WEIGHTS_VERSION_ANNOTATION)
+    if version:
+        return {names.WEIGHTS_VERSION_LABEL: names.weights_version_label_value(str(version))}
+    if names.WEIGHTS_VERSION_LABEL in (meta.get("labels") or {}):
+        return {names.WEIGHTS_VERSION_LABEL: None}
+    return {}
 
 
 def warm_gated(spec: policy.KVCachePolicySpec) -> bool:

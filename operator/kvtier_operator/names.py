@@ -1,6 +1,8 @@
 """Every name the operator puts on cluster objects: one place, one prefix (`kvtier.names.PREFIX`)."""
 from __future__ import annotations
 
+import re
+
 # The names pods and their processes read too live in the core (the sidecar and the
 # connector cannot import the operator); re-exported here with the operator's own.
 from kvtier.names import (  # noqa: F401
@@ -38,6 +40,7 @@ from kvtier.names import (  # noqa: F401
     WEIGHT_ANNOTATION,
     WEIGHTS_VERSION_ANNOTATION,
     WEIGHTS_VERSION_ENV,
+    WEIGHTS_VERSION_LABEL,
     field_env,
     warmup_kv_transfer_params,
     weights_version_env,
@@ -80,6 +83,23 @@ def injected_label_value(policy_name: str) -> str:
 
     digest = hashlib.sha256(policy_name.encode()).hexdigest()[:16]
     return f"{policy_name[:MAX_LABEL_VALUE - 17].rstrip('.-')}-{digest}"
+
+
+_LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+WEIGHTS_VERSION_DIGEST_PREFIX = "h-"
+
+
+def weights_version_label_value(version: str) -> str:
+    """The pod's weights version as a label value: the version itself when it is one
+    (at most 63 characters, alphanumerics and `-_.` inside), else `h-` and the first
+    16 hex digits of its sha256. Routers only compare the labels of pods, so a digest
+    keeps versions apart as well as the value; it is stable across webhook replicas
+    and restarts, so every pod of one version carries the same label."""
+    if len(version) <= MAX_LABEL_VALUE and _LABEL_VALUE.fullmatch(version):
+        return version
+    import hashlib
+
+    return WEIGHTS_VERSION_DIGEST_PREFIX + hashlib.sha256(version.encode()).hexdigest()[:16]
 
 
 def sidecar_config_map(policy_name: str) -> str:
