@@ -97,7 +97,8 @@ def measure_hit_rate(probe: Probe, bar: float, window_over: bool) -> Measurement
 
 def measure_alarm(probe: Probe, alert: str, version: str, lookups: int, min_lookups: int) -> Measurement:
     """An alarm-source measurement: the alert must be silent for the new version, and
-    the new pods must have served enough lookups for silence to mean something."""
+    the new pods must have served enough lookups for silence to mean something
+    (`lookups`: traffic's, never the warm-up's, which the sidecars count apart)."""
     if probe.error is not None:
         return Measurement("error", None, f"alerts query failed: {probe.error}")
     if probe.firing:

@@ -6,10 +6,9 @@ Per tick (`observe`, before the planner), from the workload's pods as the rollou
 them (`rollout.PodSample`: Ready, version, sidecar counters since the pod started):
 
     a pod on the target version, serving, with counters, not yet measured, while the
-    rollout is in flight                  -> a window opens: its counters now (what its
-                                             warm-up prefilled before it took traffic is
-                                             not counted), the step it came up in, and
-                                             whether its warm-up prefilled anything (warm)
+    rollout is in flight                  -> a window opens: its counters now, the step
+                                             it came up in, and whether its warm-up
+                                             prefilled anything (warm)
     its window open for >= `window_s`     -> closed: the counters' growth over it
     counters below the start (its sidecar
       restarted)                          -> the window opens again from now
@@ -27,6 +26,10 @@ The figure goes into `status.rollout.firstMinutes`, into the step's history entr
 planner attaches it when it writes the entry; one written before the figure gets it
 here), and into an Event of its own (`text`). The hit figure is the one the recovery
 check reads: tokens the engine loaded from kvtier over the prompt tokens it looked up.
+Traffic only: the warm-up's requests are in none of these counters (the sidecar counts
+them apart, `kvtier_warmup_*`: they miss by design and would say nothing of the new
+version), and were an older engine to count them as traffic, they came before the pod
+served, so before its window opened.
 Level-based: everything lives in status, so a restarted operator closes the same windows.
 """
 from __future__ import annotations

@@ -58,7 +58,10 @@ class PodSample:
     """One pod of the workload as the operator sees it now, from its sidecar's counters
     since the pod (and so its cache) started; None: no answer. The hit rate is
     `loaded_tokens` (prompt tokens the pod's engine loaded from kvtier, as it reported
-    them) over `prompt_tokens` (those it looked up); `lookups` is the sample size."""
+    them) over `prompt_tokens` (those it looked up); `lookups` is the sample size. All
+    three are traffic's: the sidecar counts the rollout's warm-up requests apart
+    (`kvtier_warmup_*`), so a warmed pod's warm-up misses — cold by design — never hold
+    its step under the bar, nor make an alarm's silence look sampled."""
 
     name: str
     version: str | None

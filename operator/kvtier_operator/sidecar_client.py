@@ -53,6 +53,8 @@ class MemberStats:
     # The hit figure: prompt tokens the pod's engine loaded from kvtier, over the prompt
     # tokens it looked up (both as the engine reported them; what lookups offered is
     # not read: the engine may take less, or nothing, when its own cache holds it).
+    # Traffic only, like `lookups`: the rollout's warm-up requests are counted apart
+    # (`sidecar.warmup_*`), which the operator does not read into any hit rate.
     loaded_tokens: int
     prompt_tokens: int
     tenants: tuple[str, ...]

@@ -2,14 +2,19 @@
 are counted apart from traffic: a warm-up lookup moves the warm-up counters and none of
 the traffic's (the tenants' lookups and hits, `kvtier_lookups_total`, the engine's hit
 figure), while what its prefill stores is stored and served to the traffic that follows.
-A lookup with no purpose (an older engine) or one the sidecar does not know is traffic.
+A lookup with no purpose (an older engine) or one the sidecar does not know is traffic,
+and its message is the plain LOOKUP's, byte for byte. The operator's reading of these
+stats (the recovery check's and the first minute's hit figure) is the traffic's alone.
 A real sidecar process, the real engine socket."""
+import json
 import re
 
 import numpy as np
 
 from kvtier import names
 from kvtier_sidecar.client import EngineHit, SidecarClient, root_payload
+from kvtier_operator import rollout
+from kvtier_operator.sidecar_client import parse_stats
 from kvtier_testenv import engine_io
 
 from .test_sidecar_process import prompt
@@ -76,6 +81,11 @@ def test_a_warmup_miss_moves_only_the_warmup_counters_and_its_store_serves_the_n
     stats = sc.stats()
     assert _traffic(stats) == (1, 1, 200, 192, 200, 192)
     assert stats["sidecar"]["warmup_lookups"] == 1  # unchanged by traffic
+    # The operator's hit figure for this warmed pod: the traffic's 192 of 200 tokens,
+    # not 192 of the 400 the warm-up's miss would make it.
+    read = parse_stats("llm-3", stats)
+    sample = rollout.PodSample("llm-3", "v2", True, read.lookups, read.loaded_tokens, read.prompt_tokens)
+    assert (sample.lookups, rollout.hit_rate([sample]).rate) == (1, 0.96)
 
     # a warm-up that finds its prompt cached (a restarted operator warming again): a
     # warm-up hit, still none of the traffic's
@@ -95,9 +105,20 @@ def test_a_purpose_the_sidecar_does_not_know_is_traffic_and_a_malformed_one_is_r
     sc = spawn()
     client = SidecarClient(sc.socket)
     root, tokens = oracle.root("acme"), prompt(64)
+    # What goes on the wire: a lookup without a purpose is the plain root-only payload
+    # (the sidecar's fast path), byte for byte; one with a purpose names it.
+    sent = []
+    call = client._call_lookup
+    client._call_lookup = lambda payload, ids: sent.append(payload) or call(payload, ids)
+    assert not client.lookup(root, tokens)
+    assert not client.lookup(root, tokens, purpose=names.WARMUP_PURPOSE)
+    client._call_lookup = call
+    assert sent[0] == json.dumps({"root": root_payload(root)}, separators=(",", ":")).encode()
+    assert sent[1] == {"root": root_payload(root), names.PURPOSE_FIELD: names.WARMUP_PURPOSE}
+    assert sc.stats()["lookups"] == 1
     assert not client.lookup(root, tokens, purpose="some-later-purpose")
     stats = sc.stats()
-    assert stats["lookups"] == 1 and stats["sidecar"].get("warmup_lookups", 0) == 0
+    assert stats["lookups"] == 2 and stats["sidecar"].get("warmup_lookups", 0) == 1
     try:
         client._call_lookup({"root": root_payload(root), names.PURPOSE_FIELD: 1}, tokens)
     except ValueError as exc:
@@ -105,4 +126,4 @@ def test_a_purpose_the_sidecar_does_not_know_is_traffic_and_a_malformed_one_is_r
     else:
         raise AssertionError("a purpose that is not a string was accepted")
     assert not client.lookup(root, tokens)  # the same connection still answers
-    assert sc.stats()["lookups"] == 2
+    assert sc.stats()["lookups"] == 3
