@@ -2,7 +2,8 @@
 # window tuners and the miniatures as extension types (subclasses in Python, such as
 # the simulator's ablation tuners, keep working: they add their own slots and may
 # override the cpdef methods). A tuner's catch-up calls its miniatures and shadow
-# directly.
+# directly; their block counts and hit tallies are C integers (a sample's counters
+# are bumped per lookup and per sampled block).
 import cython
 
 cdef class DecayedFrequencyPolicy:
@@ -14,18 +15,23 @@ cdef class WindowTuner:
     cpdef catch_up(self)
 
 cdef class ShadowLru:
-    cdef public object capacity, _blocks, evictions
+    cdef public Py_ssize_t capacity, evictions
+    cdef public object _blocks
 
+    @cython.locals(hit=Py_ssize_t, over=Py_ssize_t)
     cpdef access(self, hashes, limit)
 
 cdef class MiniatureCache:
-    cdef public object capacity, window_cap, main_cap, window, main, hits
+    cdef public Py_ssize_t capacity, window_cap, main_cap, hits
+    cdef public object window, main
 
+    @cython.locals(window_cap=Py_ssize_t, main_cap=Py_ssize_t, chained=bint, hits=Py_ssize_t)
     cpdef serve(self, blocks, counts, min_sightings)
 
 cdef class MiniatureTuner(WindowTuner):
-    cdef public object windows, minis, min_sightings, scores, counts, shadow, last_ours, last_lru
-    cdef public object _mask, _shadow_sampled, _sightings, _reset_at, _pending, _pending_blocks, _looked, _ours, _lru
+    cdef public object windows, minis, min_sightings, scores, counts, shadow
+    cdef public Py_ssize_t last_ours, last_lru, _sightings, _reset_at, _pending_blocks, _looked, _ours, _lru
+    cdef public object _mask, _shadow_sampled, _pending
 
     @cython.locals(mini=MiniatureCache, shadow=ShadowLru)
     cpdef catch_up(self)
