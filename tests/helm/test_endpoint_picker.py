@@ -99,14 +99,17 @@ def test_enabled_renders_one_picker_per_pool_in_the_policys_namespace():
     config = epp_config(objects)
     assert config["kind"] == "EndpointPickerConfig"
     plugins = {p["type"]: p.get("parameters") for p in config["plugins"]}
-    assert set(plugins) == {"kvtier-affinity-scorer", "kvtier-cache-salt", "max-score-picker"}
+    assert set(plugins) == {"kvtier-version-screener", "kvtier-affinity-scorer", "kvtier-cache-salt",
+                            "max-score-picker"}
     scorer = plugins["kvtier-affinity-scorer"]
+    # The screener reads the same table and tenant; the pods' version label is its default.
+    assert plugins["kvtier-version-screener"] == scorer
     assert scorer["tablePath"] == f"{mounts['affinity']['mountPath']}/{names.AFFINITY_KEY}"
     assert (scorer["tenantHeader"], scorer["defaultTenant"]) == ("x-tenant-id", "default")
     assert "redisUrl" not in scorer
     assert plugins["kvtier-cache-salt"] == {"tenantHeader": "x-tenant-id"}
     assert [p["pluginRef"] for p in config["schedulingProfiles"][0]["plugins"]] == [
-        "kvtier-affinity-scorer", "max-score-picker"]
+        "kvtier-version-screener", "kvtier-affinity-scorer", "max-score-picker"]
 
     role = objects[("Role", "llama-epp")]
     assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in role["rules"])
@@ -171,6 +174,7 @@ def test_custom_pool_values_reach_the_objects():
         "tablePath": "/etc/kvtier-affinity/table.json", "tenantHeader": "x-org", "defaultTenant": "public",
         "redisUrl": "redis://kvtier-redis.serving:6380/2",
         "redisKey": names.REDIS_AFFINITY_KEY.format(namespace="serving", name="llama-70b")}
+    assert plugins["kvtier-version-screener"] == plugins["kvtier-affinity-scorer"]
     pool = objects[("InferencePool", "llama")]["spec"]
     assert pool["targetPorts"] == [{"number": 8080}] and pool["endpointPickerRef"]["port"] == {"number": 19002}
     assert pool["endpointPickerRef"]["failureMode"] == "FailClose"

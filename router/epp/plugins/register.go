@@ -6,5 +6,6 @@ import fwkplugin "sigs.k8s.io/gateway-api-inference-extension/pkg/epp/framework/
 // the runner loads the EndpointPickerConfig.
 func Register() {
 	fwkplugin.Register(AffinityScorerType, AffinityScorerFactory)
+	fwkplugin.Register(VersionScreenerType, VersionScreenerFactory)
 	fwkplugin.Register(CacheSaltType, CacheSaltFactory)
 }

@@ -6,6 +6,10 @@
 //     tenant's other homes lower, everyone else 0 — over the affinity table the
 //     operator publishes (the ConfigMap's table.json mounted as a file, and
 //     optionally its Redis key);
+//   - kvtier-version-screener: while the operator rolls a new weights version,
+//     keeps the candidates of the version the tenant's first home serves (the
+//     pods' kvtier.io/weights-version label), so a tenant never flips between
+//     model versions;
 //   - kvtier-cache-salt: sets vLLM's cache_salt in the request body to the
 //     tenant when the request names none, so vLLM's prefix keys and kvtier's
 //     follow the same tenant.
@@ -63,6 +67,10 @@ type AffinityParameters struct {
 	TenantHeader string `json:"tenantHeader"`
 	// DefaultTenant routes requests without the header (default "default").
 	DefaultTenant string `json:"defaultTenant"`
+	// VersionLabel is the pod label carrying its weights version (default
+	// kvtier.io/weights-version): the screener keeps a tenant's version, and the
+	// scorer walks the tenant's order over the candidates of that version.
+	VersionLabel string `json:"versionLabel"`
 }
 
 // AffinityScorer routes each tenant to its homes as kvtier.routing.pick does.
@@ -72,6 +80,7 @@ type AffinityScorer struct {
 	spill         *affinity.SpillState
 	tenantHeader  string
 	defaultTenant string
+	versionLabel  string
 }
 
 var _ fwksched.Scorer = (*AffinityScorer)(nil)
@@ -79,39 +88,48 @@ var _ fwksched.Scorer = (*AffinityScorer)(nil)
 // AffinityScorerFactory makes the scorer from its parameters; a bad parameter
 // fails the EPP's start (a configuration error), never a request.
 func AffinityScorerFactory(name string, raw json.RawMessage, handle fwkplugin.Handle) (fwkplugin.Plugin, error) {
-	p := AffinityParameters{}
-	if len(raw) > 0 {
-		dec := json.NewDecoder(strings.NewReader(string(raw)))
-		dec.DisallowUnknownFields()
-		if err := dec.Decode(&p); err != nil {
-			return nil, fmt.Errorf("%s parameters: %v", AffinityScorerType, err)
-		}
+	p, err := decodeParameters(AffinityScorerType, raw)
+	if err != nil {
+		return nil, err
 	}
 	s, err := NewAffinityScorer(p)
 	if err != nil {
 		return nil, err
 	}
 	s.typedName.Name = name
-	ctx := context.Background()
-	if handle != nil && handle.Context() != nil {
-		ctx = handle.Context()
-	}
-	go s.source.runRedis(ctx)
+	go s.source.runRedis(handleContext(handle))
 	return s, nil
 }
 
 // NewAffinityScorer makes a scorer; the caller runs its Redis poller (Factory does).
 func NewAffinityScorer(p AffinityParameters) (*AffinityScorer, error) {
-	check, err := duration(p.CheckInterval, time.Second, "checkInterval")
+	source, err := newParameterSource(AffinityScorerType, p)
+	if err != nil {
+		return nil, err
+	}
+	s := &AffinityScorer{
+		typedName:     fwkplugin.TypedName{Type: AffinityScorerType, Name: AffinityScorerType},
+		source:        source,
+		spill:         affinity.NewSpillState(),
+		tenantHeader:  strings.ToLower(orDefault(p.TenantHeader, DefaultTenantHeader)),
+		defaultTenant: orDefault(p.DefaultTenant, DefaultTenant),
+		versionLabel:  orDefault(p.VersionLabel, DefaultVersionLabel),
+	}
+	return s, nil
+}
+
+// newParameterSource is the table source the parameters name (file, and Redis if set).
+func newParameterSource(pluginType string, p AffinityParameters) (*tableSource, error) {
+	check, err := duration(pluginType, p.CheckInterval, time.Second, "checkInterval")
 	if err != nil {
 		return nil, err
 	}
 	var redis *redisReader
 	if p.RedisURL != "" {
 		if p.RedisKey == "" {
-			return nil, fmt.Errorf("%s: redisUrl needs redisKey (kvt:affinity:<namespace>:<policy>)", AffinityScorerType)
+			return nil, fmt.Errorf("%s: redisUrl needs redisKey (kvt:affinity:<namespace>:<policy>)", pluginType)
 		}
-		every, err := duration(p.RedisInterval, time.Second, "redisInterval")
+		every, err := duration(pluginType, p.RedisInterval, time.Second, "redisInterval")
 		if err != nil {
 			return nil, err
 		}
@@ -119,23 +137,16 @@ func NewAffinityScorer(p AffinityParameters) (*AffinityScorer, error) {
 			return nil, err
 		}
 	}
-	s := &AffinityScorer{
-		typedName:     fwkplugin.TypedName{Type: AffinityScorerType, Name: AffinityScorerType},
-		source:        newTableSource(p.TablePath, check, redis),
-		spill:         affinity.NewSpillState(),
-		tenantHeader:  strings.ToLower(orDefault(p.TenantHeader, DefaultTenantHeader)),
-		defaultTenant: orDefault(p.DefaultTenant, DefaultTenant),
-	}
-	return s, nil
+	return newTableSource(p.TablePath, check, redis), nil
 }
 
-func duration(s string, def time.Duration, what string) (time.Duration, error) {
+func duration(pluginType, s string, def time.Duration, what string) (time.Duration, error) {
 	if s == "" {
 		return def, nil
 	}
 	d, err := time.ParseDuration(s)
 	if err != nil || d < 0 {
-		return 0, fmt.Errorf("%s: %s %q is not a duration >= 0", AffinityScorerType, what, s)
+		return 0, fmt.Errorf("%s: %s %q is not a duration >= 0", pluginType, what, s)
 	}
 	return d, nil
 }
@@ -191,7 +202,10 @@ func MemberName(ep fwksched.Endpoint) string {
 // tenant's order if that member is no candidate), the tenant's other homes
 // homeScoreTop x (homes-rank)/homes, everyone else 0. Endpoints the table does
 // not know score 0; with no table ever read, the candidates themselves are
-// the table (plain rendezvous, default knobs).
+// the table (plain rendezvous, default knobs). When candidates carry the
+// version label, the pick walks the tenant's order screened by their versions
+// (affinity.PickVersioned): only candidates of its first home's version, so a
+// hot home spills to the next pod of its version, never to a filtered-out one.
 func (s *AffinityScorer) Score(_ context.Context, _ *fwksched.CycleState, req *fwksched.LLMRequest, eps []fwksched.Endpoint) map[fwksched.Endpoint]float64 {
 	scores := make(map[fwksched.Endpoint]float64, len(eps))
 	for _, ep := range eps {
@@ -202,12 +216,7 @@ func (s *AffinityScorer) Score(_ context.Context, _ *fwksched.CycleState, req *f
 	}
 	tenant := s.Tenant(req)
 	table, state := s.source.Table(), s.spill
-	byMember := make(map[string][]fwksched.Endpoint, len(eps))
-	for _, ep := range eps {
-		if m := MemberName(ep); m != "" {
-			byMember[m] = append(byMember[m], ep)
-		}
-	}
+	byMember := membersOf(eps)
 	if table == nil || !knowsAny(table, byMember) {
 		// Plain rendezvous over the candidates; its spill memory would mix with
 		// the table's, so it keeps none.
@@ -224,7 +233,7 @@ func (s *AffinityScorer) Score(_ context.Context, _ *fwksched.CycleState, req *f
 			occupancy[m] = mt.KVCacheUsagePercent
 		}
 	}
-	pick, err := table.Pick(tenant, occupancy, state)
+	pick, err := table.PickVersioned(tenant, occupancy, state, endpointVersions(byMember, s.versionLabel))
 	if err != nil {
 		return scores
 	}

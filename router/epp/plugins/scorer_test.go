@@ -131,7 +131,7 @@ func TestScorerTopIsTheSharedVectorsPick(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				eps := endpoints(table.Members(), step.Occupancy)
+				eps := labelled(table.Members(), step.Occupancy, step.Versions) // screened where the step has versions
 				scores := s.Score(context.Background(), fwksched.NewCycleState(), tenantRequest(step.Tenant), eps)
 				if got := top(t, scores); got != step.Pick.Member {
 					t.Fatalf("step %d (tenant %q): top endpoint %q, the vectors pick %q (scores %v)",

@@ -1,7 +1,7 @@
 // Command kvtier-epp is the Gateway API Inference Extension's Endpoint Picker
 // with kvtier's plugins compiled in (router/epp/plugins): the upstream runner,
 // its flags and its EndpointPickerConfig, plus the plugin types
-// kvtier-affinity-scorer and kvtier-cache-salt.
+// kvtier-affinity-scorer, kvtier-version-screener and kvtier-cache-salt.
 package main
 
 import (
