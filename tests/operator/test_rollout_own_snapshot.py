@@ -301,7 +301,9 @@ def _patch():
     return WorkloadPatch(NEW, 2)
 
 
-def test_a_tenants_prompts_never_carry_another_tenants_token_ids():
+def _rolled_and_warmed() -> tuple[Kube, Engine]:
+    """The rollout's first step started (snapshot read, partition patched) and the
+    restarted pod warmed: the apiserver's writes and the engine's prompts."""
     body = policy_body()
     kube, sidecars, engine = Kube(fleet(), body), Sidecars(), Engine()
     memo = memo_of(kube, sidecars, engine)
@@ -311,6 +313,11 @@ def test_a_tenants_prompts_never_carry_another_tenants_token_ids():
         await warm(memo, body)
 
     asyncio.run(run())
+    return kube, engine
+
+
+def test_a_tenants_prompts_never_carry_another_tenants_token_ids():
+    _, engine = _rolled_and_warmed()
     own = {tenant: {tuple(t) for pod_hot in HOT.values() for t, _ in pod_hot.get(tenant, [])}
            for tenant in TENANTS_OF}
     assert {t for t, _ in engine.prompts} == {"acme", "beta"}
@@ -324,15 +331,7 @@ def test_a_tenants_prompts_never_carry_another_tenants_token_ids():
 
 
 def test_nothing_of_the_snapshot_is_written_to_the_apiserver():
-    body = policy_body()
-    kube, sidecars, engine = Kube(fleet(), body), Sidecars(), Engine()
-    memo = memo_of(kube, sidecars, engine)
-
-    async def run() -> None:
-        await start_rollout(kube, sidecars, memo)
-        await warm(memo, body)
-
-    asyncio.run(run())
+    kube, _ = _rolled_and_warmed()
     assert {kind for kind, _ in kube.writes} >= {"status", "event", "statefulset", "pod-condition"}
     written = json.dumps([w for _, w in kube.writes], default=str)
     # No run of the snapshot's token ids (any id of a held prompt) in any object written.
