@@ -191,6 +191,45 @@ def test_custom_pool_values_reach_the_objects():
     assert netpol["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 19002}]
 
 
+def test_redis_password_secret_is_mounted_and_named_to_the_scorer_only_when_set():
+    """endpointPicker.redis.passwordSecret (off by default): for a pool with a redisUrl,
+    the Secret's key mounted as a file (a directory mount, so a rotated Secret reaches
+    the file) and named by redisPasswordFile in the screener's and scorer's parameters;
+    a pool's redisPasswordSecret overrides it; a pool without a redisUrl gets none."""
+    url = "redis://kvtier-redis.serving:6379"
+
+    def picker(objects: dict, name: str = "llama-epp") -> tuple[dict, dict, dict]:
+        spec = objects[("Deployment", name)]["spec"]["template"]["spec"]
+        plugins = {p["type"]: p.get("parameters") for p in epp_config(objects, name)["plugins"]}
+        return ({m["name"]: m for m in spec["containers"][0]["volumeMounts"]},
+                {v["name"]: v for v in spec["volumes"]}, plugins)
+
+    mounts, volumes, plugins = picker(render(with_pool(redisUrl=url)))
+    assert "redis-password" not in mounts and "redis-password" not in volumes
+    assert "redisPasswordFile" not in plugins["kvtier-affinity-scorer"]
+
+    values = {"endpointPicker": {
+        "enabled": True, "redis": {"passwordSecret": {"name": "kvtier-redis-auth", "key": "redis-password"}},
+        "pools": [{**POOL, "redisUrl": url},
+                  {"name": "mistral", "policy": "mistral-7b", "selector": {"app": "mistral"}, "redisUrl": url,
+                   "redisPasswordSecret": {"name": "mistral-redis"}},
+                  {"name": "phi", "policy": "phi-3", "selector": {"app": "phi"}}]}}
+    objects = render(values)
+    mounts, volumes, plugins = picker(objects)
+    assert mounts["redis-password"] == {"name": "redis-password", "mountPath": "/etc/kvtier-redis", "readOnly": True}
+    assert "subPath" not in mounts["redis-password"]
+    assert volumes["redis-password"]["secret"] == {
+        "secretName": "kvtier-redis-auth", "items": [{"key": "redis-password", "path": "password"}]}
+    for plugin in ("kvtier-affinity-scorer", "kvtier-version-screener"):
+        assert plugins[plugin]["redisPasswordFile"] == "/etc/kvtier-redis/password"
+        assert plugins[plugin]["redisUrl"] == url  # no password in the ConfigMap
+    _, volumes, _ = picker(objects, "mistral-epp")
+    assert volumes["redis-password"]["secret"] == {
+        "secretName": "mistral-redis", "items": [{"key": "password", "path": "password"}]}
+    mounts, volumes, plugins = picker(objects, "phi-epp")
+    assert "redis-password" not in volumes and "redisPasswordFile" not in plugins["kvtier-affinity-scorer"]
+
+
 def test_network_policy_admits_the_gateway_and_the_monitoring_namespace_only():
     gateway = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "envoy-gateway-system"}}}]
     api = [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
@@ -240,6 +279,8 @@ def test_runner_flags_the_chart_passes_exist_in_the_pinned_epp_module():
     ({**POOL, "redisUrl": "redis://:hunter2@redis:6379"}, "at '/endpointPicker/pools/0/redisUrl'"),
     ({**POOL, "targetPort": 0}, "at '/endpointPicker/pools/0/targetPort': minimum"),
     ({**POOL, "selecter": {}}, "additional properties 'selecter' not allowed"),
+    ({**POOL, "redisPasswordSecret": {"name": "s", "key": "a/b"}},
+     "at '/endpointPicker/pools/0/redisPasswordSecret/key'"),
 ])
 def test_bad_pools_fail_with_the_schema_message(pool, message):
     for argv in (("template", "x", str(CHART)), ("lint", str(CHART))):
@@ -252,6 +293,7 @@ def test_bad_pools_fail_with_the_schema_message(pool, message):
     ({"inferencePool": "sometimes"}, "at '/endpointPicker/inferencePool': value must be one of"),
     ({"failureMode": "FailSoft"}, "at '/endpointPicker/failureMode'"),
     ({"extraArgs": ["-v 3"]}, "at '/endpointPicker/extraArgs/0'"),
+    ({"redis": {"passwordSecret": {"name": "Bad_Name"}}}, "at '/endpointPicker/redis/passwordSecret/name'"),
     ({"pools": [POOL, {**POOL, "policy": "other"}]}, "two pools are named serving/llama"),
 ])
 def test_bad_picker_values_fail_with_a_message(values, message):

@@ -61,6 +61,10 @@ type AffinityParameters struct {
 	// operator's Redis copy (kvt:affinity:<namespace>:<policy>); "" for none.
 	RedisURL string `json:"redisUrl"`
 	RedisKey string `json:"redisKey"`
+	// RedisPasswordFile is a file holding Redis's password (a mounted Secret's
+	// key), read at start and before each poll, so a rotated Secret is followed.
+	// With it the URL carries no password; "" for none.
+	RedisPasswordFile string `json:"redisPasswordFile"`
 	// RedisInterval is how often Redis is polled (default "1s").
 	RedisInterval string `json:"redisInterval"`
 	// TenantHeader names the request header carrying the tenant (default x-tenant-id).
@@ -133,9 +137,11 @@ func newParameterSource(pluginType string, p AffinityParameters) (*tableSource, 
 		if err != nil {
 			return nil, err
 		}
-		if redis, err = newRedisReader(p.RedisURL, p.RedisKey, every); err != nil {
-			return nil, err
+		if redis, err = newRedisReaderWithPasswordFile(p.RedisURL, p.RedisKey, every, p.RedisPasswordFile); err != nil {
+			return nil, fmt.Errorf("%s: %v", pluginType, err)
 		}
+	} else if p.RedisPasswordFile != "" {
+		return nil, fmt.Errorf("%s: redisPasswordFile needs redisUrl", pluginType)
 	}
 	return newTableSource(p.TablePath, check, redis), nil
 }
