@@ -11,9 +11,11 @@ router/epp's `extproc-gateway` (a stand-in for Envoy, which cannot be had here).
         picker.ask("x-tenant-id=acme")                # {"endpoint": "ip:port", "body": {...}}
 
 The model-server pods are Pod objects whose status is set here (phase Running, an IP,
-Ready): no kubelet, no vLLM. The EPP's default metrics source scrapes them and fails
-(logged); every endpoint then has no occupancy report, which kvtier's pick treats as
-empty, so a tenant lands on its first home. Shared by `tests/router` and
+Ready): no kubelet, no vLLM. The EPP's default metrics source scrapes
+http://<pod IP>:<targetPort>/metrics every 50 ms: where nothing listens the scrape fails
+(logged) and the endpoint has no occupancy report, which kvtier's pick treats as empty,
+so a tenant lands on its first home; an `EngineMetrics` there serves vLLM's gauges with
+the KV occupancy a test sets (a hot home makes the scorer spill). Shared by `tests/router` and
 `hack/epp-smoke.py`. Missing binaries raise `EppBinariesMissing` with the fix (run
 scripts/setup.sh): a test that needs them fails, it never skips.
 """
@@ -24,13 +26,15 @@ import json
 import os
 import signal
 import subprocess
+import threading
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from kvtier import names
+from kvtier import control_api, names
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.polling import wait_for
 from kvtier_testenv.ports import free_port
@@ -139,6 +143,49 @@ def serving_pod(kubectl: Kubectl, name: str, ip: str, labels: dict[str, str], ta
     kubectl.run("patch", "pod", name, "--subresource=status", "--type=merge", "-p", json.dumps(status))
 
 
+class EngineMetrics:
+    """vLLM's /metrics as the EPP scrapes it (vllm:kv_cache_usage_perc, and the queue
+    gauges), served on `ip:port` (a pod's IP and the pool's targetPort), with the KV
+    occupancy in [0, 1] that `kv_usage` holds."""
+
+    def __init__(self, ip: str, port: int, kv_usage: float = 0.0) -> None:
+        self.kv_usage = kv_usage
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                # /metrics: vLLM's path, the EPP's --model-server-metrics-path default, and
+                # the sidecar's (the suite spells it once)
+                if self.path.split("?")[0] != control_api.METRICS.path:
+                    self.send_error(404)
+                    return
+                # typed: the EPP reads a gauge's value (an untyped sample reads as 0)
+                gauges = (("num_requests_waiting", 'model_name="m"', 0),
+                          ("num_requests_running", 'model_name="m"', 0),
+                          ("kv_cache_usage_perc", 'model_name="m"', stub.kv_usage),
+                          ("lora_requests_info", 'max_lora="0",running_lora_adapters="",waiting_lora_adapters=""', 1),
+                          ("cache_config_info", 'block_size="16",num_gpu_blocks="1024"', 1))
+                body = "".join(f"# TYPE vllm:{name} gauge\nvllm:{name}{{{labels}}} {value}\n"
+                               for name, labels, value in gauges).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((ip, port), Handler)
+        self.server.daemon_threads = True
+        self._thread = threading.Thread(target=self.server.serve_forever, name=f"engine-metrics-{ip}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def picker_config(table_path: Path | str, **table_parameters: str) -> str:
     """The shipped EndpointPickerConfig (router/epp/config/kvtier-epp.yaml) with the
     table file at `table_path` and `table_parameters` (redisUrl, redisKey,
@@ -157,8 +204,11 @@ class Picker:
     extproc-gateway does not verify, as gateways configured for an EPP do not)."""
 
     def __init__(self, bins: EppBinaries, kubeconfig: Path | str, namespace: str, pool: str,
-                 config: Path | str, log_path: Path | str) -> None:
+                 config: Path | str, log_path: Path | str, target_port: int = TARGET_PORT,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.bins = bins
+        self.extra_args = extra_args  # more runner flags
+        self.target_port = target_port  # the pool's: endpoints are <pod IP>:<target_port>
         self.kubeconfig = Path(kubeconfig)
         self.namespace = namespace
         self.pool = pool
@@ -181,7 +231,8 @@ class Picker:
                 [str(self.bins.epp), "--config-file", str(self.config),
                  "--pool-namespace", self.namespace, "--pool-name", self.pool,
                  "--grpc-port", str(self.grpc_port), "--grpc-health-port", str(self.health_port),
-                 "--metrics-port", str(self.metrics_port), "--enable-pprof=false", "--tracing=false"],
+                 "--metrics-port", str(self.metrics_port), "--enable-pprof=false", "--tracing=false",
+                 *self.extra_args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
@@ -201,8 +252,8 @@ class Picker:
             return None
         return json.loads(out.stdout)
 
-    def endpoint(self, ip: str, port: int = TARGET_PORT) -> str:
-        return f"{ip}:{port}"
+    def endpoint(self, ip: str) -> str:
+        return f"{ip}:{self.target_port}"
 
     def wait_lands(self, what: str, ip: str, *headers: str | bytes, timeout_s: float = 30.0) -> dict[str, Any]:
         """Until a request with `headers` is routed to `ip`; the last exchange's result."""

@@ -6,10 +6,11 @@ affinity table from a file and from a real Redis that takes a password (given to
 EPP as a redisPasswordFile, as the chart mounts the Secret).
 
 Four serving pods, mid-rollout: vllm-a and vllm-b serve weights v1, vllm-c and vllm-d
-v2 (kvtier.io/weights-version). No vLLM behind them: every endpoint has no occupancy
-report, so a tenant lands on the first home of its order (the version screener's
-candidates). The tests run in file order: the last one takes the table to Redis and
-kills Redis.
+v2 (kvtier.io/weights-version). No vLLM behind them: a stub at each pod's address serves
+vLLM's metrics with a KV occupancy the test sets (10% unless a test makes a home hot),
+so a tenant lands on the first home of its order among the version screener's
+candidates, and spills from a hot one. The tests run in file order: the last one takes
+the table to Redis and kills Redis.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from kvtier_testenv.controlplane import ControlPlane
 from kvtier_testenv.k8s_fixtures import namespace_name
 from kvtier_testenv.kubectl import Kubectl
 from kvtier_testenv.polling import wait_for
+from kvtier_testenv.ports import free_port
 from kvtier_testenv.redis_fixtures import RedisServer
 
 pytestmark = [pytest.mark.k8s, pytest.mark.redis]
@@ -38,6 +40,7 @@ V1 = {PODS["vllm-a"][0], PODS["vllm-b"][0]}
 V2 = {PODS["vllm-c"][0], PODS["vllm-d"][0]}
 REDIS_KEY = "kvt:affinity:serving:llama"
 REDIS_PASSWORD = "s3cret-from-the-secret"
+COOL, HOT = 0.1, 0.95  # KV occupancy: HOT is over spillOccupancy (0.85) and 1.25 x the mean
 
 
 def table(epoch: int, acme_home: str) -> dict:
@@ -66,7 +69,21 @@ def table_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def picker(control_plane: ControlPlane, redis: RedisServer, table_file: Path,
+def engines() -> Iterator[dict[str, epp.EngineMetrics]]:
+    """Each pod's /metrics on its IP and the pool's targetPort (one free port for all)."""
+    port = free_port()
+    stubs = {}
+    try:
+        for name, (pod_ip, _version) in PODS.items():
+            stubs[name] = epp.EngineMetrics(pod_ip, port, kv_usage=COOL)
+        yield stubs
+    finally:
+        for stub in stubs.values():
+            stub.stop()
+
+
+@pytest.fixture(scope="module")
+def picker(control_plane: ControlPlane, redis: RedisServer, table_file: Path, engines: dict[str, epp.EngineMetrics],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[epp.Picker]:
     bins = epp.find()  # fails loudly (EppBinariesMissing: run scripts/setup.sh)
     work = tmp_path_factory.mktemp("epp-run")
@@ -77,16 +94,19 @@ def picker(control_plane: ControlPlane, redis: RedisServer, table_file: Path,
     crds: list[str] = []
     try:
         crds = epp.install_pool_crds(admin)
-        epp.apply_pool(kubectl, POOL, SELECTOR)
+        port = engines["vllm-a"].server.server_address[1]
+        epp.apply_pool(kubectl, POOL, SELECTOR, target_port=port)
         for name, (pod_ip, version) in PODS.items():
-            epp.serving_pod(kubectl, name, pod_ip, {**SELECTOR, names.WEIGHTS_VERSION_LABEL: version})
+            epp.serving_pod(kubectl, name, pod_ip, {**SELECTOR, names.WEIGHTS_VERSION_LABEL: version},
+                            target_port=port)
         password_file = work / "redis-password"
         password_file.write_text(REDIS_PASSWORD + "\n")
         config = work / "epp.yaml"
         config.write_text(epp.picker_config(
             table_file, checkInterval="200ms", redisUrl=f"redis://{redis.host}:{redis.port}/0",
             redisKey=REDIS_KEY, redisPasswordFile=str(password_file), redisInterval="200ms"))
-        with epp.Picker(bins, control_plane.kubeconfig, namespace, POOL, config, work / "epp.log") as p:
+        with epp.Picker(bins, control_plane.kubeconfig, namespace, POOL, config, work / "epp.log",
+                        target_port=port) as p:
             try:
                 # up, and all four pods known (each is some tenant's first home)
                 for tenant, pod in (("acme", "vllm-b"), ("rollout-new", "vllm-d"), ("default", "vllm-c")):
@@ -135,7 +155,8 @@ def test_a_bad_or_missing_tenant_routes_as_the_default_tenant(picker: epp.Picker
     assert "cache_salt" not in r["body"]  # the connector keys it as the default tenant
 
 
-def test_mid_rollout_a_tenant_stays_on_its_first_homes_version(picker: epp.Picker):
+def test_mid_rollout_a_tenant_stays_on_its_first_homes_version(picker: epp.Picker,
+                                                               engines: dict[str, epp.EngineMetrics]):
     for tenant, want in (("rollout-new", V2), ("rollout-old", V1)):
         landed = {ip(routed(picker, f"x-tenant-id={tenant}")["endpoint"]) for _ in range(10)}
         assert landed <= want, f"{tenant} landed on {landed}, its version's pods are {want}"
@@ -144,6 +165,21 @@ def test_mid_rollout_a_tenant_stays_on_its_first_homes_version(picker: epp.Picke
         tenant = f"tenant-{i}"
         landed = {ip(routed(picker, f"x-tenant-id={tenant}")["endpoint"]) for _ in range(3)}
         assert landed <= V1 or landed <= V2, f"{tenant} crossed versions: {landed}"
+    # A hot first home spills within its version, past the second home of the other one:
+    # rollout-new's homes are vllm-d (v2), vllm-a (v1); rollout-old's vllm-b (v1), vllm-c (v2).
+    try:
+        for tenant, hot, spill in (("rollout-new", "vllm-d", "vllm-c"), ("rollout-old", "vllm-b", "vllm-a")):
+            engines[hot].kv_usage = HOT
+            picker.wait_lands(f"{tenant} to spill from its hot first home {hot} to {spill}, of its version",
+                              PODS[spill][0], f"x-tenant-id={tenant}", timeout_s=15)
+            for _ in range(10):
+                assert routed(picker, f"x-tenant-id={tenant}")["endpoint"] == picker.endpoint(PODS[spill][0])
+    finally:
+        for stub in engines.values():
+            stub.kv_usage = COOL
+    for tenant, home in (("rollout-new", "vllm-d"), ("rollout-old", "vllm-b"), ("acme", "vllm-b")):
+        picker.wait_lands(f"{tenant} back on its cooled first home {home}", PODS[home][0], f"x-tenant-id={tenant}",
+                          timeout_s=15)
 
 
 def test_the_epp_follows_the_table_file_to_a_new_epoch(picker: epp.Picker, table_file: Path):
