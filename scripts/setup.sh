@@ -72,7 +72,7 @@ command -v go >/dev/null 2>&1 || { log "ERROR: go is not installed (router/ need
 # InferencePool CRD from the module's source.
 (cd router/epp && GOTOOLCHAIN=local GOFLAGS=-mod=readonly go mod download sigs.k8s.io/gateway-api-inference-extension)
 # kvtier-epp and extproc-gateway (tests/router runs the real EPP over ext_proc): ~9 min
-# on a fresh machine at -p 1, ~1 min when only kvtier's packages changed, a no-op when
+# on a fresh machine at -p 1, seconds when only kvtier's packages changed, a no-op when
 # cached (hack/epp.sh keys the cache by a digest of router/epp's and router/affinity's
 # sources). KVTIER_SKIP_EPP=1 is for quick dev loops only: the EPP tests fail without it.
 if [ "${KVTIER_SKIP_EPP:-0}" != 1 ]; then
