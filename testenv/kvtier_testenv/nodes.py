@@ -820,9 +820,12 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         """Every pod's deletion through kubelet (it unmounts volumes and frees addresses)."""
         if not any(p.name.startswith("kubelet") and p.proc.poll() is None for p in self._procs):
             return
-        # The workloads first: their controllers would recreate the pods.
+        # The workloads first, their pods orphaned (the controllers would recreate them,
+        # and a cascading delete gives each pod its own grace period: a sidecar drains
+        # for up to its drain timeout, and a PID 1 with no SIGTERM handler waits out
+        # the whole of it); then every pod with one second's grace.
         self.kubectl("delete", "statefulsets,deployments,replicasets,daemonsets,jobs", "--all",
-                     "--all-namespaces", "--wait=false", check=False)
+                     "--all-namespaces", "--cascade=orphan", "--wait=false", check=False)
         self.kubectl("delete", "pods", "--all", "--all-namespaces", "--wait=false",
                      "--grace-period=1", check=False)
 
