@@ -81,7 +81,7 @@ KV_OCCUPANCY = 0.1
 HIT_VS_BEST = 1.0
 HIT_VS_ROUND_ROBIN = 5.0
 DECISION_VS_PREFIX = 2.0
-SIZES = {False: (2000, 1200), True: (160, 80)}  # (design requests, trace requests)
+SIZES = {False: (2000, 1200), True: (120, 60)}  # (design requests, trace requests)
 
 PREFIX_CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
