@@ -41,7 +41,7 @@ from __future__ import annotations
 import bisect
 import json
 import re
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -351,6 +351,7 @@ def run(quick: bool = False) -> list[Result]:
     finally:
         for stub in stubs:
             stub.stop()
+        shutil.rmtree(work, ignore_errors=True)  # an EPP's failure raised with its log's tail
     for s in streams:
         hits[s.name]["round-robin"] = replay(s, RoundRobin(N_PODS))
         hits[s.name]["chash-tenant"] = replay(s, ConsistentHash([f"{ip}:{port}" for ip in ips]))
