@@ -261,7 +261,10 @@ def replay(stream: Stream, router) -> Pods:
 
 
 def _metrics(picker) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{picker.metrics_port}/metrics", timeout=5) as r:
+    from kvtier import control_api  # the EPP serves its Prometheus text on the same path
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{picker.metrics_port}{control_api.METRICS.path}",
+                                timeout=5) as r:
         return r.read().decode()
 
 
