@@ -11,7 +11,9 @@ tier by its medium. The scheduler side describes a request's blocks when it firs
 kvtier (`describe`); the worker that committed the store emits the event (rank 0 only:
 every rank stores its own shard of the same blocks); the scheduler side gathers the
 workers' events (`update_connector_output`) and hands them to vLLM's publisher
-(`take_events`).
+(`take_events`). Both happen at scheduler steps: a store committed after its request's
+last step is announced at the engine's next step, so an idle engine announces nothing
+until it serves again.
 
 What leaves the tier is withdrawn the same way: a `BlockRemoved` (same medium, vLLM's
 hash) for each announced block the sidecar's DRAM tier evicted (read from its removal

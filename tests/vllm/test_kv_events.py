@@ -65,8 +65,15 @@ def test_kvtier_block_stored_events_on_vllms_stream(tmp_path, redis_url):
         prompt = _prompt(rng)
         stored_before = sidecar.stats()["cache"]["stored_blocks"]
         first = server.complete(prompt, "tenant-a")
-        kvtier = wait_for("kvtier's BlockStored for the prompt",
-                          lambda: _kvtier_events(sub, prompt[:STORED_TOKENS]), 60)
+        # vLLM collects a connector's events at its scheduler steps: a store that
+        # completes after the request's last step is announced at the next one, so an
+        # idle engine is kept stepping with one-token requests until it is.
+        def announced():
+            seen = _kvtier_events(sub, prompt[:STORED_TOKENS])
+            if not seen:
+                server.complete(_prompt(rng), "tick", max_tokens=1)
+            return seen
+        kvtier = wait_for("kvtier's BlockStored for the prompt", announced, 60)
         # Announced only once the sidecar holds the blocks.
         assert sidecar.stats()["cache"]["stored_blocks"] >= stored_before + STORED_TOKENS // BLOCK
         ev = kvtier[0]
