@@ -20,6 +20,7 @@ from kvtier_operator import rollout_warmup_io as io
 from kvtier_operator.membership import Member
 from kvtier_operator.rollout_reconcile import reconcile_rollout
 from kvtier_operator.sidecar_client import FleetStats, MemberStats
+from fake_http import OkResponse
 from sidecar_fleet import tiny_policy
 
 OLD, NEW = "sha256:" + "1" * 64, "sha256:" + "2" * 64
@@ -143,20 +144,7 @@ class Engine:
 
     def post(self, url, json):
         self.prompts.append((json["cache_salt"], tuple(json["prompt"])))
-        return _Ok()
-
-
-class _Ok:
-    status = 200
-
-    async def read(self) -> bytes:
-        return b"{}"
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        return None
+        return OkResponse()
 
 
 class _Policies:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from fake_http import OkResponse
 from kvtier import policy
 from kvtier.affinity import AffinityTable
 from kvtier_operator import injection, names
@@ -329,22 +330,10 @@ def test_a_warmup_request_is_marked_as_the_warmup_and_prefill_sends_exactly_that
 
     sent = []
 
-    class Resp:
-        status = 200
-
-        async def read(self) -> bytes:
-            return b"{}"
-
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc) -> None:
-            return None
-
     class Http:
         def post(self, url, json):
             sent.append((url, json))
-            return Resp()
+            return OkResponse()
 
     progress = io._Progress()
     ok = asyncio.run(io._prefill(Http(), "http://10.0.0.3:8000/v1/completions", "llm", "acme",

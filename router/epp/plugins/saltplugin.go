@@ -3,7 +3,6 @@ package plugins
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"net"
 	"regexp"
 	"strconv"
@@ -58,13 +57,9 @@ var _ requestcontrol.PreRequest = (*CacheSalt)(nil)
 
 // CacheSaltFactory makes the plugin from its parameters.
 func CacheSaltFactory(name string, raw json.RawMessage, _ fwkplugin.Handle) (fwkplugin.Plugin, error) {
-	p := CacheSaltParameters{}
-	if len(raw) > 0 {
-		dec := json.NewDecoder(strings.NewReader(string(raw)))
-		dec.DisallowUnknownFields()
-		if err := dec.Decode(&p); err != nil {
-			return nil, fmt.Errorf("%s parameters: %v", CacheSaltType, err)
-		}
+	p, err := decodeStrict[CacheSaltParameters](CacheSaltType, raw)
+	if err != nil {
+		return nil, err
 	}
 	return NewCacheSalt(p, name), nil
 }
@@ -118,26 +113,33 @@ func setCacheSalt(b *fwksched.LLMRequestBody, body fwksched.PayloadMap, tenant s
 	}
 }
 
+// childObject is m[key] as a JSON object, made empty when absent; false when m[key]
+// holds something else (left as it is).
+func childObject(m map[string]any, key string) (map[string]any, bool) {
+	child, ok := m[key].(map[string]any)
+	if ok {
+		return child, true
+	}
+	if m[key] != nil {
+		return nil, false
+	}
+	child = map[string]any{}
+	m[key] = child
+	return child, true
+}
+
 // SetSourcePeer merges {"kvtier": {"sourcePeer": peer}} into the body's
 // kv_transfer_params, creating what is missing. What the client set wins: a
 // sourcePeer of its own is kept, and a kv_transfer_params (or its kvtier entry)
 // that is not a JSON object is left as it is (the connector ignores it).
 func SetSourcePeer(body fwksched.PayloadMap, peer string) {
-	params, ok := body[kvTransferParamsField].(map[string]any)
+	params, ok := childObject(body, kvTransferParamsField)
 	if !ok {
-		if body[kvTransferParamsField] != nil {
-			return
-		}
-		params = map[string]any{}
-		body[kvTransferParamsField] = params
+		return
 	}
-	ours, ok := params[kvTransferParamsKey].(map[string]any)
+	ours, ok := childObject(params, kvTransferParamsKey)
 	if !ok {
-		if params[kvTransferParamsKey] != nil {
-			return
-		}
-		ours = map[string]any{}
-		params[kvTransferParamsKey] = ours
+		return
 	}
 	if _, set := ours[sourcePeerField]; set {
 		return

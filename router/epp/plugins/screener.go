@@ -147,7 +147,13 @@ func endpointVersions(byMember map[string][]fwksched.Endpoint, label string) map
 
 // decodeParameters reads a plugin's AffinityParameters strictly.
 func decodeParameters(pluginType string, raw json.RawMessage) (AffinityParameters, error) {
-	p := AffinityParameters{}
+	return decodeStrict[AffinityParameters](pluginType, raw)
+}
+
+// decodeStrict reads a plugin's parameters, refusing unknown fields; none given
+// is T's zero value.
+func decodeStrict[T any](pluginType string, raw json.RawMessage) (T, error) {
+	var p T
 	if len(raw) > 0 {
 		dec := json.NewDecoder(strings.NewReader(string(raw)))
 		dec.DisallowUnknownFields()
