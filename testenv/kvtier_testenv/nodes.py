@@ -138,6 +138,8 @@ STOP_TIMEOUT_S = 20.0
 SHIM_SOCKET_DIR = Path("/run/containerd/s")
 NETNS_DIR = Path("/run/netns")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# kubelet binds its device-plugin registration socket here whatever its --root-dir.
+DEVICE_PLUGIN_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
 
 
 def node_pod_cidr(i: int) -> str:
@@ -416,7 +418,7 @@ class NodeCluster:
         [p] = [p for p in self._procs if p.name == node.kubelet]
         self._terminate(p)
         self._procs.remove(p)
-        p = self._spawn(node.kubelet, node.kubelet_args)
+        p = self._spawn_kubelet(node)
 
         def healthy() -> bool:
             if p.proc.poll() is not None:
@@ -456,6 +458,7 @@ class NodeCluster:
         if self._cgroup_dirs:
             errors.append(f"cgroups still hold processes after stop: {[str(d) for d in self._cgroup_dirs]}")
         self._remove_cni_cache()
+        self._remove_device_plugin_socket()
         self.timings["stop_restored_s"] = time.monotonic() - t0
         if not errors:
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -774,7 +777,29 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             f"--node-ip={node.ip}",
             "--v=1",
         ]
-        self._spawn(node.kubelet, node.kubelet_args)
+        self._spawn_kubelet(node)
+
+    def _spawn_kubelet(self, node: _Node) -> _Proc:
+        """Start kubelet and wait until it has bound its device-plugin socket.
+
+        That socket's path is fixed (`DEVICE_PLUGIN_SOCKET`, not under --root-dir), so
+        every kubelet on the machine binds the same file: each one first empties the
+        directory, then binds. Two starting at once can both empty it and then both
+        bind, and the second dies with "address already in use". So kubelets start one
+        at a time: the socket is removed, the kubelet spawned, and the next one starts
+        only once the file is back (bound by this kubelet)."""
+        with contextlib.suppress(FileNotFoundError):
+            DEVICE_PLUGIN_SOCKET.unlink()
+        p = self._spawn(node.kubelet, node.kubelet_args)
+
+        def bound() -> bool:
+            self._check_alive()
+            return DEVICE_PLUGIN_SOCKET.is_socket()
+        try:
+            wait_for(f"{node.kubelet} bound {DEVICE_PLUGIN_SOCKET}", bound, NODE_READY_TIMEOUT_S, 0.05)
+        except WaitTimeout as e:
+            raise NodeError(f"{e}\n{log_tail(p.log)}") from None
+        return p
 
     def _start_kube_proxy(self) -> None:
         kubeconfig = self._node_kubeconfig("kube-proxy", "system:kube-proxy", ())
@@ -882,6 +907,15 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         self._cgroup_dirs = [d for d in self._cgroup_dirs if d.is_dir()]
 
     @staticmethod
+    def _remove_device_plugin_socket() -> None:
+        """The socket kubelet left at its fixed path, and its directories if empty."""
+        with contextlib.suppress(FileNotFoundError):
+            DEVICE_PLUGIN_SOCKET.unlink()
+        for d in (DEVICE_PLUGIN_SOCKET.parent, DEVICE_PLUGIN_SOCKET.parent.parent):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+    @staticmethod
     def _remove_cni_cache() -> None:
         """libcni's result cache (always /var/lib/cni/results) for this network."""
         results = Path("/var/lib/cni/results")
@@ -953,6 +987,8 @@ def leftovers() -> list[str]:
         if (controller / "kubepods").is_dir():
             found.append(f"cgroup {controller / 'kubepods'}")
         found += [f"cgroup {d}" for d in controller.glob(f"{NODE_CGROUP_PREFIX}*")]
+    if DEVICE_PLUGIN_SOCKET.exists():
+        found.append(f"socket {DEVICE_PLUGIN_SOCKET}")
     for line in Path("/proc/self/mounts").read_text().splitlines():
         if "/kvtier-nodes-" in line.split()[1]:
             found.append(f"mount {line.split()[1]}")
