@@ -34,6 +34,7 @@ Queued stores are applied in small time-bounded slices by whoever calls `store` 
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 import time
@@ -601,24 +602,68 @@ class LocalCache:
 
     def hot_prompts(self, tenant: str, max_tokens: int) -> list[tuple[KeyRoot, np.ndarray, float]]:
         """The tenant's cached prefixes worth replaying to warm a new engine, best
-        first: (key root, token ids of a whole-block prefix, its frequency), ranked by
-        expected saving — each block's decayed hit frequency times its tokens, summed
-        along the prefix (so frequency x length; the frequency given is that sum over
-        the length) — within `max_tokens` tokens newly covered (blocks shared with a
-        chosen prefix count once: the engine finds them warm). A prefix inside a longer
-        chosen one is not listed."""
+        first: (key root, token ids of a whole-block prefix, its frequency), within
+        `max_tokens` tokens newly covered (blocks shared with a chosen prefix count once:
+        the engine finds them warm). A prefix inside a longer chosen one is not listed.
+
+        Chosen greedily by expected saving per token of what each prefix adds: each
+        block's decayed hit frequency, averaged over the blocks not yet covered by a
+        chosen prefix (so a template is worth its hits, and a request's own question
+        under a template already chosen only the few hits of that question). Ranking
+        whole prefixes by their saving instead would spend the budget on one hot
+        template's many leaves, one question each, and leave the tenant's other
+        templates out. Listed by saving (frequency x tokens, summed along the prefix),
+        best first; the frequency given is that saving over the prefix's length."""
         with self._lock:
             now = self.clock()
             freq = self._index.policy.frequency
-
-            def saving(n: Node) -> float:
-                return sum(freq(p.freq, now) * len(p.slots) for p in self._index.path(n)) * self.block_size
-
-            out = []
-            for value, n in self._choose_prefixes(tenant, saving, max_tokens // self.block_size):
+            scored = []
+            for n, path in self._choose_by_density(tenant, lambda p: freq(p.freq, now),
+                                                   max_tokens // self.block_size):
                 tokens = self._prefix_token_ids(n)
-                out.append((n.root, tokens, value / len(tokens) if len(tokens) else 0.0))
-            return out
+                value = sum(freq(p.freq, now) * len(p.slots) for p in path) * self.block_size
+                scored.append((value, n.root, tokens))
+            # Listed by saving, best first (ties: the longer).
+            scored.sort(key=lambda s: (-s[0], -len(s[2])))
+            return [(root, tokens, value / len(tokens) if len(tokens) else 0.0) for value, root, tokens in scored]
+
+    def _choose_by_density(self, tenant: str, block_value, budget_blocks: int) -> list[tuple[Node, list[Node]]]:
+        """(node, its path) of the tenant's prefixes chosen greedily by the value per
+        block of the blocks each would newly cover (`block_value(node)` is each of a
+        node's blocks' value), best first (ties: the longer), while those new blocks fit
+        `budget_blocks`; a chosen prefix inside a longer chosen one is left out. Lazy
+        greedy: a candidate's density is recomputed when it reaches the top, and it is
+        taken only if it still beats the next one. Caller holds the lock."""
+        covered: set[int] = set()
+
+        def density(path: list[Node]) -> tuple[float, int]:
+            blocks, value = 0, 0.0
+            for p in path:
+                if id(p) not in covered:
+                    blocks += len(p.slots)
+                    value += block_value(p) * len(p.slots)
+            return (value / blocks if blocks else 0.0), blocks
+
+        heap: list[tuple[float, int, int, Node, list[Node]]] = []
+        for i, n in enumerate(self._index.iter_nodes(lambda r: r.tenant == tenant)):
+            path = self._index.path(n)
+            d, _ = density(path)
+            heap.append((-d, -n.end_block, i, n, path))
+        heapq.heapify(heap)
+        chosen: list[tuple[Node, list[Node]]] = []
+        while heap and budget_blocks > 0:
+            neg, end, i, n, path = heapq.heappop(heap)
+            d, new = density(path)
+            if new == 0 or new > budget_blocks:
+                continue
+            if heap and (-d, end, i) > heap[0][:3]:
+                heapq.heappush(heap, (-d, end, i, n, path))  # no longer the best: back in line
+                continue
+            budget_blocks -= new
+            covered.update(id(p) for p in path)
+            chosen.append((n, path))
+        inner = {id(p) for _, path in chosen for p in path[:-1]}
+        return [(n, path) for n, path in chosen if id(n) not in inner]
 
     def _choose_prefixes(self, tenant: str, score, budget_blocks: int) -> list[tuple[float, Node]]:
         """(score, node) of the tenant's prefixes chosen greedily, best score first (ties:

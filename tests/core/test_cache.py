@@ -495,6 +495,32 @@ def test_hottest_prefixes_lists_value_first_within_the_byte_budget():
     assert c.hottest_prefixes("acme", max_bytes=BB) == []
 
 
+def test_hot_prompts_spend_the_budget_on_templates_before_one_templates_questions():
+    """A hot template with many leaves (one question each) must not crowd out the
+    tenant's other template: ranked by whole-prefix saving, the hot template's six
+    leaves filled the budget (18 blocks) and the second template was left out."""
+    c = make(blocks=64)
+    a = np.arange(128, dtype=np.uint32)           # template A: 8 blocks
+    b = np.arange(1000, 1128, dtype=np.uint32)    # template B: 8 blocks
+    leaves_a = [np.append(a, np.arange(10_000 + 100 * i, 10_032 + 100 * i, dtype=np.uint32)) for i in range(6)]
+    leaves_b = [np.append(b, np.arange(20_000 + 100 * i, 20_032 + 100 * i, dtype=np.uint32)) for i in range(2)]
+    for t in leaves_a + leaves_b:
+        warm(c, ROOT, t)
+    for i in range(24):  # A is the hotter template; each request a new question
+        c.release(c.lookup(ROOT, np.append(a, np.arange(30_000 + 100 * i, 30_032 + 100 * i, dtype=np.uint32))))
+    for i in range(4):
+        c.release(c.lookup(ROOT, np.append(b, np.arange(40_000 + 100 * i, 40_032 + 100 * i, dtype=np.uint32))))
+    got = c.hot_prompts("acme", max_tokens=18 * B)
+    tokens = [t.tolist() for _, t, _ in got]
+    assert any(t[:128] == a.tolist() for t in tokens)
+    assert any(t[:128] == b.tolist() for t in tokens), tokens
+    covered = {blk for t in tokens for blk in (tuple(t[:k + B]) for k in range(0, len(t), B))}
+    assert len(covered) <= 18
+    # Best first: the hotter template, and each prompt's frequency is its saving per token.
+    assert tokens[0][:128] == a.tolist()
+    assert got[0][2] > got[-1][2] > 0
+
+
 def test_metadata_only_cache_runs_the_real_index_without_payload():
     c = LocalCache(1000 * BB, BB, block_size=B, metadata_only=True, drain_budget_s=0)
     t = np.arange(160, dtype=np.uint32)

@@ -55,9 +55,12 @@ def test_hot_prompts_rank_one_tenants_prefixes_within_the_budget_and_never_anoth
     assert got.tokens == sum(len(p) for p in listed)
     assert all(tuple(theirs.tolist()) != p for p in listed)
 
-    # The budget bounds the answer: room for one 2-block prefix is the hottest one.
+    # The budget bounds the answer, spent on the blocks hit most: two blocks are
+    # `often`'s first (hit 12 times: a lookup never matches a prompt's last block) and
+    # `seldom`'s first (hit once), not the whole of `often` (its second block never hit).
     status, answer = hot(sc, "a", 2 * bs)
-    assert status == 200 and [p["token_ids"] for p in answer["prefixes"]] == [often.tolist()]
+    assert status == 200 and [p["token_ids"] for p in answer["prefixes"]] == [often[:bs].tolist(),
+                                                                            seldom[:bs].tolist()]
     status, answer = hot(sc, "a", bs - 1)
     assert status == 200 and answer["prefixes"] == [] and answer["tokens"] == 0
 
