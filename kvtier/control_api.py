@@ -318,9 +318,11 @@ class HotPrompt(_Answer):
 
 
 class HotPrompts(_Answer):
-    """`GET /cache/hot`: one tenant's prefixes worth prefilling on a new engine, best
-    first (frequency x length), within `max_tokens` newly covered tokens. Only the
-    tenant asked for: another tenant's token ids are never in it."""
+    """`GET /cache/hot`: one tenant's prefixes worth prefilling on a new engine, chosen
+    by the decayed hit frequency of the blocks each adds (a template before one
+    request's question) within `max_tokens` newly covered tokens, listed best first
+    (frequency x length). Only the tenant asked for: another tenant's token ids are
+    never in it."""
 
     tenant: str
     max_tokens: int
