@@ -618,41 +618,42 @@ class LocalCache:
             now = self.clock()
             freq = self._index.policy.frequency
             scored = []
-            for n, path in self._choose_by_density(tenant, lambda p: freq(p.freq, now),
-                                                   max_tokens // self.block_size):
-                tokens = self._prefix_token_ids(n)
-                value = sum(freq(p.freq, now) * len(p.slots) for p in path) * self.block_size
-                scored.append((value, n.root, tokens))
+            for n, saving in self._choose_by_density(tenant, lambda p: freq(p.freq, now),
+                                                     max_tokens // self.block_size):
+                scored.append((saving * self.block_size, n.root, self._prefix_token_ids(n)))
             # Listed by saving, best first (ties: the longer).
             scored.sort(key=lambda s: (-s[0], -len(s[2])))
             return [(root, tokens, value / len(tokens) if len(tokens) else 0.0) for value, root, tokens in scored]
 
-    def _choose_by_density(self, tenant: str, block_value, budget_blocks: int) -> list[tuple[Node, list[Node]]]:
-        """(node, its path) of the tenant's prefixes chosen greedily by the value per
-        block of the blocks each would newly cover (`block_value(node)` is each of a
-        node's blocks' value), best first (ties: the longer), while those new blocks fit
+    def _choose_by_density(self, tenant: str, block_value, budget_blocks: int) -> list[tuple[Node, float]]:
+        """(node, its path's value: each block's value summed along it) of the tenant's
+        prefixes chosen greedily by the value per block of the blocks each would newly
+        cover (`block_value(node)` is each of a node's blocks' value, asked once per
+        node), best first (ties: the longer), while those new blocks fit
         `budget_blocks`; a chosen prefix inside a longer chosen one is left out. Lazy
         greedy: a candidate's density is recomputed when it reaches the top, and it is
         taken only if it still beats the next one. Caller holds the lock."""
         covered: set[int] = set()
+        value_of: dict[int, float] = {}
 
         def density(path: list[Node]) -> tuple[float, int]:
             blocks, value = 0, 0.0
             for p in path:
                 if id(p) not in covered:
                     blocks += len(p.slots)
-                    value += block_value(p) * len(p.slots)
+                    value += value_of[id(p)] * len(p.slots)
             return (value / blocks if blocks else 0.0), blocks
 
+        nodes = list(self._index.iter_nodes(lambda r: r.tenant == tenant))
+        value_of.update((id(n), block_value(n)) for n in nodes)
         heap: list[tuple[float, int, int, Node, list[Node]]] = []
-        for i, n in enumerate(self._index.iter_nodes(lambda r: r.tenant == tenant)):
+        for i, n in enumerate(nodes):
             path = self._index.path(n)
-            d, _ = density(path)
-            heap.append((-d, -n.end_block, i, n, path))
+            heap.append((-density(path)[0], -n.end_block, i, n, path))
         heapq.heapify(heap)
         chosen: list[tuple[Node, list[Node]]] = []
         while heap and budget_blocks > 0:
-            neg, end, i, n, path = heapq.heappop(heap)
+            _, end, i, n, path = heapq.heappop(heap)
             d, new = density(path)
             if new == 0 or new > budget_blocks:
                 continue
@@ -663,7 +664,7 @@ class LocalCache:
             covered.update(id(p) for p in path)
             chosen.append((n, path))
         inner = {id(p) for _, path in chosen for p in path[:-1]}
-        return [(n, path) for n, path in chosen if id(n) not in inner]
+        return [(n, sum(value_of[id(p)] * len(p.slots) for p in path)) for n, path in chosen if id(n) not in inner]
 
     def _choose_prefixes(self, tenant: str, score, budget_blocks: int) -> list[tuple[float, Node]]:
         """(score, node) of the tenant's prefixes chosen greedily, best score first (ties:
