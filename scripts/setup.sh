@@ -18,7 +18,9 @@
 #   - vLLM's CPU build in its own venv, cached the same way (hack/vllm.sh),
 #   - the Go modules of the router package (router/), in Go's module cache,
 #   - kvtier's Endpoint Picker (router/epp) and the tests' ext_proc gateway stand-in,
-#     built once per source digest into a cache (hack/epp.sh).
+#     built once per source digest into a cache (hack/epp.sh),
+#   - llm-d's precise prefix-cache producer as the KV-event tests run it
+#     (router/llmd-index), cached the same way (hack/llmd-index.sh).
 # A second run is a no-op that takes a few seconds.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -78,6 +80,9 @@ command -v go >/dev/null 2>&1 || { log "ERROR: go is not installed (router/ need
 if [ "${KVTIER_SKIP_EPP:-0}" != 1 ]; then
   bash hack/epp.sh >/dev/null
 fi
+# llm-d's precise prefix-cache producer (router/llmd-index: tests/vllm/test_kv_events.py
+# feeds it a real vLLM's KV events): ~1.5 min cold, a no-op when cached.
+bash hack/llmd-index.sh >/dev/null
 
 # --- checkov (chart lint), in its own venv -------------------------------------------
 bash hack/checkov.sh

@@ -20,10 +20,13 @@ _SUBSCRIBER = r"""
 import json, sys
 import msgspec, zmq
 from vllm.distributed.kv_events import KVEventBatch
-endpoint, topic, out = sys.argv[1], sys.argv[2], sys.argv[3]
+endpoint, topic, out, mode = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 sock = zmq.Context().socket(zmq.SUB)
 sock.setsockopt_string(zmq.SUBSCRIBE, topic)
-sock.bind(endpoint)  # vLLM connects to a non-wildcard tcp endpoint, as to a router's
+if mode == "bind":
+    sock.bind(endpoint)  # vLLM connects to a non-wildcard tcp endpoint, as to a router's
+else:
+    sock.connect(endpoint)  # vLLM binds (ipc:// or tcp://*): any number of subscribers dial
 decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
 with open(out, "a", buffering=1) as f:
     while True:
@@ -43,6 +46,7 @@ class KvEventSubscriber:
     workdir: Path
     endpoint: str
     topic: str = ""
+    bind: bool = True  # False: dial an endpoint vLLM binds (ipc://), beside other subscribers
     proc: subprocess.Popen | None = None
 
     @property
@@ -52,8 +56,9 @@ class KvEventSubscriber:
     def start(self) -> "KvEventSubscriber":
         self.path.write_text("")
         with open(self.workdir / "kv-events.err", "w") as err:  # the child keeps its own copy
+            mode = "bind" if self.bind else "connect"
             self.proc = subprocess.Popen([vllm_python(), "-c", _SUBSCRIBER, self.endpoint, self.topic,
-                                          str(self.path)], env=vllm_env(), stdout=subprocess.DEVNULL, stderr=err)
+                                          str(self.path), mode], env=vllm_env(), stdout=subprocess.DEVNULL, stderr=err)
         return self
 
     def events(self) -> list[dict]:
@@ -68,5 +73,6 @@ class KvEventSubscriber:
 
 def kv_events_config(endpoint: str, topic: str = "") -> dict:
     """vLLM's --kv-events-config publishing to `endpoint` (tcp://127.0.0.1:PORT: vLLM
-    connects, the subscriber binds — a router's central event socket)."""
+    connects, the subscriber binds — a router's central event socket; ipc://PATH: vLLM
+    binds and subscribers dial it, as llm-d's per-pod subscribers dial each pod)."""
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": topic}
