@@ -110,6 +110,10 @@ def install_pool_crds(admin: Kubectl) -> list[str]:
     created = []
     for crd in sorted((gie_module_dir() / "config/crd/bases").glob("*.yaml")):
         name = yaml.safe_load(crd.read_text())["metadata"]["name"]
+        # one an earlier test removed (remove_crds does not wait) may still be going
+        wait_for(f"CRD {name} to finish its deletion", lambda: admin.run(
+            "get", "crd", name, "-o", "jsonpath={.metadata.deletionTimestamp}", check=False).stdout.strip() == "",
+            timeout_s=60)
         if admin.run("get", "crd", name, check=False).returncode != 0:
             admin.run("apply", "--server-side", "-f", str(crd))
             created.append(name)

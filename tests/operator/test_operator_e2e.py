@@ -3,6 +3,7 @@ ServiceAccount: config rendering, verdicts, sidecar injection (real sidecar run 
 node agent), membership epochs with warm-up before publication, and restarts."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -18,8 +19,9 @@ from kvtier import breakeven, policy, presets
 from kvtier import routing
 from kvtier.affinity import AffinityTable
 from kvtier_operator import names, sidecar_render
-from kvtier_testenv import engine_io
+from kvtier_testenv import engine_io, epp
 from kvtier_testenv.kubectl import Kubectl
+from kvtier_testenv.ports import free_port
 from operator_cases import EXAMPLES_DIR
 from operator_harness import events, wait_for
 from sidecar_fleet import BLOCK_BYTES, PodSidecar, serving_pod, tiny_policy
@@ -221,29 +223,82 @@ def assert_router_reads_the_same_table_from_redis(kubectl: Kubectl, redis_url: s
     assert all(routing.pick(t, from_redis, occupancy) == routing.pick(t, from_cm, occupancy) for t in TENANTS)
 
 
+class FleetPicker:
+    """kvtier's real Endpoint Picker (`kvtier-epp`, driven over ext_proc by the tests'
+    gateway stand-in) over an InferencePool of a fleet's pods, reading the operator's
+    table from Redis as the chart configures it; a stub of vLLM's /metrics at each pod's
+    IP (no engine runs behind the node agent's pods), every pod equally cool."""
+
+    def __init__(self, stack: contextlib.ExitStack, kubectl: Kubectl, app: str, redis_url: str, policy_name: str,
+                 workdir: Path):
+        self.stack, self.port = stack, free_port()
+        self.stubs: dict[str, epp.EngineMetrics] = {}
+        bins = epp.find()  # fails loudly (EppBinariesMissing: run scripts/setup.sh)
+        crds = epp.install_pool_crds(kubectl)
+        stack.callback(epp.remove_crds, kubectl, crds)  # the shared API server as it was
+        epp.apply_pool(kubectl, app, {"app": app}, target_port=self.port)
+        config = workdir / "epp.yaml"
+        config.write_text(epp.picker_config(
+            workdir / "no-table-file.json", redisUrl=redis_url, redisInterval="200ms",
+            redisKey=names.REDIS_AFFINITY_KEY.format(namespace=kubectl.namespace, name=policy_name)))
+        self.picker = stack.enter_context(epp.Picker(bins, kubectl.kubeconfig, kubectl.namespace, app, config,
+                                                     workdir / "epp.log", target_port=self.port))
+
+    def serve_metrics(self, ip: str) -> None:
+        if ip not in self.stubs:
+            self.stubs[ip] = stub = epp.EngineMetrics(ip, self.port, kv_usage=0.1)
+            self.stack.callback(stub.stop)
+
+    def wait_routes(self, tenants: list[str], home_ip: dict[str, str], timeout_s: float = 30.0) -> None:
+        for t in tenants:
+            try:
+                self.picker.wait_lands(f"the EPP to route {t} to {home_ip[t]}", home_ip[t], f"x-tenant-id={t}",
+                                       timeout_s=timeout_s)
+            except BaseException:
+                print(f"kvtier-epp's log:\n{self.picker.log_tail()}\nlast gateway error: {self.picker.last_error}")
+                raise
+
+
 def test_epochs(operator, kubectl, node_agent_factory, api_client, redis_url):
     """Join and leave with the real injected sidecars: one new epoch each; on a join
     about k/(n+1) of tenants gain the newcomer and nothing else moves; on a leave only
     the departed pod's tenants move; each moved tenant's warm-up on its new home
     finished (per that sidecar's own /cache/jobs) before the epoch was published, and
     the new home then serves the tenant's prefixes with the right KV; home load stays
-    within balanceFactor x the mean; Redis carries the same table as the ConfigMap."""
-    fleet = Fleet(kubectl, node_agent_factory(workdir=short_workdir()), "fleet", "fleet")
+    within balanceFactor x the mean; Redis carries the same table as the ConfigMap.
+    kvtier's real EPP reads that table from Redis: before the join it routes each tenant
+    to its first home, after it the tenants whose first home is the newcomer go there,
+    where their first requests hit (the warm-up above)."""
+    with contextlib.ExitStack() as stack:
+        _epochs(stack, operator, kubectl, node_agent_factory, api_client, redis_url)
+
+
+def _epochs(stack, operator, kubectl, node_agent_factory, api_client, redis_url):
+    workdir = short_workdir()
+    fleet = Fleet(kubectl, node_agent_factory(workdir=workdir), "fleet", "fleet")
     kubectl.apply(tiny_policy("fleet", "fleet", affinity={"homes": HOMES, "warmTimeout": "30s"},
                               redis={"url": redis_url}))
     wait_for("sidecar ConfigMap", lambda: kubectl.run(
         "get", "configmap", names.sidecar_config_map("fleet"), check=False).returncode == 0)
     fleet.add("f0", "f1", "f2")
     fleet.ready(3)
+    router = FleetPicker(stack, kubectl, "fleet", redis_url, "fleet", workdir)  # starts beside the seeding
+    for m in ("f0", "f1", "f2"):
+        router.serve_metrics(fleet.sidecar(m).ip)
     fleet.seed_homes(wait_table(kubectl, "fleet", 3), TENANTS)
     t0 = fleet.learn_tenants(len(TENANTS))
     assert_router_reads_the_same_table_from_redis(kubectl, redis_url, "fleet")
+    ip_of = {m: fleet.sidecar(m).ip for m in t0.members}
+    first_home_ip = {t: ip_of[homes(t0)[t][0]] for t in TENANTS}
+    router.wait_routes(TENANTS[:1], first_home_ip, timeout_s=epp.START_TIMEOUT_S)  # up, and reading Redis
+    router.wait_routes(TENANTS, first_home_ip)
     watcher = EpochWatcher(api_client, kubectl.namespace, "fleet")
     try:
         # Join.
         joined_at = time.time()
         fleet.add("f3")
         fleet.ready(4)
+        router.serve_metrics(fleet.sidecar("f3").ip)
         t1 = wait_table(kubectl, "fleet", 4, epoch=t0.epoch + 1)
         before, after = homes(t0), homes(t1)
         moved = {t for t in TENANTS if before[t] != after[t]}
@@ -261,6 +316,13 @@ def test_epochs(operator, kubectl, node_agent_factory, api_client, redis_url):
         wait_for("epoch seen", lambda: t1.epoch in watcher.first_seen)
         assert max(j["finished_s"] for j in warms) < watcher.first_seen[t1.epoch]
         assert all(f3.holds(t, PROMPTS) for t in moved)
+        # The EPP follows the published epoch: the tenants whose first home is now f3 go
+        # there (and hit: f3 holds their prefixes, checked above); the others stay.
+        first_on_f3 = [t for t in moved if after[t][0] == "f3"]
+        assert first_on_f3, after
+        router.wait_routes(first_on_f3, {t: f3.ip for t in first_on_f3})
+        ip_of["f3"] = f3.ip
+        router.wait_routes(TENANTS, {t: ip_of[after[t][0]] for t in TENANTS})
         loads = [sum(m in h for h in after.values()) for m in t1.members]
         assert max(loads) <= 1.25 * (len(TENANTS) * HOMES / len(t1.members)), loads
         assert_router_reads_the_same_table_from_redis(kubectl, redis_url, "fleet")
