@@ -15,6 +15,8 @@ the gateway would send it: the tenant in x-tenant-id, the prompt as text in a ch
   bounded-load plan of the pods and the stream's tenants, homes = HOMES);
 - prefix: the EPP's built-in approximate prefix scorer (`prefix-cache-scorer`, which
   brings its `approx-prefix-cache-producer`) + max-score picker;
+- default: the Gateway API Inference Extension chart's default profile (queue-scorer 2,
+  kv-cache-utilization-scorer 2, prefix-cache-scorer 3, max-score picker);
 - random: `random-picker` alone. The EPP has no round-robin picker; this is random.
 
 Two routers are not the EPP's and run client-side, on the same stream: exact round
@@ -26,13 +28,18 @@ The pods are not engines: each pod's cache is kvtier's real `LocalCache` in
 metadata-only mode (as kvtier/sim/caches.py::KvtierCache runs it: index, admission,
 W-TinyLFU eviction; no KV bytes), keyed per tenant (the cache_salt kvtier sets), and the
 routed request is looked up and stored there: the hit rate is that cache's matched
-prompt elements over all prompt elements. A stub serves each pod's vLLM /metrics with a
-constant 10% KV occupancy (the replay is sequential: nothing is in flight), so no
-router sees load: kvtier's scorer never spills (a tenant stays on its first home, like
-the consistent hash), and the approximate scorer sends every prompt that starts with a
-block it indexed to the pod holding it (on the Mooncake trace, whose requests all begin
-with one shared system-prompt block, that is one pod for all of them; each result's note
-gives every router's max/mean requests per pod). Decision time is the client-side round trip of one exchange: it
+prompt elements over all prompt elements.
+
+Load is modelled, not run: kvtier.sim.fleet's timing model (each pod a prefill queue at
+FleetSpec's rate less the matched tokens, KV held in HBM until the last output token)
+follows the routed requests on the stream's clock, and before each request a stub at
+every pod's address serves that pod's modelled KV occupancy and waiting/running queue as
+vLLM's /metrics, which the EPP scrapes (every 50 ms): kvtier's scorer spills a hot first
+home to the next, the default profile's queue and KV-utilisation scorers weigh load, the
+other rows ignore it. Each stream's clock and the pods' HBM are sized so that round
+robin keeps the pods' prefill LOAD_TARGET busy at LOAD_TARGET mean KV occupancy. Each
+result's note gives every router's mean occupancy, max/mean requests per pod and
+modelled TTFT. Decision time is the client-side round trip of one exchange: it
 includes starting the extproc-gateway process and its TLS handshake, the same for every
 configuration; the EPP's own scheduling histogram is in the notes.
 """
@@ -76,7 +83,12 @@ CHARS_PER_ELEM = 16
 DESIGN_TENANTS, DESIGN_TEMPLATES = 50, 5
 TRACE_TENANTS = 64
 TRACE_CAPACITY = "0.1"  # of the replayed head's distinct blocks per pod, as trace_rollout
-KV_OCCUPANCY = 0.1
+# Load: each pod's KV occupancy (and prefill queue) from kvtier.sim.fleet's timing model
+# of the routed requests, served by its /metrics stub, so kvtier's spill and the EPP's
+# load scorers act on it. Each stream's clock and the pods' HBM are sized so that round
+# robin runs the pods at LOAD_TARGET of their prefill capacity and LOAD_TARGET mean KV
+# occupancy at arrivals (the design notes' operating point).
+LOAD_TARGET = 0.7
 # Targets (issue #23).
 HIT_VS_BEST = 1.0
 HIT_VS_ROUND_ROBIN = 5.0
@@ -94,6 +106,26 @@ schedulingProfiles:
       - pluginRef: prefix-cache-scorer
       - pluginRef: max-score-picker
 """
+# The Gateway API Inference Extension chart's default profile (config/charts/epplib):
+# queue 2, KV utilisation 2, approximate prefix 3.
+DEFAULT_CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+  - type: queue-scorer
+  - type: kv-cache-utilization-scorer
+  - type: prefix-cache-scorer
+  - type: max-score-picker
+schedulingProfiles:
+  - name: default
+    plugins:
+      - pluginRef: queue-scorer
+        weight: 2
+      - pluginRef: kv-cache-utilization-scorer
+        weight: 2
+      - pluginRef: prefix-cache-scorer
+        weight: 3
+      - pluginRef: max-score-picker
+"""
 RANDOM_CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
@@ -103,9 +135,10 @@ schedulingProfiles:
     plugins:
       - pluginRef: random-picker
 """
-EPP_ROUTERS = ("kvtier", "prefix", "random")
+EPP_ROUTERS = ("kvtier", "prefix", "default", "random")
 LABELS = {"kvtier": "kvtier (EPP: screener + affinity scorer)",
           "prefix": "EPP prefix-cache-scorer (approximate)",
+          "default": "EPP default profile (queue 2 + KV utilisation 2 + approximate prefix 3)",
           "random": "EPP random-picker (no round-robin picker in the EPP)",
           "round-robin": "round robin (client-side)",
           "chash-tenant": "consistent hash on x-tenant-id (client-side, vllm-router's rule)"}
@@ -121,6 +154,10 @@ class Stream:
     times: list[float]
     capacity_blocks: int
     about: str
+    unit: int  # tokens per element
+    outputs: list[int]  # generated tokens per request
+    time_scale: float = 1.0  # the clock's stretch (calibrate_load)
+    hbm_kv_bytes: int = 0  # each pod's HBM for KV (calibrate_load; 0: FleetSpec's)
 
     @property
     def tenant_names(self) -> list[str]:
@@ -143,11 +180,12 @@ def design_stream(n: int) -> Stream:
     ws_blocks = DESIGN_TENANTS * DESIGN_TEMPLATES * -(-int(wl.template_elems[0, 0]) // BLOCK_ELEMS)
     capacity = max(1, int(ws_blocks * share))
     names = [f"tenant-{t:04d}" for t in wl.tenant.tolist()]
-    return Stream("design-notes workload", names, tokens, wl.time_s.tolist(), capacity,
+    return Stream("design-notes workload", names, tokens, wl.time_s.tolist(), capacity, about=
                   f"{n} requests, {DESIGN_TENANTS} tenants x {DESIGN_TEMPLATES} system prompts x "
                   f"{spec.template_tokens[0]} tokens + a fresh 50-150-token query (the design notes' mix, scaled "
                   f"down); {spec.token_unit} tokens per element; {capacity} blocks of {BLOCK_ELEMS * spec.token_unit} "
-                  f"tokens per pod ({share:.1%} of the working set, the design notes' DRAM share)")
+                  f"tokens per pod ({share:.1%} of the working set, the design notes' DRAM share)",
+                  unit=spec.token_unit, outputs=wl.output_tokens.tolist())
 
 
 def trace_stream(n: int) -> Stream:
@@ -162,9 +200,10 @@ def trace_stream(n: int) -> Stream:
     capacity = replay.capacity_blocks(TRACE_CAPACITY, trace)
     times = (trace.time_s - trace.time_s[0]).tolist()
     return Stream("Mooncake conversation trace", names, [prompts.tokens(i) for i in range(n)], times, capacity,
-                  f"its first {n} requests, each conversation given to one of {TRACE_TENANTS} tenants by its id; "
+                  about=f"its first {n} requests, each conversation given to one of {TRACE_TENANTS} tenants by its id; "
                   f"{trace.block_tokens // BLOCK_ELEMS} tokens per element; {capacity} blocks of "
-                  f"{trace.block_tokens} tokens per pod ({TRACE_CAPACITY} of the head's distinct blocks)")
+                  f"{trace.block_tokens} tokens per pod ({TRACE_CAPACITY} of the head's distinct blocks)",
+                  unit=trace.block_tokens // BLOCK_ELEMS, outputs=trace.output_length.tolist())
 
 
 def body(tokens: np.ndarray) -> str:
@@ -187,12 +226,14 @@ class Pods:
         self.matched = self.total = 0
         self.requests = [0] * n
 
-    def serve(self, pod: int, tenant: str, tokens: np.ndarray, now_s: float) -> None:
+    def serve(self, pod: int, tenant: str, tokens: np.ndarray, now_s: float) -> int:
+        """The request's matched prompt elements (then stored)."""
         self.clock.now = now_s
         self.requests[pod] += 1
-        self.matched += self.caches[pod].serve(SimpleNamespace(tokens=tokens), self.roots.root(self.index[tenant], 1),
-                                               now_s)
+        matched = self.caches[pod].serve(SimpleNamespace(tokens=tokens), self.roots.root(self.index[tenant], 1), now_s)
+        self.matched += matched
         self.total += len(tokens)
+        return matched
 
     @property
     def hit_rate(self) -> float:
@@ -253,11 +294,77 @@ class Epp:
         return self.pod_of[r["endpoint"]]
 
 
-def replay(stream: Stream, router) -> Pods:
-    pods = Pods(N_PODS, stream.capacity_blocks, stream.tenant_names)
-    for tenant, tokens, now in zip(stream.tenants, stream.tokens, stream.times):
-        pods.serve(router.route(tenant, tokens), tenant, tokens, now)
-    return pods
+class Load:
+    """The pods' load under the routed requests: kvtier.sim.fleet's model (a prefill
+    queue per pod at FleetSpec's rate, less the matched tokens; KV held in HBM from
+    arrival until the last output token), N_PODS replicas of the design notes' host."""
+
+    def __init__(self, hbm_kv_bytes: int = 0) -> None:
+        from kvtier.sim.fleet import Fleet, FleetSpec
+
+        spec = FleetSpec(n_replicas=N_PODS)
+        self.fleet = Fleet(FleetSpec(n_replicas=N_PODS, hbm_kv_bytes=hbm_kv_bytes or spec.hbm_kv_bytes))
+        self.prefill_s = 0.0
+        self.first_token_at: list[list[float]] = [[] for _ in range(N_PODS)]  # heaps, per pod
+        self.seen: list[float] = []  # mean occupancy over the pods, at each arrival
+        self.ttft_s: list[float] = []
+
+    def at(self, now_s: float) -> tuple[list[float], list[int], list[int]]:
+        """Each pod's KV occupancy (capped at 1), waiting and running requests at `now_s`."""
+        import heapq
+
+        fleet = self.fleet
+        fleet.advance(now_s)
+        occupancy = [min(1.0, fleet.occupancy(r)) for r in range(N_PODS)]
+        waiting = []
+        for heap in self.first_token_at:
+            while heap and heap[0] <= now_s:
+                heapq.heappop(heap)
+            waiting.append(len(heap))
+        self.seen.append(sum(occupancy) / N_PODS)
+        return occupancy, waiting, list(fleet.in_flight)
+
+    def serve(self, pod: int, now_s: float, prompt_tokens: int, matched_tokens: int, output_tokens: int) -> None:
+        import heapq
+
+        self.prefill_s += (prompt_tokens - matched_tokens) / self.fleet.spec.prefill_tokens_per_s
+        ttft = self.fleet.serve(pod, now_s, prompt_tokens, matched_tokens, output_tokens)
+        heapq.heappush(self.first_token_at[pod], now_s + ttft)
+        self.ttft_s.append(ttft)
+
+    @property
+    def mean_occupancy(self) -> float:
+        return sum(self.seen) / max(1, len(self.seen))
+
+
+def replay(stream: Stream, router, stubs: list | None = None) -> tuple[Pods, Load]:
+    """The stream through `router`; with `stubs`, each pod's /metrics stub reports the
+    load model's state before each request is routed."""
+    pods, load = Pods(N_PODS, stream.capacity_blocks, stream.tenant_names), Load(stream.hbm_kv_bytes)
+    for tenant, tokens, t, out in zip(stream.tenants, stream.tokens, stream.times, stream.outputs):
+        now = t * stream.time_scale
+        occupancy, waiting, running = load.at(now)
+        if stubs is not None:
+            for stub, o, w, r in zip(stubs, occupancy, waiting, running):
+                stub.kv_usage, stub.waiting, stub.running = o, w, r
+        pod = router.route(tenant, tokens)
+        matched = pods.serve(pod, tenant, tokens, now)
+        load.serve(pod, now, len(tokens) * stream.unit, matched * stream.unit, out)
+    return pods, load
+
+
+def calibrate_load(stream: Stream) -> None:
+    """Stretch the stream's clock so that round robin keeps the pods' prefill busy
+    LOAD_TARGET of the stream's span, then size their HBM so that its mean KV occupancy
+    at arrivals is LOAD_TARGET: the same offered load for every router."""
+    from kvtier.sim.fleet import FleetSpec
+
+    stream.time_scale, stream.hbm_kv_bytes = 1.0, 0
+    _pods, load = replay(stream, RoundRobin(N_PODS))
+    span = max(stream.times) - min(stream.times)
+    stream.time_scale = load.prefill_s / (N_PODS * span * LOAD_TARGET)
+    _pods, load = replay(stream, RoundRobin(N_PODS))
+    stream.hbm_kv_bytes = int(FleetSpec().hbm_kv_bytes * load.mean_occupancy / LOAD_TARGET)
 
 
 def _metrics(picker) -> str:
@@ -328,11 +435,14 @@ def run(quick: bool = False) -> list[Result]:
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-routing-"))
     table = work / "table.json"
     table.write_text(plan.table.to_json())
-    configs = {"kvtier": epp.picker_config(table), "prefix": PREFIX_CONFIG, "random": RANDOM_CONFIG}
-    hits: dict[str, dict[str, Pods]] = {s.name: {} for s in streams}
+    for s in streams:
+        calibrate_load(s)
+    configs = {"kvtier": epp.picker_config(table), "prefix": PREFIX_CONFIG, "default": DEFAULT_CONFIG,
+               "random": RANDOM_CONFIG}
+    hits: dict[str, dict[str, tuple[Pods, Load]]] = {s.name: {} for s in streams}
     runs: dict[str, EppRun] = {}
     port = free_port()
-    stubs = [epp.EngineMetrics(ip, port, kv_usage=KV_OCCUPANCY) for ip in ips]
+    stubs = [epp.EngineMetrics(ip, port) for ip in ips]
     try:
         with ControlPlane(controller_manager=False) as cp:
             kubectl = Kubectl(cp.kubeconfig, namespace="default")
@@ -349,7 +459,7 @@ def run(quick: bool = False) -> list[Result]:
                     router = Epp(picker, ips)
                     before = _histogram(_metrics(picker), SCHED)
                     for s in streams:
-                        hits[s.name][label] = replay(s, router)
+                        hits[s.name][label] = replay(s, router, stubs)
                     runs[label] = EppRun(router.rtt_s, histogram_p50(before, _histogram(_metrics(picker), SCHED)))
     finally:
         for stub in stubs:
@@ -357,15 +467,20 @@ def run(quick: bool = False) -> list[Result]:
         shutil.rmtree(work, ignore_errors=True)  # an EPP's failure raised with its log's tail
     for s in streams:
         hits[s.name]["round-robin"] = replay(s, RoundRobin(N_PODS))
-        hits[s.name]["chash-tenant"] = replay(s, ConsistentHash([f"{ip}:{port}" for ip in ips]))
+        # the ring keyed on the workers' URLs, as vllm-router keys it (a fixed port: the same ring every run)
+        hits[s.name]["chash-tenant"] = replay(s, ConsistentHash([f"http://{ip}:{epp.TARGET_PORT}" for ip in ips]))
     return _results(streams, hits, runs)
 
 
-def _results(streams: list[Stream], hits: dict[str, dict[str, Pods]], runs: dict[str, EppRun]) -> list[Result]:
+def _results(streams: list[Stream], hits: dict[str, dict[str, tuple[Pods, Load]]],
+             runs: dict[str, EppRun]) -> list[Result]:
     results = []
     for s in streams:
-        h = {k: v.hit_rate for k, v in hits[s.name].items()}
-        load = ", ".join(f"{k} {v.imbalance:.2f}" for k, v in hits[s.name].items())
+        h = {k: pods.hit_rate for k, (pods, _load) in hits[s.name].items()}
+        spread = ", ".join(f"{k} {pods.imbalance:.2f}" for k, (pods, _load) in hits[s.name].items())
+        busy = ", ".join(f"{k} {load.mean_occupancy:.2f}" for k, (_pods, load) in hits[s.name].items())
+        ttft = ", ".join(f"{k} {percentile(load.ttft_s, 0.5) * 1e3:.0f}/{percentile(load.ttft_s, 0.99) * 1e3:.0f} ms"
+                         for k, (_pods, load) in hits[s.name].items())
         others = {k: v for k, v in h.items() if k != "kvtier"}
         best = max(others, key=others.get)
         table = ", ".join(f"{LABELS[k]} {v:.3f}" for k, v in h.items())
@@ -375,7 +490,11 @@ def _results(streams: list[Stream], hits: dict[str, dict[str, Pods]], runs: dict
             baseline_name=f"best other: {LABELS[best]}",
             note=f"{s.about}; all routers: {table}. Each pod is kvtier's LocalCache (metadata-only), "
                  "not a sidecar; every EPP row's decisions are the real EPP's, one ext_proc exchange per request. "
-                 f"Max/mean requests per pod: {load} (no router sees load: the stubs' occupancy is constant)"))
+                 f"Load (kvtier.sim.fleet's model): the clock stretched x{s.time_scale:.3g} and each pod's HBM "
+                 f"{s.hbm_kv_bytes / 2**30:.1f} GiB, so that round robin keeps prefill {LOAD_TARGET:.0%} busy at "
+                 f"{LOAD_TARGET} mean KV occupancy; each pod's stub reports the model's occupancy and queue before "
+                 f"every request. Mean occupancy at arrivals: {busy}. Max/mean requests per pod: {spread}. "
+                 f"Modelled TTFT p50/p99: {ttft}"))
         rr = max(("round-robin", "random"), key=h.get)
         results.append(Result(
             name=f"fleet token hit rate, {s.name}, {N_PODS} pods: kvtier vs round robin",

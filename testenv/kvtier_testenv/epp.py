@@ -150,10 +150,12 @@ def serving_pod(kubectl: Kubectl, name: str, ip: str, labels: dict[str, str], ta
 class EngineMetrics:
     """vLLM's /metrics as the EPP scrapes it (vllm:kv_cache_usage_perc, and the queue
     gauges), served on `ip:port` (a pod's IP and the pool's targetPort), with the KV
-    occupancy in [0, 1] that `kv_usage` holds."""
+    occupancy in [0, 1] that `kv_usage` holds and the queue lengths `waiting` and
+    `running` hold."""
 
     def __init__(self, ip: str, port: int, kv_usage: float = 0.0) -> None:
         self.kv_usage = kv_usage
+        self.waiting = self.running = 0  # vLLM's queue gauges (the EPP's queue scorer reads waiting)
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -164,8 +166,8 @@ class EngineMetrics:
                     self.send_error(404)
                     return
                 # typed: the EPP reads a gauge's value (an untyped sample reads as 0)
-                gauges = (("num_requests_waiting", 'model_name="m"', 0),
-                          ("num_requests_running", 'model_name="m"', 0),
+                gauges = (("num_requests_waiting", 'model_name="m"', stub.waiting),
+                          ("num_requests_running", 'model_name="m"', stub.running),
                           ("kv_cache_usage_perc", 'model_name="m"', stub.kv_usage),
                           ("lora_requests_info", 'max_lora="0",running_lora_adapters="",waiting_lora_adapters=""', 1),
                           ("cache_config_info", 'block_size="16",num_gpu_blocks="1024"', 1))
