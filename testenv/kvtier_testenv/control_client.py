@@ -15,6 +15,22 @@ from kvtier import control_tls
 TIMEOUT_S = 5.0
 
 
+def _no_delay(sock: socket.socket) -> socket.socket:
+    """TCP_NODELAY, as aiohttp's client (the operator's) sets it: http.client writes a
+    request's headers and its body apart, and with Nagle on the body waits for the
+    server's delayed ACK, ~40 ms per request with a body."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+class NoDelayHTTPConnection(http.client.HTTPConnection):
+    """Plain HTTP with TCP_NODELAY (see `_no_delay`): for any request with a body."""
+
+    def connect(self) -> None:
+        super().connect()
+        _no_delay(self.sock)
+
+
 class _NamedHTTPSConnection(http.client.HTTPSConnection):
     """HTTPS to (host, port) whose certificate must name `server_name`."""
 
@@ -24,7 +40,7 @@ class _NamedHTTPSConnection(http.client.HTTPSConnection):
         self.server_name = server_name
 
     def connect(self) -> None:
-        sock = socket.create_connection((self.host, self.port), self.timeout, self.source_address)
+        sock = _no_delay(socket.create_connection((self.host, self.port), self.timeout, self.source_address))
         self.sock = self._context.wrap_socket(sock, server_hostname=self.server_name)
 
 
@@ -42,7 +58,7 @@ class ControlEndpoint:
                    source_address: tuple[str, int] | None = None) -> http.client.HTTPConnection:
         """A connection (not yet connected) to the port, verifying as the operator does."""
         if self.ca_pem is None:
-            return http.client.HTTPConnection(self.host, self.port, timeout=timeout_s, source_address=source_address)
+            return NoDelayHTTPConnection(self.host, self.port, timeout=timeout_s, source_address=source_address)
         return _NamedHTTPSConnection(self.host, self.port, self.server_name, control_tls.client_context(self.ca_pem),
                                      timeout_s, source_address)
 

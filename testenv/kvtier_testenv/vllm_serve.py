@@ -27,6 +27,7 @@ from pathlib import Path
 from kvtier import control_api
 
 from . import processes
+from .control_client import NoDelayHTTPConnection
 from .fleet import SidecarHandle, fleet_tls
 from .polling import wait_for
 from .vllm_engine import KV_CACHE_SPACE_GIB, START_TIMEOUT_S, VLLM_BLOCK_SIZE, sidecar_model, vllm_env, vllm_python
@@ -89,7 +90,7 @@ class VllmServer:
             return False
 
     def _post(self, body: dict) -> http.client.HTTPResponse:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT_S)
+        conn = NoDelayHTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT_S)
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
