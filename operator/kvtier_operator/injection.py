@@ -12,7 +12,8 @@ Added to the pod:
                                     kubelet starts it before the engine and stops it after
     volumes     + kvtier-config    (the policy's sidecar ConfigMap)
                 + kvtier-shm       (memory-backed emptyDir: the DRAM arena, mapped by the
-                                    engine, so a local hit is a copy with no socket)
+                                    engine, so a local hit is a copy with no socket; sized
+                                    arena + headroom + the engine's own /dev/shm use)
                 + kvtier-run       (emptyDir: the engine socket)
                 + kvtier-nvme      (hostPath spec.tiers.nvme.path, unless nvme mode is off)
                 + kvtier-peer-secret (the policy's Secret <policy>-kvtier-peer, when the peer
@@ -68,6 +69,12 @@ from kvtier_operator.options import OperatorOptions
 
 # Memory-backed volume headroom over the arena: the allocator's and Python's own pages.
 SHM_HEADROOM_BYTES = 64 << 20
+# The volume is every container's /dev/shm, so it also holds what the engine puts there
+# itself: vLLM's shared-memory broadcast ring (160 MiB for one worker; it refuses to start
+# with less free), NCCL's intra-node buffers under tensor parallelism, torch's shared
+# tensors. vLLM's Kubernetes guides give /dev/shm a few GiB. A sizeLimit reserves nothing:
+# only pages written count against the pod's memory.
+ENGINE_SHM_BYTES = 4 << 30
 # Kubernetes' terminationGracePeriodSeconds when a pod names none.
 KUBERNETES_DEFAULT_GRACE_S = 30
 # After its drain the sidecar flushes and deregisters from the global index and unlinks
@@ -224,7 +231,8 @@ def _volumes(policy_name: str, spec: policy.KVCachePolicySpec, image: SidecarIma
     tls = [{"name": names.CONTROL_TLS_VOLUME, "secret": {"secretName": names.control_tls_secret(policy_name)}}]
     return tls * image.options.sidecar_tls + [
         {"name": names.CONFIG_VOLUME, "configMap": {"name": names.sidecar_config_map(policy_name)}},
-        {"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(arena_bytes + SHM_HEADROOM_BYTES)}},
+        {"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory",
+                                                "sizeLimit": str(arena_bytes + SHM_HEADROOM_BYTES + ENGINE_SHM_BYTES)}},
         {"name": names.RUN_VOLUME, "emptyDir": {}},
     ] + ([{"name": names.PEER_SECRET_VOLUME, "secret": {"secretName": names.peer_secret(policy_name)}}]
          if spec.tiers.peer.enabled else []) + ([{"name": names.NVME_VOLUME, "hostPath": {"path": spec.tiers.nvme.path, "type": "DirectoryOrCreate"}}]

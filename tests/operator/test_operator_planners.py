@@ -41,7 +41,10 @@ def test_injection_adds_sidecar_volumes_env_and_mounts(spec):
     volumes = {v["name"]: v for v in patch["spec"]["volumes"]}
     assert volumes[names.CONFIG_VOLUME]["configMap"]["name"] == "chat-kvtier-sidecar"
     assert volumes[names.SHM_VOLUME]["emptyDir"] == {
-        "medium": "Memory", "sizeLimit": str(500 * 2**30 + injection.SHM_HEADROOM_BYTES)}
+        "medium": "Memory", "sizeLimit": str(500 * 2**30 + injection.SHM_HEADROOM_BYTES + injection.ENGINE_SHM_BYTES)}
+    # The volume is the engine's /dev/shm too: vLLM will not start with less than its
+    # broadcast ring (160 MiB) free beside a full arena (tests/nodes runs one).
+    assert injection.ENGINE_SHM_BYTES >= 160 << 20
     engine_mounts = {m["mountPath"] for m in containers["engine"]["volumeMounts"]}
     assert engine_mounts == {names.SHM_MOUNT_PATH, names.RUN_MOUNT_PATH}
     assert patch["metadata"]["annotations"] == {names.INJECTED_ANNOTATION: "chat"}
