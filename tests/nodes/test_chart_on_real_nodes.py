@@ -7,7 +7,9 @@ restartPolicy Always, started before the engine): the engine container (the proj
 acting as an engine through the sidecar's client) reaches the sidecar over the shared
 socket volume and maps its arena in the shared memory emptyDir. Two serving pods kept
 apart by anti-affinity run on the two nodes, and one hits KV the other stored, fetched
-over the peer path between the nodes.
+over the peer path between the nodes. A scale-up's new pod, on the other node, is warmed
+by the operator with its moved tenants' prefixes before the new affinity epoch. vLLM's
+OpenAI server (CPU build) runs as an engine container and loads KV from its sidecar.
 
 Last in the module: the network rule held (its counters are 0) and nothing of the
 cluster's ranges left the machine."""
@@ -16,6 +18,8 @@ from __future__ import annotations
 import base64
 import ipaddress
 import json
+import os
+import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -25,10 +29,14 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier_testenv.kubectl import Helm, Kubectl, KubectlError
+from kvtier import control_api, control_tls
+from kvtier.affinity import AffinityTable
 from kvtier.policy import KVCachePolicySpec, kv_block_bytes
 from kvtier_operator import names
+from kvtier_testenv.control_client import ControlEndpoint
+from kvtier_testenv.kubectl import Helm, Kubectl, KubectlError
 from kvtier_testenv.nodes import (
     CLUSTER_DOMAIN, DNS_IP, ENGINE_REPOSITORY, NODE_IP, POD_CIDR, NodeCluster, dns_a, node_pod_cidr,
 )
@@ -46,7 +54,8 @@ POD_READY_TIMEOUT_S = 240.0
 ENGINE_OK = "ENGINE-OK"
 ENGINE_STATS = "ENGINE-STATS"
 # The serving namespaces (one per test) and their pods' ServiceAccount.
-SERVING_NAMESPACES = ("serving-inject", "serving-faults", "serving-peers", "serving-engine", "serving-noimage")
+SERVING_NAMESPACES = ("serving-inject", "serving-faults", "serving-peers", "serving-engine", "serving-noimage",
+                      "serving-scale", "serving-vllm")
 SERVING_SA = "engine"
 
 # The engine container: the project's image running a stand-in engine that does what a
@@ -414,6 +423,23 @@ def control_ca_cert(kubectl: Kubectl, path: Path) -> Path:
     return path
 
 
+def redis_service(kubectl: Kubectl, ns: str, redis: RedisServer) -> str:
+    """The host's `redis` as users name a Redis: a Service in `ns` (selectorless, its
+    EndpointSlice the host's server on node 0's bridge address) that the cluster DNS
+    resolves and kube-proxy's rules reach. Returns its redis:// URL."""
+    kubectl.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "redis", "namespace": ns},
+                   "spec": {"ports": [{"name": "redis", "port": 6379, "targetPort": redis.port}]}})
+    kubectl.apply({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                   "metadata": {"name": "redis-host", "namespace": ns,
+                                "labels": {"kubernetes.io/service-name": "redis"}},
+                   "addressType": "IPv4", "endpoints": [{"addresses": [NODE_IP]}],
+                   "ports": [{"name": "redis", "port": redis.port, "protocol": "TCP"}]})
+    service = f"redis.{ns}.svc.{CLUSTER_DOMAIN}"
+    cluster_ip = kubectl.get_json("-n", ns, "service", "redis")["spec"]["clusterIP"]
+    assert wait_for(f"the cluster DNS resolving {service}", lambda: dns_a(service, DNS_IP), 30, 0.5) == cluster_ip
+    return f"redis://{service}:6379/0"
+
+
 def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_cluster, chart, tmp_path):
     """Two serving pods of one StatefulSet, kept apart by required anti-affinity, land on
     the cluster's two nodes (kubelets of their own, containerds of their own, addresses
@@ -432,18 +458,7 @@ def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_clust
     redis = RedisServer(host=NODE_IP).start()
     try:
         restricted_namespace(kubectl, ns)
-        # Redis as a Service: a selectorless one whose EndpointSlice is the host's server.
-        kubectl.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "redis", "namespace": ns},
-                       "spec": {"ports": [{"name": "redis", "port": 6379, "targetPort": redis.port}]}})
-        kubectl.apply({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                       "metadata": {"name": "redis-host", "namespace": ns,
-                                    "labels": {"kubernetes.io/service-name": "redis"}},
-                       "addressType": "IPv4", "endpoints": [{"addresses": [NODE_IP]}],
-                       "ports": [{"name": "redis", "port": redis.port, "protocol": "TCP"}]})
-        service = f"redis.{ns}.svc.{CLUSTER_DOMAIN}"
-        cluster_ip = kubectl.get_json("-n", ns, "service", "redis")["spec"]["clusterIP"]
-        assert wait_for(f"the cluster DNS resolving {service}", lambda: dns_a(service, DNS_IP), 30, 0.5) == cluster_ip
-        policy = apply_policy(kubectl, ns, "peers", redis={"url": f"redis://{service}:6379/0"})
+        policy = apply_policy(kubectl, ns, "peers", redis={"url": redis_service(kubectl, ns, redis)})
         sts = engine_statefulset(ns, "peers", image, CHECKED_ENGINE_SCRIPT, policy)
         [engine] = sts["spec"]["template"]["spec"]["containers"]
         engine["env"] = [{"name": "KVTIER_TEST_READER", "value": "peers-1"}]
@@ -518,6 +533,29 @@ def post_json(url: str, body: Any) -> tuple[int, dict[str, Any]]:
         return e.code, json.loads(e.read() or b"{}")
 
 
+FRONT_PORT = 8000
+
+
+def front_statefulset(node_cluster: NodeCluster, ns: str, app: str, policy: dict[str, Any]) -> dict[str, Any]:
+    """A StatefulSet of the reference engine's image (its OpenAI-compatible front as the
+    entrypoint), Ready once the front answers /health."""
+    [engine_image] = [ref for ref in node_cluster.images() if ref.startswith(ENGINE_REPOSITORY + ":")]
+    spec = KVCachePolicySpec.model_validate(policy["spec"])
+    sts = engine_statefulset(ns, app, engine_image, "", policy)
+    [container] = sts["spec"]["template"]["spec"]["containers"]
+    del container["command"]  # the image's entrypoint: the engine front
+    container.update({
+        "args": ["--port", str(FRONT_PORT), "--block-bytes", str(kv_block_bytes(spec))],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "ports": [{"name": "http", "containerPort": FRONT_PORT}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": FRONT_PORT}, "periodSeconds": 1}})
+    return sts
+
+
+def completions_url(pod: dict[str, Any]) -> str:
+    return f"http://{pod['status']['podIP']}:{FRONT_PORT}/v1/completions"
+
+
 def test_the_reference_engine_image_serves_completions_from_its_pods_sidecar(node_cluster, chart):
     """The Dockerfile's test-only `reference-engine` target, a container image of the
     reference engine's OpenAI-compatible front, runs as a restricted pod's engine next to
@@ -526,22 +564,12 @@ def test_the_reference_engine_image_serves_completions_from_its_pods_sidecar(nod
     whole blocks as cached tokens), every hit checked by the engine against a recompute
     (a mismatch would be a 500); a malformed request is a 400 and the engine serves on."""
     kubectl = chart["kubectl"]
-    [engine_image] = [ref for ref in node_cluster.images() if ref.startswith(ENGINE_REPOSITORY + ":")]
     ns = SERVING_NAMESPACES[3]
     policy = restricted_namespace_with_policy(kubectl, ns, "front")
     spec = KVCachePolicySpec.model_validate(policy["spec"])
-    port = 8000
-    sts = engine_statefulset(ns, "front", engine_image, "", policy)
-    [container] = sts["spec"]["template"]["spec"]["containers"]
-    del container["command"]  # the image's entrypoint: the engine front
-    container.update({
-        "args": ["--port", str(port), "--block-bytes", str(kv_block_bytes(spec))],
-        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-        "ports": [{"name": "http", "containerPort": port}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 1}})
-    kubectl.apply(sts)
+    kubectl.apply(front_statefulset(node_cluster, ns, "front", policy))
     [pod] = wait_pods_ready(kubectl, ns, "app=front", 1, node_cluster)
-    url = f"http://{pod['status']['podIP']}:{port}/v1/completions"
+    url = completions_url(pod)
     prompt = list(range(1_000, 1_000 + 6 * spec.block_size + 5))
     body = {"model": spec.model.id, "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-a"}
 
@@ -562,6 +590,244 @@ def test_the_reference_engine_image_serves_completions_from_its_pods_sidecar(nod
     assert status == 400 and "prompt" in answer["error"]["message"], (status, answer)
     status, answer = post_json(url, body)
     assert status == 200 and answer["usage"]["cached_tokens"] == hit["usage"]["cached_tokens"], (status, answer)
+
+
+def test_a_scale_up_warms_the_moved_tenants_on_the_new_pod_before_the_epoch(node_cluster, chart, tmp_path):
+    """The scale-up the demo shows, on real nodes: a StatefulSet of reference-engine pods
+    serves six tenants (each its own cache_salt) from one pod; `kubectl scale` adds a
+    second, which required anti-affinity puts on the other node. The operator (the
+    chart's pod) sees it Ready, plans the new epoch (every tenant gains the new pod as a
+    home), has the new pod's sidecar pull each tenant's hottest prefixes from the old
+    pod's over the encrypted peer path between the nodes, and only then publishes the
+    epoch (ConfigMap, Redis) with an EpochChanged event. The new pod never served a
+    request before the epoch, yet the first completion of every tenant there is served
+    from its sidecar: whole blocks cached, each hit checked by the engine against a
+    recompute (a mismatch would be a 500)."""
+    kubectl = chart["kubectl"]
+    ns = SERVING_NAMESPACES[5]
+    redis = RedisServer(host=NODE_IP).start()
+    try:
+        restricted_namespace(kubectl, ns)
+        policy = apply_policy(kubectl, ns, "scale", redis={"url": redis_service(kubectl, ns, redis)})
+        name = policy["metadata"]["name"]
+        spec = KVCachePolicySpec.model_validate(policy["spec"])
+        sts = front_statefulset(node_cluster, ns, "scale", policy)
+        sts["spec"]["template"]["spec"]["affinity"] = {"podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [{
+                "labelSelector": {"matchLabels": {"app": "scale"}}, "topologyKey": "kubernetes.io/hostname"}]}}
+        kubectl.apply(sts)
+        [first] = wait_pods_ready(kubectl, ns, "app=scale", 1, node_cluster)
+        tenants = [f"tenant-{i}" for i in range(6)]
+        prompts = {t: list(range(10_000 * i, 10_000 * i + 4 * spec.block_size + 3)) for i, t in enumerate(tenants)}
+        cached = 4 * spec.block_size
+
+        def complete(pod: dict[str, Any], tenant: str) -> dict[str, Any]:
+            status, answer = post_json(completions_url(pod), {"model": spec.model.id, "prompt": prompts[tenant],
+                                                              "max_tokens": 1, "cache_salt": tenant})
+            assert status == 200, (pod["metadata"]["name"], tenant, status, answer)
+            return answer["usage"]
+
+        def status() -> dict[str, Any]:
+            return kubectl.get_json("-n", ns, "kvcp", name).get("status") or {}
+
+        def until(what: str, cond, timeout_s: float = 180) -> Any:
+            try:
+                return wait_for(what, cond, timeout_s, 0.5)
+            except WaitTimeout as e:
+                raise AssertionError(f"{e}; status {status()}\n{pod_story(kubectl, ns)}\n"
+                                     f"{node_cluster.describe_logs(20)}") from None
+
+        # Each tenant's prompt is prefilled and stored on the first pod, then hit there.
+        for t in tenants:
+            complete(first, t)
+        until("every tenant's prompt hit on the first pod", lambda: all(
+            complete(first, t)["cached_tokens"] == cached for t in tenants))
+        # The operator learns the tenants from the sidecar's stats and publishes one member.
+        one = until("an epoch of one member that knows the six tenants", lambda: (
+            st := status()).get("memberCount") == 1 and st.get("knownTenants", 0) >= len(tenants) and st)
+
+        kubectl.run("-n", ns, "scale", "statefulset/scale", "--replicas=2")
+        pods = {p["metadata"]["name"]: p for p in wait_pods_ready(kubectl, ns, "app=scale", 2, node_cluster)}
+        new = pods["scale-1"]
+        assert new["spec"]["nodeName"] != pods["scale-0"]["spec"]["nodeName"], "anti-affinity: one pod per node"
+        two = until("the operator's epoch with the new member", lambda: (
+            st := status()).get("memberCount") == 2 and st.get("epoch", 0) > one["epoch"] and st)
+        assert two["movedTenants"] >= len(tenants), two
+        table = AffinityTable.from_json(
+            kubectl.get_json("-n", ns, "configmap", names.affinity_config_map(name))["data"][names.AFFINITY_KEY])
+        assert table.epoch == two["epoch"] and set(table.members) == {"scale-0", "scale-1"}, table
+        assert all("scale-1" in table.homes_for(t) for t in tenants), {t: table.homes_for(t) for t in tenants}
+        events = [e for e in kubectl.get_json("-n", ns, "events")["items"] if e["reason"] == "EpochChanged"]
+        assert any(f"epoch {two['epoch']}:" in e["message"] and "joined scale-1" in e["message"] for e in events), \
+            [e["message"] for e in events]
+
+        # The warm-up's bytes are on the new pod's sidecar before any request reached it
+        # (its /metrics, over TLS verified with the operator's control CA).
+        metrics = sidecar_metrics(kubectl, new, control_ca_cert(kubectl, tmp_path / "control-ca.crt"))
+        warmed = metrics("kvtier_warmed_bytes_total")
+        assert warmed >= len(tenants) * cached // spec.block_size * kv_block_bytes(spec), warmed
+        assert metrics("kvtier_lookups_total") == 0, "the new pod served nothing before the epoch"
+
+        # The new pod's first request of every tenant: served from what the warm-up put
+        # there, out of its own DRAM (not fetched from the peer at lookup time).
+        first_hits = {t: complete(new, t)["cached_tokens"] for t in tenants}
+        assert first_hits == {t: cached for t in tenants}, first_hits
+        assert metrics("kvtier_hits_total", tier="dram") == len(tenants), metrics("kvtier_hits_total")
+        assert metrics("kvtier_hits_total", tier="peer") == 0
+        print(json.dumps({"epochs": [one["epoch"], two["epoch"]], "moved": two["movedTenants"],
+                          "warmed_bytes": warmed, "first_request_cached_tokens_on_the_new_pod": first_hits}))
+    finally:
+        redis.stop()
+
+
+# vLLM's start-up in a pod on two busy cores: torch and vLLM imports from the mounted
+# venv, the model load, KV allocation.
+VLLM_READY_TIMEOUT_S = 900.0
+
+
+def test_a_vllm_pod_on_a_real_node_loads_kv_from_its_injected_sidecar(node_cluster, chart, tmp_path):
+    """vLLM's OpenAI server (the CPU build) as the engine container of a StatefulSet pod
+    on a real node, next to the sidecar the webhook injected; the engine's command line
+    names kvtier only as `--kv-transfer-config $(KVTIER_KV_TRANSFER_CONFIG)`, the env the
+    webhook renders from the policy. Its ~6 GB of Python is the set-up's cached vLLM venv
+    (hack/vllm.sh) mounted read-only from the host with the interpreter it was built by
+    and this checkout's kvtier_vllm: hostPath volumes, which PodSecurity allows only in a
+    namespace at `privileged` - a test-only arrangement (a serving image would carry vLLM
+    and `kvtier[vllm]` itself), so this pod does not run under `restricted` as the others
+    do. vLLM's own prefix cache is off: the second completion of a prompt loads its whole
+    blocks from the sidecar (vLLM reports them as cached prompt tokens, the sidecar as DRAM
+    hits), and its tokens equal the first answer's and a recompute under another salt."""
+    from kvtier_testenv.tiny_llama import TinyLlama, write_model
+    from kvtier_testenv.vllm_engine import REPO, vllm_python
+
+    kubectl = chart["kubectl"]
+    ns = SERVING_NAMESPACES[6]
+    python = Path(vllm_python())  # fails loudly when hack/vllm.sh has not built it
+    venv = python.parent.parent
+    interpreter = Path(os.path.realpath(python)).parent.parent  # what the venv's python links to
+    shape = TinyLlama()
+    model = write_model(tmp_path / "model", seed=7)
+    kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {
+        "pod-security.kubernetes.io/enforce": "privileged"}}})
+    kubectl.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": SERVING_SA, "namespace": ns}})
+    weights = "sha256:" + "d7" * 32
+    policy = apply_policy(kubectl, ns, "vllm", blockSize=32, admission={"minSightings": 1},
+                          model={"id": "tiny-llama", "weightsVersion": weights, "kvDtype": "fp32",
+                                 "ropeConfigHash": "rope-tiny", "attnImpl": "cpu-attn",
+                                 "shape": {"layers": shape.layers, "kvHeads": shape.kv_heads,
+                                           "headDim": shape.head_dim, "params": 1e7}})
+    src = "/kvtier-src"
+    mounts = {"venv": (str(venv), str(venv)), "interpreter": (str(interpreter), str(interpreter)),
+              "src": (str(REPO), src), "model": (str(model), "/model")}
+    # vLLM's CPU kernels link libnuma, which the project's base image lacks (a vLLM
+    # serving image installs libnuma1): the host's, with the venv.
+    numa = host_library("libnuma.so.1")
+    engine = {
+        "name": "engine", "image": chart["image"], "imagePullPolicy": "Never",
+        "command": [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", "/model",
+                    "--served-model-name", "tiny", "--host", "$(POD_IP)", "--port", str(FRONT_PORT),
+                    "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+                    "--max-model-len", "4096", "--no-enable-prefix-caching", "--load-format", "safetensors",
+                    "--enable-prompt-tokens-details", "--kv-transfer-config", "$(KVTIER_KV_TRANSFER_CONFIG)"],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "PYTHONPATH", "value": f"{src}:{src}/sidecar:{src}/connector"},
+                {"name": "HOME", "value": "/cache"}, {"name": "VLLM_CACHE_ROOT", "value": "/cache/vllm"},
+                {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}, {"name": "LD_LIBRARY_PATH", "value": "/opt/host-libs"}],
+        # Root with the runtime's default capabilities, as the vllm/vllm-openai image runs:
+        # the mounted venv is root's on the host, and root may open the sidecar's private
+        # arena and socket (a non-root engine runs as the sidecar's user: docs/SECURITY.md).
+        "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False},
+        "ports": [{"name": "http", "containerPort": FRONT_PORT}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": FRONT_PORT}, "periodSeconds": 2},
+        "resources": {"requests": {"cpu": "100m", "memory": "1Gi"}, "limits": {"memory": "8Gi"}},
+        "volumeMounts": [{"name": k, "mountPath": inside, "readOnly": True} for k, (_, inside) in mounts.items()]
+                        + [{"name": "cache", "mountPath": "/cache"},
+                           {"name": "numa", "mountPath": "/opt/host-libs/libnuma.so.1", "readOnly": True}],
+    }
+    kubectl.apply({
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "vllm", "namespace": ns},
+        "spec": {"serviceName": "vllm", "replicas": 1, "selector": {"matchLabels": {"app": "vllm"}},
+                 "template": {
+                     "metadata": {"labels": {"app": "vllm"},
+                                  "annotations": {"kvtier.io/weights-version": weights}},
+                     "spec": {"serviceAccountName": SERVING_SA, "terminationGracePeriodSeconds": 5,
+                              # the host's memory: node 1 keeps a small allocatable
+                              "nodeSelector": {"kubernetes.io/hostname": node_cluster.node_names[0]},
+                              "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                              "containers": [engine],
+                              "volumes": [{"name": k, "hostPath": {"path": host, "type": "Directory"}}
+                                          for k, (host, _) in mounts.items()]
+                                         + [{"name": "cache", "emptyDir": {}},
+                                            {"name": "numa", "hostPath": {"path": numa, "type": "File"}}]}}}})
+    def ready() -> list[dict[str, Any]] | None:
+        pods = kubectl.get_json("-n", ns, "pods", "-l", "app=vllm")["items"]
+        for p in pods:  # a crash loop is a failure now, not after the start-up deadline
+            restarts = [c["restartCount"] for c in p["status"].get("containerStatuses", []) if c["name"] == "engine"]
+            assert not restarts or restarts[0] < 2, f"the vLLM container crash-loops\n{pod_story(kubectl, ns)}"
+        return [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
+                                       for c in p["status"].get("conditions", []))] or None
+    try:
+        [pod] = wait_for("the vLLM pod Ready", ready, VLLM_READY_TIMEOUT_S, 1.0)
+    except WaitTimeout as e:
+        raise AssertionError(f"{e}\n{pod_story(kubectl, ns)}\n{node_cluster.describe_logs(20)}") from None
+    containers = pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
+    assert names.SIDECAR_CONTAINER in [c["name"] for c in containers], [c["name"] for c in containers]
+    url = completions_url(pod)
+    prompt = [(13 * i + 5) % shape.vocab for i in range(3 * 32 + 9)]
+
+    def complete(salt: str) -> tuple[list[int], int]:
+        status, answer = post_json(url, {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
+                                         "cache_salt": salt, "return_token_ids": True})
+        assert status == 200, (status, answer)
+        details = answer["usage"].get("prompt_tokens_details") or {}
+        return answer["choices"][0]["token_ids"], int(details.get("cached_tokens") or 0)
+
+    first, cached_first = complete("tenant-a")
+    assert cached_first == 0, cached_first
+    metrics = sidecar_metrics(kubectl, pod, control_ca_cert(kubectl, tmp_path / "control-ca.crt"))
+    # vLLM saves a request's blocks to the sidecar once it finishes: poll for the store.
+    try:
+        wait_for("the first request's blocks stored in the sidecar", lambda: metrics(
+            "kvtier_stores_total", outcome="accepted") >= 1, 60, 0.5)
+    except WaitTimeout as e:
+        raise AssertionError(f"{e}; {pod_story(kubectl, ns)}") from None
+    second, cached_second = complete("tenant-a")
+    recomputed, cached_other = complete("another-tenant")
+    assert cached_second == len(prompt) // 32 * 32, cached_second
+    assert cached_other == 0, "another salt is another key: a miss"
+    assert second == first == recomputed, (first, second, recomputed)
+    assert metrics("kvtier_hits_total", tier="dram") >= 1, metrics("kvtier_hits_total")
+    print(json.dumps({"cached_tokens": [cached_first, cached_second, cached_other], "tokens": first}))
+
+
+def host_library(soname: str) -> str:
+    """The host's file of shared library `soname` (ldconfig's cache), links resolved."""
+    out = subprocess.run(["ldconfig", "-p"], check=True, capture_output=True, text=True).stdout
+    paths = [line.split("=>", 1)[1].strip() for line in out.splitlines()
+             if line.strip().startswith(soname + " ") and "=>" in line]
+    assert paths, f"{soname} is not installed on this host (ldconfig -p)"
+    return os.path.realpath(paths[0])
+
+
+def sidecar_metrics(kubectl: Kubectl, pod: dict[str, Any], ca: Path):
+    """metric(name, **labels) -> the sum of `name`'s samples with those labels, read from
+    the pod's sidecar's /metrics as a scrape job reads it (TLS, the control CA, the
+    scrape server name; no token)."""
+    containers = pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
+    [sidecar] = [c for c in containers if c["name"] == names.SIDECAR_CONTAINER]
+    [port] = [p["containerPort"] for p in sidecar["ports"] if p["name"] == "kvtier-http"]
+    endpoint = ControlEndpoint(pod["status"]["podIP"], port, control_tls.SCRAPE_SERVER_NAME, ca.read_bytes())
+
+    def metric(name: str, **labels: str) -> float:
+        status, body = endpoint.get(control_api.METRICS.path)
+        assert status == 200, (status, body[:300])
+        total = 0.0
+        for family in text_string_to_metric_families(body.decode()):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+        return total
+    return metric
 
 
 def memory_bytes(quantity: str) -> int:
