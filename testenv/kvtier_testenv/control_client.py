@@ -31,6 +31,17 @@ class NoDelayHTTPConnection(http.client.HTTPConnection):
         _no_delay(self.sock)
 
 
+def post_json(host: str, port: int, path: str, body: dict, timeout_s: float) -> tuple[int, bytes]:
+    """One JSON POST over plain HTTP with TCP_NODELAY: (status, body)."""
+    conn = NoDelayHTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
 class _NamedHTTPSConnection(http.client.HTTPSConnection):
     """HTTPS to (host, port) whose certificate must name `server_name`."""
 

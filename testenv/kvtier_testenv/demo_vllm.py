@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from kvtier import control_api, names
 from kvtier.policy import API_VERSION
-from kvtier_testenv.control_client import NoDelayHTTPConnection
+from kvtier_testenv.control_client import post_json
 from kvtier_testenv.demo_cluster import (
     APP_LABEL,
     NAMESPACE,
@@ -108,15 +108,10 @@ class VllmClusterDemo(ClusterDemo):
 def _complete(ip: str, prompt: list[int], salt: str) -> tuple[list[int], int]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "cache_salt": salt,
             "return_token_ids": True}
-    conn = NoDelayHTTPConnection(ip, ENGINE_PORT, timeout=REQUEST_TIMEOUT_S)
-    try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        if r.status != 200:  # an OSError, as urlopen's HTTPError was: the callers count it as a failure
-            raise OSError(f"http://{ip}:{ENGINE_PORT}/v1/completions answered {r.status}: {r.read()[:300]!r}")
-        out = json.loads(r.read())
-    finally:
-        conn.close()
+    status, raw = post_json(ip, ENGINE_PORT, "/v1/completions", body, REQUEST_TIMEOUT_S)
+    if status != 200:  # an OSError, as urlopen's HTTPError was: the callers count it as a failure
+        raise OSError(f"http://{ip}:{ENGINE_PORT}/v1/completions answered {status}: {raw[:300]!r}")
+    out = json.loads(raw)
     details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
     return out["choices"][0]["token_ids"], int(details.get("cached_tokens") or 0)
 

@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .control_client import NoDelayHTTPConnection
+from .control_client import post_json
 from .polling import wait_for
 from .processes import stop
 
@@ -93,16 +93,11 @@ class LlmdIndex:
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"llmd-index exited {self.proc.returncode}: {self.log()[-2000:]}")
         host, port = self.url.removeprefix("http://").rsplit(":", 1)
-        conn = NoDelayHTTPConnection(host, int(port), timeout=10)
-        try:
-            conn.request("POST", "/score", json.dumps({"model": model, "tokens": tokens, "cache_salt": cache_salt}),
-                         {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise RuntimeError(f"llmd-index /score answered {resp.status}: {resp.read()[:500]!r}")
-            return json.loads(resp.read())
-        finally:
-            conn.close()
+        status, raw = post_json(host, int(port), "/score",
+                                {"model": model, "tokens": tokens, "cache_salt": cache_salt}, 10)
+        if status != 200:
+            raise RuntimeError(f"llmd-index /score answered {status}: {raw[:500]!r}")
+        return json.loads(raw)
 
     def holders(self, model: str, tokens: list[int], cache_salt: str = "") -> list[set[tuple[str, str]]]:
         """For each whole block of `tokens` (salted with `cache_salt`, as llm-d keys

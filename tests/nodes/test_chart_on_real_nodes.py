@@ -157,15 +157,20 @@ def pod_story(kubectl: Kubectl, namespace: str) -> str:
     return story
 
 
-def wait_pods_ready(kubectl: Kubectl, namespace: str, selector: str, count: int,
-                    cluster: NodeCluster) -> list[dict[str, Any]]:
+def wait_pods_ready(kubectl: Kubectl, namespace: str, selector: str, count: int, cluster: NodeCluster,
+                    timeout_s: float = POD_READY_TIMEOUT_S, crash_loop: str | None = None) -> list[dict[str, Any]]:
+    """`count` pods of `selector` Running and Ready. With `crash_loop` (a container
+    name), that container restarting twice fails at once, not at the deadline."""
     def ready() -> list[dict[str, Any]] | None:
         pods = kubectl.get_json("-n", namespace, "pods", "-l", selector)["items"]
+        for p in pods if crash_loop else ():
+            restarts = [c["restartCount"] for c in p["status"].get("containerStatuses", []) if c["name"] == crash_loop]
+            assert not restarts or restarts[0] < 2, f"{crash_loop} crash-loops\n{pod_story(kubectl, namespace)}"
         ok = [p for p in pods if p["status"].get("phase") == "Running" and any(
             c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
         return ok if len(ok) >= count else None
     try:
-        return wait_for(f"{count} pod(s) {selector} Ready in {namespace}", ready, POD_READY_TIMEOUT_S, 0.5)
+        return wait_for(f"{count} pod(s) {selector} Ready in {namespace}", ready, timeout_s, 0.5)
     except WaitTimeout as e:
         raise AssertionError(f"{e}\n{pod_story(kubectl, namespace)}\n{cluster.describe_logs(20)}") from None
 
@@ -759,17 +764,8 @@ def test_a_vllm_pod_on_a_real_node_loads_kv_from_its_injected_sidecar(node_clust
                                           for k, (host, _) in mounts.items()]
                                          + [{"name": "cache", "emptyDir": {}},
                                             {"name": "numa", "hostPath": {"path": numa, "type": "File"}}]}}}})
-    def ready() -> list[dict[str, Any]] | None:
-        pods = kubectl.get_json("-n", ns, "pods", "-l", "app=vllm")["items"]
-        for p in pods:  # a crash loop is a failure now, not after the start-up deadline
-            restarts = [c["restartCount"] for c in p["status"].get("containerStatuses", []) if c["name"] == "engine"]
-            assert not restarts or restarts[0] < 2, f"the vLLM container crash-loops\n{pod_story(kubectl, ns)}"
-        return [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
-                                       for c in p["status"].get("conditions", []))] or None
-    try:
-        [pod] = wait_for("the vLLM pod Ready", ready, VLLM_READY_TIMEOUT_S, 1.0)
-    except WaitTimeout as e:
-        raise AssertionError(f"{e}\n{pod_story(kubectl, ns)}\n{node_cluster.describe_logs(20)}") from None
+    # a crash loop fails now, not at the start-up deadline
+    [pod] = wait_pods_ready(kubectl, ns, "app=vllm", 1, node_cluster, VLLM_READY_TIMEOUT_S, crash_loop="engine")
     containers = pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
     assert names.SIDECAR_CONTAINER in [c["name"] for c in containers], [c["name"] for c in containers]
     url = completions_url(pod)
