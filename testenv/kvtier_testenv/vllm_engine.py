@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -45,11 +46,35 @@ def checkout_pythonpath() -> str:
     return os.pathsep.join(str(REPO / d) if d else str(REPO) for d in ("", "sidecar", "connector"))
 
 
+def vllm_cache_seed() -> Path:
+    """hack/vllm.sh's VLLM_CACHE_ROOT seed: vLLM's model-info cache for the tiny Llama
+    architecture, so an engine start skips inspecting the model class in a subprocess of
+    its own (a third torch import, ~20 s on two cores). vLLM checks each entry's hash of
+    its model file: a stale seed costs that subprocess, never a wrong answer."""
+    seed = Path(vllm_python()).parent.parent / "cache-seed"
+    if not (seed / "modelinfos").is_dir():
+        raise RuntimeError(f"no vLLM cache seed at {seed}; run hack/vllm.sh (scripts/setup.sh does)")
+    return seed
+
+
+def seed_vllm_cache(root: Path) -> Path:
+    """Makes `root` a VLLM_CACHE_ROOT holding the seed's model-info cache; returns it."""
+    dest = Path(root) / "modelinfos"
+    dest.mkdir(parents=True, exist_ok=True)
+    for entry in (vllm_cache_seed() / "modelinfos").iterdir():
+        if not (dest / entry.name).exists():
+            shutil.copyfile(entry, dest / entry.name)
+    return Path(root)
+
+
 def vllm_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
     """The environment for a process run by the vLLM venv's python: `base` (default: this
-    process's), its PYTHONPATH replaced by this checkout's packages, plus `extra`."""
+    process's), its PYTHONPATH replaced by this checkout's packages, plus `extra`. A
+    VLLM_CACHE_ROOT in `extra` is seeded (`seed_vllm_cache`)."""
     env = {**(os.environ if base is None else base), **extra}
     env["PYTHONPATH"] = checkout_pythonpath()
+    if "VLLM_CACHE_ROOT" in extra:
+        seed_vllm_cache(Path(extra["VLLM_CACHE_ROOT"]))
     return env
 
 
