@@ -65,6 +65,17 @@ if [ -n "$(.venv/bin/python -W ignore -c 'import kvtier._compiled as c; print(*c
   .venv/bin/python setup.py -q build_ext --inplace --parallel 2 >/dev/null
 fi
 
+# --- vLLM (CPU build) for the connector's tests, in its own cached venv --------------
+# Started now and awaited at the end: on a fresh machine its ~4 GB of wheels download
+# while the Go builds below keep both cores busy. KVTIER_SKIP_VLLM=1 is for quick dev
+# loops only: the vLLM tests fail without it.
+vllm_pid=
+if [ "${KVTIER_SKIP_VLLM:-0}" != 1 ]; then
+  vllm_log=$(mktemp)
+  bash hack/vllm.sh >"$vllm_log" 2>&1 &
+  vllm_pid=$!
+fi
+
 # --- the Go router package (router/): its modules into Go's own caches, as the ------
 # control plane's build uses them (GOMODCACHE, GOCACHE: Go's defaults), so the tests'
 # `go test` runs offline. A no-op once downloaded.
@@ -100,9 +111,14 @@ if [ "${KVTIER_SKIP_NODES:-0}" != 1 ]; then
   bash hack/coredns.sh >/dev/null
 fi
 
-# --- vLLM (CPU build) for the connector's tests, in its own cached venv --------------
-# KVTIER_SKIP_VLLM=1 is for quick dev loops only: the vLLM tests fail without it.
-if [ "${KVTIER_SKIP_VLLM:-0}" != 1 ]; then
-  bash hack/vllm.sh >/dev/null
+# --- the vLLM venv started above ----------------------------------------------------
+if [ -n "$vllm_pid" ]; then
+  if ! wait "$vllm_pid"; then
+    cat "$vllm_log" >&2
+    log "ERROR: hack/vllm.sh failed (its log is above)"
+    exit 1
+  fi
+  grep -v '^/' "$vllm_log" >&2 || true  # its progress lines; the python path it prints last is not
+  rm -f "$vllm_log"
 fi
 log "ready"
