@@ -203,25 +203,27 @@ def _ready(url: str) -> bool:
 
 
 class _Server:
-    """A child process on a fixed loopback port that can be SIGKILLed and restarted."""
+    """A child process on a fixed port of `host` (loopback unless a test's pods must
+    reach it: then the node's bridge address) that can be SIGKILLed and restarted."""
 
     name = "server"
     ready_path = "/-/ready"
 
-    def __init__(self, workdir: Path | None = None) -> None:
+    def __init__(self, workdir: Path | None = None, host: str = HOST) -> None:
         self.dir = Path(workdir or tempfile.mkdtemp(prefix=f"kvtier-{self.name}-"))
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.host = host
+        self.port = free_port(host)
         self.proc: subprocess.Popen | None = None
         self.log_path = self.dir / f"{self.name}.log"
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def address(self) -> str:
-        return f"{HOST}:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
         raise NotImplementedError
