@@ -277,6 +277,15 @@ def engine_statefulset(ns: str, app: str, image: str, script: str, policy: dict[
     }
 
 
+def one_pod_per_node(sts: dict[str, Any]) -> dict[str, Any]:
+    """Required anti-affinity on the hostname: the StatefulSet's pods land on different nodes."""
+    sts["spec"]["template"]["spec"]["affinity"] = {"podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": {"matchLabels": sts["spec"]["selector"]["matchLabels"]},
+            "topologyKey": "kubernetes.io/hostname"}]}}
+    return sts
+
+
 def test_helm_install_runs_the_operator_pod_whose_webhook_injects_a_restricted_statefulset(node_cluster, chart):
     kubectl, image, operator, started = chart["kubectl"], chart["image"], chart["operator"], chart["started"]
     assert operator["spec"]["nodeName"] in node_cluster.node_names
@@ -476,9 +485,7 @@ def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_clust
         engine["env"] = [{"name": "KVTIER_TEST_READER", "value": "peers-1"}]
         sts["spec"]["replicas"] = 2
         sts["spec"]["podManagementPolicy"] = "Parallel"
-        sts["spec"]["template"]["spec"]["affinity"] = {"podAntiAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": [{
-                "labelSelector": {"matchLabels": {"app": "peers"}}, "topologyKey": "kubernetes.io/hostname"}]}}
+        one_pod_per_node(sts)
         kubectl.apply(sts)
         pods = {p["metadata"]["name"]: p for p in wait_pods_ready(kubectl, ns, "app=peers", 2, node_cluster)}
         writer, reader = pods["peers-0"], pods["peers-1"]
@@ -624,9 +631,7 @@ def test_a_scale_up_warms_the_moved_tenants_on_the_new_pod_before_the_epoch(node
         name = policy["metadata"]["name"]
         spec = KVCachePolicySpec.model_validate(policy["spec"])
         sts = front_statefulset(node_cluster, ns, "scale", policy)
-        sts["spec"]["template"]["spec"]["affinity"] = {"podAntiAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": [{
-                "labelSelector": {"matchLabels": {"app": "scale"}}, "topologyKey": "kubernetes.io/hostname"}]}}
+        one_pod_per_node(sts)
         kubectl.apply(sts)
         [first] = wait_pods_ready(kubectl, ns, "app=scale", 1, node_cluster)
         tenants = [f"tenant-{i}" for i in range(6)]
@@ -789,9 +794,7 @@ def test_a_rollout_on_real_nodes_warms_each_new_pod_and_rolls_a_bad_version_back
         sts = front_statefulset(node_cluster, ns, "roll", policy)
         sts["spec"]["replicas"] = 2
         sts["spec"]["podManagementPolicy"] = "Parallel"
-        sts["spec"]["template"]["spec"]["affinity"] = {"podAntiAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": [{
-                "labelSelector": {"matchLabels": {"app": "roll"}}, "topologyKey": "kubernetes.io/hostname"}]}}
+        one_pod_per_node(sts)
         kubectl.apply(sts)
         wait_pods_ready(kubectl, ns, "app=roll", 2, node_cluster)
 
