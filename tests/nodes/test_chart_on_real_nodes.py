@@ -277,6 +277,11 @@ def engine_statefulset(ns: str, app: str, image: str, script: str, policy: dict[
     }
 
 
+def policy_status(kubectl: Kubectl, ns: str, name: str) -> dict[str, Any]:
+    """The KVCachePolicy's status as the operator last wrote it ({} before it has)."""
+    return kubectl.get_json("-n", ns, "kvcp", name).get("status") or {}
+
+
 def one_pod_per_node(sts: dict[str, Any]) -> dict[str, Any]:
     """Required anti-affinity on the hostname: the StatefulSet's pods land on different nodes."""
     sts["spec"]["template"]["spec"]["affinity"] = {"podAntiAffinity": {
@@ -645,7 +650,7 @@ def test_a_scale_up_warms_the_moved_tenants_on_the_new_pod_before_the_epoch(node
             return answer["usage"]
 
         def status() -> dict[str, Any]:
-            return kubectl.get_json("-n", ns, "kvcp", name).get("status") or {}
+            return policy_status(kubectl, ns, name)
 
         def until(what: str, cond, timeout_s: float = 180) -> Any:
             try:
@@ -799,7 +804,7 @@ def test_a_rollout_on_real_nodes_warms_each_new_pod_and_rolls_a_bad_version_back
         wait_pods_ready(kubectl, ns, "app=roll", 2, node_cluster)
 
         def status() -> dict[str, Any]:
-            return kubectl.get_json("-n", ns, "kvcp", name).get("status") or {}
+            return policy_status(kubectl, ns, name)
 
         def until(what: str, cond, timeout_s: float = 240) -> Any:
             try:
@@ -1067,7 +1072,7 @@ def test_a_sidecar_image_missing_from_the_node_is_named_in_the_policys_status(no
     kubectl.apply(engine_statefulset(ns, "noimage", image, ENGINE_SCRIPT, policy))
 
     def stuck() -> dict[str, Any] | None:
-        status = kubectl.get_json("-n", ns, "kvcp", name).get("status") or {}
+        status = policy_status(kubectl, ns, name)
         cond = next((c for c in status.get("conditions", []) if c["type"] == "SidecarsRunning"), None)
         return cond if cond and cond["status"] == "False" else None
     try:
