@@ -2,11 +2,15 @@
 
 Three modes, from the whole product down to the core library:
 
-- `cluster` (default, `demo_cluster`): an embedded Kubernetes control plane, the
-  operator installed by the Helm chart, a StatefulSet whose pods get the sidecar
-  injected, reference engines replaying traffic through them, a scale-up that moves
-  tenants (warmed before the new affinity epoch is published) and two rollouts.
-  `--engine vllm` (`demo_vllm`) serves real vLLM servers in the pods instead.
+- `cluster` (default): a Kubernetes cluster, the operator installed by the Helm chart,
+  a StatefulSet whose pods get the sidecar injected, reference engines serving traffic
+  through them, a scale-up that moves tenants (warmed before the new affinity epoch is
+  published) and two rollouts. By default on two real nodes (`demo_nodes`: kubelet,
+  containerd, the project's images, the engines in the pods); `--nodes agent`
+  (`demo_cluster`) runs the same story on the test environment's node agent, which
+  starts the operator and sidecars as local processes, with the engines as clients on
+  the host. `--engine vllm` (`demo_vllm`, node agent) serves real vLLM servers in the
+  pods instead.
 - `fleet`: Redis and sidecar processes on loopback with reference engines as clients
   (DRAM and peer tiers, no Kubernetes), then the local replay.
 - `local`: the installed `kvtier demo` (`kvtier_app.demo`), which needs nothing of
@@ -83,11 +87,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
                    help="cluster mode: reference engines replay as clients (default), or the serving pods "
                         "run real vLLM servers with the kvtier connector (needs hack/vllm.sh)")
+    p.add_argument("--nodes", choices=("real", "agent"), default="real",
+                   help="cluster mode: two real nodes, kubelet + containerd running the project's images (default; "
+                        "needs root, hack/nodes.sh and hack/image.sh, which scripts/setup.sh runs), or the test "
+                        "environment's node agent (the pods' processes on the host)")
     p.add_argument("--sidecars", type=local_demo.positive_int, default=3, help="fleet mode: sidecar processes")
     local_demo.add_arguments(p)
     args = p.parse_args(argv)
     if args.engine != "reference" and args.mode != "cluster":
         p.error("--engine vllm runs in --mode cluster only")
+    if args.engine == "vllm":
+        args.nodes = "agent"  # demo_vllm runs its vLLM servers on the node agent
     return MODES[args.mode](args)
 
 

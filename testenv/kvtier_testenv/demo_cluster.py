@@ -1,5 +1,6 @@
-"""The cluster demo (`./scripts/demo.sh`, i.e. `python -m kvtier_testenv.demo --mode cluster`):
-the whole product on an embedded Kubernetes.
+"""The cluster demo's story (`python -m kvtier_testenv.demo --mode cluster --nodes agent`):
+the whole product on an embedded Kubernetes whose pods the node agent runs. `./scripts/demo.sh`
+runs the same story on two real nodes (`demo_nodes.NodesDemo`, a subclass of `ClusterDemo`).
 
     control plane (kube-apiserver + etcd + controller-manager, kvtier_testenv)
       + Redis (the global block index)
@@ -42,6 +43,7 @@ import argparse
 import contextlib
 import json
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -208,6 +210,8 @@ class ClusterDemo:
     # reference-engine clients talk to the sidecars directly; `--engine vllm` runs real
     # vLLM servers).
     engine_containers: tuple[str, ...] = ("engine",)
+    # Where the pods run, as the demo's title says it.
+    where = "node agent (the operator and sidecars as local processes), reference engines as clients"
 
     def __init__(self, workdir: Path, log: Callable[[str], None]) -> None:
         self.workdir = workdir
@@ -322,9 +326,10 @@ class ClusterDemo:
         else:
             self.step(f"kubectl scale statefulset/{WORKLOAD} --replicas={replicas}")
             self.kubectl.scale(f"statefulset/{WORKLOAD}", replicas)
-        pods = self.agent.wait_ready(replicas, NAMESPACE, f"app={APP_LABEL}", timeout_s=STEP_TIMEOUT_S)
+        pods = self.wait_serving(replicas)
         for pod in pods:
-            names = [c["name"] for c in pod["spec"]["containers"]]
+            # A native sidecar is an init container (restartPolicy Always), else a container.
+            names = [c["name"] for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]]
             if "kvtier-sidecar" not in names:
                 raise DemoFailed(f"pod {pod['metadata']['name']} was not injected: containers {names}")
 
@@ -336,6 +341,15 @@ class ClusterDemo:
                 return st
             return None
         return wait_for(f"the operator to publish an epoch with {replicas} members", published)
+
+    def placement(self) -> dict[str, dict[str, Any]]:
+        """Pod -> the node kubelet runs it on and its readiness gates ({} on the node
+        agent, which is no node)."""
+        return {}
+
+    def wait_serving(self, replicas: int) -> list[dict[str, Any]]:
+        """The workload's `replicas` pods Running and Ready."""
+        return self.agent.wait_ready(replicas, NAMESPACE, f"app={APP_LABEL}", timeout_s=STEP_TIMEOUT_S)
 
     def table(self):
         from kvtier.affinity import AffinityTable
@@ -540,6 +554,10 @@ class TenantTraffic:
     lookups = property(lambda self: self._base.lookups)
     hits = property(lambda self: self._base.hits)
     wrong_kv = property(lambda self: self._base.wrong_kv)
+    # Requests an engine answered with an error other than a caught wrong hit (the node
+    # agent's clients talk to the sidecars directly: they have no such answer).
+    failed = 0
+    failures: tuple[str, ...] = ()
 
     def start(self) -> "TenantTraffic":
         self._base.start()
@@ -624,12 +642,16 @@ def render_phase(title: str, r: dict[str, Any]) -> list[str]:
     return lines
 
 
-def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """The demo: everything it measured and checked, as a JSON-able dict."""
+def run(requests: int, seed: int, log: Callable[[str], None], demo_class: type["ClusterDemo"] | None = None
+        ) -> dict[str, Any]:
+    """The demo: everything it measured and checked, as a JSON-able dict. `demo_class`:
+    where the pods run (the node agent's `ClusterDemo` by default; `demo_nodes.NodesDemo`
+    on real nodes)."""
     from kvtier_testenv.workload import make_workload
 
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-cluster-demo-"))
-    demo = ClusterDemo(workdir, log)
+    demo = (demo_class or ClusterDemo)(workdir, log)
+    finished = False
     try:
         demo.start()
         demo.apply_policy()
@@ -674,17 +696,26 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         alarm = demo.fired(BAD_VERSION)
         if not alarm:
             raise DemoFailed("v3 was rolled back but KVTierHitRateDrop never fired for it in Prometheus")
-        demo.agent.wait_ready(SCALED_REPLICAS, NAMESPACE, f"app={APP_LABEL}", timeout_s=STEP_TIMEOUT_S)
+        demo.wait_serving(SCALED_REPLICAS)
         kvcp_bad = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
+        placement = demo.placement()
         rollout_events = demo.events()
         traffic = {"lookups": dict(demo.traffic.lookups), "hits": dict(demo.traffic.hits),
-                   "wrong_kv": demo.traffic.wrong_kv}
+                   "wrong_kv": demo.traffic.wrong_kv, "failed": demo.traffic.failed,
+                   "failures": list(demo.traffic.failures)}
+        finished = True
     finally:
         demo.close()
+        if finished:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            log(f"the demo's logs are kept in {workdir}")
     phases = {"before": phase1, "after": phase2}
     return {
+        "where": demo.where,
+        "placement": placement,
         "ok": all(p.report["wrong_kv"] == 0 and p.report["errors"] == 0 for p in phases.values())
-        and traffic["wrong_kv"] == 0,
+        and traffic["wrong_kv"] == 0 and traffic["failed"] == 0,
         "kubectl_get_kvcp": kvcp,
         "rollouts": {
             "good": {"version": GOOD_VERSION, "history": good["rollout"]["history"],
@@ -754,7 +785,7 @@ def short(text: str) -> str:
 
 def render(result: dict[str, Any]) -> str:
     lines = [f"kvtier cluster demo: helm-installed operator, {INITIAL_REPLICAS} -> {SCALED_REPLICAS} serving pods, "
-             "injected sidecars, reference engines as clients", "", "$ kubectl get kvcp -o wide",
+             f"injected sidecars; {result['where']}", "", "$ kubectl get kvcp -o wide",
              result["kubectl_get_kvcp"], ""]
     for title, key in (("before scaling", "before"), ("after scaling", "after")):
         lines += render_phase(title, result["phases"][key]) + [""]
@@ -781,7 +812,8 @@ def render(result: dict[str, Any]) -> str:
     lines += ["$ kubectl get kvcp -o wide", r["bad"]["kubectl_get_kvcp"], "", "$ kubectl get events (rollouts)"]
     lines += [f"  {short(e)}" for e in r["events"]]
     lines.append(f"rollout traffic     {sum(r['traffic']['lookups'].values())} lookups, "
-                 f"{sum(r['traffic']['hits'].values())} hits checked, wrong KV {r['traffic']['wrong_kv']}")
+                 f"{sum(r['traffic']['hits'].values())} hits checked, wrong KV {r['traffic']['wrong_kv']}, "
+                 f"failed answers {r['traffic']['failed']}")
     samples = result["phases"]["before"]["error_samples"] + result["phases"]["after"]["error_samples"]
     if samples:
         lines.append(f"errors (samples)    {samples[:3]}")
@@ -792,8 +824,13 @@ def main(args: argparse.Namespace) -> int:
     """`--mode cluster` of the checkout's demo (registered in kvtier_testenv.demo.MODES)."""
     t0 = time.perf_counter()
     log = (lambda s: None) if args.quiet or args.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    demo_class = None
+    if getattr(args, "nodes", "real") == "real":
+        from kvtier_testenv.demo_nodes import NodesDemo  # kubelet, containerd, the project's images
+
+        demo_class = NodesDemo
     try:
-        result = run(requests=args.requests * 4, seed=args.seed, log=log)
+        result = run(requests=args.requests * 4, seed=args.seed, log=log, demo_class=demo_class)
     except (DemoFailed, TimeoutError) as exc:
         print(f"demo --mode cluster: FAILED: {exc}", file=sys.stderr)
         return 1

@@ -95,7 +95,9 @@ class ReferenceEngine:
         return {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion", "created": int(time.time()),
                 "model": self.served, "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
                 "usage": {"prompt_tokens": int(len(tokens)), "completion_tokens": 1,
-                          "total_tokens": int(len(tokens)) + 1, "cached_tokens": int(matched)}}
+                          "total_tokens": int(len(tokens)) + 1, "cached_tokens": int(matched)},
+                # Where the hit came from (kvtier's tier), for clients that count hits by tier.
+                "kvtier": {"tier": hit.tier if isinstance(hit, EngineHit) else None}}
 
 
 class WrongKV(Exception):

@@ -1,27 +1,40 @@
-"""The checkout's cluster demo (`./scripts/demo.sh`) end to end: its own control plane, the chart, the
-operator pod, injected sidecars, a scale-up with warm-up, then an alarm-gated rollout
-of a good version whose new pods are warmed before ready (each step's first-minute hit
-rate next to the old version's) and that completes, and of a bad one that Prometheus'
-alarm rolls back; zero wrong KV."""
+"""The checkout's cluster demo (`./scripts/demo.sh`) end to end, on two real nodes (kubelet,
+containerd, the project's images): its own cluster, the chart with its default images,
+the operator pod, injected native sidecars next to the reference engine's containers, a
+scale-up with warm-up, then an alarm-gated rollout of a good version whose new pods are
+warmed before ready (each step's first-minute hit rate next to the old version's) and
+that completes, and of a bad one that Prometheus' alarm rolls back; traffic from the
+host to the engines in the pods; zero wrong KV, and the network rule held."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
+import pytest
+
 from helm_chart import ROOT
 
-# The scale-up part takes ~20 s warm, the two rollouts a few minutes (pods restart at
-# every step); the ceiling leaves room for a loaded CI machine.
-DEMO_TIMEOUT_S = 900
+# The node cluster starts in ~45 s, the scale-up takes ~30 s, the two rollouts a few
+# minutes (kubelet restarts pods at every step); the ceiling leaves room for a loaded CI machine.
+DEMO_TIMEOUT_S = 1200
 
 
+@pytest.mark.nodes
 def test_cluster_demo_scales_with_warm_up_rolls_out_and_back_and_serves_no_wrong_kv():
     proc = subprocess.run([sys.executable, "-m", "kvtier_testenv.demo", "--mode", "cluster", "--json"],
                           capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, cwd=ROOT)
-    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
+    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stderr[-12000:]}\n{proc.stdout[-2000:]}"
     result = json.loads(proc.stdout)
     assert result["ok"] is True
+    # The pods ran on the real nodes: the operator and the serving pods, spread over both.
+    placement = result["placement"]
+    serving = {p: v for p, v in placement.items() if p.startswith("kvtier-demo/")}
+    assert sorted(serving) == [f"kvtier-demo/llm-{i}" for i in range(4)], placement
+    assert any(p.startswith("kvtier-system/") for p in placement), placement
+    assert {v["node"] for v in placement.values()} == {"kvtier-node-0", "kvtier-node-1"}, placement
+    # The rollout held every serving pod out of traffic by the operator's warm gate.
+    assert all("kvtier.io/warm" in v["readinessGates"] for v in serving.values()), serving
     before, after = result["phases"]["before"], result["phases"]["after"]
     assert before["members"] == ["llm-0", "llm-1", "llm-2"]
     assert after["members"] == ["llm-0", "llm-1", "llm-2", "llm-3"]
@@ -69,4 +82,7 @@ def test_cluster_demo_scales_with_warm_up_rolls_out_and_back_and_serves_no_wrong
     assert r["bad"]["serving"] == r["good"]["version"]  # back on v2
     assert r["bad"]["alert"]["state"] == "firing" and r["bad"]["alert"]["labels"]["policy"] == "demo"
     assert any(e.split()[1] == "RolledBack" and "KVTierHitRateDrop" in e for e in r["events"])
+    # Every hit the engines loaded was checked against a recompute (a wrong one is a 500);
+    # no request got any other error.
     assert r["traffic"]["wrong_kv"] == 0 and sum(r["traffic"]["hits"].values()) > 0
+    assert r["traffic"]["failed"] == 0, r["traffic"]["failures"]

@@ -8,10 +8,11 @@ acting as an engine through the sidecar's client) reaches the sidecar over the s
 socket volume and maps its arena in the shared memory emptyDir. Two serving pods kept
 apart by anti-affinity run on the two nodes, and one hits KV the other stored, fetched
 over the peer path between the nodes. A scale-up's new pod, on the other node, is warmed
-by the operator with its moved tenants' prefixes before the new affinity epoch. A
-weights-version rollout, gated on the chart's alarm in a Prometheus that finds the real
-pods, warms each new pod through its engine before its readiness gate opens and rolls a
-bad version back. vLLM's
+by the operator with its moved tenants' prefixes before the new affinity epoch. (The
+weights-version rollouts on real nodes, gated on the chart's alarm in a Prometheus that
+finds the real pods, with each new pod warmed through its engine before its readiness
+gate opens and a bad version rolled back, are the cluster demo's: tests/helm/
+test_demo_cluster.py runs it on its own two nodes.) vLLM's
 OpenAI server (CPU build) runs as an engine container and loads KV from its sidecar.
 
 Last in the module: the network rule held (its counters are 0) and nothing of the
@@ -23,9 +24,7 @@ import ipaddress
 import json
 import os
 import subprocess
-import threading
 import time
-from collections import Counter
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -46,9 +45,7 @@ from kvtier_testenv.nodes import (
     CLUSTER_DOMAIN, DNS_IP, ENGINE_REPOSITORY, NODE_IP, POD_CIDR, NodeCluster, dns_a, node_pod_cidr,
 )
 from kvtier_testenv.polling import WaitTimeout, wait_for
-from kvtier_testenv.prometheus import (
-    TEST_RULE_VALUES, Prometheus, chart_rules, grant_discovery, sidecar_scrape_config,
-)
+from kvtier_testenv.prometheus import Prometheus, grant_discovery, sidecar_scrape_config
 from kvtier_testenv.redis_fixtures import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +59,7 @@ ENGINE_OK = "ENGINE-OK"
 ENGINE_STATS = "ENGINE-STATS"
 # The serving namespaces (one per test) and their pods' ServiceAccount.
 SERVING_NAMESPACES = ("serving-inject", "serving-faults", "serving-peers", "serving-engine", "serving-noimage",
-                      "serving-scale", "serving-vllm", "serving-rollout")
+                      "serving-scale", "serving-vllm")
 SERVING_SA = "engine"
 
 # The engine container: the project's image running a stand-in engine that does what a
@@ -700,179 +697,6 @@ def test_a_scale_up_warms_the_moved_tenants_on_the_new_pod_before_the_epoch(node
                           "warmed_bytes": warmed, "first_request_cached_tokens_on_the_new_pod": first_hits}))
     finally:
         redis.stop()
-
-
-class FrontTraffic:
-    """Completions sent from the host to every Ready pod of a StatefulSet of engine
-    fronts, as a Service spreads them (a pod held out by a readiness gate gets none):
-    each tenant (its cache_salt) repeats a few prompts, except on pods of a version in
-    `fresh` (a bad version: prompts that share no prefix with anything, so it never
-    hits). Counts per version what the engines answered: a 500 is a wrong hit the
-    engine caught; a refused or reset connection is a pod going away, counted apart."""
-
-    def __init__(self, kubectl: Kubectl, ns: str, app: str, model: str, prompts: dict[str, list[list[int]]]) -> None:
-        self.kubectl, self.ns, self.app, self.model, self.prompts = kubectl, ns, app, model, prompts
-        self.fresh: set[str] = set()
-        self.lock = threading.Lock()
-        self.statuses: dict[str, Counter] = {}
-        self.tokens: dict[str, Counter] = {}
-        self.first: dict[str, dict[str, int]] = {}  # pod uid -> tenant -> cached tokens of its first request
-        self.unreachable = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> "FrontTraffic":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(60)
-
-    def _ready(self) -> list[tuple[str, str, str]]:
-        pods = self.kubectl.get_json("-n", self.ns, "pods", "-l", f"app={self.app}")["items"]
-        return [(p["metadata"]["uid"], p["status"]["podIP"], p["metadata"]["annotations"][names.WEIGHTS_VERSION_ANNOTATION])
-                for p in pods if p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp") and any(
-                    c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
-
-    def _run(self) -> None:
-        tenants, sent, pods, listed = sorted(self.prompts), Counter(), [], 0.0
-        while not self._stop.is_set():
-            if time.monotonic() - listed > 1.0:
-                pods, listed = self._ready(), time.monotonic()
-            for uid, ip, version in pods:
-                i, fresh = sent[uid], 2_000_000 + 1_000 * sum(sent.values())
-                sent[uid] += 1
-                tenant = tenants[i % len(tenants)]  # each pod gets every tenant in turn
-                prompt = (list(range(fresh, fresh + 70)) if version in self.fresh
-                          else self.prompts[tenant][i // len(tenants) % len(self.prompts[tenant])])
-                try:
-                    status, answer = post_json(f"http://{ip}:{FRONT_PORT}/v1/completions", {
-                        "model": self.model, "prompt": prompt, "max_tokens": 1, "cache_salt": tenant})
-                except OSError:
-                    with self.lock:
-                        self.unreachable += 1
-                    continue
-                with self.lock:
-                    self.statuses.setdefault(version, Counter())[status] += 1
-                    if status == 200:
-                        usage = answer["usage"]
-                        self.tokens.setdefault(version, Counter()).update(
-                            prompt=usage["prompt_tokens"], cached=usage["cached_tokens"])
-                        self.first.setdefault(uid, {}).setdefault(tenant, usage["cached_tokens"])
-            self._stop.wait(0.05)
-
-
-def test_a_rollout_on_real_nodes_warms_each_new_pod_and_rolls_a_bad_version_back_on_its_alarm(
-        node_cluster, chart, tmp_path):
-    """A weights-version rollout as the demo shows it, on real nodes: two engine-front pods
-    (one per node) serve four tenants, with completions from the host; a Prometheus on the
-    host finds the real pods through the API server, scrapes their sidecars over TLS and
-    evaluates the chart's alert rules; the operator (the chart's pod) reaches it on node
-    0's bridge address. Patching the policy's weightsVersion rolls the StatefulSet: the
-    canary (its readiness gate `kvtier.io/warm` held) is restarted by kubelet on the new
-    version, the operator replays its tenants' hottest prefixes through its engine, then
-    releases the gate, and the first request of every tenant there is a hit; the alarm
-    stays quiet, the last step completes. A second version whose prompts share no prefix
-    never hits: KVTierHitRateDrop fires in Prometheus and the operator rolls it back.
-    No engine ever answered 500 (a wrong hit)."""
-    kubectl = chart["kubectl"]
-    ns = SERVING_NAMESPACES[7]
-    restricted_namespace(kubectl, ns)
-    old, new, bad = ("sha256:" + c * 64 for c in "abc")
-    discovery = grant_discovery(node_cluster.control_plane, kubectl)
-    prom = Prometheus(tmp_path / "prometheus", host=NODE_IP).configure(
-        [sidecar_scrape_config(discovery, [ns], control_ca_cert(kubectl, tmp_path / "control-ca.crt"))],
-        chart_rules(TEST_RULE_VALUES))
-    prom.start()
-    traffic: FrontTraffic | None = None
-    try:
-        model = yaml.safe_load((ROOT / "examples" / "minimal.yaml").read_text())["spec"]["model"]
-        policy = apply_policy(kubectl, ns, "roll", model={**model, "weightsVersion": old},
-                              workloadRef={"kind": "StatefulSet", "name": "roll"}, rollout={
-            "canaryPods": 1, "steps": [100],
-            "recovery": {"source": "alarm", "alarm": {"url": prom.url, "api": "prometheus"}, "window": "2m",
-                         "interval": "2s", "count": 3, "minLookups": 20, "inconclusiveLimit": 1000},
-            "warmup": {"maxTokens": 4096, "timeout": "60s", "enginePort": FRONT_PORT}})
-        name = policy["metadata"]["name"]
-        spec = KVCachePolicySpec.model_validate(policy["spec"])
-        sts = front_statefulset(node_cluster, ns, "roll", policy)
-        sts["spec"]["replicas"] = 2
-        sts["spec"]["podManagementPolicy"] = "Parallel"
-        one_pod_per_node(sts)
-        kubectl.apply(sts)
-        wait_pods_ready(kubectl, ns, "app=roll", 2, node_cluster)
-
-        def status() -> dict[str, Any]:
-            return policy_status(kubectl, ns, name)
-
-        def until(what: str, cond, timeout_s: float = 240) -> Any:
-            try:
-                return wait_for(what, cond, timeout_s, 1.0)
-            except WaitTimeout as e:
-                raise AssertionError(f"{e}; status {json.dumps(status())}\ntraffic {traffic and traffic.statuses}\n"
-                                     f"{pod_story(kubectl, ns)}\n{prom.log_tail()}") from None
-
-        block = spec.block_size
-        prompts = {f"tenant-{t}": [list(range(100_000 * t + 10_000 * j, 100_000 * t + 10_000 * j + 3 * block + 5))
-                                   for j in range(3)] for t in range(4)}
-        traffic = FrontTraffic(kubectl, ns, "roll", spec.model.id, prompts).start()
-        until("Prometheus scraping both pods' sidecars", lambda: {
-            labels["pod"] for labels in prom.up_targets("kvtier-sidecars").values()} == {"roll-0", "roll-1"}, 120)
-        until("the old version's hit rate in Prometheus", lambda: prom.query(
-            f'kvtier:hit_rate:ratio{{namespace="{ns}", version="{old}"}} > 0.5'))
-        until("the policy at rest on the old version", lambda: (
-            st := status()).get("version") == old and st.get("phase") == "Ready")
-
-        # A good version: canary, then the whole fleet, each new pod warmed before Ready.
-        kubectl.run("-n", ns, "patch", "kvcp", name, "--type=merge", "-p",
-                    json.dumps({"spec": {"model": {"weightsVersion": new}}}))
-        done = until("the rollout completed", lambda: (st := status()).get("version") == new
-                     and st.get("phase") == "Ready" and st, 420)
-        history = [(h["step"], h["outcome"], h["version"]) for h in done["rollout"]["history"]]
-        assert history == [(1, "recovered", new), (2, "completed", new)], done["rollout"]["history"]
-        warmups = {w["pod"]: w for w in done["rollout"]["warmups"] if w["version"] == new}
-        assert set(warmups) == {"roll-0", "roll-1"}, done["rollout"]["warmups"]
-        assert all(w["outcome"] == "Warmed" and w["tokens"] > 0 and w["tenants"] == len(prompts)
-                   for w in warmups.values()), warmups
-        pods = kubectl.get_json("-n", ns, "pods", "-l", "app=roll")["items"]
-        assert all(p["metadata"]["annotations"][names.WEIGHTS_VERSION_ANNOTATION] == new for p in pods)
-        for p in pods:
-            gates = [g["conditionType"] for g in p["spec"].get("readinessGates", [])]
-            assert names.WARM_GATE in gates, (p["metadata"]["name"], gates)
-        # The new pods' first request of every tenant was served from what the warm-up stored.
-        def firsts_of_every_tenant() -> dict[str, dict[str, int]] | None:
-            with traffic.lock:
-                got = {p["metadata"]["name"]: dict(traffic.first.get(p["metadata"]["uid"], {})) for p in pods}
-            return got if all(len(f) == len(prompts) for f in got.values()) else None
-        firsts = until("every tenant's first request on each new pod", firsts_of_every_tenant, 60)
-        assert all(min(f.values()) >= 3 * block for f in firsts.values()), firsts
-
-        # A bad version: its prompts share no prefix, its hit rate stays 0; the alarm fires.
-        traffic.fresh.add(bad)
-        kubectl.run("-n", ns, "patch", "kvcp", name, "--type=merge", "-p",
-                    json.dumps({"spec": {"model": {"weightsVersion": bad}}}))
-        rolled = until("the bad version rolled back", lambda: (st := status()).get("phase") == "RolledBack" and st, 420)
-        assert rolled["version"] == new, rolled
-        record = rolled["rollout"]["history"][-1]
-        assert (record["outcome"], record["version"]) == ("rolledBack", bad), record
-        assert "alert KVTierHitRateDrop firing for" in record["message"], record
-        [fired] = prom.fired("KVTierHitRateDrop", {"namespace": ns, "policy": name, "version": bad})
-        assert float(fired["value"][1]) == 1.0
-        until("the fleet back on the good version", lambda: all(
-            p["metadata"]["annotations"][names.WEIGHTS_VERSION_ANNOTATION] == new
-            for p in kubectl.get_json("-n", ns, "pods", "-l", "app=roll")["items"]))
-    finally:
-        if traffic is not None:
-            traffic.stop()
-        prom.stop()
-    with traffic.lock:
-        statuses, tokens = {v: dict(c) for v, c in traffic.statuses.items()}, dict(traffic.tokens)
-    # Every answer was a 200: no engine caught a wrong hit (500), nothing was refused.
-    assert all(set(c) == {200} for c in statuses.values()), statuses
-    assert tokens[new]["cached"] > 0 and tokens[bad]["cached"] == 0, tokens
-    print(json.dumps({"statuses": statuses, "tokens": {v: dict(c) for v, c in tokens.items()},
-                      "unreachable": traffic.unreachable, "warmups": warmups, "first_requests": firsts}))
 
 
 # vLLM's start-up in a pod on two busy cores: torch and vLLM imports from the mounted
