@@ -23,6 +23,7 @@ from kvtier_app import demo as local_demo  # isort: skip
 
 import argparse
 import json
+import signal
 import sys
 import time
 from typing import Callable
@@ -78,7 +79,14 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "cluster": _main_cluster, "fleet": _main_fleet, "local": local_demo.main_local}
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    """SIGTERM (a CI job cancelled, `kill`) unwinds like Ctrl-C: every mode's teardown
+    runs (the cluster demo's nodes leave no pod, mount or iptables chain behind)."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _terminated)
     p = argparse.ArgumentParser(prog="scripts/demo.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=sorted(MODES), default="cluster",
                    help="cluster: embedded Kubernetes, helm-installed operator, injected sidecars "

@@ -246,11 +246,37 @@ class NodesDemo(dc.ClusterDemo):
             sts["spec"]["template"]["spec"]["securityContext"] = {
                 "runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
                 "seccompProfile": {"type": "RuntimeDefault"}}
+            self.wait_injecting(sts)
             self.kubectl.apply(sts)
             self.step(f"StatefulSet {dc.WORKLOAD} with {replicas} pods (restricted); the webhook injects the sidecar")
             # The base class's serve() scales from here on; the manifest is applied.
             return self._published(replicas)
         return super().serve(replicas)
+
+    def wait_injecting(self, sts: dict[str, Any]) -> None:
+        """Until the webhook, called through its Service, injects the StatefulSet's pods:
+        a server-side dry run of one of them comes back with the sidecar. The operator
+        pod is Ready before kube-proxy's rules lead its Service to it, and the chart's
+        webhook `failurePolicy: Ignore` lets a pod created meanwhile start without the
+        sidecar (its engine then finds no sidecar to serve through)."""
+        template = sts["spec"]["template"]
+        probe = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"], "metadata": {
+            **template["metadata"], "name": f"{dc.WORKLOAD}-injection-probe", "namespace": NAMESPACE}}
+        seen: list[str] = []
+
+        def injected() -> bool:
+            out = self.kubectl.run("create", "--dry-run=server", "-o", "json", "-f", "-",
+                                   input=json.dumps(probe), check=False)
+            if out.returncode != 0:
+                seen[:] = [out.stderr.strip()]
+                return False
+            spec = json.loads(out.stdout)["spec"]
+            seen[:] = [c["name"] for c in spec.get("initContainers", []) + spec["containers"]]
+            return "kvtier-sidecar" in seen
+        try:
+            wait_for("the webhook injecting through its Service (a server-side dry run)", injected)
+        except DemoFailed as exc:
+            raise DemoFailed(f"{exc}: last answer {seen}\n{self.operator_log()}") from None
 
     def _published(self, replicas: int) -> dict[str, Any]:
         pods = self.wait_serving(replicas)
