@@ -37,8 +37,8 @@ import numpy as np
 
 from kvtier_testenv import demo_cluster as dc
 from kvtier_testenv.demo_cluster import (
-    APP_LABEL, CHART, FIRST_MINUTE_ENV, FIRST_MINUTE_S, NAMESPACE, RELEASE, SERVING_SERVICE_ACCOUNT, SYSTEM_NAMESPACE,
-    TRAFFIC_BLOCKS, TRAFFIC_PROMPTS, DemoFailed, wait_for,
+    APP_LABEL, CHART, FIRST_MINUTE_ENV, FIRST_MINUTE_S, NAMESPACE, RELEASE, SERVING_SERVICE_ACCOUNT, STEP_TIMEOUT_S,
+    SYSTEM_NAMESPACE, TRAFFIC_BLOCKS, TRAFFIC_PROMPTS, DemoFailed, wait_for,
 )
 
 # The engine front's port in the pods (the rollout's warm-up calls it there).
@@ -254,29 +254,16 @@ class NodesDemo(dc.ClusterDemo):
         return super().serve(replicas)
 
     def wait_injecting(self, sts: dict[str, Any]) -> None:
-        """Until the webhook, called through its Service, injects the StatefulSet's pods:
-        a server-side dry run of one of them comes back with the sidecar. The operator
-        pod is Ready before kube-proxy's rules lead its Service to it, and the chart's
-        webhook `failurePolicy: Ignore` lets a pod created meanwhile start without the
-        sidecar (its engine then finds no sidecar to serve through)."""
-        template = sts["spec"]["template"]
-        probe = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"], "metadata": {
-            **template["metadata"], "name": f"{dc.WORKLOAD}-injection-probe", "namespace": NAMESPACE}}
-        seen: list[str] = []
+        """Until the webhook, called through its Service, injects the StatefulSet's pods
+        (`nodes.wait_webhook_injects`: otherwise a pod created too early would start
+        without the sidecar, its engine finding none to serve through)."""
+        from kvtier_testenv.nodes import wait_webhook_injects
+        from kvtier_testenv.polling import WaitTimeout
 
-        def injected() -> bool:
-            out = self.kubectl.run("create", "--dry-run=server", "-o", "json", "-f", "-",
-                                   input=json.dumps(probe), check=False)
-            if out.returncode != 0:
-                seen[:] = [out.stderr.strip()]
-                return False
-            spec = json.loads(out.stdout)["spec"]
-            seen[:] = [c["name"] for c in spec.get("initContainers", []) + spec["containers"]]
-            return "kvtier-sidecar" in seen
         try:
-            wait_for("the webhook injecting through its Service (a server-side dry run)", injected)
-        except DemoFailed as exc:
-            raise DemoFailed(f"{exc}: last answer {seen}\n{self.operator_log()}") from None
+            wait_webhook_injects(self.kubectl, NAMESPACE, sts, STEP_TIMEOUT_S)
+        except WaitTimeout as exc:
+            raise DemoFailed(f"{exc}\n{self.operator_log()}") from None
 
     def _published(self, replicas: int) -> dict[str, Any]:
         pods = self.wait_serving(replicas)

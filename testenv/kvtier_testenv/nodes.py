@@ -972,6 +972,40 @@ def _pids_with_arg(arg: str) -> list[int]:
     return pids
 
 
+# The injected sidecar's container name (kvtier.names.SIDECAR_CONTAINER; the test
+# environment does not import the operator's names).
+SIDECAR_CONTAINER = "kvtier-sidecar"
+WEBHOOK_READY_TIMEOUT_S = 90.0
+
+
+def wait_webhook_injects(kubectl, namespace: str, workload: dict, timeout_s: float = WEBHOOK_READY_TIMEOUT_S
+                         ) -> None:
+    """Until the chart's webhook, called through its Service, injects the sidecar into a
+    pod of `workload` (a StatefulSet or Deployment manifest whose pods a policy selects):
+    a server-side dry run of one such pod comes back with it. The operator pod turns
+    Ready before kube-proxy's rules lead the webhook's Service to it, and the chart's
+    `failurePolicy: Ignore` admits a pod created meanwhile without the sidecar (the
+    policy's status counts it in uninjectedPods). Raises WaitTimeout naming the last answer."""
+    template = workload["spec"]["template"]
+    probe = {"apiVersion": "v1", "kind": "Pod", "spec": template["spec"], "metadata": {
+        **template["metadata"], "name": f"{workload['metadata']['name']}-injection-probe", "namespace": namespace}}
+    seen: list[str] = []
+
+    def injected() -> bool:
+        out = kubectl.in_namespace(namespace).run("create", "--dry-run=server", "-o", "json", "-f", "-",
+                                                  input=json.dumps(probe), check=False)
+        if out.returncode != 0:
+            seen[:] = [out.stderr.strip()]
+            return False
+        spec = json.loads(out.stdout)["spec"]
+        seen[:] = [c["name"] for c in spec.get("initContainers", []) + spec["containers"]]
+        return SIDECAR_CONTAINER in seen
+    try:
+        wait_for("the webhook injecting through its Service (a server-side dry run)", injected, timeout_s, 0.5)
+    except WaitTimeout as e:
+        raise WaitTimeout(f"{e}: last answer {seen}") from None
+
+
 def leftovers() -> list[str]:
     """What a stopped cluster must not leave: the bridge, the guard chain, kubelet's
     cgroups, processes of the node binaries, mounts of a kvtier-nodes dir."""

@@ -43,6 +43,7 @@ from kvtier_testenv.control_client import ControlEndpoint
 from kvtier_testenv.kubectl import Helm, Kubectl, KubectlError
 from kvtier_testenv.nodes import (
     CLUSTER_DOMAIN, DNS_IP, ENGINE_REPOSITORY, NODE_IP, POD_CIDR, NodeCluster, dns_a, node_pod_cidr,
+    wait_webhook_injects,
 )
 from kvtier_testenv.polling import WaitTimeout, wait_for
 from kvtier_testenv.prometheus import Prometheus, grant_discovery, sidecar_scrape_config
@@ -300,7 +301,11 @@ def test_helm_install_runs_the_operator_pod_whose_webhook_injects_a_restricted_s
 
     ns = SERVING_NAMESPACES[0]
     policy = restricted_namespace_with_policy(kubectl, ns, "engine")
-    kubectl.apply(engine_statefulset(ns, "engine", image, ENGINE_SCRIPT, policy))
+    sts = engine_statefulset(ns, "engine", image, ENGINE_SCRIPT, policy)
+    # The module's first pods: created once the webhook's Service leads to it (the chart's
+    # failurePolicy Ignore would admit them uninjected).
+    wait_webhook_injects(kubectl, ns, sts)
+    kubectl.apply(sts)
     [pod] = wait_pods_ready(kubectl, ns, "app=engine", 1, node_cluster)
     init = {c["name"]: c for c in pod["spec"].get("initContainers", [])}
     assert names.SIDECAR_CONTAINER in init, \
