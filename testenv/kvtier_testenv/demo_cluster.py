@@ -320,16 +320,16 @@ class ClusterDemo:
         """Scale the StatefulSet; wait until the policy's members and the published
         table both say `replicas`. Returns the status then."""
         if replicas == INITIAL_REPLICAS:
+            sts = self.workload_manifest(replicas)
+            self.wait_injecting(sts)
             self.step(f"StatefulSet {WORKLOAD} with {replicas} pods; the webhook injects the sidecar")
-            self.kubectl.apply(statefulset_manifest(replicas, self.oracle.shape["weights_version"],
-                                                    engine_container(self.oracle, self.engine_port)))
+            self.kubectl.apply(sts)
         else:
             self.step(f"kubectl scale statefulset/{WORKLOAD} --replicas={replicas}")
             self.kubectl.scale(f"statefulset/{WORKLOAD}", replicas)
         pods = self.wait_serving(replicas)
         for pod in pods:
-            # A native sidecar is an init container (restartPolicy Always), else a container.
-            names = [c["name"] for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]]
+            names = [c["name"] for c in self.sidecar_containers(pod)]
             if "kvtier-sidecar" not in names:
                 raise DemoFailed(f"pod {pod['metadata']['name']} was not injected: containers {names}")
 
@@ -341,6 +341,21 @@ class ClusterDemo:
                 return st
             return None
         return wait_for(f"the operator to publish an epoch with {replicas} members", published)
+
+    def workload_manifest(self, replicas: int) -> dict[str, Any]:
+        """The serving StatefulSet the demo creates."""
+        return statefulset_manifest(replicas, self.oracle.shape["weights_version"],
+                                    engine_container(self.oracle, self.engine_port))
+
+    def wait_injecting(self, sts: dict[str, Any]) -> None:
+        """Until the webhook would inject `sts`'s pods (the node agent calls it by URL:
+        it serves once the operator process does, which start() waited for)."""
+
+    @staticmethod
+    def sidecar_containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+        """Where an injected sidecar may be: a native one is an init container
+        (restartPolicy Always), else a container."""
+        return pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
 
     def placement(self) -> dict[str, dict[str, Any]]:
         """Pod -> the node kubelet runs it on and its readiness gates ({} on the node

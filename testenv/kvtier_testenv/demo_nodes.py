@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from kvtier_testenv import demo_cluster as dc
+from kvtier_testenv.nodes import RESTRICTED, RESTRICTED_POD, redis_service
 from kvtier_testenv.demo_cluster import (
     APP_LABEL, CHART, FIRST_MINUTE_ENV, FIRST_MINUTE_S, NAMESPACE, RELEASE, SERVING_SERVICE_ACCOUNT, STEP_TIMEOUT_S,
     SYSTEM_NAMESPACE, TRAFFIC_BLOCKS, TRAFFIC_PROMPTS, DemoFailed, wait_for,
@@ -49,8 +50,6 @@ COMPLETIONS = "/v1/completions"
 POD_READY_TIMEOUT_S = 240.0
 # One completion's ceiling (a pod's engine answers in milliseconds; a restarting one refuses).
 REQUEST_TIMEOUT_S = 30.0
-RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-              "readOnlyRootFilesystem": True, "runAsNonRoot": True}
 
 
 class Answer:
@@ -124,7 +123,7 @@ class NodesDemo(dc.ClusterDemo):
         self.step(f"Redis on the host ({NODE_IP}), named in the cluster by a Service")
         self.redis = RedisServer(host=NODE_IP).start()
         self.stack.callback(self.redis.stop)
-        self.redis_url = self._redis_service()
+        self.redis_url = redis_service(self.kubectl, NAMESPACE, self.redis.port)
 
         self.step("Prometheus (finds the real pods through the apiserver, loads the chart's alert rules) "
                   "and Alertmanager")
@@ -163,23 +162,6 @@ class NodesDemo(dc.ClusterDemo):
         self.cluster.stop()
         if any(drops.values()):
             raise DemoFailed(f"the network rule dropped packets for the cluster's ranges: {drops}")
-
-    def _redis_service(self) -> str:
-        """The host's Redis as users name one: a selectorless Service whose EndpointSlice is
-        the host's server; returns its redis:// URL (the cluster DNS name)."""
-        from kvtier_testenv.nodes import CLUSTER_DOMAIN, DNS_IP, NODE_IP, dns_a
-
-        self.kubectl.apply({"apiVersion": "v1", "kind": "Service",
-                            "metadata": {"name": "redis", "namespace": NAMESPACE},
-                            "spec": {"ports": [{"name": "redis", "port": 6379, "targetPort": self.redis.port}]}})
-        self.kubectl.apply({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                            "metadata": {"name": "redis-host", "namespace": NAMESPACE,
-                                         "labels": {"kubernetes.io/service-name": "redis"}},
-                            "addressType": "IPv4", "endpoints": [{"addresses": [NODE_IP]}],
-                            "ports": [{"name": "redis", "port": self.redis.port, "protocol": "TCP"}]})
-        service = f"redis.{NAMESPACE}.svc.{CLUSTER_DOMAIN}"
-        wait_for(f"the cluster DNS resolving {service}", lambda: dns_a(service, DNS_IP), 30)
-        return f"redis://{service}:6379/0"
 
     def operator_log(self, lines: int = 30) -> str:
         """A failure's context (every wait of the demo names it): the pods' story, then the
@@ -240,18 +222,10 @@ class NodesDemo(dc.ClusterDemo):
             "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}})
         return engine
 
-    def serve(self, replicas: int) -> dict[str, Any]:
-        if replicas == dc.INITIAL_REPLICAS:
-            sts = dc.statefulset_manifest(replicas, self.oracle.shape["weights_version"], self.engine_container())
-            sts["spec"]["template"]["spec"]["securityContext"] = {
-                "runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
-                "seccompProfile": {"type": "RuntimeDefault"}}
-            self.wait_injecting(sts)
-            self.kubectl.apply(sts)
-            self.step(f"StatefulSet {dc.WORKLOAD} with {replicas} pods (restricted); the webhook injects the sidecar")
-            # The base class's serve() scales from here on; the manifest is applied.
-            return self._published(replicas)
-        return super().serve(replicas)
+    def workload_manifest(self, replicas: int) -> dict[str, Any]:
+        sts = dc.statefulset_manifest(replicas, self.oracle.shape["weights_version"], self.engine_container())
+        sts["spec"]["template"]["spec"]["securityContext"] = RESTRICTED_POD
+        return sts
 
     def wait_injecting(self, sts: dict[str, Any]) -> None:
         """Until the webhook, called through its Service, injects the StatefulSet's pods
@@ -265,26 +239,17 @@ class NodesDemo(dc.ClusterDemo):
         except WaitTimeout as exc:
             raise DemoFailed(f"{exc}\n{self.operator_log()}") from None
 
-    def _published(self, replicas: int) -> dict[str, Any]:
-        pods = self.wait_serving(replicas)
-        for pod in pods:
-            init = [c["name"] for c in pod["spec"].get("initContainers", [])]
-            if "kvtier-sidecar" not in init:
-                raise DemoFailed(f"pod {pod['metadata']['name']} has no native sidecar: init containers {init}")
+    @staticmethod
+    def sidecar_containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+        """On this 1.33 API server the sidecar must be a native one: an init container."""
+        return pod["spec"].get("initContainers", [])
+
+    def wait_serving(self, replicas: int) -> list[dict[str, Any]]:
+        pods = self._wait_pods(NAMESPACE, f"app={APP_LABEL}", replicas)
         nodes = Counter(p["spec"]["nodeName"] for p in pods)
         self.step(f"{replicas} pods Ready on {len(nodes)} node(s): "
                   + ", ".join(f"{n} {c}" for n, c in sorted(nodes.items())))
-
-        def published() -> dict[str, Any] | None:
-            st, table = self.status(), self.table()
-            if st.get("memberCount") == replicas and table and len(table[0].members) == replicas \
-                    and table[0].epoch == st.get("epoch"):
-                return st
-            return None
-        return wait_for(f"the operator to publish an epoch with {replicas} members", published)
-
-    def wait_serving(self, replicas: int) -> list[dict[str, Any]]:
-        return self._wait_pods(NAMESPACE, f"app={APP_LABEL}", replicas)
+        return pods
 
     def placement(self) -> dict[str, dict[str, Any]]:
         pods = self.kubectl.get_json("pods", "-l", f"app={APP_LABEL}")["items"] + self.kubectl.in_namespace(

@@ -972,6 +972,33 @@ def _pids_with_arg(arg: str) -> list[int]:
     return pids
 
 
+# A serving pod's securityContext under PodSecurity `restricted`: the pod's, its containers'.
+RESTRICTED_POD = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                  "seccompProfile": {"type": "RuntimeDefault"}}
+RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+              "readOnlyRootFilesystem": True, "runAsNonRoot": True}
+
+
+def redis_service(kubectl, namespace: str, port: int) -> str:
+    """A Redis on the host (listening on NODE_IP:`port`) as users name one: a selectorless
+    Service in `namespace` whose EndpointSlice is the host's server, which the cluster DNS
+    resolves to the Service's address and kube-proxy's rules reach. Returns its redis:// URL."""
+    kubectl = kubectl.in_namespace(namespace)
+    kubectl.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "redis", "namespace": namespace},
+                   "spec": {"ports": [{"name": "redis", "port": 6379, "targetPort": port}]}})
+    kubectl.apply({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                   "metadata": {"name": "redis-host", "namespace": namespace,
+                                "labels": {"kubernetes.io/service-name": "redis"}},
+                   "addressType": "IPv4", "endpoints": [{"addresses": [NODE_IP]}],
+                   "ports": [{"name": "redis", "port": port, "protocol": "TCP"}]})
+    service = f"redis.{namespace}.svc.{CLUSTER_DOMAIN}"
+    cluster_ip = kubectl.get_json("service", "redis")["spec"]["clusterIP"]
+    resolved = wait_for(f"the cluster DNS resolving {service}", lambda: dns_a(service, DNS_IP), 30, 0.5)
+    if resolved != cluster_ip:
+        raise NodeError(f"the cluster DNS resolves {service} to {resolved}, not its Service's {cluster_ip}")
+    return f"redis://{service}:6379/0"
+
+
 # The injected sidecar's container name (kvtier.names.SIDECAR_CONTAINER; the test
 # environment does not import the operator's names).
 SIDECAR_CONTAINER = "kvtier-sidecar"

@@ -42,8 +42,8 @@ from kvtier_operator import names
 from kvtier_testenv.control_client import ControlEndpoint
 from kvtier_testenv.kubectl import Helm, Kubectl, KubectlError
 from kvtier_testenv.nodes import (
-    CLUSTER_DOMAIN, DNS_IP, ENGINE_REPOSITORY, NODE_IP, POD_CIDR, NodeCluster, dns_a, node_pod_cidr,
-    wait_webhook_injects,
+    ENGINE_REPOSITORY, NODE_IP, POD_CIDR, NodeCluster, node_pod_cidr,
+    RESTRICTED, RESTRICTED_POD, redis_service, wait_webhook_injects,
 )
 from kvtier_testenv.polling import WaitTimeout, wait_for
 from kvtier_testenv.prometheus import Prometheus, grant_discovery, sidecar_scrape_config
@@ -243,10 +243,6 @@ def restricted_namespace_with_policy(kubectl: Kubectl, ns: str, app: str, **poli
     return apply_policy(kubectl, ns, app, **policy)
 
 
-RESTRICTED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-              "readOnlyRootFilesystem": True, "runAsNonRoot": True}
-
-
 def engine_statefulset(ns: str, app: str, image: str, script: str, policy: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
@@ -258,8 +254,7 @@ def engine_statefulset(ns: str, app: str, image: str, script: str, policy: dict[
                 "metadata": {"labels": {"app": app}, "annotations": {
                     "kvtier.io/weights-version": policy["spec"]["model"]["weightsVersion"]}},
                 "spec": {
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
-                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "securityContext": RESTRICTED_POD,
                     "terminationGracePeriodSeconds": 5,
                     "serviceAccountName": SERVING_SA,
                     "containers": [{
@@ -451,23 +446,6 @@ def control_ca_cert(kubectl: Kubectl, path: Path) -> Path:
     return path
 
 
-def redis_service(kubectl: Kubectl, ns: str, redis: RedisServer) -> str:
-    """The host's `redis` as users name a Redis: a Service in `ns` (selectorless, its
-    EndpointSlice the host's server on node 0's bridge address) that the cluster DNS
-    resolves and kube-proxy's rules reach. Returns its redis:// URL."""
-    kubectl.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "redis", "namespace": ns},
-                   "spec": {"ports": [{"name": "redis", "port": 6379, "targetPort": redis.port}]}})
-    kubectl.apply({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                   "metadata": {"name": "redis-host", "namespace": ns,
-                                "labels": {"kubernetes.io/service-name": "redis"}},
-                   "addressType": "IPv4", "endpoints": [{"addresses": [NODE_IP]}],
-                   "ports": [{"name": "redis", "port": redis.port, "protocol": "TCP"}]})
-    service = f"redis.{ns}.svc.{CLUSTER_DOMAIN}"
-    cluster_ip = kubectl.get_json("-n", ns, "service", "redis")["spec"]["clusterIP"]
-    assert wait_for(f"the cluster DNS resolving {service}", lambda: dns_a(service, DNS_IP), 30, 0.5) == cluster_ip
-    return f"redis://{service}:6379/0"
-
-
 def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_cluster, chart, tmp_path):
     """Two serving pods of one StatefulSet, kept apart by required anti-affinity, land on
     the cluster's two nodes (kubelets of their own, containerds of their own, addresses
@@ -486,7 +464,7 @@ def test_two_nodes_a_reader_hits_kv_its_peer_on_the_other_node_stored(node_clust
     redis = RedisServer(host=NODE_IP).start()
     try:
         restricted_namespace(kubectl, ns)
-        policy = apply_policy(kubectl, ns, "peers", redis={"url": redis_service(kubectl, ns, redis)})
+        policy = apply_policy(kubectl, ns, "peers", redis={"url": redis_service(kubectl, ns, redis.port)})
         sts = engine_statefulset(ns, "peers", image, CHECKED_ENGINE_SCRIPT, policy)
         [engine] = sts["spec"]["template"]["spec"]["containers"]
         engine["env"] = [{"name": "KVTIER_TEST_READER", "value": "peers-1"}]
@@ -634,7 +612,7 @@ def test_a_scale_up_warms_the_moved_tenants_on_the_new_pod_before_the_epoch(node
     redis = RedisServer(host=NODE_IP).start()
     try:
         restricted_namespace(kubectl, ns)
-        policy = apply_policy(kubectl, ns, "scale", redis={"url": redis_service(kubectl, ns, redis)})
+        policy = apply_policy(kubectl, ns, "scale", redis={"url": redis_service(kubectl, ns, redis.port)})
         name = policy["metadata"]["name"]
         spec = KVCachePolicySpec.model_validate(policy["spec"])
         sts = front_statefulset(node_cluster, ns, "scale", policy)
