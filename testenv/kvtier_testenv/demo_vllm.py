@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -178,7 +179,10 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         kvcp = demo.kubectl.run("get", "kvcp", "-o", "wide").stdout.rstrip()
     finally:
         demo.close()
-    return {"ok": wrong == 0 and errors == 0 and hits > 0, "kubectl_get_kvcp": kvcp, "fleet_hit_rate": fleet_hit_rate,
+    ok = wrong == 0 and errors == 0 and hits > 0
+    if ok:  # a failed run keeps its workdir (logs, configs) for the diagnosis
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {"ok": ok, "kubectl_get_kvcp": kvcp, "fleet_hit_rate": fleet_hit_rate,
             "requests": len(work),
             "served": served, "hits": hits, "cached_tokens": cached_tokens, "prompt_tokens": prompt_tokens,
             "wrong_answers": wrong, "errors": errors, "samples": samples[:3],

@@ -266,8 +266,11 @@ def run_fleet(sidecars: int = 3, engines_per_sidecar: int = 1, tenants: int = 6,
     and report per-tier hit rates and bytes moved. Everything is torn down after."""
     from kvtier_testenv.redis_fixtures import RedisServer
 
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="kvtier-fleet-") as tmp:
+            return run_fleet(sidecars, engines_per_sidecar, tenants, templates, requests, oracle, seed, tmp)
     ork = make_oracle(oracle)
-    tmp = Path(workdir or tempfile.mkdtemp(prefix="kvtier-fleet-"))
+    tmp = Path(workdir)
     tmp.mkdir(parents=True, exist_ok=True)
     secret = tmp / "peer-secret"
     secret.write_text(os.urandom(16).hex())

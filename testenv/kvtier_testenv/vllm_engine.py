@@ -9,11 +9,14 @@ commands.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,11 +70,22 @@ def seed_vllm_cache(root: Path) -> Path:
     return Path(root)
 
 
+@functools.cache
+def rpc_base_path() -> str:
+    """One directory per test process for vLLM's ZeroMQ IPC sockets, removed when the
+    process exits. vLLM makes `<VLLM_RPC_BASE_PATH>/<uuid4>` sockets (default: /tmp) and
+    leaves them behind whenever an engine is stopped by a signal."""
+    path = tempfile.mkdtemp(prefix="kvtier-vllm-rpc-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def vllm_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
     """The environment for a process run by the vLLM venv's python: `base` (default: this
     process's), its PYTHONPATH replaced by this checkout's packages, plus `extra`. A
-    VLLM_CACHE_ROOT in `extra` is seeded (`seed_vllm_cache`)."""
-    env = {**(os.environ if base is None else base), **extra}
+    VLLM_CACHE_ROOT in `extra` is seeded (`seed_vllm_cache`); vLLM's IPC sockets go to
+    `rpc_base_path()` unless `extra` names another place."""
+    env = {"VLLM_RPC_BASE_PATH": rpc_base_path(), **(os.environ if base is None else base), **extra}
     env["PYTHONPATH"] = checkout_pythonpath()
     if "VLLM_CACHE_ROOT" in extra:
         seed_vllm_cache(Path(extra["VLLM_CACHE_ROOT"]))
