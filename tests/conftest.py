@@ -17,7 +17,9 @@ pytest_plugins = [
 
 import os
 import shutil
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,21 +75,118 @@ def _unlink_unused(names: set[str]) -> None:
             pass
 
 
+def _settled(names: set[str], min_age_s: float) -> set[str]:
+    """Those of `names` last changed at least `min_age_s` ago. A name just made may not
+    be open yet (an etcd directory between mkdtemp and etcd's start): in a parallel run
+    the other worker's processes make theirs at any moment."""
+    now = time.time()
+    settled = set()
+    for name in names:
+        try:
+            if now - (_SHM / name).stat().st_mtime >= min_age_s:
+                settled.add(name)
+        except OSError:
+            pass
+    return settled
+
+
+def _worker(config: pytest.Config) -> bool:
+    """True in a pytest-xdist worker (the controller and plain runs have no workerinput)."""
+    return hasattr(config, "workerinput")
+
+
+_SETTLE_S = 60.0
+_SHM_AT_START = pytest.StashKey[set]()
+
+
+def _unlink_made_since(before: set[str], config: pytest.Config) -> None:
+    made = _shm_entries() - before
+    _unlink_unused(_settled(made, _SETTLE_S) if _worker(config) else made)
+
+
 @pytest.fixture(scope="session")
-def _shm_before_session():
+def _shm_before_session(pytestconfig: pytest.Config):
     """What /dev/shm held before the session; at its end, what the session made and no
-    live process uses goes (the last module's, a session fixture's)."""
+    live process uses goes (the last module's, a session fixture's). A worker of a
+    parallel run leaves what has not settled yet; its controller takes the rest once
+    every worker is done (`pytest_sessionfinish`)."""
     before = _shm_entries()
     yield before
-    _unlink_unused(_shm_entries() - before)
+    _unlink_made_since(before, pytestconfig)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _unlink_shared_memory_left_by_killed_processes(_shm_before_session):
+def _unlink_shared_memory_left_by_killed_processes(_shm_before_session, pytestconfig: pytest.Config):
     """Tests SIGKILL sidecars and engines on purpose, and a killed process never unlinks
     its shared memory: a sidecar's arena is preallocated (64 MiB in the tests), so a
     whole suite's worth would fill /dev/shm (memory-backed) and the machine's memory
     with it. After every test module, what this session created and no live process
     still uses goes (a session-scoped fixture's processes keep theirs)."""
     yield
-    _unlink_unused(_shm_entries() - _shm_before_session)
+    _unlink_made_since(_shm_before_session, pytestconfig)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not _worker(session.config):
+        session.config.stash[_SHM_AT_START] = _shm_entries()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The controller of a parallel run, once its workers are gone: what they made and
+    no live process uses goes, however new."""
+    if getattr(session.config.option, "numprocesses", None) and not _worker(session.config):
+        _unlink_unused(_shm_entries() - session.config.stash.get(_SHM_AT_START, set()))
+
+
+# --- parallel runs -------------------------------------------------------------------
+# scripts/test.sh runs the suite on two pytest-xdist workers. `WorkUnits` hands out work
+# units: each runs whole, in order, on one worker, and units run side by side.
+NODES_UNIT = "real-nodes"
+NODES_PATHS = ("tests/nodes/", "tests/helm/test_demo_cluster.py")
+"""The real-node cluster: one bridge, one set of CIDRs, host sysctls and iptables
+chains, so one cluster at a time (tests/nodes' module cluster, the cluster demo's own)."""
+LOOPBACK_UNIT = "fixed-loopback"
+LOOPBACK_PATHS = ("tests/sidecar/", "tests/vllm/", "tests/router/", "tests/test_demo_fleet.py")
+"""Tests whose servers bind fixed loopback addresses (127.0.0.2, .3, ...: sidecars,
+fleets, the EPP's fake pods): two of them at once would take each other's ports."""
+
+
+def work_unit(nodeid: str) -> str:
+    """The work unit of a test: a shared unit above, else its module (whose module
+    fixtures are then made once)."""
+    if nodeid.startswith(NODES_PATHS):
+        return NODES_UNIT
+    if nodeid.startswith(LOOPBACK_PATHS):
+        return LOOPBACK_UNIT
+    return nodeid.split("::", 1)[0]
+
+
+def _rank(nodeid: str) -> int:
+    """The long shared units first (the real nodes ~10 min, the loopback unit longer),
+    so that no worker is left with one of them at the end."""
+    return {NODES_UNIT: 0, LOOPBACK_UNIT: 1}.get(work_unit(nodeid), 2)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The shared units first, in a stable sort (a module keeps its order). A real-node
+    test outside NODES_PATHS would run beside the cluster's own: refused here."""
+    stray = [i.nodeid for i in items if not i.nodeid.startswith(NODES_PATHS)
+             and ("node_cluster" in getattr(i, "fixturenames", ()) or i.get_closest_marker("nodes"))]
+    if stray:
+        raise pytest.UsageError(f"real-node tests outside {NODES_PATHS} (tests/conftest.py): {stray}")
+    items[:] = [item for _, _, item in sorted(((_rank(i.nodeid), n, i) for n, i in enumerate(items)),
+                                               key=lambda r: r[:2])]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's scope scheduling over `work_unit`s, in collection order (the
+    shared units first): a worker takes the next unit whenever it runs out."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return WorkUnits(config, log)

@@ -19,9 +19,22 @@ if TYPE_CHECKING:
 
 # Per-pod directories are named by this many hex digits of a hash of the pod uid.
 POD_DIR_HASH_CHARS = 10
-# Pod IPs come from a 127.N.0.0/16 picked by process id, away from 127.0.0.0/24 that
-# servers in tests use: test runs sharing a machine rarely hand out the same address.
-_POD_NET = 1 + os.getpid() % 254
+
+
+def _pod_net() -> int:
+    """Pod IPs come from a 127.N.0.0/16 picked by process id, away from 127.0.0.0/24
+    that servers in tests use: test runs sharing a machine rarely hand out the same
+    address. The workers of one parallel run (pytest-xdist sets PYTEST_XDIST_WORKER to
+    gw0, gw1, ...) pick by their controller's process id and their own number, so two
+    of them never share one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+        return 1 + (os.getppid() * count + int(worker[2:])) % 254
+    return 1 + os.getpid() % 254
+
+
+_POD_NET = _pod_net()
 _POD_IPS = (f"127.{_POD_NET}.{i // 254}.{i % 254 + 1}" for i in itertools.count(1))
 _POD_IPS_LOCK = threading.Lock()
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")
