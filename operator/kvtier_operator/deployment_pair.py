@@ -22,7 +22,8 @@ Three shapes of patch:
     rollout in flight          -> stable = partition, canary = R - partition on version
     completed (not in flight)  -> hand back: the stable takes the new version and R pods
                                   (its new pods warm from the canary's through the peer
-                                  tier), then the canary goes
+                                  tier), then the canary goes, once its pods' first minute
+                                  of traffic is measured (`first_minute.measuring`)
 """
 from __future__ import annotations
 
@@ -98,11 +99,17 @@ def pair_of(stable: dict[str, Any], canary: dict[str, Any] | None) -> Pair:
     return Pair(s, c, fleet)
 
 
-def converge(pair: Pair, patch: WorkloadPatch, in_flight: bool, stable: dict[str, Any]) -> Writes:
-    """The writes that move the pair toward `patch`, growing before shrinking."""
+def converge(pair: Pair, patch: WorkloadPatch, in_flight: bool, stable: dict[str, Any],
+             measuring: bool = False) -> Writes:
+    """The writes that move the pair toward `patch`, growing before shrinking.
+    `measuring`: canary pods are in their first minute of traffic (`first_minute`); at a
+    hand-back the canary then stays until they are measured (the last step's figure is
+    theirs), while the stable serves beside it. A rollback never waits for them."""
     r = pair.fleet
     if patch.template_version == pair.stable.version:
-        return _toward(pair, stable_want=r, canary_want=0, version=None, stable=stable)
+        handing_back = pair.canary is not None and pair.canary.version == pair.stable.version
+        return _toward(pair, stable_want=r, canary_want=0, version=None, stable=stable,
+                       keep_canary=measuring and handing_back)
     if in_flight or patch.partition > 0:
         return _toward(pair, stable_want=patch.partition, canary_want=r - patch.partition,
                        version=patch.template_version, stable=stable)
@@ -111,7 +118,8 @@ def converge(pair: Pair, patch: WorkloadPatch, in_flight: bool, stable: dict[str
     return Writes(stable=_scaled_to(r, patch.template_version))
 
 
-def _toward(pair: Pair, stable_want: int, canary_want: int, version: str | None, stable: dict[str, Any]) -> Writes:
+def _toward(pair: Pair, stable_want: int, canary_want: int, version: str | None, stable: dict[str, Any],
+            keep_canary: bool = False) -> Writes:
     s, c = pair.stable, pair.canary
     stable_patch = canary_patch = create = None
     delete = False
@@ -129,7 +137,7 @@ def _toward(pair: Pair, stable_want: int, canary_want: int, version: str | None,
         stable_patch = {"spec": {"replicas": stable_want}}
     if c is not None and s.ready >= stable_want:
         if canary_want == 0:
-            delete = True
+            delete = not keep_canary
         elif c.replicas > canary_want:
             canary_patch = _scaled_to(canary_want, version or c.version or "")
     return Writes(stable_patch, create, canary_patch, delete)

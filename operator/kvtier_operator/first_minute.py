@@ -132,6 +132,17 @@ def observe(r: RolloutStatus | None, phase: str | None, pods: Sequence["PodSampl
     return r.model_copy(update={"first_minute_pods": windows, "first_minutes": figures, "history": history}), new
 
 
+def measuring(r: RolloutStatus | None, now: datetime, window_s: float = WINDOW_S) -> set[str]:
+    """Pods whose first-minute window is open and not overdue (opened less than two
+    windows ago: a pod whose counters stopped answering does not hold anything up). A
+    Deployment pair's hand-back keeps the canary while its pods are among them, so the
+    last step's figure is measured on the pods that step brought up."""
+    if r is None:
+        return set()
+    return {w.pod for w in r.first_minute_pods
+            if w.window is None and (now - w.started_at).total_seconds() < 2 * window_s}
+
+
 def _added(schedule: Sequence[int], step: int) -> int:
     """New-version pods the schedule adds at `step` (1-based); a step past the schedule adds none."""
     if not 1 <= step <= len(schedule):

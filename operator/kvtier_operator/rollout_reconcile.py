@@ -107,7 +107,10 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None,
         crashpoints.reached("rollout-status-written")
     if pair is not None:
         in_flight = (plan.phase or status.phase) in ("RollingOut", "Paused")
-        await _converge_pair(kube, namespace, ref.name, target, pair, plan.workload, in_flight)
+        canaries = {p["metadata"]["name"] for p in pods
+                    if (p["metadata"].get("labels") or {}).get(deployment_pair.TRACK_LABEL) == "canary"}
+        measuring = bool(first_minute.measuring(counted, now, first_minute_s) & canaries)
+        await _converge_pair(kube, namespace, ref.name, target, pair, plan.workload, in_flight, measuring)
     else:
         moving = plan.workload or rollout.WorkloadPatch(workload.template_version or "", workload.partition)
         if (snapshot is not None and moving.template_version == spec.model.weights_version
@@ -125,14 +128,15 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None,
 
 
 async def _converge_pair(kube, namespace: str, name: str, stable: dict[str, Any], pair: deployment_pair.Pair,
-                         patch: rollout.WorkloadPatch | None, in_flight: bool) -> None:
+                         patch: rollout.WorkloadPatch | None, in_flight: bool, measuring: bool = False) -> None:
     """Deployment pair: every tick, not only when the plan changed, because a shrink
-    waits for the other side's ready pods (`deployment_pair.converge`)."""
+    waits for the other side's ready pods, and a hand-back for the canary's pods' first
+    minute (`deployment_pair.converge`)."""
     if patch is None:
         if pair.canary is None:
             return
         patch = rollout.WorkloadPatch(pair.workload.template_version or "", pair.workload.partition)
-    writes = deployment_pair.converge(pair, patch, in_flight, stable)
+    writes = deployment_pair.converge(pair, patch, in_flight, stable, measuring)
     canary = deployment_pair.canary_name(name)
     if writes.canary_create is not None:
         await kube.create_deployment(namespace, writes.canary_create)

@@ -99,6 +99,9 @@ def main(argv: list[str]) -> int:
                    help="cluster mode: two real nodes, kubelet + containerd running the project's images (default; "
                         "needs root, hack/nodes.sh and hack/image.sh, which scripts/setup.sh runs), or the test "
                         "environment's node agent (the pods' processes on the host)")
+    p.add_argument("--workload", choices=("statefulset", "deployment"), default="statefulset",
+                   help="cluster mode on real nodes: the serving pods as a StatefulSet (rolled by partition, "
+                        "default) or a Deployment (rolled as the operator's stable/canary pair)")
     p.add_argument("--sidecars", type=local_demo.positive_int, default=3, help="fleet mode: sidecar processes")
     local_demo.add_arguments(p)
     args = p.parse_args(argv)
@@ -106,6 +109,8 @@ def main(argv: list[str]) -> int:
         p.error("--engine vllm runs in --mode cluster only")
     if args.engine == "vllm":
         args.nodes = "agent"  # demo_vllm runs its vLLM servers on the node agent
+    if args.workload != "statefulset" and (args.mode != "cluster" or args.nodes != "real"):
+        p.error("--workload deployment runs in --mode cluster on real nodes only")
     return MODES[args.mode](args)
 
 

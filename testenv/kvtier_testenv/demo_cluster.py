@@ -141,12 +141,13 @@ class Phase:
     per_member_requests: dict[str, int] = field(default_factory=dict)
 
 
-def policy_manifest(oracle: Any, redis_url: str, prometheus_url: str, engine_port: int | None = None
-                    ) -> dict[str, Any]:
+def policy_manifest(oracle: Any, redis_url: str, prometheus_url: str, engine_port: int | None = None,
+                    workload_kind: str = "StatefulSet") -> dict[str, Any]:
     """A KVCachePolicy whose model identity is the reference engine's own, so the
     sidecars' key roots are exactly the ones the engine clients compute; rollouts of
-    the StatefulSet are gated on the chart's hit-rate alarm in Prometheus, and warm
-    each new pod through its engine on `engine_port` before it takes traffic."""
+    the workload (a StatefulSet, or a Deployment) are gated on the chart's hit-rate
+    alarm in Prometheus, and warm each new pod through its engine on `engine_port`
+    before it takes traffic."""
     s = oracle.shape
     model = oracle.model
     return {
@@ -161,7 +162,7 @@ def policy_manifest(oracle: Any, redis_url: str, prometheus_url: str, engine_por
             "tiers": {"dram": {"capacity": DRAM_CAPACITY}},
             "affinity": {"homes": HOMES},
             "redis": {"url": redis_url},
-            "workloadRef": {"kind": "StatefulSet", "name": WORKLOAD},
+            "workloadRef": {"kind": workload_kind, "name": WORKLOAD},
             "rollout": {"canaryPods": 1, "steps": [50, 100], "recovery": {
                 "source": "alarm", "alarm": {"url": prometheus_url, "api": "prometheus"},
                 "window": "2m", "interval": "2s", "count": 3, "minLookups": 20, "inconclusiveLimit": 1000},
@@ -202,8 +203,20 @@ def statefulset_manifest(replicas: int, version: str, engine: dict[str, Any] | N
     }
 
 
+def deployment_manifest(replicas: int, version: str, engine: dict[str, Any]) -> dict[str, Any]:
+    """The same serving pods as a Deployment: its rollouts run as the operator's
+    stable/canary pair, whose new pods serve beside the old ones until they are warm."""
+    sts = statefulset_manifest(replicas, version, engine)
+    for key in ("serviceName", "podManagementPolicy"):
+        del sts["spec"][key]
+    return {**sts, "kind": "Deployment"}
+
+
 class ClusterDemo:
     """The steps of the demo over one embedded cluster; `close()` tears it all down."""
+
+    # The serving workload's kind (the policy's workloadRef; `kubectl scale` names it).
+    workload_kind = "StatefulSet"
 
     # Serving-pod containers the node agent runs as processes: the engine (the
     # reference engine's HTTP front, which the rollout's warm-up calls; the replays'
@@ -322,11 +335,11 @@ class ClusterDemo:
         if replicas == INITIAL_REPLICAS:
             sts = self.workload_manifest(replicas)
             self.wait_injecting(sts)
-            self.step(f"StatefulSet {WORKLOAD} with {replicas} pods; the webhook injects the sidecar")
+            self.step(f"{self.workload_kind} {WORKLOAD} with {replicas} pods; the webhook injects the sidecar")
             self.kubectl.apply(sts)
         else:
-            self.step(f"kubectl scale statefulset/{WORKLOAD} --replicas={replicas}")
-            self.kubectl.scale(f"statefulset/{WORKLOAD}", replicas)
+            self.step(f"kubectl scale {self.workload_kind.lower()}/{WORKLOAD} --replicas={replicas}")
+            self.kubectl.scale(f"{self.workload_kind.lower()}/{WORKLOAD}", replicas)
         pods = self.wait_serving(replicas)
         for pod in pods:
             names = [c["name"] for c in self.sidecar_containers(pod)]
@@ -841,9 +854,10 @@ def main(args: argparse.Namespace) -> int:
     log = (lambda s: None) if args.quiet or args.json else (lambda s: print(s, file=sys.stderr, flush=True))
     demo_class = None
     if getattr(args, "nodes", "real") == "real":
-        from kvtier_testenv.demo_nodes import NodesDemo  # kubelet, containerd, the project's images
+        # kubelet, containerd, the project's images
+        from kvtier_testenv.demo_nodes import DeploymentNodesDemo, NodesDemo
 
-        demo_class = NodesDemo
+        demo_class = DeploymentNodesDemo if getattr(args, "workload", "statefulset") == "deployment" else NodesDemo
     try:
         result = run(requests=args.requests * 4, seed=args.seed, log=log, demo_class=demo_class)
     except (DemoFailed, TimeoutError) as exc:

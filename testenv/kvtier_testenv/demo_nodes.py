@@ -204,7 +204,8 @@ class NodesDemo(dc.ClusterDemo):
 
     def apply_policy(self) -> None:
         self.step(f"kubectl apply KVCachePolicy {dc.POLICY} (the reference engine's model identity)")
-        self.kubectl.apply(dc.policy_manifest(self.oracle, self.redis_url, self.prom.url, self.engine_port))
+        self.kubectl.apply(dc.policy_manifest(self.oracle, self.redis_url, self.prom.url, self.engine_port,
+                                              self.workload_kind))
         wait_for("tier verdicts in the policy's status", lambda: self.status().get("tiers"))
 
     def engine_container(self) -> dict[str, Any]:
@@ -228,7 +229,7 @@ class NodesDemo(dc.ClusterDemo):
         return sts
 
     def wait_injecting(self, sts: dict[str, Any]) -> None:
-        """Until the webhook, called through its Service, injects the StatefulSet's pods
+        """Until the webhook, called through its Service, injects the workload's pods
         (`nodes.wait_webhook_injects`: otherwise a pod created too early would start
         without the sidecar, its engine finding none to serve through)."""
         from kvtier_testenv.nodes import wait_webhook_injects
@@ -256,7 +257,8 @@ class NodesDemo(dc.ClusterDemo):
             SYSTEM_NAMESPACE).get_json("pods", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
         return {f"{p['metadata']['namespace']}/{p['metadata']['name']}": {
             "node": p["spec"].get("nodeName", ""),
-            "readinessGates": [g["conditionType"] for g in p["spec"].get("readinessGates", [])]} for p in pods}
+            "readinessGates": [g["conditionType"] for g in p["spec"].get("readinessGates", [])]}
+            for p in pods if not p["metadata"].get("deletionTimestamp")}  # those still running, not going
 
     def pod_ips(self) -> dict[str, str]:
         return {p["metadata"]["name"]: p["status"]["podIP"]
@@ -370,3 +372,17 @@ class FrontTenantTraffic(dc.TenantTraffic):
                     self.failures.append(f"{pod}: {a.status} {a.error}")
 
 
+class DeploymentNodesDemo(NodesDemo):
+    """The same demo with the serving pods as a Deployment (`--workload deployment`): the
+    scale-up scales the Deployment, and each rollout runs as the operator's stable/canary
+    pair (a second Deployment, `llm-kvtier-canary`, on the new version), whose new pods
+    serve only once warm while the old ones still do; the pair hands back to the stable
+    Deployment when the rollout completes, and the canary goes on a rollback."""
+
+    workload_kind = "Deployment"
+    where = NodesDemo.where + "; the serving pods a Deployment"
+
+    def workload_manifest(self, replicas: int) -> dict[str, Any]:
+        dep = dc.deployment_manifest(replicas, self.oracle.shape["weights_version"], self.engine_container())
+        dep["spec"]["template"]["spec"]["securityContext"] = RESTRICTED_POD
+        return dep

@@ -58,3 +58,13 @@ def test_completion_hands_the_fleet_back_to_the_stable_then_removes_the_canary()
     assert w.stable["spec"]["template"]["metadata"]["annotations"]["kvtier.io/weights-version"] == NEW
     assert dp.converge(Pair(Side(4, 2, NEW), Side(4, 4, NEW), 4), WorkloadPatch(NEW, 0), False, STABLE).empty
     assert dp.converge(Pair(Side(4, 4, NEW), Side(4, 4, NEW), 4), WorkloadPatch(NEW, 0), False, STABLE).canary_delete
+
+
+def test_a_hand_back_keeps_the_canary_while_its_pods_first_minute_is_measured_a_rollback_never_waits():
+    handed_back = Pair(Side(4, 4, NEW), Side(4, 4, NEW), 4)
+    # The stable serves, but the last step's canary pods are in their first minute.
+    assert dp.converge(handed_back, WorkloadPatch(NEW, 0), False, STABLE, measuring=True).empty
+    assert dp.converge(handed_back, WorkloadPatch(NEW, 0), False, STABLE, measuring=False).canary_delete
+    # A rollback removes the canary (the bad version) once the stable is back, measured or not.
+    rolled_back = Pair(Side(4, 4, OLD), Side(2, 2, NEW), 4)
+    assert dp.converge(rolled_back, WorkloadPatch(OLD, 0), False, STABLE, measuring=True).canary_delete

@@ -151,3 +151,19 @@ def test_the_plugins_status_shows_each_steps_first_minute():
             "status": {"rollout": status(first_minutes=[f]).k8s_json()}}
     assert ("  first minute step  1: hit rate 0.9000 vs baseline 0.9000, 1 warm / 0 cold pods, 9 lookups in 60s"
             in status_lines(body))
+
+
+def test_pods_measuring_are_those_with_an_open_window_not_yet_overdue():
+    """What a Deployment pair's hand-back waits for before its canary goes: open windows
+    only, and none opened two windows ago or more (a pod whose counters stopped answering
+    holds nothing up)."""
+    assert fm.measuring(None, at(0), 60) == set()
+    r1, _ = fm.observe(status(), "RollingOut", old_pods() + (PodSample("llm-3", NEW, True, 6, 0, 384),), SCHEDULE,
+                       at(1), 60)
+    assert fm.measuring(r1, at(2), 60) == {"llm-3"}
+    assert fm.measuring(r1, at(120), 60) == {"llm-3"}
+    assert fm.measuring(r1, at(121), 60) == set()  # overdue
+    # Closed (a minute of traffic): no longer measuring.
+    r2, [_] = fm.observe(r1, "Ready", old_pods() + (PodSample("llm-3", NEW, True, 20, 300, 784),), SCHEDULE,
+                         at(61), 60)
+    assert fm.measuring(r2, at(62), 60) == set()
