@@ -291,11 +291,15 @@ def _replay_all(trace: Trace, requests: list[_Request], tasks: list[tuple[str, i
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         return [replay_single(trace, requests, p, blocks, block_elems) for p, blocks in tasks]
     _SHARED = (trace, requests, block_elems)
+    # Largest capacity first (a bigger cache replays slower): the short replays fill in
+    # at the end, so no worker is left with a long one while the other idles.
+    order = sorted(range(len(tasks)), key=lambda i: -tasks[i][1])
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_replay_task, tasks))
+            done = dict(zip(order, pool.map(_replay_task, [tasks[i] for i in order])))
     finally:
         _SHARED = None
+    return [done[i] for i in range(len(tasks))]
 
 
 def _replay_task(task: tuple[str, int]) -> ReplayPoint:
