@@ -94,7 +94,10 @@ def statefulset_manifest(python: str, pythonpath: str, model: Path, cache_dir: P
                     "env": [names.field_env(names.POD_IP_ENV, names.POD_IP_FIELD),
                             {"name": "PYTHONPATH", "value": pythonpath},
                             {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
-                            {"name": "VLLM_CACHE_ROOT", "value": str(cache_dir)}],
+                            {"name": "VLLM_CACHE_ROOT", "value": str(cache_dir)},
+                            # vLLM's ZeroMQ IPC sockets (default /tmp, left behind by a
+                            # stopped server): beside the cache, in the demo's workdir.
+                            {"name": "VLLM_RPC_BASE_PATH", "value": str(cache_dir.parent)}],
                     "readinessProbe": {"httpGet": {"path": "/health", "port": ENGINE_PORT}, "periodSeconds": 2},
                 }]},
             },

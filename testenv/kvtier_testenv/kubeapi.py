@@ -11,6 +11,7 @@ import ssl
 import tempfile
 import threading
 import urllib.parse
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ class RestClient:
         url = urllib.parse.urlsplit(cluster["server"])
         self.host, self.port = url.hostname, url.port or 443
         self._tmp = Path(tempfile.mkdtemp(prefix="kvtier-rest-"))
+        # The decoded credentials go with the client, closed or not (or at exit).
+        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self._tmp), True)
         ca = self._file(cluster, "certificate-authority")
         self.ctx = ssl.create_default_context(cafile=ca)
         cert, key = self._file(user, "client-certificate"), self._file(user, "client-key")
@@ -103,7 +106,7 @@ class RestClient:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._cleanup()
 
 
 class ObjectLookup:

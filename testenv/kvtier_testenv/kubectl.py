@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -109,6 +111,8 @@ class Helm(_Tool):
         self.kubeconfig = Path(kubeconfig)
         self.binary = binary or binaries.find().helm
         self.home = Path(home) if home else Path(tempfile.mkdtemp(prefix="kvtier-helm-"))
+        if not home:  # a home of its own goes with it (or at exit)
+            weakref.finalize(self, shutil.rmtree, str(self.home), True)
         self.base = ["--kubeconfig", str(self.kubeconfig)]
         if namespace:
             self.base += ["--namespace", namespace]
