@@ -99,43 +99,34 @@ _SETTLE_S = 60.0
 _SHM_AT_START = pytest.StashKey[set]()
 
 
-def _unlink_made_since(before: set[str], config: pytest.Config) -> None:
-    made = _shm_entries() - before
-    _unlink_unused(_settled(made, _SETTLE_S) if _worker(config) else made)
+def _unlink_made_since_start(config: pytest.Config, settled_only: bool) -> None:
+    made = _shm_entries() - config.stash[_SHM_AT_START]
+    _unlink_unused(_settled(made, _SETTLE_S) if settled_only else made)
 
 
-@pytest.fixture(scope="session")
-def _shm_before_session(pytestconfig: pytest.Config):
-    """What /dev/shm held before the session; at its end, what the session made and no
-    live process uses goes (the last module's, a session fixture's). A worker of a
-    parallel run leaves what has not settled yet; its controller takes the rest once
-    every worker is done (`pytest_sessionfinish`)."""
-    before = _shm_entries()
-    yield before
-    _unlink_made_since(before, pytestconfig)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """What /dev/shm held before the session (each worker's and the controller's own)."""
+    session.config.stash[_SHM_AT_START] = _shm_entries()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """At the end, what the session made and no live process uses goes. A worker of a
+    parallel run leaves what has not settled (the other worker may still be making
+    its own); its controller, once every worker is done, takes the rest."""
+    if _SHM_AT_START in session.config.stash:
+        _unlink_made_since_start(session.config, settled_only=_worker(session.config))
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _unlink_shared_memory_left_by_killed_processes(_shm_before_session, pytestconfig: pytest.Config):
+def _unlink_shared_memory_left_by_killed_processes(pytestconfig: pytest.Config):
     """Tests SIGKILL sidecars and engines on purpose, and a killed process never unlinks
     its shared memory: a sidecar's arena is preallocated (64 MiB in the tests), so a
     whole suite's worth would fill /dev/shm (memory-backed) and the machine's memory
     with it. After every test module, what this session created and no live process
-    still uses goes (a session-scoped fixture's processes keep theirs)."""
+    still uses goes (a session-scoped fixture's processes keep theirs; in a parallel
+    run, only what has settled)."""
     yield
-    _unlink_made_since(_shm_before_session, pytestconfig)
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    if not _worker(session.config):
-        session.config.stash[_SHM_AT_START] = _shm_entries()
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """The controller of a parallel run, once its workers are gone: what they made and
-    no live process uses goes, however new."""
-    if getattr(session.config.option, "numprocesses", None) and not _worker(session.config):
-        _unlink_unused(_shm_entries() - session.config.stash.get(_SHM_AT_START, set()))
+    _unlink_made_since_start(pytestconfig, settled_only=_worker(pytestconfig))
 
 
 # --- parallel runs -------------------------------------------------------------------

@@ -37,10 +37,16 @@ from kvtier_operator.rollout import Workload, WorkloadPatch
 CANARY_SUFFIX = "-kvtier-canary"
 FLEET_ANNOTATION = f"{names.PREFIX}/fleet-replicas"
 TRACK_LABEL = f"{names.PREFIX}/track"
+CANARY_TRACK = "canary"
 
 
 def canary_name(stable: str) -> str:
     return f"{stable}{CANARY_SUFFIX}"
+
+
+def is_canary(pod: dict[str, Any]) -> bool:
+    """A pod of the canary Deployment (its template's track label)."""
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(TRACK_LABEL) == CANARY_TRACK
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,15 +161,15 @@ def canary_manifest(stable: dict[str, Any], version: str, replicas: int, fleet: 
     meta, spec = stable["metadata"], stable.get("spec") or {}
     template = copy.deepcopy(spec.get("template") or {})
     tmeta = template.setdefault("metadata", {})
-    tmeta.setdefault("labels", {})[TRACK_LABEL] = "canary"
+    tmeta.setdefault("labels", {})[TRACK_LABEL] = CANARY_TRACK
     tmeta.setdefault("annotations", {})[names.WEIGHTS_VERSION_ANNOTATION] = version
     selector = copy.deepcopy(spec.get("selector") or {})
-    selector.setdefault("matchLabels", {})[TRACK_LABEL] = "canary"
+    selector.setdefault("matchLabels", {})[TRACK_LABEL] = CANARY_TRACK
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {
             "name": canary_name(meta["name"]), "namespace": meta["namespace"],
-            "labels": {**(meta.get("labels") or {}), TRACK_LABEL: "canary"},
+            "labels": {**(meta.get("labels") or {}), TRACK_LABEL: CANARY_TRACK},
             "annotations": {FLEET_ANNOTATION: str(fleet)},
             "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": meta["name"],
                                  "uid": meta["uid"], "controller": False, "blockOwnerDeletion": False}],

@@ -107,8 +107,7 @@ async def reconcile_rollout(kube, sidecars, body: dict[str, Any], http=None,
         crashpoints.reached("rollout-status-written")
     if pair is not None:
         in_flight = (plan.phase or status.phase) in ("RollingOut", "Paused")
-        canaries = {p["metadata"]["name"] for p in pods
-                    if (p["metadata"].get("labels") or {}).get(deployment_pair.TRACK_LABEL) == "canary"}
+        canaries = {p["metadata"]["name"] for p in pods if deployment_pair.is_canary(p)}
         measuring = bool(first_minute.measuring(counted, now, first_minute_s) & canaries)
         await _converge_pair(kube, namespace, ref.name, target, pair, plan.workload, in_flight, measuring)
     else:
