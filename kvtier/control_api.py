@@ -255,6 +255,9 @@ class IndexState(_Answer):
     reads: str | None = None
     writes: str | None = None
     pending_blocks: int | None = None
+    members: list[str] | None = None
+    """The live members a lookup may fetch from: as of the last heartbeat, less any peer
+    forgotten after a failed fetch until the next one."""
     counters: dict[str, int] = Field(default_factory=dict)
 
 

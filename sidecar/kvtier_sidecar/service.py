@@ -339,7 +339,7 @@ class Sidecar:
         health = self.index.health()
         return api.IndexState(enabled=True, available=self.index.available, writable=self.index.writable,
                               reads=health["reads"], writes=health["writes"], pending_blocks=self.index.pending,
-                              counters=dict(self.index.stats))
+                              members=sorted(self.index.members), counters=dict(self.index.stats))
 
     def jobs(self) -> dict[api.JobId, api.Job]:
         self.last_control_s = time.monotonic()

@@ -13,6 +13,7 @@ import redis as redis_sync
 from kvtier.keys import block_hashes
 from kvtier_sidecar.client import EngineHit, Miss, SidecarClient
 from kvtier_testenv.fleet import run_engines, split_requests
+from kvtier_testenv.polling import wait_for
 from kvtier_testenv.workload import make_workload
 
 from .proxy import FaultyProxy
@@ -132,6 +133,8 @@ def test_stalled_peer_costs_a_timeout_and_a_miss_never_an_error(spawn, oracle, r
         r.hset(f"kvt:{{{root.digest().hex()}}}:{h.hex()}", stalled, int(time.time()) + 600)
     b = spawn("b", "127.0.0.3", redis_url, secret_file, peer_timeout_s=1.0, peer_connect_timeout_s=0.25)
     cb = SidecarClient(b.socket)
+    # the stats name the live members a lookup may fetch from: the stalled one among them
+    wait_for("the stalled peer among b's members", lambda: stalled in b.stats()["index"]["members"], 10)
     t0 = time.monotonic()
     assert isinstance(cb.lookup(root, tokens), Miss)
     # The sidecar answered (no client-side timeout) within its own peer deadlines: the
