@@ -5,8 +5,9 @@ members are the views in its namespace that its selector picks, that are Ready, 
 an IP, and are not being deleted. Pure: the handler passes the index's contents.
 
 A member that stops serving (deleted, or no longer Ready) while still holding an IP is
-a leaving candidate: if its sidecar says it is draining, it is a LEAVER — planned out of
-the next epoch, yet still the best source to warm its tenants' new homes from.
+a leaving candidate: if its sidecar says it is draining, or answers while the pod is
+being deleted, it is a LEAVER — planned out of the next epoch, yet still the best
+source to warm its tenants' new homes from.
 """
 from __future__ import annotations
 

@@ -6,10 +6,11 @@ reads top to bottom:
   release the leavers -> status + Event
 
 A leaver is a published member whose pod stopped serving (deleted, or not Ready) while
-its sidecar still answers stats with `draining: true`: it is planned out of the new
-epoch, but its moved tenants' new homes warm from it first (it held them), falling back
-to a surviving old home; once the epoch is published it is told it may go
-(`POST /cache/drain/done`).
+its sidecar still answers stats with `draining: true`, or answers at all while the pod
+is being deleted (a native sidecar drains only once the engine has exited): it is
+planned out of the new epoch, but its moved tenants' new homes warm from it first (it
+held them), falling back to a surviving old home; once the epoch is published it is
+told it may go (`POST /cache/drain/done`; one not draining yet ends its drain once idle).
 
 Both are idempotent: run twice on the same world they write nothing the second time.
 """
@@ -184,7 +185,8 @@ async def reconcile_membership(
     base = epoch.with_knobs(published or epoch.empty_table(spec, old_status.epoch or 0), spec)
 
     candidates = membership.leaving(views, spec.selector, published.members if published else ())
-    leavers, leaver_stats = await sidecars.draining(candidates) if candidates else ({}, [])
+    terminating = {v.name for v in views if v.deleting}
+    leavers, leaver_stats = await sidecars.draining(candidates, terminating) if candidates else ({}, [])
     stats = await sidecars.fleet_stats(members)
     if leaver_stats:  # a leaver's tenants move too: the planner must know them
         stats = FleetStats(stats.per_member + tuple(leaver_stats))

@@ -248,11 +248,18 @@ class SidecarClient:
             log.info("no stats from %s: %s", member.name, exc)
             return None
 
-    async def draining(self, candidates: Mapping[str, Member]) -> tuple[dict[str, Member], list[MemberStats]]:
-        """The candidates whose sidecars answer stats with `draining: true` (the leavers),
-        and their stats. A silent or non-draining one is simply gone: it is no source."""
+    async def draining(self, candidates: Mapping[str, Member], terminating: Iterable[str] = ()
+                       ) -> tuple[dict[str, Member], list[MemberStats]]:
+        """The leavers among the candidates, and their stats: those whose sidecars answer
+        stats with `draining: true`, or answer at all while their pod is `terminating`
+        (being deleted). A native sidecar is signalled only once the engine container has
+        exited, which can take the engine's whole shutdown: until then it serves its
+        blocks without draining, and it is the best source its tenants have. A silent
+        candidate, or a non-draining one whose pod is not being deleted, is simply gone:
+        it is no source."""
+        ending = set(terminating)
         answers = await asyncio.gather(*(self._stats(m) for m in candidates.values()))
-        leaving = [s for s in answers if s is not None and s.draining]
+        leaving = [s for s in answers if s is not None and (s.draining or s.member in ending)]
         return dict(sorted((s.member, candidates[s.member]) for s in leaving)), leaving
 
     async def release(self, leavers: Mapping[str, Member]) -> None:

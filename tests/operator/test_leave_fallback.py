@@ -92,3 +92,28 @@ def test_warm_up_falls_back_to_a_surviving_old_home_when_the_leaver_does_not_ans
     assert kinds[-2:] == ["configmap", "annotations"] and kube.writes[-1][1] is None  # published, journal cleared
     journals = [json.loads(v) for k, v in kube.writes if k == "annotations" and v]
     assert journals and "moved@new" in journals[-1]["done"]
+
+
+def test_a_deleted_pods_sidecar_not_draining_yet_is_a_leaver_and_a_live_unready_one_is_not(sidecars):
+    """A native sidecar is signalled only once its engine has exited: while the pod is
+    being deleted and the engine shuts down, the sidecar answers without draining. It
+    still holds the pod's tenants, so it is a leaver (a warm-up source); the same answer
+    from a pod that is merely not Ready, or from a deleted pod whose sidecar is silent,
+    is not."""
+    spec, handles, workdir = sidecars
+    ns = fleet_namespace(workdir)
+    candidates = {n: membership.Member(membership.MemberName(n), IPS[n], 1.0, ns, "fleet")
+                  for n in ("keep", "new", "gone")}
+
+    async def run(terminating):
+        client = SidecarClient.create(tls=ControlTls.from_ca(fleet_tls(workdir).ca_pem))
+        try:
+            return await client.draining(candidates, terminating)
+        finally:
+            await client.close()
+
+    leavers, stats = asyncio.run(run({"keep", "gone"}))
+    assert list(leavers) == ["keep"]  # "gone" is silent: no source, whatever its pod
+    assert [s.member for s in stats] == ["keep"] and not stats[0].draining
+    leavers, stats = asyncio.run(run(()))
+    assert leavers == {} and stats == []
