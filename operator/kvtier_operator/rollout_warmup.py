@@ -18,7 +18,11 @@ tick (`decide`):
 Warming a pod: the tenants whose homes include it (`tenants_of_pod`: rendezvous over the
 published table with the pod as a member), each weighted by the pod's rank in its homes
 (`home_weights`: full weight where it is the tenant's first home, which gets the
-tenant's traffic; `OTHER_HOME_WEIGHT` elsewhere), each tenant's hottest prefixes taken
+tenant's traffic; `OTHER_HOME_WEIGHT` elsewhere). A Deployment pair's canary pod also
+gets the tenants it may gain when the step then scales the stable Deployment down
+(`maybe_home`, weighted by the chance: the ReplicaSet controller picks the stable pods
+that go, and a membership warm-up copies only the old version's blocks, which a
+new-version pod cannot use). Each tenant's hottest prefixes taken
 first from the pod's OWN sidecar, read before it restarted (`rollout_snapshot`; at
 `OWN_WEIGHT`: that frequency is the pod's own traffic), then read from its current
 homes on the old version (`sources`; their sidecars' `GET /cache/hot`, each asked for
@@ -33,6 +37,7 @@ reached), WarmupTimedOut. A pod never stays gated because its warm-up went wrong
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -103,13 +108,28 @@ def decide(pod: Mapping[str, Any], *, warms: bool, in_flight: bool, target: str 
     return Decision("warm")
 
 
-def tenants_of_pod(table: AffinityTable | None, pod: str, weight: float, tenants: Iterable[str]) -> list[str]:
+def tenants_of_pod(table: AffinityTable | None, pod: str, weight: float, tenants: Iterable[str],
+                   leaving: int = 0, removable: Iterable[str] = ()) -> list[str]:
     """The tenants whose homes include `pod` once it serves: the published table with
-    the pod as a member (while it is gated it may have left the table)."""
-    if table is None:
-        return []
-    joined = table.model_copy(update={"members": {**table.members, pod: table.members.get(pod, weight)}})
-    return sorted(t for t in set(tenants) if pod in joined.homes_for(t))
+    the pod as a member (while it is gated it may have left the table); with `leaving`,
+    also those it may gain when the step removes that many of the `removable` members
+    (`maybe_home`)."""
+    return sorted(home_weights(table, pod, weight, tenants, leaving, removable))
+
+
+def maybe_home(order: Sequence[str], homes: Sequence[str], pod: str, leaving: int, removable: set[str]) -> float:
+    """The chance that `pod`, not among a tenant's `homes`, becomes one when the step
+    removes `leaving` members picked from `removable` (a Deployment pair's step: the
+    ReplicaSet controller picks which stable pods go): it must rank within the homes
+    plus `leaving` in the tenant's rendezvous `order`, and one of its homes must go.
+    0.0 when it cannot."""
+    if leaving <= 0 or pod not in order or pod in homes or order.index(pod) >= len(homes) + leaving:
+        return 0.0
+    ahead = sum(1 for m in homes if m in removable)
+    n, k = len(removable), min(leaving, len(removable))
+    if ahead == 0 or k == 0:
+        return 0.0
+    return 1.0 - math.comb(n - ahead, k) / math.comb(n, k)
 
 
 def sources(table: AffinityTable | None, tenant: str, pod: str, old_members: Iterable[str],
@@ -131,18 +151,24 @@ def sources(table: AffinityTable | None, tenant: str, pod: str, old_members: Ite
     return homes + rest + sorted((m for m in held if m in new), key=rank)
 
 
-def home_weights(table: AffinityTable | None, pod: str, weight: float, tenants: Iterable[str]) -> dict[str, float]:
+def home_weights(table: AffinityTable | None, pod: str, weight: float, tenants: Iterable[str],
+                 leaving: int = 0, removable: Iterable[str] = ()) -> dict[str, float]:
     """Each tenant's weight on `pod` (the published table with the pod as a member):
     1.0 where the pod is its first home, `OTHER_HOME_WEIGHT` where it is another home;
-    tenants it is no home of are left out."""
+    with `leaving`, `OTHER_HOME_WEIGHT` x the chance it becomes a home when the step
+    removes that many `removable` members (`maybe_home`); tenants it is no home of, and
+    cannot become one of, are left out."""
     if table is None:
         return {}
     joined = table.model_copy(update={"members": {**table.members, pod: table.members.get(pod, weight)}})
+    gone = set(removable) - {pod}
     out = {}
     for t in sorted(set(tenants)):
         homes = joined.homes_for(t)
         if pod in homes:
             out[t] = 1.0 if homes[0] == pod else OTHER_HOME_WEIGHT
+        elif leaving and (chance := maybe_home(joined.order_for(t), homes, pod, leaving, gone)) > 0:
+            out[t] = OTHER_HOME_WEIGHT * chance
     return out
 
 

@@ -39,7 +39,7 @@ import aiohttp
 
 from kvtier import policy
 
-from kvtier_operator import economics, events, names, publish, rollout_snapshot
+from kvtier_operator import deployment_pair, economics, events, names, publish, rollout_snapshot
 from kvtier_operator import rollout_warmup as rw
 from kvtier_operator.membership import Member, MemberName, pod_view
 
@@ -222,12 +222,19 @@ async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePoli
     table = publish.read_table(await memo.kube.read_config_map(namespace, names.affinity_config_map(policy_name)))
     members: dict[str, Member] = {}  # every serving pod but this one; those on the old version first
     old_names: list[str] = []
+    joining = 0  # a Deployment pair's canary pods not serving yet, this one included
     for p in await _policy_pods(memo.kube, namespace, policy_name):
         v = pod_view(p)
         if v.serving and v.name != pod_name:
             members[v.name] = Member(MemberName(v.name), v.ip or "", v.weight, namespace, v.injected_by or "")
             if rw.pod_version(p) == old:
                 old_names.append(v.name)
+        elif deployment_pair.is_canary(p) and not v.serving and not v.deleting:
+            joining += 1
+    # A canary pod's step then scales the stable Deployment (the serving pods on the old
+    # version) down by as many pods as it adds: their tenants may land on this pod, and
+    # only its own engine can warm them (their old homes hold the old version's blocks).
+    leaving = joining if deployment_pair.is_canary(pod) else 0
     # The pod's own hot list from before it restarted: first source of each tenant in it.
     own = rollout_snapshot.own_prompts(memo, namespace, policy_name, pod) or {}
     stats = await memo.sidecars.fleet_stats(members)
@@ -241,8 +248,9 @@ async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePoli
             holders.setdefault(t, []).append(s.member)
     weight = pod_view(pod).weight
     known = set(holders) | set(own)
-    tenants = rw.tenants_of_pod(table, pod_name, weight, known) if table is not None else sorted(known)
-    weights = rw.home_weights(table, pod_name, weight, tenants) if table is not None else {}
+    tenants = (rw.tenants_of_pod(table, pod_name, weight, known, leaving, old_names) if table is not None
+               else sorted(known))
+    weights = rw.home_weights(table, pod_name, weight, tenants, leaving, old_names) if table is not None else {}
     progress.tenants = len(tenants)
     ask = rw.ask_tokens(budget, len(tenants))
     gate = asyncio.Semaphore(HOT_IN_FLIGHT)

@@ -339,3 +339,34 @@ def test_a_warmup_request_is_marked_as_the_warmup_and_prefill_sends_exactly_that
     ok = asyncio.run(io._prefill(Http(), "http://10.0.0.3:8000/v1/completions", "llm", "acme",
                                  rw.Prompt((5, 6, 7), 1.0), progress))
     assert ok and sent == [("http://10.0.0.3:8000/v1/completions", body)]
+
+
+def test_a_canary_also_warms_the_tenants_it_gains_when_the_step_removes_a_stable_pod_by_their_chance():
+    """A Deployment pair's step adds a canary pod, then the ReplicaSet controller removes
+    one stable pod of its choosing: each tenant of that pod may land on the canary,
+    which only its own warm-up can fill (the old homes hold the old version's blocks).
+    The weight is OTHER_HOME_WEIGHT x the share of stable pods whose removal makes the
+    canary a home: counted here by removing each one in turn."""
+    stable = ["llm-0", "llm-1", "llm-2", "llm-3"]
+    t = table(stable, homes=2)
+    canary = "llm-canary-x"
+    tenants = [f"t{i}" for i in range(60)]
+    sure = rw.home_weights(t, canary, 1.0, tenants)
+    weights = rw.home_weights(t, canary, 1.0, tenants, leaving=1, removable=stable)
+    assert set(rw.tenants_of_pod(t, canary, 1.0, tenants, 1, stable)) == set(weights)
+    gained = 0
+    for tenant in tenants:
+        after = [table([m for m in stable if m != gone] + [canary], homes=2).homes_for(tenant) for gone in stable]
+        share = sum(canary in homes for homes in after) / len(stable)
+        if tenant in sure:
+            assert weights[tenant] == sure[tenant] and share == 1.0
+        elif share:
+            gained += 1
+            assert weights[tenant] == pytest.approx(rw.OTHER_HOME_WEIGHT * share), tenant
+        else:
+            assert tenant not in weights
+    assert gained and sure, "the names should give both kinds of tenant"
+    # A StatefulSet's pods restart in place (nothing leaves), and a step that removes no
+    # one adds nothing either.
+    assert rw.home_weights(t, canary, 1.0, tenants, leaving=0, removable=stable) == sure
+    assert rw.home_weights(t, canary, 1.0, tenants, leaving=1, removable=()) == sure
