@@ -269,7 +269,10 @@ class SidecarClient:
             try:
                 async with await self._call(api.DRAIN_DONE, member, aiohttp.ClientTimeout(total=STATS_TIMEOUT_S),
                                             {}) as resp:
-                    log.info("released leaving pod %s: %s", member.name, resp.status)
+                    if resp.status == 409:  # its engine still shutting down: it drains once idle
+                        log.info("leaving pod %s not draining yet: its drain ends once idle", member.name)
+                    else:
+                        log.info("released leaving pod %s: %s", member.name, resp.status)
             except (aiohttp.ClientError, asyncio.TimeoutError, NotReachable) as exc:
                 log.info("leaving pod %s not released: %s", member.name, exc)
         await asyncio.gather(*(done(m) for m in leavers.values()))

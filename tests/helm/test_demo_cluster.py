@@ -86,3 +86,43 @@ def test_cluster_demo_scales_with_warm_up_rolls_out_and_back_and_serves_no_wrong
     # no request got any other error.
     assert r["traffic"]["wrong_kv"] == 0 and sum(r["traffic"]["hits"].values()) > 0
     assert r["traffic"]["failed"] == 0, r["traffic"]["failures"]
+
+
+@pytest.mark.nodes
+def test_deployment_demo_rolls_out_through_a_warmed_canary_pair_and_back_and_serves_no_wrong_kv():
+    """`./scripts/demo.sh --workload deployment`: the same story with the serving pods a
+    Deployment, each rollout the operator's stable/canary pair. Each step adds warmed
+    canary pods, then the ReplicaSet controller removes as many stable pods: their
+    tenants' new homes warm from them while they shut down (a native sidecar drains only
+    once its engine exited), and a canary warms at its gate the tenants it may gain
+    (their old homes hold only the old version's blocks), so its first window of traffic
+    is warm and the alarm stays quiet until the bad version."""
+    proc = subprocess.run([sys.executable, "-m", "kvtier_testenv.demo", "--mode", "cluster", "--workload",
+                           "deployment", "--json"], capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, cwd=ROOT)
+    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stderr[-12000:]}\n{proc.stdout[-2000:]}"
+    result = json.loads(proc.stdout)
+    assert result["ok"] is True and "a Deployment" in result["where"]
+    serving = {p: v for p, v in result["placement"].items() if p.startswith("kvtier-demo/")}
+    assert {v["node"] for v in result["placement"].values()} == {"kvtier-node-0", "kvtier-node-1"}, serving
+    assert all("kvtier.io/warm" in v["readinessGates"] for v in serving.values()), serving
+    assert len(result["phases"]["after"]["members"]) == len(result["phases"]["before"]["members"]) + 1
+    r = result["rollouts"]
+    good = [(h["step"], h["outcome"]) for h in r["good"]["history"] if h["version"] == r["good"]["version"]]
+    assert good == [(1, "recovered"), (2, "recovered"), (3, "completed")], r["good"]["history"]
+    g = r["good"]
+    # Every pod the good rollout added was a canary pod, warmed at its gate within budget.
+    assert g["warmups"] and all("-kvtier-canary-" in w["pod"] for w in g["warmups"]), g["warmups"]
+    for w in g["warmups"]:
+        assert w["outcome"] == "Warmed" and w["tenants"] > 0 and w["coldTenants"] == 0, w
+        assert 0 < w["tokens"] <= w["budgetTokens"] == g["warmup_budget"]["maxTokens"], w
+    figures = g["first_minutes"]
+    assert [f["step"] for f in figures] == [1, 2, 3]
+    for f in figures:
+        assert f["warmPods"] == f["pods"] and f["coldPods"] == 0 and f["lookups"] > 0, f
+    assert g["first_minute"]["ratios"][0] >= 0.8, g["first_minute"]
+    bad = [h for h in r["bad"]["history"] if h["version"] == r["bad"]["version"]]
+    assert [(h["step"], h["outcome"]) for h in bad] == [(1, "rolledBack")]
+    assert "alert KVTierHitRateDrop firing for" in bad[0]["message"]
+    assert r["bad"]["serving"] == g["version"]
+    assert r["traffic"]["wrong_kv"] == 0 and sum(r["traffic"]["hits"].values()) > 0
+    assert r["traffic"]["failed"] == 0, r["traffic"]["failures"]
