@@ -248,9 +248,9 @@ async def _warm(memo, namespace: str, policy_name: str, spec: policy.KVCachePoli
             holders.setdefault(t, []).append(s.member)
     weight = pod_view(pod).weight
     known = set(holders) | set(own)
-    tenants = (rw.tenants_of_pod(table, pod_name, weight, known, leaving, old_names) if table is not None
-               else sorted(known))
-    weights = rw.home_weights(table, pod_name, weight, tenants, leaving, old_names) if table is not None else {}
+    # The tenants it serves (or may gain) and their weights, in one pass over the table.
+    weights = rw.home_weights(table, pod_name, weight, known, leaving, old_names) if table is not None else {}
+    tenants = sorted(weights) if table is not None else sorted(known)
     progress.tenants = len(tenants)
     ask = rw.ask_tokens(budget, len(tenants))
     gate = asyncio.Semaphore(HOT_IN_FLIGHT)

@@ -20,12 +20,38 @@ from helm_chart import ROOT
 DEMO_TIMEOUT_S = 1200
 
 
-@pytest.mark.nodes
-def test_cluster_demo_scales_with_warm_up_rolls_out_and_back_and_serves_no_wrong_kv():
-    proc = subprocess.run([sys.executable, "-m", "kvtier_testenv.demo", "--mode", "cluster", "--json"],
+def _demo(*args: str) -> dict:
+    """`python -m kvtier_testenv.demo --mode cluster *args --json`, passed, its result."""
+    proc = subprocess.run([sys.executable, "-m", "kvtier_testenv.demo", "--mode", "cluster", *args, "--json"],
                           capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, cwd=ROOT)
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stderr[-12000:]}\n{proc.stdout[-2000:]}"
-    result = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def _assert_warmed_within_budget(good: dict) -> None:
+    for w in good["warmups"]:
+        assert w["outcome"] == "Warmed" and w["tenants"] > 0 and w["coldTenants"] == 0, w
+        assert 0 < w["tokens"] <= w["budgetTokens"] == good["warmup_budget"]["maxTokens"], w
+
+
+def _assert_bad_version_rolled_back(r: dict) -> None:
+    """The bad version's first step rolled back on the alarm, the good one serving again."""
+    bad = [h for h in r["bad"]["history"] if h["version"] == r["bad"]["version"]]
+    assert [(h["step"], h["outcome"]) for h in bad] == [(1, "rolledBack")]
+    assert "alert KVTierHitRateDrop firing for" in bad[0]["message"]
+    assert r["bad"]["serving"] == r["good"]["version"]
+
+
+def _assert_no_wrong_kv_and_no_failed_answer(r: dict) -> None:
+    """Every hit the engines loaded was checked against a recompute (a wrong one is a
+    500); no request got any other error."""
+    assert r["traffic"]["wrong_kv"] == 0 and sum(r["traffic"]["hits"].values()) > 0
+    assert r["traffic"]["failed"] == 0, r["traffic"]["failures"]
+
+
+@pytest.mark.nodes
+def test_cluster_demo_scales_with_warm_up_rolls_out_and_back_and_serves_no_wrong_kv():
+    result = _demo()
     assert result["ok"] is True
     # The pods ran on the real nodes: the operator and the serving pods, spread over both.
     placement = result["placement"]
@@ -62,9 +88,7 @@ def test_cluster_demo_scales_with_warm_up_rolls_out_and_back_and_serves_no_wrong
     # tenants' hottest prefixes through its engine (engine_front) within its budget...
     g = r["good"]
     assert sorted(w["pod"] for w in g["warmups"]) == ["llm-0", "llm-1", "llm-2", "llm-3"]
-    for w in g["warmups"]:
-        assert w["outcome"] == "Warmed" and w["tenants"] > 0 and w["coldTenants"] == 0, w
-        assert 0 < w["tokens"] <= w["budgetTokens"] == g["warmup_budget"]["maxTokens"], w
+    _assert_warmed_within_budget(g)
     # ...and each step's new pods were measured over their first window of traffic (the
     # demo's chart value shortens it to FIRST_MINUTE_S), all warm, next to the old version.
     figures = g["first_minutes"]
@@ -76,16 +100,12 @@ def test_cluster_demo_scales_with_warm_up_rolls_out_and_back_and_serves_no_wrong
         assert f["lookups"] > 0 and f["hitRate"] is not None and f["baselineHitRate"], f
     # The canary's warmed first window against the old version's hit rate: issue #24's target.
     assert g["first_minute"]["ratios"][0] >= 0.8, g["first_minute"]
-    bad = [h for h in r["bad"]["history"] if h["version"] == r["bad"]["version"]]
-    assert [(h["step"], h["outcome"]) for h in bad] == [(1, "rolledBack")]
-    assert "alert KVTierHitRateDrop firing for" in bad[0]["message"]
-    assert r["bad"]["serving"] == r["good"]["version"]  # back on v2
+    _assert_bad_version_rolled_back(r)  # back on v2
     assert r["bad"]["alert"]["state"] == "firing" and r["bad"]["alert"]["labels"]["policy"] == "demo"
     assert any(e.split()[1] == "RolledBack" and "KVTierHitRateDrop" in e for e in r["events"])
     # Every hit the engines loaded was checked against a recompute (a wrong one is a 500);
     # no request got any other error.
-    assert r["traffic"]["wrong_kv"] == 0 and sum(r["traffic"]["hits"].values()) > 0
-    assert r["traffic"]["failed"] == 0, r["traffic"]["failures"]
+    _assert_no_wrong_kv_and_no_failed_answer(r)
 
 
 @pytest.mark.nodes
@@ -97,10 +117,7 @@ def test_deployment_demo_rolls_out_through_a_warmed_canary_pair_and_back_and_ser
     once its engine exited), and a canary warms at its gate the tenants it may gain
     (their old homes hold only the old version's blocks), so its first window of traffic
     is warm and the alarm stays quiet until the bad version."""
-    proc = subprocess.run([sys.executable, "-m", "kvtier_testenv.demo", "--mode", "cluster", "--workload",
-                           "deployment", "--json"], capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, cwd=ROOT)
-    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stderr[-12000:]}\n{proc.stdout[-2000:]}"
-    result = json.loads(proc.stdout)
+    result = _demo("--workload", "deployment")
     assert result["ok"] is True and "a Deployment" in result["where"]
     serving = {p: v for p, v in result["placement"].items() if p.startswith("kvtier-demo/")}
     assert {v["node"] for v in result["placement"].values()} == {"kvtier-node-0", "kvtier-node-1"}, serving
@@ -112,17 +129,11 @@ def test_deployment_demo_rolls_out_through_a_warmed_canary_pair_and_back_and_ser
     g = r["good"]
     # Every pod the good rollout added was a canary pod, warmed at its gate within budget.
     assert g["warmups"] and all("-kvtier-canary-" in w["pod"] for w in g["warmups"]), g["warmups"]
-    for w in g["warmups"]:
-        assert w["outcome"] == "Warmed" and w["tenants"] > 0 and w["coldTenants"] == 0, w
-        assert 0 < w["tokens"] <= w["budgetTokens"] == g["warmup_budget"]["maxTokens"], w
+    _assert_warmed_within_budget(g)
     figures = g["first_minutes"]
     assert [f["step"] for f in figures] == [1, 2, 3]
     for f in figures:
         assert f["warmPods"] == f["pods"] and f["coldPods"] == 0 and f["lookups"] > 0, f
     assert g["first_minute"]["ratios"][0] >= 0.8, g["first_minute"]
-    bad = [h for h in r["bad"]["history"] if h["version"] == r["bad"]["version"]]
-    assert [(h["step"], h["outcome"]) for h in bad] == [(1, "rolledBack")]
-    assert "alert KVTierHitRateDrop firing for" in bad[0]["message"]
-    assert r["bad"]["serving"] == g["version"]
-    assert r["traffic"]["wrong_kv"] == 0 and sum(r["traffic"]["hits"].values()) > 0
-    assert r["traffic"]["failed"] == 0, r["traffic"]["failures"]
+    _assert_bad_version_rolled_back(r)
+    _assert_no_wrong_kv_and_no_failed_answer(r)
