@@ -39,7 +39,10 @@ containerd removes their network namespaces), stops every process by its pid, th
 removes what is left: mounts under the temp dir, network namespaces and shim sockets
 this containerd made, the iptables chains that were not there before (kubelet's and
 kube-proxy's, and the guard), the bridge and its route, the host-sysctls kubelet and
-the bridge change (put back to the values they had), kubelet's cgroups.
+the bridge change (put back to the values they had), kubelet's cgroups. A process
+killed before its `stop()` leaves all of that; `reclaim()` (`python -m
+kvtier_testenv.nodes reclaim`) removes it, with the host state the cluster's dir
+recorded at its start (`HOST_BEFORE`).
 
 The nodes share the host's network namespace, so one kube-proxy programs Services for
 both (two would rewrite the same KUBE-SERVICES chains); it runs as node 0's. What a
@@ -469,9 +472,9 @@ class NodeCluster:
     # -- host network: bridge, route, the guard ------------------------------------------
 
     def _check_free(self) -> None:
-        if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
-            raise NodeError(f"link {BRIDGE} exists already: another cluster runs here, or a "
-                            "killed run left it (ip link del kvtier0 after checking nothing uses it)")
+        if _bridge_exists() and not _bridge_gone_within(BRIDGE_GONE_TIMEOUT_S):
+            raise NodeError(f"link {BRIDGE} exists already: another cluster runs here, or a killed run "
+                            "left it (with no cluster running: .venv/bin/python -m kvtier_testenv.nodes reclaim)")
         if GUARD_CHAIN in _chains("iptables", "filter"):
             raise NodeError(f"iptables chain {GUARD_CHAIN} exists already: another cluster runs here")
 
@@ -484,6 +487,10 @@ class NodeCluster:
         for name in SYSCTLS:
             with contextlib.suppress(OSError):
                 self._sysctls[name] = _read_sysctl(name)
+        # What `reclaim()` puts back should this process be killed before its stop.
+        (self.dir / HOST_BEFORE).write_text(json.dumps({
+            "sysctls": self._sysctls, "netns": sorted(self._netns_before),
+            "chains": [[tool, table, sorted(c)] for (tool, table), c in self._chains_before.items()]}))
         # The guard first, before any address of the ranges exists.
         _run("iptables", "-t", "filter", "-N", GUARD_CHAIN)
         for rule in (["-o", BRIDGE, "-j", "RETURN"], ["-o", "lo", "-j", "RETURN"],
@@ -506,13 +513,16 @@ class NodeCluster:
     def _restore_network(self, errors: list[str]) -> None:
         if self._made_bridge:
             _run("ip", "route", "del", SERVICE_CIDR, "dev", BRIDGE, check=False)
-            _run("ip", "link", "del", BRIDGE, check=False)
+            gone, tries = _delete_bridge()
+            if tries:  # what a slow delete met, for the next one to read
+                with open(self.log_dir / "stop.log", "a") as log:
+                    log.write(f"deleting link {BRIDGE}: {tries[:20]}\n")
+            if not gone:
+                errors.append(f"link {BRIDGE} still exists {BRIDGE_GONE_TIMEOUT_S:.0f} s after stop: {tries[:10]}")
             self._made_bridge = False
         for (tool, table), before in self._chains_before.items():
             _remove_chains(tool, table, before)
         self._chains_before.clear()
-        if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
-            errors.append(f"link {BRIDGE} still exists after stop")
 
     def _restore_sysctls(self) -> None:
         for name, value in self._sysctls.items():
@@ -961,6 +971,68 @@ def _mem_total_bytes() -> int:
     raise NodeError("no MemTotal in /proc/meminfo")
 
 
+HOST_BEFORE = "host-before.json"
+"""In a cluster's dir: the host's sysctls, network namespaces and iptables chains as
+they were before its start, for `reclaim()`."""
+BRIDGE_GONE_TIMEOUT_S = 30.0
+"""How long a deleted bridge may linger (a CNI plugin still running, the kernel still
+unregistering its ports) before a stop or a start calls it left behind."""
+
+
+def _bridge_exists() -> bool:
+    out = _run("ip", "link", "show", BRIDGE, check=False)
+    if out.returncode != 0 and "does not exist" not in out.stderr:
+        raise NodeError(f"ip link show {BRIDGE} failed ({out.returncode}): {out.stderr.strip()}")
+    return out.returncode == 0
+
+
+def _bridge_gone_within(timeout_s: float) -> bool:
+    with contextlib.suppress(WaitTimeout):
+        wait_for(f"link {BRIDGE} gone", lambda: not _bridge_exists(), timeout_s, 0.2)
+        return True
+    return False
+
+
+def _cni_plugin_pids() -> list[int]:
+    """CNI plugins still running (a sandbox's ADD or DEL that containerd started)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(d / "exe").startswith(CNI_BIN_DIR + "/"):
+                    pids.append(int(d.name))
+    return pids
+
+
+def _delete_bridge() -> tuple[bool, list[str]]:
+    """Deletes the bridge, until it stays gone: a CNI plugin that containerd left
+    running (its ADD) would make it again, so those go first. Whether it is gone, and
+    what each try met (a failed delete, a plugin killed, the link back after a delete)."""
+    tries: list[str] = []
+
+    def gone() -> bool:
+        if plugins := _cni_plugin_pids():
+            tries.append(f"killed CNI plugins {plugins}")
+            for pid in plugins:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if _bridge_exists():
+            out = _run("ip", "link", "del", BRIDGE, check=False)
+            if out.returncode != 0:
+                tries.append(f"ip link del: rc {out.returncode} {out.stderr.strip()}")
+        if not _bridge_exists():
+            return True
+        tries.append("still there after a delete")
+        return False
+    with contextlib.suppress(WaitTimeout):
+        wait_for(f"link {BRIDGE} deleted", gone, BRIDGE_GONE_TIMEOUT_S, 0.2)
+        return True, tries
+    detail = _run("ip", "-d", "link", "show", BRIDGE, check=False)
+    ports = _run("ip", "-br", "link", "show", "master", BRIDGE, check=False)
+    tries += [detail.stdout.strip(), f"ports: {ports.stdout.strip() or 'none'}"]
+    return False, tries
+
+
 def _pids_with_arg(arg: str) -> list[int]:
     pids = []
     for d in Path("/proc").iterdir():
@@ -1037,7 +1109,7 @@ def leftovers() -> list[str]:
     """What a stopped cluster must not leave: the bridge, the guard chain, kubelet's
     cgroups, processes of the node binaries, mounts of a kvtier-nodes dir."""
     found = []
-    if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
+    if _bridge_exists():
         found.append(f"link {BRIDGE}")
     if GUARD_CHAIN in _chains("iptables", "filter"):
         found.append(f"chain {GUARD_CHAIN}")
@@ -1054,3 +1126,94 @@ def leftovers() -> list[str]:
         if "/kvtier-nodes-" in line.split()[1]:
             found.append(f"mount {line.split()[1]}")
     return found
+
+
+def reclaim() -> list[str]:
+    """Removes what a killed run left (a process killed before its `stop()`), then
+    returns `leftovers()`. Only for a machine where no cluster runs: it kills every
+    process naming a cluster dir (`kvtier-nodes-*`: containerd, kubelet, their shims)
+    and every process in the nodes' pod cgroups, then unmounts, deletes and puts back
+    what `stop()` would have, with the host state each dir recorded at its start."""
+    dirs = list(Path(tempfile.gettempdir()).glob("kvtier-nodes-*"))
+    doomed: set[int] = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if "/kvtier-nodes-" in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    doomed.add(int(d.name))
+    cgroups = [c for controller in CGROUP_ROOT.iterdir()
+               for c in [controller / "kubepods", *controller.glob(f"{NODE_CGROUP_PREFIX}*")] if c.is_dir()]
+    for top in cgroups:
+        for procs in top.rglob("cgroup.procs"):
+            with contextlib.suppress(OSError, ValueError):
+                doomed.update(int(pid) for pid in procs.read_text().split())
+    doomed.update(_cni_plugin_pids())
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(WaitTimeout):
+        wait_for("the killed run's processes gone", lambda: not any(Path(f"/proc/{p}").exists() for p in doomed),
+                 STOP_TIMEOUT_S, 0.2)
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    for target in sorted((m for m in mounts if "/kvtier-nodes-" in m), key=len, reverse=True):
+        _run("umount", "-l", target, check=False)
+    netns_before: set[str] = set()
+    chains_before: dict[tuple[str, str], set[str]] = {}
+    sysctls: dict[str, str] = {}
+    records = []
+    for d in dirs:
+        with contextlib.suppress(OSError, ValueError):
+            records.append(((d / HOST_BEFORE).stat().st_mtime, json.loads((d / HOST_BEFORE).read_text())))
+    if records:  # the oldest record: the host before any of these runs
+        before = min(records, key=lambda r: r[0])[1]
+        netns_before = set(before["netns"])
+        chains_before = {(tool, table): set(c) for tool, table, c in before["chains"]}
+        sysctls = before["sysctls"]
+    if NETNS_DIR.is_dir():
+        for name in set(os.listdir(NETNS_DIR)) - netns_before:
+            if name.startswith("cni-"):
+                _run("umount", "-l", str(NETNS_DIR / name), check=False)
+                with contextlib.suppress(OSError):
+                    (NETNS_DIR / name).unlink()
+    _run("ip", "route", "del", SERVICE_CIDR, "dev", BRIDGE, check=False)
+    _delete_bridge()
+    for tool in IPTABLES:
+        for table in TABLES:
+            keep = chains_before.get((tool, table))
+            if keep is None:  # no record: every kubelet, kube-proxy and guard chain goes
+                keep = {c for c in _chains(tool, table) if not c.startswith("KUBE-") and c != GUARD_CHAIN}
+            _remove_chains(tool, table, keep)
+    for name, value in sysctls.items():
+        with contextlib.suppress(OSError):
+            if _read_sysctl(name) != value:
+                _write_sysctl(name, value)
+    for top in cgroups:
+        for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        with contextlib.suppress(OSError):
+            top.rmdir()
+    NodeCluster._remove_cni_cache()
+    NodeCluster._remove_device_plugin_socket()
+    if SHIM_SOCKET_DIR.is_dir():  # the killed shims' sockets: nothing listens on them
+        for sock in SHIM_SOCKET_DIR.iterdir():
+            with socket.socket(socket.AF_UNIX) as probe, contextlib.suppress(OSError):
+                try:
+                    probe.connect(str(sock))
+                except ConnectionRefusedError:
+                    sock.unlink()
+    left = leftovers()
+    if not left:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    return left
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] != ["reclaim"]:
+        sys.exit("usage: python -m kvtier_testenv.nodes reclaim   (what a killed run left; no cluster may run)")
+    left = reclaim()
+    print("\n".join(left) if left else "nothing left")
+    sys.exit(1 if left else 0)
+

@@ -1,0 +1,90 @@
+"""A run killed before its cluster's stop (a CI job's timeout, a developer's ^C twice)
+leaves a running cluster's host state behind: containers under their shims, mounts,
+network namespaces, the bridge, iptables chains, kubelet's sysctls and cgroups. The
+next start refuses to run over it; `python -m kvtier_testenv.nodes reclaim` removes it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier_testenv.nodes import NETNS_DIR, SHIM_SOCKET_DIR, SYSCTLS, leftovers, reclaim
+from kvtier_testenv.polling import wait_for
+
+# A one-node cluster's cold start plus a pod's, on a loaded 2-core machine.
+START_TIMEOUT_S = 300.0
+
+CLUSTER_SCRIPT = """
+import json, sys
+from kvtier_testenv.nodes import ENGINE_REPOSITORY, NodeCluster
+cluster = NodeCluster(nodes=1, log_dir=sys.argv[1]).start()
+[image] = [ref for ref in cluster.images() if ref.startswith(ENGINE_REPOSITORY + ":")]
+cluster.kubectl("run", "idle", f"--image={image}", "--image-pull-policy=Never", "--command", "--",
+                "python", "-c", "import time; time.sleep(3600)")
+cluster.kubectl("wait", "--for=condition=Ready", "pod/idle", "--timeout=200s", timeout=210)
+print(json.dumps({"dir": str(cluster.dir)}), flush=True)
+sys.stdin.read()
+"""
+
+
+def _sysctls() -> dict[str, str]:
+    return {name: Path("/proc/sys", name).read_text().strip() for name in SYSCTLS
+            if Path("/proc/sys", name).exists()}
+
+
+def _entries(d: Path) -> set[str]:
+    return set(os.listdir(d)) if d.is_dir() else set()
+
+
+def _processes_naming(text: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.nodes
+def test_a_cluster_killed_before_its_stop_is_reclaimed_to_the_host_as_it_was(tmp_path):
+    assert leftovers() == [], "a cluster runs here already (the node tests run one at a time)"
+    sysctls = _sysctls()
+    netns, shims = _entries(NETNS_DIR), _entries(SHIM_SOCKET_DIR)
+    out = tmp_path / "cluster.out"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen([sys.executable, "-c", CLUSTER_SCRIPT, str(tmp_path / "logs")],
+                                stdin=subprocess.PIPE, stdout=stdout, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        def started() -> dict | None:
+            assert proc.poll() is None, f"the cluster's process exited:\n{out.read_text()[-6000:]}"
+            lines = [line for line in out.read_text().splitlines() if line.startswith("{")]
+            return json.loads(lines[-1]) if lines else None
+        cluster_dir = wait_for("a one-node cluster with a running pod", started, START_TIMEOUT_S, 0.5)["dir"]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        # Its kubelet and containerd die with it (their parent-death signal); the pod's
+        # shim and container do not, nor does anything its stop would have undone.
+        left = leftovers()
+        assert "link kvtier0" in left and "chain KVTIER-GUARD" in left, left
+        assert any(item.startswith("mount ") for item in left), left
+        assert _processes_naming(cluster_dir), "the pod's shim outlived the killed run"
+
+        assert reclaim() == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        reclaim()
+    assert _processes_naming(cluster_dir) == []
+    assert _sysctls() == sysctls
+    assert _entries(NETNS_DIR) == netns and _entries(SHIM_SOCKET_DIR) == shims
+    assert not Path(cluster_dir).exists()
+    assert subprocess.run(["iptables-save"], capture_output=True, text=True).stdout.count("KUBE-") == 0
