@@ -9,8 +9,8 @@ Three modes, from the whole product down to the core library:
   containerd, the project's images, the engines in the pods); `--nodes agent`
   (`demo_cluster`) runs the same story on the test environment's node agent, which
   starts the operator and sidecars as local processes, with the engines as clients on
-  the host. `--engine vllm` (`demo_vllm`, node agent) serves real vLLM servers in the
-  pods instead.
+  the host. `--engine vllm` (`demo_vllm`, real nodes only) serves real vLLM servers in
+  the pods instead.
 - `fleet`: Redis and sidecar processes on loopback with reference engines as clients
   (DRAM and peer tiers, no Kubernetes), then the local replay.
 - `local`: the installed `kvtier demo` (`kvtier_app.demo`), which needs nothing of
@@ -107,8 +107,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.engine != "reference" and args.mode != "cluster":
         p.error("--engine vllm runs in --mode cluster only")
-    if args.engine == "vllm":
-        args.nodes = "agent"  # demo_vllm runs its vLLM servers on the node agent
+    if args.engine == "vllm" and args.nodes != "real":
+        p.error("--engine vllm runs on real nodes only (its vLLM servers are the pods' engine containers)")
     if args.workload != "statefulset" and (args.mode != "cluster" or args.nodes != "real"):
         p.error("--workload deployment runs in --mode cluster on real nodes only")
     return MODES[args.mode](args)

@@ -95,6 +95,8 @@ class NodesDemo(dc.ClusterDemo):
 
     where = ("two real nodes (kubelet, containerd), the project's images, "
              "traffic from the host to the engines in the pods")
+    # The serving namespace's PodSecurity level (enforced by the real apiserver).
+    pod_security = "restricted"
 
     def start(self) -> None:
         from kvtier_testenv import control_ca
@@ -117,7 +119,7 @@ class NodesDemo(dc.ClusterDemo):
         admin = Kubectl(self.cluster.kubeconfig)
         self.kubectl = Kubectl(self.cluster.kubeconfig, namespace=NAMESPACE)
         admin.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE, "labels": {
-            "pod-security.kubernetes.io/enforce": "restricted",
+            "pod-security.kubernetes.io/enforce": self.pod_security,
             "pod-security.kubernetes.io/enforce-version": "latest"}}})
 
         self.step(f"Redis on the host ({NODE_IP}), named in the cluster by a Service")
@@ -188,17 +190,24 @@ class NodesDemo(dc.ClusterDemo):
         events = self.kubectl.run("get", "events", "--field-selector", "type=Warning", check=False)
         return "\n".join(lines) + f"\n{events.stdout}{events.stderr}"
 
-    def _wait_pods(self, namespace: str, selector: str, count: int) -> list[dict[str, Any]]:
+    def _wait_pods(self, namespace: str, selector: str, count: int, timeout_s: float = POD_READY_TIMEOUT_S,
+                   crash_loop: str | None = None) -> list[dict[str, Any]]:
+        """`count` pods of `selector` Running and Ready. With `crash_loop` (a container
+        name), that container restarting twice fails at once, not at the deadline."""
         kubectl = self.kubectl.in_namespace(namespace)
 
         def ready() -> list[dict[str, Any]] | None:
             pods = [p for p in kubectl.get_json("pods", "-l", selector)["items"]
                     if not p["metadata"].get("deletionTimestamp")]
+            for p in pods if crash_loop else ():
+                if any(c["name"] == crash_loop and c["restartCount"] >= 2
+                       for c in p["status"].get("containerStatuses", [])):
+                    raise DemoFailed(f"{crash_loop} of {p['metadata']['name']} crash-loops\n{self.story()}")
             ok = [p for p in pods if p["status"].get("phase") == "Running" and any(
                 c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
             return ok if len(ok) == count == len(pods) else None
         try:
-            return wait_for(f"{count} pod(s) {selector} Ready in {namespace}", ready, POD_READY_TIMEOUT_S)
+            return wait_for(f"{count} pod(s) {selector} Ready in {namespace}", ready, timeout_s)
         except DemoFailed as exc:
             raise DemoFailed(f"{exc}\n{self.operator_log()}") from None
 
@@ -227,6 +236,12 @@ class NodesDemo(dc.ClusterDemo):
         sts = dc.statefulset_manifest(replicas, self.oracle.shape["weights_version"], self.engine_container())
         sts["spec"]["template"]["spec"]["securityContext"] = RESTRICTED_POD
         return sts
+
+    def project_image(self) -> str:
+        """The chart's default image, as the operator pod runs it (the serving pods'
+        sidecar image too)."""
+        pod = self.kubectl.in_namespace(SYSTEM_NAMESPACE).get_json("pod", self.operator_pod)
+        return pod["spec"]["containers"][0]["image"]
 
     def wait_injecting(self, sts: dict[str, Any]) -> None:
         """Until the webhook, called through its Service, injects the workload's pods

@@ -1,15 +1,17 @@
 """`python -m kvtier_testenv.demo --mode cluster --engine vllm` (or `./scripts/demo.sh --engine
-vllm`): the cluster demo with real vLLM servers as the serving pods.
+vllm`): the cluster demo on the two real nodes with real vLLM servers as the serving pods.
 
-    control plane + Redis + `helm install charts/kvtier` (as in the cluster demo)
+    the real nodes + Redis + Prometheus + `helm install charts/kvtier` (as in the
+    cluster demo, `demo_nodes`)
       -> KVCachePolicy for a tiny Llama (seeded random weights, float32, block 32)
       -> StatefulSet of 2 pods whose engine container is vLLM's OpenAI server (the CPU
-         build from hack/vllm.sh), run by the node agent; the webhook injects the
-         sidecar and the engine env, and the engine's command line is just
-         `... --kv-transfer-config $(KVTIER_KV_TRANSFER_CONFIG)`
-      -> a multi-tenant replay over HTTP, each request routed by the published affinity
-         table and carrying its tenant as `cache_salt`; every answer is checked against
-         the same prompt recomputed under a salt of its own (a guaranteed miss)
+         build from hack/vllm.sh, mounted from the host: `kvtier_testenv.vllm_pod`), run
+         by kubelet; the webhook injects the native sidecar and the engine env, and the
+         engine's command line is just `... --kv-transfer-config $(KVTIER_KV_TRANSFER_CONFIG)`
+      -> a multi-tenant replay over HTTP from the host to the pods, each request routed
+         by the published affinity table and carrying its tenant as `cache_salt`; every
+         answer is checked against the same prompt recomputed under a salt of its own (a
+         guaranteed miss)
       -> `kubectl get kvcp`, the hits the engines report (cached prompt tokens) and the
          sidecars' /metrics
 
@@ -27,6 +29,7 @@ from typing import Any, Callable
 
 from kvtier import control_api, names
 from kvtier.policy import API_VERSION
+from kvtier_testenv import vllm_pod
 from kvtier_testenv.control_client import post_json
 from kvtier_testenv.demo_cluster import (
     APP_LABEL,
@@ -34,10 +37,10 @@ from kvtier_testenv.demo_cluster import (
     POLICY,
     SERVING_SERVICE_ACCOUNT,
     WORKLOAD,
-    ClusterDemo,
     DemoFailed,
     wait_for,
 )
+from kvtier_testenv.demo_nodes import NodesDemo
 
 REPLICAS = 2
 ENGINE_PORT = 8000
@@ -46,8 +49,6 @@ TENANTS = 6
 TEMPLATES = 2
 TEMPLATE_TOKENS = (96, 160)
 MAX_TOKENS = 4
-# vLLM's start-up on a busy 2-core machine: imports, model load, KV allocation.
-ENGINE_START_S = 900.0
 REQUEST_TIMEOUT_S = 300.0
 
 
@@ -69,15 +70,10 @@ def policy_manifest(shape: Any, redis_url: str) -> dict[str, Any]:
     }
 
 
-def statefulset_manifest(python: str, pythonpath: str, model: Path, cache_dir: Path) -> dict[str, Any]:
-    """`python` and `pythonpath` stand for the serving image: here the pod runs the cached
-    vLLM venv, and this checkout's kvtier_vllm is what the image would have installed."""
+def statefulset_manifest(engine: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The vLLM pods, one per node."""
     labels = {"app": APP_LABEL}
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--served-model-name", "tiny", "--host", "$(POD_IP)", "--port", str(ENGINE_PORT),
-               "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
-               "--max-model-len", "4096", "--no-enable-prefix-caching", "--load-format", "safetensors",
-               "--enable-prompt-tokens-details", "--kv-transfer-config", "$(KVTIER_KV_TRANSFER_CONFIG)"]
+    spread = {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"}
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": {"name": WORKLOAD, "namespace": NAMESPACE},
@@ -89,24 +85,20 @@ def statefulset_manifest(python: str, pythonpath: str, model: Path, cache_dir: P
                 "spec": {"terminationGracePeriodSeconds": 5,
                          # may create TokenReviews: the sidecar checks the operator's token
                          "serviceAccountName": SERVING_SERVICE_ACCOUNT,
-                         "containers": [{
-                    "name": "engine", "image": "vllm/vllm-openai", "command": command,
-                    "env": [names.field_env(names.POD_IP_ENV, names.POD_IP_FIELD),
-                            {"name": "PYTHONPATH", "value": pythonpath},
-                            {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
-                            {"name": "VLLM_CACHE_ROOT", "value": str(cache_dir)},
-                            # vLLM's ZeroMQ IPC sockets (default /tmp, left behind by a
-                            # stopped server): beside the cache, in the demo's workdir.
-                            {"name": "VLLM_RPC_BASE_PATH", "value": str(cache_dir.parent)}],
-                    "readinessProbe": {"httpGet": {"path": "/health", "port": ENGINE_PORT}, "periodSeconds": 2},
-                }]},
+                         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                         "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [spread]}},
+                         "containers": [engine], "volumes": volumes},
             },
         },
     }
 
 
-class VllmClusterDemo(ClusterDemo):
-    engine_containers = ("engine",)
+class VllmNodesDemo(NodesDemo):
+    """The real nodes' demo set-up, its serving namespace at the level the vLLM pods'
+    mounted venv needs (`vllm_pod.POD_SECURITY`)."""
+
+    pod_security = vllm_pod.POD_SECURITY
+    where = "two real nodes (kubelet, containerd), vLLM servers (the CPU build) as the engines in the pods"
 
 
 def _complete(ip: str, prompt: list[int], salt: str) -> tuple[list[int], int]:
@@ -131,28 +123,32 @@ def _hit_tokens(demo: ClusterDemo, ip: str) -> float:
 def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     from kvtier import routing
     from kvtier_testenv.tiny_llama import TinyLlama, write_model
-    from kvtier_testenv.vllm_engine import checkout_pythonpath, seed_vllm_cache, vllm_python
+    from kvtier_testenv.vllm_engine import vllm_python
     from kvtier_testenv.workload import make_workload
 
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-vllm-demo-"))
     shape = TinyLlama()
-    python = vllm_python()  # fails here, before any set-up, when hack/vllm.sh has not run
+    vllm_python()  # fails here, before any set-up, when hack/vllm.sh has not run
     model = write_model(workdir / "model", seed=seed)
-    demo = VllmClusterDemo(workdir, log)
+    demo = VllmNodesDemo(workdir, log)
     try:
         demo.start()
         demo.step(f"kubectl apply KVCachePolicy {POLICY} (tiny Llama served by vLLM)")
-        demo.kubectl.apply(policy_manifest(shape, demo.redis.url))
+        demo.kubectl.apply(policy_manifest(shape, demo.redis_url))
         wait_for("tier verdicts in the policy's status", lambda: demo.status().get("tiers"))
         demo.step(f"StatefulSet {WORKLOAD}: {REPLICAS} vLLM servers; the webhook injects the sidecar and "
                   "the engine env (--kv-transfer-config rendered from the policy)")
-        demo.kubectl.apply(statefulset_manifest(python, checkout_pythonpath(), model,
-                                                 seed_vllm_cache(workdir / "vllm-cache")))
-        pods = demo.agent.wait_ready(REPLICAS, NAMESPACE, f"app={APP_LABEL}", timeout_s=ENGINE_START_S)
+        sts = statefulset_manifest(*vllm_pod.engine_pod_spec(demo.project_image(), model, ENGINE_PORT))
+        demo.wait_injecting(sts)
+        demo.kubectl.apply(sts)
+        pods = demo._wait_pods(NAMESPACE, f"app={APP_LABEL}", REPLICAS, vllm_pod.READY_TIMEOUT_S,
+                               crash_loop="engine")
         for pod in pods:
-            names = [c["name"] for c in pod["spec"]["containers"]]
-            if "kvtier-sidecar" not in names:
-                raise DemoFailed(f"pod {pod['metadata']['name']} was not injected: containers {names}")
+            containers = [c["name"] for c in demo.sidecar_containers(pod) + pod["spec"]["containers"]]
+            if "kvtier-sidecar" not in containers:
+                raise DemoFailed(f"pod {pod['metadata']['name']} was not injected: containers {containers}")
+        nodes = sorted(p["spec"]["nodeName"] for p in pods)
+        demo.step(f"{REPLICAS} vLLM pods Ready on " + ", ".join(nodes))
         wait_for(f"an epoch with {REPLICAS} members",
                  lambda: demo.table() and len(demo.table()[0].members) == REPLICAS)
         table, addresses = demo.table()
@@ -189,11 +185,12 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
             "requests": len(work),
             "served": served, "hits": hits, "cached_tokens": cached_tokens, "prompt_tokens": prompt_tokens,
             "wrong_answers": wrong, "errors": errors, "samples": samples[:3],
-            "sidecar_hit_tokens": metrics, "epoch": table.epoch}
+            "sidecar_hit_tokens": metrics, "epoch": table.epoch, "nodes": nodes}
 
 
 def render(r: dict[str, Any]) -> str:
-    lines = [f"kvtier cluster demo with vLLM: {REPLICAS} vLLM servers (CPU build) in injected pods", "",
+    lines = [f"kvtier cluster demo with vLLM: {REPLICAS} vLLM servers (CPU build) in injected pods on "
+             f"{len(set(r['nodes']))} real node(s)", "",
              "$ kubectl get kvcp -o wide", r["kubectl_get_kvcp"], "",
              f"requests            {r['requests']} ({r['served']} served, {r['errors']} errors)",
              f"hits                {r['hits']} requests, {r['cached_tokens']:,} of {r['prompt_tokens']:,} prompt "

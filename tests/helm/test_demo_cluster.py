@@ -137,3 +137,27 @@ def test_deployment_demo_rolls_out_through_a_warmed_canary_pair_and_back_and_ser
     assert g["first_minute"]["ratios"][0] >= 0.8, g["first_minute"]
     _assert_bad_version_rolled_back(r)
     _assert_no_wrong_kv_and_no_failed_answer(r)
+
+
+@pytest.mark.nodes
+@pytest.mark.vllm
+def test_vllm_demo_serves_tenants_from_the_injected_sidecars_on_both_nodes_as_recompute():
+    """`./scripts/demo.sh --engine vllm`: two vLLM servers (the CPU build) as the engine
+    containers of a StatefulSet on the two real nodes, next to the injected native
+    sidecars; a replay routed by the affinity table with each tenant as `cache_salt`:
+    whole blocks load from the sidecars (vLLM's own prefix cache off), every answer
+    equals a recompute under a salt of its own, and `kubectl get kvcp` shows the fleet's
+    hit rate."""
+    r = _demo("--engine", "vllm", "--requests", "12")
+    assert r["errors"] == 0 and r["wrong_answers"] == 0, r["samples"]
+    assert r["served"] == r["requests"] == 12
+    assert len(set(r["nodes"])) == 2, r["nodes"]
+    assert r["hits"] > 0 and r["cached_tokens"] > 0
+    assert sum(r["sidecar_hit_tokens"].values()) == r["cached_tokens"]
+    head, row = r["kubectl_get_kvcp"].splitlines()[:2]
+    assert row.split()[:2] == ["demo", "Ready"]
+    # The operator's periodic refresh shows the hit rate without a membership change.
+    assert 0 < r["fleet_hit_rate"] <= 1
+    assert str(r["fleet_hit_rate"]) in row[head.index("HITRATE"):]
+    assert r["ok"] is True
+

@@ -682,72 +682,32 @@ def test_a_scale_up_warms_the_moved_tenants_on_the_new_pod_before_the_epoch(node
         redis.stop()
 
 
-# vLLM's start-up in a pod on two busy cores: torch and vLLM imports from the mounted
-# venv, the model load, KV allocation.
-VLLM_READY_TIMEOUT_S = 900.0
-
-
 def test_a_vllm_pod_on_a_real_node_loads_kv_from_its_injected_sidecar(node_cluster, chart, tmp_path):
     """vLLM's OpenAI server (the CPU build) as the engine container of a StatefulSet pod
-    on a real node, next to the sidecar the webhook injected; the engine's command line
-    names kvtier only as `--kv-transfer-config $(KVTIER_KV_TRANSFER_CONFIG)`, the env the
-    webhook renders from the policy. Its ~6 GB of Python is the set-up's cached vLLM venv
-    (hack/vllm.sh) mounted read-only from the host with the interpreter it was built by
-    and this checkout's kvtier_vllm: hostPath volumes, which PodSecurity allows only in a
-    namespace at `privileged` - a test-only arrangement (a serving image would carry vLLM
-    and `kvtier[vllm]` itself), so this pod does not run under `restricted` as the others
-    do. vLLM's own prefix cache is off: the second completion of a prompt loads its whole
-    blocks from the sidecar (vLLM reports them as cached prompt tokens, the sidecar as DRAM
-    hits), and its tokens equal the first answer's and a recompute under another salt."""
+    on a real node, next to the sidecar the webhook injected (`kvtier_testenv.vllm_pod`:
+    the engine's command line names kvtier only as `--kv-transfer-config
+    $(KVTIER_KV_TRANSFER_CONFIG)`; its ~6 GB of Python is the cached venv mounted from the
+    host, so this pod's namespace is at `privileged`, a test-only arrangement). vLLM's own
+    prefix cache is off: the second completion of a prompt loads its whole blocks from the
+    sidecar (vLLM reports them as cached prompt tokens, the sidecar as DRAM hits), and its
+    tokens equal the first answer's and a recompute under another salt."""
+    from kvtier_testenv import vllm_pod
     from kvtier_testenv.tiny_llama import TinyLlama, write_model
-    from kvtier_testenv.vllm_engine import REPO, vllm_cache_seed, vllm_python
 
     kubectl = chart["kubectl"]
     ns = SERVING_NAMESPACES[6]
-    python = Path(vllm_python())  # fails loudly when hack/vllm.sh has not built it
-    venv = python.parent.parent
-    interpreter = Path(os.path.realpath(python)).parent.parent  # what the venv's python links to
     shape = TinyLlama()
     model = write_model(tmp_path / "model", seed=7)
+    engine, volumes = vllm_pod.engine_pod_spec(chart["image"], model, FRONT_PORT)
     kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {
-        "pod-security.kubernetes.io/enforce": "privileged"}}})
+        "pod-security.kubernetes.io/enforce": vllm_pod.POD_SECURITY}}})
     kubectl.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": SERVING_SA, "namespace": ns}})
     weights = "sha256:" + "d7" * 32
-    policy = apply_policy(kubectl, ns, "vllm", blockSize=32, admission={"minSightings": 1},
+    apply_policy(kubectl, ns, "vllm", blockSize=32, admission={"minSightings": 1},
                           model={"id": "tiny-llama", "weightsVersion": weights, "kvDtype": "fp32",
                                  "ropeConfigHash": "rope-tiny", "attnImpl": "cpu-attn",
                                  "shape": {"layers": shape.layers, "kvHeads": shape.kv_heads,
                                            "headDim": shape.head_dim, "params": 1e7}})
-    src = "/kvtier-src"
-    mounts = {"venv": (str(venv), str(venv)), "interpreter": (str(interpreter), str(interpreter)),
-              "src": (str(REPO), src), "model": (str(model), "/model"),
-              # vLLM's model-info cache, so its start skips a subprocess (hack/vllm.sh)
-              "modelinfos": (str(vllm_cache_seed() / "modelinfos"), "/cache/vllm/modelinfos")}
-    # vLLM's CPU kernels link libnuma, which the project's base image lacks (a vLLM
-    # serving image installs libnuma1): the host's, with the venv.
-    numa = host_library("libnuma.so.1")
-    engine = {
-        "name": "engine", "image": chart["image"], "imagePullPolicy": "Never",
-        "command": [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", "/model",
-                    "--served-model-name", "tiny", "--host", "$(POD_IP)", "--port", str(FRONT_PORT),
-                    "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
-                    "--max-model-len", "4096", "--no-enable-prefix-caching", "--load-format", "safetensors",
-                    "--enable-prompt-tokens-details", "--kv-transfer-config", "$(KVTIER_KV_TRANSFER_CONFIG)"],
-        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                {"name": "PYTHONPATH", "value": f"{src}:{src}/sidecar:{src}/connector"},
-                {"name": "HOME", "value": "/cache"}, {"name": "VLLM_CACHE_ROOT", "value": "/cache/vllm"},
-                {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}, {"name": "LD_LIBRARY_PATH", "value": "/opt/host-libs"}],
-        # Root with the runtime's default capabilities, as the vllm/vllm-openai image runs:
-        # the mounted venv is root's on the host, and root may open the sidecar's private
-        # arena and socket (a non-root engine runs as the sidecar's user: docs/SECURITY.md).
-        "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False},
-        "ports": [{"name": "http", "containerPort": FRONT_PORT}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": FRONT_PORT}, "periodSeconds": 2},
-        "resources": {"requests": {"cpu": "100m", "memory": "1Gi"}, "limits": {"memory": "8Gi"}},
-        "volumeMounts": [{"name": k, "mountPath": inside, "readOnly": True} for k, (_, inside) in mounts.items()]
-                        + [{"name": "cache", "mountPath": "/cache"},
-                           {"name": "numa", "mountPath": "/opt/host-libs/libnuma.so.1", "readOnly": True}],
-    }
     kubectl.apply({
         "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "vllm", "namespace": ns},
         "spec": {"serviceName": "vllm", "replicas": 1, "selector": {"matchLabels": {"app": "vllm"}},
@@ -758,13 +718,10 @@ def test_a_vllm_pod_on_a_real_node_loads_kv_from_its_injected_sidecar(node_clust
                               # the host's memory: node 1 keeps a small allocatable
                               "nodeSelector": {"kubernetes.io/hostname": node_cluster.node_names[0]},
                               "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-                              "containers": [engine],
-                              "volumes": [{"name": k, "hostPath": {"path": host, "type": "Directory"}}
-                                          for k, (host, _) in mounts.items()]
-                                         + [{"name": "cache", "emptyDir": {}},
-                                            {"name": "numa", "hostPath": {"path": numa, "type": "File"}}]}}}})
+                              "containers": [engine], "volumes": volumes}}}})
     # a crash loop fails now, not at the start-up deadline
-    [pod] = wait_pods_ready(kubectl, ns, "app=vllm", 1, node_cluster, VLLM_READY_TIMEOUT_S, crash_loop="engine")
+    [pod] = wait_pods_ready(kubectl, ns, "app=vllm", 1, node_cluster, vllm_pod.READY_TIMEOUT_S,
+                             crash_loop="engine")
     containers = pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
     assert names.SIDECAR_CONTAINER in [c["name"] for c in containers], [c["name"] for c in containers]
     url = completions_url(pod)
@@ -793,15 +750,6 @@ def test_a_vllm_pod_on_a_real_node_loads_kv_from_its_injected_sidecar(node_clust
     assert second == first == recomputed, (first, second, recomputed)
     assert metrics("kvtier_hits_total", tier="dram") >= 1, metrics("kvtier_hits_total")
     print(json.dumps({"cached_tokens": [cached_first, cached_second, cached_other], "tokens": first}))
-
-
-def host_library(soname: str) -> str:
-    """The host's file of shared library `soname` (ldconfig's cache), links resolved."""
-    out = subprocess.run(["ldconfig", "-p"], check=True, capture_output=True, text=True).stdout
-    paths = [line.split("=>", 1)[1].strip() for line in out.splitlines()
-             if line.strip().startswith(soname + " ") and "=>" in line]
-    assert paths, f"{soname} is not installed on this host (ldconfig -p)"
-    return os.path.realpath(paths[0])
 
 
 def sidecar_metrics(kubectl: Kubectl, pod: dict[str, Any], ca: Path):
