@@ -51,6 +51,9 @@ FIRST_MINUTE_S = 60.0
 # The operator's per-pod warm-up deadline (spec.rollout.warmup.timeout, default 2m):
 # prompts not prefilled by then are not replayed.
 WARM_TIMEOUT_S = 120.0
+# The operator's warm-up from a leaver copies at most the policy's warmMaxBytes per
+# tenant and home (`kvtier.policy.DEFAULT_WARM_MAX_BYTES`, 1Gi).
+RESTART_WARM_MAX_BYTES = 1 << 30
 # Where a warm-up reads its prompts: "own" (the operator: the restarted pod's own
 # sidecar, read at a "snapshot" event before the restart, first; then the tenant's
 # other homes) or "homes" (the operator before issue #24: the other homes only, kept
@@ -85,7 +88,10 @@ class SimConfig:
 
     `block_tokens` is the cache block in real tokens; it must be a whole number of
     the workload's `token_unit`s. `warm_moved_tenants` makes a membership change
-    warm each moved tenant's new homes from its old ones (what the operator does).
+    warm each moved tenant's new homes from its old ones (what the operator does),
+    and a "version" event that warms its pods before ready also warm their tenants'
+    next homes from them before they restart (the operator's warm-up from a leaver:
+    `_restart_warm_up`).
     `warm_before_ready_tokens` > 0 makes every pod a "version" event restarts do
     what the operator's rollout warm-up does (`operator/kvtier_operator/
     rollout_warmup.py`): for each tenant whose homes include the pod, the hottest
@@ -316,6 +322,7 @@ class Simulation:
             entry["version"] = ev.version
             # Each snapshot is used by the one restart it was taken for.
             own = {r: self._snapshots.pop(r) for r in ev.replicas if r in self._snapshots}
+            self._restart_warm_up(entry, ev.replicas)
             for r in ev.replicas:
                 fleet.version[r] = ev.version
                 self.caches[r].drop_all()
@@ -364,6 +371,41 @@ class Simulation:
                     if src != index[target]:
                         warmed += self.caches[index[target]].warm_from(self.caches[src], move.tenant, budget)
         entry["warmed_blocks"] = warmed
+
+    def _restart_warm_up(self, entry: dict, restarted: list[int]) -> None:
+        """What the operator does when a rollout deletes pods to restart them: each
+        one's sidecar answers while its engine shuts down, so it is a LEAVER
+        (`kvtier_operator.membership`), and before the epoch without it the operator
+        warms its tenants' new homes — the home each one gains, and the surviving home
+        promoted to first — from it (`kvtier_operator.warmup.plan`: a leaver first). The
+        table here keeps the pods (a StatefulSet brings each back under its name): while
+        one restarts and its gate holds it, `pick` reads it as full and sends its
+        tenants on along their order, to those same homes. Peer copies, no prefill,
+        at most the policy's default `warmMaxBytes` per tenant and home, as the operator
+        asks. Only where the pods are held out of traffic (warmed before ready): a cold
+        restart here serves again at once, so copies for it would serve nobody."""
+        entry["restart_warmed_blocks"] = 0
+        if not (self.cfg.warm_moved_tenants and self._warms()):
+            return
+        fleet, table = self.fleet, self.policy.table
+        index = {name: i for i, name in enumerate(fleet.names) if fleet.alive[i]}
+        gone = {fleet.names[r] for r in restarted}
+        budget = RESTART_WARM_MAX_BYTES
+        warmed = 0
+        for tenant in self.roots.tenant_names:
+            old = table.homes_for(tenant)
+            leavers = [m for m in old if m in gone]
+            if not leavers:
+                continue
+            order = [m for m in table.order_for(tenant) if m not in gone and m in index]
+            new = order[:table.homes]
+            targets = [m for m in new if m not in old]
+            if new and new[0] != old[0] and new[0] not in targets:
+                targets.append(new[0])
+            source = self.caches[index[leavers[0]]]
+            for target in targets:
+                warmed += self.caches[index[target]].warm_from(source, tenant, budget)
+        entry["restart_warmed_blocks"] = warmed
 
     def _warms(self) -> bool:
         return bool(self.cfg.warm_before_ready_tokens and self.cfg.cache == "kvtier" and hasattr(self.policy, "table"))

@@ -19,6 +19,7 @@ def test_a_rolling_rollout_adds_far_less_prefill_than_all_at_once_and_dips_less(
     events = rep.result("gradual, pods 30 s apart").events
     assert [e["replicas"] for e in events] == [[0], [1], [2], [3]]  # canary, 10%, 50%, 100% of 4
     assert all("warmed_tokens" not in e for e in events)  # cold: no budget, no warm-up
+    assert all(e["restart_warmed_blocks"] == 0 for e in events)  # back at once: no leaver's copies
     assert figs["hit-rate dip depth, all at once"].value > figs["hit-rate dip depth, gradual, pods 30 s apart"].value
     # Both warmed plans ran, each pod within its budget (prompt tokens, as the operator counts).
     same = rep.params["same_extra_prefill_tokens_per_pod"]
@@ -34,6 +35,9 @@ def test_a_rolling_rollout_adds_far_less_prefill_than_all_at_once_and_dips_less(
         assert all(e["snapshots"] == 1 for e in warmed)
         assert all(0 <= e["warmed_prompt_tokens"] <= budget for e in warmed)
         assert any(e["warmed_tokens"] > 0 for e in warmed)
+        # Before each restart, its tenants' next homes are warmed from it (a leaver), as
+        # the operator does while the deleted pod's sidecar still answers.
+        assert all(e["restart_warmed_blocks"] > 0 for e in warmed)
     before = rep.result(f"gradual, pods 30 s apart, warmed before ready at the same extra prefill, "
                         f"{scenarios.OTHER_HOMES_ONLY}").events
     assert all(e.get("snapshots") == 0 for e in before if e["kind"] == "version")
