@@ -438,9 +438,9 @@ class ClusterDemo:
             expected = engine_io.hit_rate(stats)
             rate = self.status().get("fleetHitRate")
             seen.update(expected=expected, status=rate)
-            return rate if expected is not None and rate == expected else None
+            return (rate,) if expected is not None and rate == expected else None  # 0.0 is shown too
         try:
-            return wait_for("the fleet hit rate in the policy's status", shown)
+            return wait_for("the fleet hit rate in the policy's status", shown)[0]
         except DemoFailed as exc:
             raise DemoFailed(f"{exc} (sidecars' hit rate {seen.get('expected')}, status "
                              f"{seen.get('status')})\n{self.operator_log(60)}") from None

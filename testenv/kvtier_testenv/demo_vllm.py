@@ -50,6 +50,9 @@ TEMPLATES = 2
 TEMPLATE_TOKENS = (96, 160)
 MAX_TOKENS = 4
 REQUEST_TIMEOUT_S = 300.0
+# vLLM hands a finished request's blocks to its sidecar after it answers; on a loaded
+# machine that can take seconds.
+STORE_TIMEOUT_S = 120.0
 
 
 def policy_manifest(shape: Any, redis_url: str) -> dict[str, Any]:
@@ -112,7 +115,13 @@ def _complete(ip: str, prompt: list[int], salt: str) -> tuple[list[int], int]:
     return out["choices"][0]["token_ids"], int(details.get("cached_tokens") or 0)
 
 
-def _hit_tokens(demo: ClusterDemo, ip: str) -> float:
+def _tenant_stores(demo: NodesDemo, member: str, ip: str, tenant: str) -> int:
+    """Stores the member's sidecar got for the tenant: accepted, declined or already held."""
+    st = demo.sidecar_stats(member, ip, tenant)
+    return st["stores"] + st["stores_declined"] + st["stores_cached"]
+
+
+def _hit_tokens(demo: NodesDemo, ip: str) -> float:
     status, raw = demo.sidecar_control(ip).get(control_api.METRICS.path)
     if status != 200:
         raise DemoFailed(f"sidecar {ip} /metrics answered {status}")
@@ -158,9 +167,17 @@ def run(requests: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
         served = wrong = errors = cached_tokens = prompt_tokens = hits = 0
         samples: list[str] = []
         for i, req in enumerate(work):
-            ip = addresses[routing.pick(req.tenant, table, {}).member]["ip"]
+            member = routing.pick(req.tenant, table, {}).member
+            ip = addresses[member]["ip"]
             try:
+                stored = _tenant_stores(demo, member, ip, req.tenant)
                 tokens, cached = _complete(ip, req.tokens, req.tenant)
+                if cached == 0:
+                    # A miss: vLLM prefilled the whole prompt and hands its blocks to the
+                    # sidecar after it answers. The tenant's next request is sent once they
+                    # arrived, so that whether it hits does not race the store.
+                    wait_for(f"{req.tenant}'s blocks handed to {member}'s sidecar",
+                             lambda: _tenant_stores(demo, member, ip, req.tenant) > stored, STORE_TIMEOUT_S)
                 recomputed, _ = _complete(ip, req.tokens, f"recompute-{seed}-{i}")
             except OSError as exc:
                 errors += 1

@@ -18,11 +18,14 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from kvtier import names
 from kvtier_testenv.vllm_engine import REPO, VLLM_BLOCK_SIZE, vllm_cache_seed, vllm_python
 
 SRC = "/kvtier-src"
 MODEL = "/model"
 SERVED_MODEL = "tiny"
+CACHE = "/vllm-home"
+"""The engine's HOME and VLLM_CACHE_ROOT's parent: an emptyDir."""
 POD_SECURITY = "privileged"
 """The namespace's PodSecurity level these pods need (their hostPath volumes)."""
 READY_TIMEOUT_S = 900.0
@@ -49,7 +52,7 @@ def engine_pod_spec(image: str, model: Path, port: int) -> tuple[dict[str, Any],
     mounts = {"venv": (str(venv), str(venv)), "interpreter": (str(interpreter), str(interpreter)),
               "src": (str(REPO), SRC), "model": (str(model), MODEL),
               # vLLM's model-info cache, so its start skips a subprocess (hack/vllm.sh)
-              "modelinfos": (str(vllm_cache_seed() / "modelinfos"), "/cache/vllm/modelinfos")}
+              "modelinfos": (str(vllm_cache_seed() / "modelinfos"), f"{CACHE}/vllm/modelinfos")}
     # vLLM's CPU kernels link libnuma, which the project's base image lacks (a vLLM
     # serving image installs libnuma1): the host's, with the venv.
     numa = host_library("libnuma.so.1")
@@ -57,13 +60,13 @@ def engine_pod_spec(image: str, model: Path, port: int) -> tuple[dict[str, Any],
     engine = {
         "name": "engine", "image": image, "imagePullPolicy": "Never",
         "command": [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL,
-                    "--served-model-name", SERVED_MODEL, "--host", "$(POD_IP)", "--port", str(port),
+                    "--served-model-name", SERVED_MODEL, "--host", f"$({names.POD_IP_ENV})", "--port", str(port),
                     "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--block-size", block,
                     "--max-model-len", "4096", "--no-enable-prefix-caching", "--load-format", "safetensors",
                     "--enable-prompt-tokens-details", "--kv-transfer-config", "$(KVTIER_KV_TRANSFER_CONFIG)"],
-        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        "env": [names.field_env(names.POD_IP_ENV, names.POD_IP_FIELD),
                 {"name": "PYTHONPATH", "value": f"{SRC}:{SRC}/sidecar:{SRC}/connector"},
-                {"name": "HOME", "value": "/cache"}, {"name": "VLLM_CACHE_ROOT", "value": "/cache/vllm"},
+                {"name": "HOME", "value": CACHE}, {"name": "VLLM_CACHE_ROOT", "value": f"{CACHE}/vllm"},
                 {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}, {"name": "LD_LIBRARY_PATH", "value": "/opt/host-libs"}],
         # Root with the runtime's default capabilities, as the vllm/vllm-openai image runs:
         # the mounted venv is root's on the host, and root may open the sidecar's private
@@ -73,7 +76,7 @@ def engine_pod_spec(image: str, model: Path, port: int) -> tuple[dict[str, Any],
         "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 2},
         "resources": {"requests": {"cpu": "100m", "memory": "1Gi"}, "limits": {"memory": "8Gi"}},
         "volumeMounts": [{"name": k, "mountPath": inside, "readOnly": True} for k, (_, inside) in mounts.items()]
-                        + [{"name": "cache", "mountPath": "/cache"},
+                        + [{"name": "cache", "mountPath": CACHE},
                            {"name": "numa", "mountPath": "/opt/host-libs/libnuma.so.1", "readOnly": True}],
     }
     volumes = ([{"name": k, "hostPath": {"path": host, "type": "Directory"}} for k, (host, _) in mounts.items()]
