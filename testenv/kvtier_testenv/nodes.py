@@ -355,6 +355,7 @@ class NodeCluster:
             # plane starts.
             importing = pool.submit(self._import_images)
             self.control_plane.start()
+            self._record_host_before()  # now with etcd's data directory
             self.timings["control_plane_s"] = time.monotonic() - t0
             importing.result()
             self.timings["images_imported_after_s"] = time.monotonic() - t0
@@ -487,10 +488,7 @@ class NodeCluster:
         for name in SYSCTLS:
             with contextlib.suppress(OSError):
                 self._sysctls[name] = _read_sysctl(name)
-        # What `reclaim()` puts back should this process be killed before its stop.
-        (self.dir / HOST_BEFORE).write_text(json.dumps({
-            "sysctls": self._sysctls, "netns": sorted(self._netns_before),
-            "chains": [[tool, table, sorted(c)] for (tool, table), c in self._chains_before.items()]}))
+        self._record_host_before()
         # The guard first, before any address of the ranges exists.
         _run("iptables", "-t", "filter", "-N", GUARD_CHAIN)
         for rule in (["-o", BRIDGE, "-j", "RETURN"], ["-o", "lo", "-j", "RETURN"],
@@ -509,6 +507,15 @@ class NodeCluster:
         _run("ip", "route", "add", SERVICE_CIDR, "dev", BRIDGE)
         # Pods reach the API server and each other's Services through the host.
         _write_sysctl("net/ipv4/ip_forward", "1")
+
+    def _record_host_before(self) -> None:
+        """What `reclaim()` puts back and removes should this process be killed before
+        its stop: the host state it found, the control plane's directories."""
+        cp = self.control_plane
+        owned = [str(d) for d in (cp.dir, cp.etcd_data) if d is not None]
+        (self.dir / HOST_BEFORE).write_text(json.dumps({
+            "sysctls": self._sysctls, "netns": sorted(self._netns_before), "owned": owned,
+            "chains": [[tool, table, sorted(c)] for (tool, table), c in self._chains_before.items()]}))
 
     def _restore_network(self, errors: list[str]) -> None:
         if self._made_bridge:
@@ -1204,6 +1211,10 @@ def reclaim() -> list[str]:
                     sock.unlink()
     left = leftovers()
     if not left:
+        for _, record in records:  # the killed control planes' certificates and etcd data
+            for d in record.get("owned", []):
+                if Path(d).name.startswith(("kvtier-controlplane-", "kvtier-etcd-")):
+                    shutil.rmtree(d, ignore_errors=True)
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
     return left

@@ -27,7 +27,8 @@ cluster = NodeCluster(nodes=1, log_dir=sys.argv[1]).start()
 cluster.kubectl("run", "idle", f"--image={image}", "--image-pull-policy=Never", "--command", "--",
                 "python", "-c", "import time; time.sleep(3600)")
 cluster.kubectl("wait", "--for=condition=Ready", "pod/idle", "--timeout=200s", timeout=210)
-print(json.dumps({"dir": str(cluster.dir)}), flush=True)
+print(json.dumps({"dir": str(cluster.dir), "owned": [str(cluster.control_plane.dir),
+                                                     str(cluster.control_plane.etcd_data)]}), flush=True)
 sys.stdin.read()
 """
 
@@ -68,7 +69,8 @@ def test_a_cluster_killed_before_its_stop_is_reclaimed_to_the_host_as_it_was(tmp
             assert proc.poll() is None, f"the cluster's process exited:\n{out.read_text()[-6000:]}"
             lines = [line for line in out.read_text().splitlines() if line.startswith("{")]
             return json.loads(lines[-1]) if lines else None
-        cluster_dir = wait_for("a one-node cluster with a running pod", started, START_TIMEOUT_S, 0.5)["dir"]
+        run = wait_for("a one-node cluster with a running pod", started, START_TIMEOUT_S, 0.5)
+        cluster_dir = run["dir"]
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         # Its kubelet and containerd die with it (their parent-death signal); the pod's
@@ -87,4 +89,5 @@ def test_a_cluster_killed_before_its_stop_is_reclaimed_to_the_host_as_it_was(tmp
     assert _sysctls() == sysctls
     assert _entries(NETNS_DIR) == netns and _entries(SHIM_SOCKET_DIR) == shims
     assert not Path(cluster_dir).exists()
+    assert not any(Path(d).exists() for d in run["owned"]), run["owned"]  # the control plane's pki, etcd's data
     assert subprocess.run(["iptables-save"], capture_output=True, text=True).stdout.count("KUBE-") == 0
