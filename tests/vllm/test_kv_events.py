@@ -92,12 +92,15 @@ def test_kvtier_block_stored_events_on_vllms_stream(tmp_path, redis_url):
         # vLLM collects a connector's events at its scheduler steps: a store that
         # completes after the request's last step is announced at the next one, so an
         # idle engine is kept stepping with one-token requests until it is.
-        def announced():
-            seen = _kvtier_events(sub, prompt[:STORED_TOKENS])
-            if not seen:
-                server.complete(_prompt(rng), "tick", max_tokens=1)
+        def announced(tenant: str):
+            def seen():
+                events = [e for e in _kvtier_events(sub, prompt[:STORED_TOKENS])
+                          if tenant in (e["extra_keys"][0] or [])]
+                if not events:
+                    server.complete(_prompt(rng), "tick", max_tokens=1)
+                return events
             return seen
-        kvtier = wait_for("kvtier's BlockStored for the prompt", announced, 60)
+        kvtier = wait_for("kvtier's BlockStored for the prompt", announced("tenant-a"), 60)
         # Announced only once the sidecar holds the blocks.
         assert sidecar.stats()["cache"]["stored_blocks"] >= stored_before + STORED_TOKENS // BLOCK
         ev = kvtier[0]
@@ -113,8 +116,7 @@ def test_kvtier_block_stored_events_on_vllms_stream(tmp_path, redis_url):
 
         # Another tenant's same tokens are other blocks (the salt is in the hash).
         server.complete(prompt, "tenant-b")
-        other = wait_for("tenant-b's BlockStored", lambda: [
-            e for e in _kvtier_events(sub, prompt[:STORED_TOKENS]) if "tenant-b" in (e["extra_keys"][0] or [])], 60)
+        other = wait_for("tenant-b's BlockStored", announced("tenant-b"), 60)
         assert not set(other[0]["block_hashes"]) & set(ev["block_hashes"])
 
         # llm-d's producer, reading the same stream, files every block of the prompt
