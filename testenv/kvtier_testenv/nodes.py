@@ -889,13 +889,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
                     (SHIM_SOCKET_DIR / name).unlink()
 
     def _remove_netns(self) -> None:
-        if not NETNS_DIR.is_dir():
-            return
-        for name in set(os.listdir(NETNS_DIR)) - self._netns_before:
-            if name.startswith("cni-"):
-                _run("umount", "-l", str(NETNS_DIR / name), check=False)
-                with contextlib.suppress(OSError):
-                    (NETNS_DIR / name).unlink()
+        _remove_netns_since(self._netns_before)
 
     @staticmethod
     def _unmount_under(root: Path) -> None:
@@ -910,14 +904,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         for controller in CGROUP_ROOT.iterdir():
             tops = [controller / "kubepods"] + [d / "kubepods" for d in controller.glob(f"{NODE_CGROUP_PREFIX}*")]
             for top in tops:
-                if not top.is_dir():
-                    continue
-                for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts),
-                                reverse=True):
-                    with contextlib.suppress(OSError):
-                        d.rmdir()
-                with contextlib.suppress(OSError):
-                    top.rmdir()
+                if top.is_dir():
+                    _rmdir_tree(top)
         for d in reversed(self._cgroup_dirs):
             with contextlib.suppress(OSError):
                 d.rmdir()
@@ -1038,6 +1026,26 @@ def _delete_bridge() -> tuple[bool, list[str]]:
     ports = _run("ip", "-br", "link", "show", "master", BRIDGE, check=False)
     tries += [detail.stdout.strip(), f"ports: {ports.stdout.strip() or 'none'}"]
     return False, tries
+
+
+def _remove_netns_since(before: set[str]) -> None:
+    """The CNI network namespaces made since `before` (their bind mounts, their files)."""
+    if not NETNS_DIR.is_dir():
+        return
+    for name in set(os.listdir(NETNS_DIR)) - before:
+        if name.startswith("cni-"):
+            _run("umount", "-l", str(NETNS_DIR / name), check=False)
+            with contextlib.suppress(OSError):
+                (NETNS_DIR / name).unlink()
+
+
+def _rmdir_tree(top: Path) -> None:
+    """A cgroup hierarchy, deepest first (a cgroup with a process left stays)."""
+    for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+    with contextlib.suppress(OSError):
+        top.rmdir()
 
 
 def _pids_with_arg(arg: str) -> list[int]:
@@ -1176,12 +1184,7 @@ def reclaim() -> list[str]:
         netns_before = set(before["netns"])
         chains_before = {(tool, table): set(c) for tool, table, c in before["chains"]}
         sysctls = before["sysctls"]
-    if NETNS_DIR.is_dir():
-        for name in set(os.listdir(NETNS_DIR)) - netns_before:
-            if name.startswith("cni-"):
-                _run("umount", "-l", str(NETNS_DIR / name), check=False)
-                with contextlib.suppress(OSError):
-                    (NETNS_DIR / name).unlink()
+    _remove_netns_since(netns_before)
     _run("ip", "route", "del", SERVICE_CIDR, "dev", BRIDGE, check=False)
     _delete_bridge()
     for tool in IPTABLES:
@@ -1195,11 +1198,7 @@ def reclaim() -> list[str]:
             if _read_sysctl(name) != value:
                 _write_sysctl(name, value)
     for top in cgroups:
-        for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        with contextlib.suppress(OSError):
-            top.rmdir()
+        _rmdir_tree(top)
     NodeCluster._remove_cni_cache()
     NodeCluster._remove_device_plugin_socket()
     if SHIM_SOCKET_DIR.is_dir():  # the killed shims' sockets: nothing listens on them
