@@ -105,7 +105,12 @@ def _unlink_made_since_start(config: pytest.Config, settled_only: bool) -> None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """What /dev/shm held before the session (each worker's and the controller's own)."""
+    """What /dev/shm held before the session (each worker's and the controller's own).
+    The controller (or a plain run) first unlinks what a killed earlier run left there
+    (settled, no live process using it): a machine made from a snapshot of one whose
+    run was killed starts with gigabytes of dead arenas in memory."""
+    if not _worker(session.config):
+        _unlink_unused(_settled(_shm_entries(), _SETTLE_S))
     session.config.stash[_SHM_AT_START] = _shm_entries()
 
 

@@ -42,7 +42,10 @@ kube-proxy's, and the guard), the bridge and its route, the host-sysctls kubelet
 the bridge change (put back to the values they had), kubelet's cgroups. A process
 killed before its `stop()` leaves all of that; `reclaim()` (`python -m
 kvtier_testenv.nodes reclaim`) removes it, with the host state the cluster's dir
-recorded at its start (`HOST_BEFORE`).
+recorded at its start (`HOST_BEFORE`). A start that finds such leftovers reclaims them
+itself when no cluster that left them is alive (its owner process, `OWNER`, gone, and
+no process naming its dir): a CI machine made from a snapshot of one whose run was
+killed starts with a dead cluster's bridge, chains, mounts and sysctls.
 
 The nodes share the host's network namespace, so one kube-proxy programs Services for
 both (two would rewrite the same KUBE-SERVICES chains); it runs as node 0's. What a
@@ -304,6 +307,7 @@ class NodeCluster:
         self.bins = binaries.find()
         # Short: containerd's socket path must stay under 108 bytes.
         self.dir = Path(tempfile.mkdtemp(prefix="kvtier-nodes-"))
+        (self.dir / OWNER).write_text(json.dumps({"pid": os.getpid(), "start": _proc_start(os.getpid())}))
         self.log_dir = Path(log_dir) if log_dir else self.dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.control_plane = ControlPlane(controller_manager=True, log_dir=self.log_dir, host=NODE_IP,
@@ -344,6 +348,7 @@ class NodeCluster:
     def start(self) -> "NodeCluster":
         t0 = time.monotonic()
         self._check_free()
+        _RUNNING.add(self.dir)
         importing: concurrent.futures.Future | None = None
         pool = concurrent.futures.ThreadPoolExecutor(1)
         try:
@@ -437,6 +442,7 @@ class NodeCluster:
         self._wait_node_ready(node)
 
     def stop(self) -> None:
+        _RUNNING.discard(self.dir)
         errors: list[str] = []
         t0 = time.monotonic()
         if self._procs:
@@ -473,11 +479,19 @@ class NodeCluster:
     # -- host network: bridge, route, the guard ------------------------------------------
 
     def _check_free(self) -> None:
-        if _bridge_exists() and not _bridge_gone_within(BRIDGE_GONE_TIMEOUT_S):
-            raise NodeError(f"link {BRIDGE} exists already: another cluster runs here, or a killed run "
-                            "left it (with no cluster running: .venv/bin/python -m kvtier_testenv.nodes reclaim)")
-        if GUARD_CHAIN in _chains("iptables", "filter"):
-            raise NodeError(f"iptables chain {GUARD_CHAIN} exists already: another cluster runs here")
+        """Refuses to start beside a live cluster; reclaims what a dead one left."""
+        if not (_bridge_exists() or GUARD_CHAIN in _chains("iptables", "filter") or leftovers()):
+            return
+        if live := _live_clusters(exclude=self.dir):
+            if _bridge_gone_within(BRIDGE_GONE_TIMEOUT_S) and GUARD_CHAIN not in _chains("iptables", "filter"):
+                return  # a cluster of this process stopping: its bridge lingered
+            raise NodeError(f"another cluster runs here: {', '.join(f'{d} (pid {pid})' for d, pid in live)}")
+        left_before = leftovers()
+        left = reclaim(exclude=self.dir)
+        with (self.log_dir / "start.log").open("a") as f:
+            f.write(f"reclaimed what a dead cluster left: {left_before}\n")
+        if left:
+            raise NodeError(f"a dead cluster's leftovers would not go: {left}")
 
     def _host_network(self) -> None:
         for tool in IPTABLES:
@@ -969,9 +983,62 @@ def _mem_total_bytes() -> int:
 HOST_BEFORE = "host-before.json"
 """In a cluster's dir: the host's sysctls, network namespaces and iptables chains as
 they were before its start, for `reclaim()`."""
+OWNER = "owner.json"
+"""In a cluster's dir: the pid and start time of the process that made it."""
 BRIDGE_GONE_TIMEOUT_S = 30.0
 """How long a deleted bridge may linger (a CNI plugin still running, the kernel still
 unregistering its ports) before a stop or a start calls it left behind."""
+
+
+def _proc_start(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot): with its pid, who it is."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+_RUNNING: set[Path] = set()
+"""The dirs of this process's clusters between their start and their stop."""
+
+
+def _live_clusters(exclude: Path | None = None) -> list[tuple[Path, int]]:
+    """Cluster dirs whose run is alive: its owner process (`OWNER`) alive, and for this
+    process only a cluster not stopped yet; a dir with no owner record (an older
+    checkout's), a kubelet or containerd naming it (a killed run's shims outlive it)."""
+    live = []
+    for d in Path(tempfile.gettempdir()).glob("kvtier-nodes-*"):
+        if d == exclude:
+            continue
+        try:
+            owner = json.loads((d / OWNER).read_text())
+        except (OSError, ValueError):
+            owner = None
+        if owner is not None:
+            if owner.get("pid") == os.getpid():
+                alive = d in _RUNNING
+            else:
+                alive = owner.get("start") is not None and _proc_start(owner.get("pid", 0)) == owner["start"]
+            if alive:
+                live.append((d, owner["pid"]))
+            continue
+        for pid in _pids_naming(str(d)):
+            with contextlib.suppress(OSError):
+                if Path(os.readlink(f"/proc/{pid}/exe")).name in ("kubelet", "containerd"):
+                    live.append((d, pid))
+                    break
+    return live
+
+
+def _pids_naming(text: str) -> list[int]:
+    """Processes (other than this one) whose command line contains `text`."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(d.name))
+    return pids
 
 
 def _bridge_exists() -> bool:
@@ -1143,19 +1210,15 @@ def leftovers() -> list[str]:
     return found
 
 
-def reclaim() -> list[str]:
+def reclaim(exclude: Path | None = None) -> list[str]:
     """Removes what a killed run left (a process killed before its `stop()`), then
     returns `leftovers()`. Only for a machine where no cluster runs: it kills every
     process naming a cluster dir (`kvtier-nodes-*`: containerd, kubelet, their shims)
     and every process in the nodes' pod cgroups, then unmounts, deletes and puts back
-    what `stop()` would have, with the host state each dir recorded at its start."""
-    dirs = list(Path(tempfile.gettempdir()).glob("kvtier-nodes-*"))
-    doomed: set[int] = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if "/kvtier-nodes-" in (d / "cmdline").read_bytes().decode(errors="replace"):
-                    doomed.add(int(d.name))
+    what `stop()` would have, with the host state each dir recorded at its start.
+    `exclude`: the dir of a cluster about to start, kept."""
+    dirs = [d for d in Path(tempfile.gettempdir()).glob("kvtier-nodes-*") if d != exclude]
+    doomed: set[int] = set(_pids_naming("/kvtier-nodes-"))
     cgroups = [c for controller in CGROUP_ROOT.iterdir()
                for c in [controller / "kubepods", *controller.glob(f"{NODE_CGROUP_PREFIX}*")] if c.is_dir()]
     for top in cgroups:

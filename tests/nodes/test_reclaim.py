@@ -1,11 +1,13 @@
 """A run killed before its cluster's stop (a CI job's timeout, a developer's ^C twice)
 leaves a running cluster's host state behind: containers under their shims, mounts,
-network namespaces, the bridge, iptables chains, kubelet's sysctls and cgroups. The
-next start refuses to run over it; `python -m kvtier_testenv.nodes reclaim` removes it."""
+network namespaces, the bridge, iptables chains, kubelet's sysctls and cgroups. A start
+refuses to run beside a live cluster; once the run that left a cluster is dead, the next
+start reclaims it itself, as `python -m kvtier_testenv.nodes reclaim` does."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_testenv.nodes import NETNS_DIR, SHIM_SOCKET_DIR, SYSCTLS, leftovers, reclaim
+from kvtier_testenv.nodes import NETNS_DIR, SHIM_SOCKET_DIR, SYSCTLS, NodeCluster, NodeError, leftovers, reclaim
 from kvtier_testenv.polling import wait_for
 
 # A one-node cluster's cold start plus a pod's, on a loaded 2-core machine.
@@ -54,6 +56,15 @@ def _processes_naming(text: str) -> list[int]:
     return pids
 
 
+def _next_start(log_dir: Path) -> None:
+    """What the next cluster's start does before it makes anything of its own."""
+    cluster = NodeCluster(nodes=1, log_dir=log_dir)
+    try:
+        cluster._check_free()
+    finally:
+        shutil.rmtree(cluster.dir, ignore_errors=True)
+
+
 @pytest.mark.nodes
 def test_a_cluster_killed_before_its_stop_is_reclaimed_to_the_host_as_it_was(tmp_path):
     assert leftovers() == [], "a cluster runs here already (the node tests run one at a time)"
@@ -71,6 +82,9 @@ def test_a_cluster_killed_before_its_stop_is_reclaimed_to_the_host_as_it_was(tmp
             return json.loads(lines[-1]) if lines else None
         run = wait_for("a one-node cluster with a running pod", started, START_TIMEOUT_S, 0.5)
         cluster_dir = run["dir"]
+        with pytest.raises(NodeError, match=f"another cluster runs here: {cluster_dir}"):
+            _next_start(tmp_path / "refused")
+        assert Path(cluster_dir).is_dir() and leftovers() != [], "a refused start touched the live cluster"
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         # Its kubelet and containerd die with it (their parent-death signal); the pod's
@@ -80,7 +94,9 @@ def test_a_cluster_killed_before_its_stop_is_reclaimed_to_the_host_as_it_was(tmp
         assert any(item.startswith("mount ") for item in left), left
         assert _processes_naming(cluster_dir), "the pod's shim outlived the killed run"
 
-        assert reclaim() == []
+        _next_start(tmp_path / "next")  # the run that left it is dead: reclaimed
+        assert leftovers() == []
+        assert "reclaimed what a dead cluster left" in (tmp_path / "next" / "start.log").read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
