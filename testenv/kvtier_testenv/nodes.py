@@ -479,19 +479,7 @@ class NodeCluster:
     # -- host network: bridge, route, the guard ------------------------------------------
 
     def _check_free(self) -> None:
-        """Refuses to start beside a live cluster; reclaims what a dead one left."""
-        if not (_bridge_exists() or GUARD_CHAIN in _chains("iptables", "filter") or leftovers()):
-            return
-        if live := _live_clusters(exclude=self.dir):
-            if _bridge_gone_within(BRIDGE_GONE_TIMEOUT_S) and GUARD_CHAIN not in _chains("iptables", "filter"):
-                return  # a cluster of this process stopping: its bridge lingered
-            raise NodeError(f"another cluster runs here: {', '.join(f'{d} (pid {pid})' for d, pid in live)}")
-        left_before = leftovers()
-        left = reclaim(exclude=self.dir)
-        with (self.log_dir / "start.log").open("a") as f:
-            f.write(f"reclaimed what a dead cluster left: {left_before}\n")
-        if left:
-            raise NodeError(f"a dead cluster's leftovers would not go: {left}")
+        claim_host(exclude=self.dir, log=self.log_dir / "start.log")
 
     def _host_network(self) -> None:
         for tool in IPTABLES:
@@ -991,11 +979,13 @@ unregistering its ports) before a stop or a start calls it left behind."""
 
 
 def _proc_start(pid: int) -> str | None:
-    """A process's start time (clock ticks since boot): with its pid, who it is."""
+    """A live process's start time (clock ticks since boot): with its pid, who it is.
+    None for no such process, or a zombie (killed, not yet reaped by its parent)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    return fields[19] if len(fields) > 19 and fields[0] not in ("Z", "X") else None
 
 
 _RUNNING: set[Path] = set()
@@ -1028,6 +1018,25 @@ def _live_clusters(exclude: Path | None = None) -> list[tuple[Path, int]]:
                     live.append((d, pid))
                     break
     return live
+
+
+def claim_host(exclude: Path | None = None, log: Path | None = None) -> None:
+    """What a cluster's start does first: refuses to run beside a live cluster
+    (`_live_clusters`), and reclaims what a dead one left (`reclaim`), naming it in
+    `log`. `exclude`: the starting cluster's own dir."""
+    if not (_bridge_exists() or GUARD_CHAIN in _chains("iptables", "filter") or leftovers()):
+        return
+    if live := _live_clusters(exclude=exclude):
+        if _bridge_gone_within(BRIDGE_GONE_TIMEOUT_S) and GUARD_CHAIN not in _chains("iptables", "filter"):
+            return  # a cluster of this process stopping: its bridge lingered
+        raise NodeError(f"another cluster runs here: {', '.join(f'{d} (pid {pid})' for d, pid in live)}")
+    left_before = leftovers()
+    left = reclaim(exclude=exclude)
+    if log is not None:
+        with log.open("a") as f:
+            f.write(f"reclaimed what a dead cluster left: {left_before}\n")
+    if left:
+        raise NodeError(f"a dead cluster's leftovers would not go: {left}")
 
 
 def _pids_naming(text: str) -> list[int]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_testenv.nodes import NETNS_DIR, SHIM_SOCKET_DIR, SYSCTLS, NodeCluster, NodeError, leftovers, reclaim
+from kvtier_testenv.nodes import NETNS_DIR, SHIM_SOCKET_DIR, SYSCTLS, NodeError, claim_host, leftovers, reclaim
 from kvtier_testenv.polling import wait_for
 
 # A one-node cluster's cold start plus a pod's, on a loaded 2-core machine.
@@ -56,15 +55,6 @@ def _processes_naming(text: str) -> list[int]:
     return pids
 
 
-def _next_start(log_dir: Path) -> None:
-    """What the next cluster's start does before it makes anything of its own."""
-    cluster = NodeCluster(nodes=1, log_dir=log_dir)
-    try:
-        cluster._check_free()
-    finally:
-        shutil.rmtree(cluster.dir, ignore_errors=True)
-
-
 @pytest.mark.nodes
 def test_a_cluster_killed_before_its_stop_is_reclaimed_to_the_host_as_it_was(tmp_path):
     assert leftovers() == [], "a cluster runs here already (the node tests run one at a time)"
@@ -83,7 +73,7 @@ def test_a_cluster_killed_before_its_stop_is_reclaimed_to_the_host_as_it_was(tmp
         run = wait_for("a one-node cluster with a running pod", started, START_TIMEOUT_S, 0.5)
         cluster_dir = run["dir"]
         with pytest.raises(NodeError, match=f"another cluster runs here: {cluster_dir}"):
-            _next_start(tmp_path / "refused")
+            claim_host()  # what the next start does first
         assert Path(cluster_dir).is_dir() and leftovers() != [], "a refused start touched the live cluster"
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -94,9 +84,9 @@ def test_a_cluster_killed_before_its_stop_is_reclaimed_to_the_host_as_it_was(tmp
         assert any(item.startswith("mount ") for item in left), left
         assert _processes_naming(cluster_dir), "the pod's shim outlived the killed run"
 
-        _next_start(tmp_path / "next")  # the run that left it is dead: reclaimed
+        claim_host(log=tmp_path / "start.log")  # the run that left it is dead: reclaimed
         assert leftovers() == []
-        assert "reclaimed what a dead cluster left" in (tmp_path / "next" / "start.log").read_text()
+        assert "reclaimed what a dead cluster left: ['link kvtier0'" in (tmp_path / "start.log").read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
