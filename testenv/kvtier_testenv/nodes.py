@@ -1024,13 +1024,18 @@ def claim_host(exclude: Path | None = None, log: Path | None = None) -> None:
     """What a cluster's start does first: refuses to run beside a live cluster
     (`_live_clusters`), and reclaims what a dead one left (`reclaim`), naming it in
     `log`. `exclude`: the starting cluster's own dir."""
-    if not (_bridge_exists() or GUARD_CHAIN in _chains("iptables", "filter") or leftovers()):
+    left_before = leftovers()
+    if not left_before:
         return
+    dead_dirs = [d for d in Path(tempfile.gettempdir()).glob("kvtier-nodes-*") if d != exclude]
+    if not (dead_dirs or f"link {BRIDGE}" in left_before or f"chain {GUARD_CHAIN}" in left_before):
+        # Kubelet's cgroups or kube-proxy's chains with no trace of a kvtier cluster: a
+        # real node's, never ours to kill.
+        raise NodeError(f"this host has a kubelet's or kube-proxy's state no kvtier cluster made: {left_before}")
     if live := _live_clusters(exclude=exclude):
         if _bridge_gone_within(BRIDGE_GONE_TIMEOUT_S) and GUARD_CHAIN not in _chains("iptables", "filter"):
             return  # a cluster of this process stopping: its bridge lingered
         raise NodeError(f"another cluster runs here: {', '.join(f'{d} (pid {pid})' for d, pid in live)}")
-    left_before = leftovers()
     left = reclaim(exclude=exclude)
     if log is not None:
         with log.open("a") as f:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_testenv.nodes import NETNS_DIR, SHIM_SOCKET_DIR, SYSCTLS, NodeError, claim_host, leftovers, reclaim
+from kvtier_testenv.nodes import CGROUP_ROOT, NETNS_DIR, SHIM_SOCKET_DIR, SYSCTLS, NodeError, claim_host, leftovers, reclaim
 from kvtier_testenv.polling import wait_for
 
 # A one-node cluster's cold start plus a pod's, on a loaded 2-core machine.
@@ -97,3 +97,25 @@ def test_a_cluster_killed_before_its_stop_is_reclaimed_to_the_host_as_it_was(tmp
     assert not Path(cluster_dir).exists()
     assert not any(Path(d).exists() for d in run["owned"]), run["owned"]  # the control plane's pki, etcd's data
     assert subprocess.run(["iptables-save"], capture_output=True, text=True).stdout.count("KUBE-") == 0
+
+
+@pytest.mark.nodes
+def test_a_kubelets_state_no_kvtier_cluster_made_is_refused_never_reclaimed():
+    """Kubelet's pod cgroups with no trace of a kvtier cluster (no cluster dir, no
+    bridge, no guard chain) are a real node's: the start refuses, naming them, and kills
+    nothing."""
+    assert leftovers() == [], "a cluster runs here already (the node tests run one at a time)"
+    pods = next(c for c in sorted(CGROUP_ROOT.iterdir()) if c.is_dir() and not c.is_symlink()) / "kubepods"
+    pods.mkdir()
+    sleeper = subprocess.Popen(["sleep", "300"])
+    try:
+        (pods / "cgroup.procs").write_text(str(sleeper.pid))
+        with pytest.raises(NodeError, match="no kvtier cluster made.*kubepods"):
+            claim_host()
+        assert sleeper.poll() is None, "the refused start killed a process of the foreign kubelet's pods"
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=30)
+        wait_for("the cgroup empty", lambda: not (pods / "cgroup.procs").read_text().split(), 30, 0.1)
+        pods.rmdir()
+    assert leftovers() == []
