@@ -882,7 +882,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
     def _kill_leftover_shims(self) -> None:
         """containerd-shim processes of these containerds (their -address names its socket)."""
         for node in self.nodes:
-            for pid in _pids_with_arg(str(node.socket)):
+            for pid in _pids_naming(str(node.socket), whole_arg=True):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         if SHIM_SOCKET_DIR.is_dir():
@@ -997,9 +997,7 @@ def _live_clusters(exclude: Path | None = None) -> list[tuple[Path, int]]:
     process only a cluster not stopped yet; a dir with no owner record (an older
     checkout's), a kubelet or containerd naming it (a killed run's shims outlive it)."""
     live = []
-    for d in Path(tempfile.gettempdir()).glob("kvtier-nodes-*"):
-        if d == exclude:
-            continue
+    for d in _cluster_dirs(exclude):
         try:
             owner = json.loads((d / OWNER).read_text())
         except (OSError, ValueError):
@@ -1027,8 +1025,7 @@ def claim_host(exclude: Path | None = None, log: Path | None = None) -> None:
     left_before = leftovers()
     if not left_before:
         return
-    dead_dirs = [d for d in Path(tempfile.gettempdir()).glob("kvtier-nodes-*") if d != exclude]
-    if not (dead_dirs or f"link {BRIDGE}" in left_before or f"chain {GUARD_CHAIN}" in left_before):
+    if not (_cluster_dirs(exclude) or f"link {BRIDGE}" in left_before or f"chain {GUARD_CHAIN}" in left_before):
         # Kubelet's cgroups or kube-proxy's chains with no trace of a kvtier cluster: a
         # real node's, never ours to kill.
         raise NodeError(f"this host has a kubelet's or kube-proxy's state no kvtier cluster made: {left_before}")
@@ -1044,15 +1041,22 @@ def claim_host(exclude: Path | None = None, log: Path | None = None) -> None:
         raise NodeError(f"a dead cluster's leftovers would not go: {left}")
 
 
-def _pids_naming(text: str) -> list[int]:
-    """Processes (other than this one) whose command line contains `text`."""
+def _pids_naming(text: str, *, whole_arg: bool = False) -> list[int]:
+    """Processes (other than this one) whose command line contains `text` (with
+    `whole_arg`, as one of its arguments)."""
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) != os.getpid():
             with contextlib.suppress(OSError):
-                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
+                cmdline = (d / "cmdline").read_bytes().decode(errors="replace")
+                if text in (cmdline.split("\0") if whole_arg else cmdline):
                     pids.append(int(d.name))
     return pids
+
+
+def _cluster_dirs(exclude: Path | None = None) -> list[Path]:
+    """Every cluster's dir on this host but `exclude`."""
+    return [d for d in Path(tempfile.gettempdir()).glob("kvtier-nodes-*") if d != exclude]
 
 
 def _bridge_exists() -> bool:
@@ -1127,17 +1131,6 @@ def _rmdir_tree(top: Path) -> None:
             d.rmdir()
     with contextlib.suppress(OSError):
         top.rmdir()
-
-
-def _pids_with_arg(arg: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if arg in (d / "cmdline").read_bytes().decode(errors="replace").split("\0"):
-                pids.append(int(d.name))
-    return pids
 
 
 # A serving pod's securityContext under PodSecurity `restricted`: the pod's, its containers'.
@@ -1231,7 +1224,7 @@ def reclaim(exclude: Path | None = None) -> list[str]:
     and every process in the nodes' pod cgroups, then unmounts, deletes and puts back
     what `stop()` would have, with the host state each dir recorded at its start.
     `exclude`: the dir of a cluster about to start, kept."""
-    dirs = [d for d in Path(tempfile.gettempdir()).glob("kvtier-nodes-*") if d != exclude]
+    dirs = _cluster_dirs(exclude)
     doomed: set[int] = set(_pids_naming("/kvtier-nodes-"))
     cgroups = [c for controller in CGROUP_ROOT.iterdir()
                for c in [controller / "kubepods", *controller.glob(f"{NODE_CGROUP_PREFIX}*")] if c.is_dir()]

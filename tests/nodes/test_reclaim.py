@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_testenv.nodes import CGROUP_ROOT, NETNS_DIR, SHIM_SOCKET_DIR, SYSCTLS, NodeError, claim_host, leftovers, reclaim
+from kvtier_testenv.nodes import CGROUP_ROOT, NETNS_DIR, SHIM_SOCKET_DIR, SYSCTLS, NodeError, _pids_naming, claim_host, leftovers, reclaim
 from kvtier_testenv.polling import wait_for
 
 # A one-node cluster's cold start plus a pod's, on a loaded 2-core machine.
@@ -41,18 +41,6 @@ def _sysctls() -> dict[str, str]:
 
 def _entries(d: Path) -> set[str]:
     return set(os.listdir(d)) if d.is_dir() else set()
-
-
-def _processes_naming(text: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-    return pids
 
 
 @pytest.mark.nodes
@@ -82,7 +70,7 @@ def test_a_cluster_killed_before_its_stop_is_reclaimed_to_the_host_as_it_was(tmp
         left = leftovers()
         assert "link kvtier0" in left and "chain KVTIER-GUARD" in left, left
         assert any(item.startswith("mount ") for item in left), left
-        assert _processes_naming(cluster_dir), "the pod's shim outlived the killed run"
+        assert _pids_naming(cluster_dir), "the pod's shim outlived the killed run"
 
         claim_host(log=tmp_path / "start.log")  # the run that left it is dead: reclaimed
         assert leftovers() == []
@@ -91,7 +79,7 @@ def test_a_cluster_killed_before_its_stop_is_reclaimed_to_the_host_as_it_was(tmp
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         reclaim()
-    assert _processes_naming(cluster_dir) == []
+    assert _pids_naming(cluster_dir) == []
     assert _sysctls() == sysctls
     assert _entries(NETNS_DIR) == netns and _entries(SHIM_SOCKET_DIR) == shims
     assert not Path(cluster_dir).exists()
